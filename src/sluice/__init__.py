@@ -1,0 +1,15 @@
+"""sluice: run gated Mixture-of-Experts language models from quantized weights."""
+
+from sluice.errors import SluiceError
+
+__version__ = "0.1.0"
+
+
+def load(path=None, device=None, dtype=None, **options):
+    """Load a model (GGUF file, HF or MLX directory; None = the demo model). See `sluice.engine.model`."""
+    from sluice.engine.model import load as _load
+
+    return _load(path, device=device, dtype=dtype, **options)
+
+
+__all__ = ["SluiceError", "load", "__version__"]
