@@ -1,0 +1,18 @@
+"""Registry: GGUF `general.architecture` / HF `model_type` -> the module that builds the model."""
+
+from sluice.errors import UnsupportedError
+
+# name -> module path; each module has build_from_gguf(gguf_file, dtype) and build_from_hf(hf_dir, dtype).
+ARCHITECTURES = {
+    "llama": "sluice.models.llama",
+}
+
+
+def architecture_module(name: str):
+    import importlib
+
+    mod = ARCHITECTURES.get(name)
+    if mod is None:
+        raise UnsupportedError(f"unsupported model architecture '{name}'; sluice supports: "
+                               f"{', '.join(sorted(ARCHITECTURES))}.")
+    return importlib.import_module(mod)

@@ -1,0 +1,83 @@
+"""Prompt processing and decode speed of sluice vs llama.cpp on the CPU, same GGUF, same thread count.
+
+    python benchmarks/cpu_speed.py [--model FILE.gguf] [--prompt-tokens 512] [--decode-tokens 128] [--json out.json]
+
+Both engines are driven the same way: one prefill of the prompt ids, then greedy decode one token at a time
+(llama.cpp through llama-cpp-python's eval loop). Each number is the best of --repeats runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from common import llama_cpp_model, public_text  # noqa: E402
+
+import sluice  # noqa: E402
+
+
+def bench_sluice(model, ids, n_decode):
+    cache = model.new_cache(len(ids) + n_decode)
+    t0 = time.perf_counter()
+    logits = model._prefill(torch.tensor([ids]), cache, last_only=True)
+    t1 = time.perf_counter()
+    tok = int(logits[0, -1].argmax())
+    for i in range(n_decode):
+        logits = model._forward(torch.tensor([[tok]]), cache, len(ids) + i, last_only=True)
+        tok = int(logits[0, -1].argmax())
+    t2 = time.perf_counter()
+    return len(ids) / (t1 - t0), n_decode / (t2 - t1)
+
+
+def bench_llamacpp(llm, ids, n_decode):
+    llm.reset()
+    t0 = time.perf_counter()
+    llm.eval(ids)
+    t1 = time.perf_counter()
+    tok = int(np.argmax(llm.scores[llm.n_tokens - 1]))
+    for _ in range(n_decode):
+        llm.eval([tok])
+        tok = int(np.argmax(llm.scores[llm.n_tokens - 1]))
+    t2 = time.perf_counter()
+    return len(ids) / (t1 - t0), n_decode / (t2 - t1)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default=None)
+    ap.add_argument("--prompt-tokens", type=int, default=512)
+    ap.add_argument("--decode-tokens", type=int, default=128)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--json", default=None)
+    a = ap.parse_args()
+    torch.set_num_threads(a.threads)
+    model = sluice.load(a.model, device="cpu")
+    text, _ = public_text()
+    ids = model.tokenizer.encode(text)[: a.prompt_tokens]
+    llm = llama_cpp_model(model.path, n_ctx=len(ids) + a.decode_tokens + 8, threads=a.threads)
+    rows = {}
+    for name, fn, obj in (("sluice", bench_sluice, model), ("llama.cpp", bench_llamacpp, llm)):
+        runs = [fn(obj, ids, a.decode_tokens) for _ in range(a.repeats)]
+        rows[name] = {"prefill_tok_s": max(r[0] for r in runs), "decode_tok_s": max(r[1] for r in runs)}
+    s, l = rows["sluice"], rows["llama.cpp"]
+    rows["ratio"] = {"prefill": s["prefill_tok_s"] / l["prefill_tok_s"], "decode": s["decode_tok_s"] / l["decode_tok_s"]}
+    print(f"{'engine':10s} {'prefill tok/s':>14s} {'decode tok/s':>13s}   ({len(ids)}-token prompt, "
+          f"{a.decode_tokens} decoded, {a.threads} threads)")
+    for name in ("sluice", "llama.cpp"):
+        print(f"{name:10s} {rows[name]['prefill_tok_s']:14.1f} {rows[name]['decode_tok_s']:13.1f}")
+    print(f"{'ratio':10s} {rows['ratio']['prefill']:14.2f} {rows['ratio']['decode']:13.2f}")
+    if a.json:
+        Path(a.json).write_text(json.dumps({"prompt_tokens": len(ids), "decode_tokens": a.decode_tokens,
+                                            "threads": a.threads, **rows}, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,152 @@
+"""The `sluice` command: run, chat, info. Errors a user can cause print a message and exit with status 2."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+from sluice.errors import SluiceError
+
+
+def _add_model_args(p: argparse.ArgumentParser):
+    p.add_argument("--model", "-m", default=None, help="GGUF file or model directory (default: the demo model)")
+    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
+    p.add_argument("--dtype", default=None, help="float32, bfloat16 or float16 (default: float32 on CPU)")
+
+
+def _add_sampling_args(p: argparse.ArgumentParser):
+    p.add_argument("--max-tokens", "-n", type=int, default=256)
+    p.add_argument("--temperature", "-t", type=float, default=0.7, help="0 = greedy")
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--min-p", type=float, default=0.0)
+    p.add_argument("--repetition-penalty", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=None)
+
+
+def _sampling(args) -> dict:
+    return dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
+                repetition_penalty=args.repetition_penalty, seed=args.seed)
+
+
+def _load(args):
+    import sluice
+
+    return sluice.load(args.model, device=args.device, dtype=args.dtype)
+
+
+def cmd_run(args) -> int:
+    from sluice.engine.sampling import SamplingParams
+
+    SamplingParams(**_sampling(args)).validate()  # bad options fail before the model loads
+    prompt = args.prompt if args.prompt is not None else (sys.stdin.read() if not sys.stdin.isatty() else "")
+    model = _load(args)
+    t0, n = time.perf_counter(), 0
+    for piece in model.stream(prompt, max_tokens=args.max_tokens, chat=args.chat, system=args.system,
+                              **_sampling(args)):
+        sys.stdout.write(piece)
+        sys.stdout.flush()
+        n += 1
+    sys.stdout.write("\n")
+    if args.verbose:
+        print(f"[{time.perf_counter() - t0:.2f} s]", file=sys.stderr)
+    return 0
+
+
+def cmd_chat(args) -> int:
+    from sluice.engine.sampling import SamplingParams
+
+    SamplingParams(**_sampling(args)).validate()
+    model = _load(args)
+    messages = [{"role": "system", "content": args.system}] if args.system else []
+    print("sluice chat — empty line or Ctrl-D to quit, /reset to start over.", file=sys.stderr)
+    while True:
+        try:
+            line = input("> ")
+        except EOFError:
+            print()
+            return 0
+        if not line.strip():
+            return 0
+        if line.strip() == "/reset":
+            messages = messages[:1] if args.system else []
+            continue
+        messages.append({"role": "user", "content": line})
+        reply = []
+        for piece in model.stream(messages, max_tokens=args.max_tokens, **_sampling(args)):
+            sys.stdout.write(piece)
+            sys.stdout.flush()
+            reply.append(piece)
+        sys.stdout.write("\n")
+        messages.append({"role": "assistant", "content": "".join(reply)})
+
+
+def _human(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024:
+            return f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} PiB"
+
+
+def cmd_info(args) -> int:
+    import sluice
+
+    model = sluice.load(args.model, device="cpu")
+    info = model.info()
+    if args.json:
+        print(json.dumps(info, indent=2))
+        return 0
+    c = info["config"]
+    print(f"model:        {info['path']} ({info['format']})")
+    print(f"architecture: {info['architecture']}: {c['num_layers']} layers, hidden {c['hidden_size']}, "
+          f"{c['num_heads']} heads / {c['num_kv_heads']} kv heads of {c['head_dim']}, "
+          f"MLP {c['intermediate_size']}, vocab {c['vocab_size']}, context {c['context_length']}")
+    print(f"parameters:   {info['parameters'] / 1e6:.1f} M, {_human(info['weight_bytes'])} of weights in memory")
+    for kind, n in sorted(info["weights_by_kind"].items(), key=lambda kv: -kv[1]):
+        print(f"  {kind:28s} {n / 1e6:8.1f} M params")
+    kv = info["kv_cache_bytes_per_token"]
+    print(f"KV cache:     {_human(kv)} per token ({info['dtype']}); full context "
+          f"{_human(kv * c['context_length'])}")
+    print(f"memory:       ~{_human(info['weight_bytes'] + kv * c['context_length'])} at full context")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="sluice", description="Run gated MoE language models from quantized weights.")
+    sub = ap.add_subparsers(dest="command", required=True)
+    run = sub.add_parser("run", help="generate a continuation of a prompt")
+    run.add_argument("prompt", nargs="?", default=None, help="the prompt (default: read standard input)")
+    _add_model_args(run)
+    _add_sampling_args(run)
+    run.add_argument("--chat", action="store_true", help="apply the model's chat template")
+    run.add_argument("--system", default=None, help="system message (with --chat)")
+    run.add_argument("--verbose", "-v", action="store_true")
+    run.set_defaults(func=cmd_run)
+    chat = sub.add_parser("chat", help="interactive chat")
+    _add_model_args(chat)
+    _add_sampling_args(chat)
+    chat.add_argument("--system", default=None)
+    chat.set_defaults(func=cmd_chat)
+    info = sub.add_parser("info", help="architecture, sizes, quantization, memory estimate")
+    info.add_argument("model", nargs="?", default=None)
+    info.add_argument("--json", action="store_true")
+    info.set_defaults(func=cmd_info)
+    return ap
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except SluiceError as e:
+        print(f"sluice: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

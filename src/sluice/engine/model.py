@@ -1,0 +1,204 @@
+"""The user-facing model: `sluice.load(path)` -> Model with .tokenizer, .generate, .stream, .logits."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+
+from sluice.cache.kv import DenseKVCache
+from sluice.engine.sampling import Sampler, SamplingParams
+from sluice.errors import ContextLengthError, InvalidOptionError, ModelFileError
+
+PREFILL_CHUNK = 512  # prompt tokens per forward: bounds activation memory for long prompts
+
+
+class Model:
+    def __init__(self, module, tokenizer, path: Path, fmt: str, device: torch.device, dtype: torch.dtype):
+        self.module, self.tokenizer, self.path, self.format = module, tokenizer, path, fmt
+        self.config = module.cfg
+        self.device, self.dtype = device, dtype
+
+    # -- pieces -------------------------------------------------------------------------------------------
+    @property
+    def context_length(self) -> int:
+        return self.config.context_length
+
+    def new_cache(self, capacity: int, batch: int = 1) -> DenseKVCache:
+        heads, dim = self.module.kv_heads_and_dim
+        return DenseKVCache(self.config.num_layers, batch, heads, dim, capacity, self.dtype, self.device)
+
+    @torch.inference_mode()
+    def _forward(self, ids: torch.Tensor, cache, start: int, last_only: bool) -> torch.Tensor:
+        return self.module(ids.to(self.device), cache, start, self.dtype, last_only=last_only)
+
+    def _prefill(self, ids: torch.Tensor, cache, last_only: bool) -> torch.Tensor:
+        outs = []
+        for s in range(0, ids.shape[1], PREFILL_CHUNK):
+            outs.append(self._forward(ids[:, s:s + PREFILL_CHUNK], cache, s, last_only))
+        return outs[-1] if last_only else torch.cat(outs, dim=1)
+
+    def _check_ids(self, ids: torch.Tensor):
+        if ids.numel() == 0:
+            raise InvalidOptionError("the prompt is empty: give at least one token.")
+        if int(ids.min()) < 0 or int(ids.max()) >= self.config.vocab_size:
+            raise InvalidOptionError(f"token ids must be in [0, {self.config.vocab_size}).")
+        if ids.shape[-1] > self.context_length:
+            raise ContextLengthError(
+                f"the prompt has {ids.shape[-1]} tokens but the model's context window is {self.context_length}. "
+                "Shorten the prompt.")
+
+    # -- API ----------------------------------------------------------------------------------------------
+    def logits(self, ids) -> torch.Tensor:
+        """Float32 logits [B, T, vocab] of a full forward from empty caches."""
+        ids = torch.as_tensor(ids, dtype=torch.long)
+        if ids.dim() == 1:
+            ids = ids[None]
+        self._check_ids(ids)
+        cache = self.new_cache(ids.shape[1], batch=ids.shape[0])
+        return self._prefill(ids, cache, last_only=False).cpu()
+
+    def encode_prompt(self, prompt, chat: bool = False, system: str | None = None) -> list[int]:
+        """Token ids of a prompt: a string, a list of ids, or a list of chat messages ({role, content})."""
+        tok = self.tokenizer
+        if isinstance(prompt, str) and not chat:
+            return tok.encode(prompt)
+        if isinstance(prompt, str):
+            prompt = ([{"role": "system", "content": system}] if system else []) + \
+                     [{"role": "user", "content": prompt}]
+        if prompt and isinstance(prompt[0], dict):
+            return tok.encode(tok.apply_chat_template(prompt, add_generation_prompt=True), add_special=False)
+        return [int(t) for t in prompt]
+
+    def generate_ids(self, ids: list[int], max_tokens: int = 256, stop_ids=None, **sampling) -> Iterator[int]:
+        """Yield generated token ids (stops at an end-of-generation token, which is not yielded)."""
+        if not isinstance(max_tokens, int) or max_tokens < 0:
+            raise InvalidOptionError(f"max_tokens={max_tokens!r}: use a non-negative integer.")
+        sampler = Sampler(SamplingParams(**sampling))
+        prompt = torch.tensor([ids], dtype=torch.long)
+        self._check_ids(prompt)
+        stop = self.tokenizer.stop_ids if stop_ids is None else set(stop_ids)
+        n = len(ids)
+        max_tokens = min(max_tokens, self.context_length - n)  # the window ends generation
+        if max_tokens <= 0:
+            return
+        cache = self.new_cache(n + max_tokens)
+        logits = self._prefill(prompt, cache, last_only=True)
+        history = list(ids)
+        for i in range(max_tokens):
+            tok = sampler(logits[0, -1], history)
+            if tok in stop:
+                return
+            yield tok
+            history.append(tok)
+            if i + 1 < max_tokens:
+                logits = self._forward(torch.tensor([[tok]]), cache, n + i, last_only=True)
+
+    def stream(self, prompt, max_tokens: int = 256, chat: bool = False, system: str | None = None,
+               **sampling) -> Iterator[str]:
+        """Yield text pieces as they are decoded (whole UTF-8 characters only)."""
+        ids = self.encode_prompt(prompt, chat=chat, system=system)
+        dec = self.tokenizer.stream_decoder()
+        for tok in self.generate_ids(ids, max_tokens=max_tokens, **sampling):
+            piece = dec.push(tok)
+            if piece:
+                yield piece
+        tail = dec.flush()
+        if tail:
+            yield tail
+
+    def generate(self, prompt, max_tokens: int = 256, **kwargs) -> str:
+        return "".join(self.stream(prompt, max_tokens=max_tokens, **kwargs))
+
+    def info(self) -> dict:
+        from sluice.quant.affine import QuantizedTensor  # noqa: F401  (the layers hold its parts)
+
+        params, nbytes, kinds = 0, 0, {}
+        for mod in self.module.modules():
+            if getattr(mod, "qweight", None) is not None:
+                n = mod.out_features * mod.in_features
+                kind = f"{mod.bits}-bit affine, group {mod.group_size}"
+                nb = mod.qweight.nbytes + mod.scales.nbytes + mod.biases.nbytes
+            elif type(mod).__name__ in ("Linear", "Embedding", "RMSNorm") and getattr(mod, "weight", None) is not None:
+                n, kind, nb = mod.weight.numel(), str(mod.weight.dtype).removeprefix("torch."), mod.weight.nbytes
+            else:
+                continue
+            if mod is getattr(self.module, "lm_head", None) and self.config.tie_word_embeddings:
+                continue
+            params += n
+            nbytes += nb
+            kinds[kind] = kinds.get(kind, 0) + n
+        heads, dim = self.module.kv_heads_and_dim
+        kv_per_token = 2 * self.config.num_layers * heads * dim * torch.tensor([], dtype=self.dtype).element_size()
+        return {"path": str(self.path), "format": self.format, "architecture": self.config.architecture,
+                "config": dict(vars(self.config)), "parameters": params, "weight_bytes": nbytes,
+                "weights_by_kind": kinds, "kv_cache_bytes_per_token": kv_per_token,
+                "device": str(self.device), "dtype": str(self.dtype).removeprefix("torch.")}
+
+
+def _resolve_device(device) -> torch.device:
+    if device is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError) as e:
+        raise InvalidOptionError(f"device={device!r} is not a device; use 'cpu' or 'cuda'.") from e
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise InvalidOptionError("device 'cuda' was asked for but PyTorch sees no CUDA GPU; use --device cpu.")
+    if dev.type not in ("cpu", "cuda"):
+        raise InvalidOptionError(f"device {device!r} is not supported; use 'cpu' or 'cuda'.")
+    return dev
+
+
+_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+           "float16": torch.float16, "fp16": torch.float16}
+
+
+def _resolve_dtype(dtype, device: torch.device) -> torch.dtype:
+    if dtype is None:
+        return torch.float32 if device.type == "cpu" else torch.bfloat16
+    if isinstance(dtype, torch.dtype) and dtype in _DTYPES.values():
+        return dtype
+    if isinstance(dtype, str) and dtype in _DTYPES:
+        return _DTYPES[dtype]
+    raise InvalidOptionError(f"dtype={dtype!r} is not supported; use float32, bfloat16 or float16.")
+
+
+def open_source(path):
+    """The checkpoint reader for a path: a GGUFFile or an HFDirectory."""
+    from sluice.formats.gguf import GGUFFile
+    from sluice.formats.hf import HFDirectory
+
+    p = Path(path).expanduser()
+    if p.is_dir():
+        return HFDirectory(p)
+    if p.is_file():
+        return GGUFFile(p)
+    raise ModelFileError(f"{p}: no such file or directory. Pass a .gguf file or a model directory "
+                         "(config.json + *.safetensors + tokenizer.json), or omit --model for the demo model.")
+
+
+def load(path=None, device=None, dtype=None, **options) -> Model:
+    from sluice.formats.tokenizer import Tokenizer
+    from sluice.models import architecture_module
+
+    if options:
+        raise InvalidOptionError(f"unknown load option(s): {', '.join(sorted(options))}.")
+    if path is None:
+        from sluice.formats.demo import demo_model_path
+
+        path = demo_model_path()
+    dev = _resolve_device(device)
+    dt = _resolve_dtype(dtype, dev)
+    src = open_source(path)
+    if src.format == "gguf":
+        arch = architecture_module(src.architecture)
+        tokenizer = Tokenizer.from_gguf(src.fields)
+        module = arch.build_from_gguf(src, dt)
+    else:
+        arch = architecture_module(src.config.get("model_type", "<missing model_type>"))
+        tokenizer = Tokenizer.from_hf_dir(src.path)
+        module = arch.build_from_hf(src, dt)
+    module.eval().to(dev)
+    return Model(module, tokenizer, Path(path), src.format, dev, dt)

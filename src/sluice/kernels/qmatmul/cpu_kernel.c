@@ -1,0 +1,178 @@
+/* CPU kernels for MLX-affine quantized weights (bits 2, 4, 8; any group size that is a multiple of 16).
+ *
+ * Layout: w[n] is a row of uint32 words, element j of a word at bits [j*bits, (j+1)*bits), LSB-first;
+ * value = scale[n][g] * q + bias[n][g]. Scales/biases are fp32 (0), fp16 (1) or bf16 (2).
+ *
+ * qgemv:   y[M, N] = x[M, K] @ W^T, dequantization fused (decode: reads only the packed bytes).
+ *          Per row: sum_g scale_g * dot(x_g, q_g) + bias_g * sum(x_g), so the bias term costs one FMA per group.
+ * dequant: W[rows] -> fp32 (prefill: one dequantization, then a BLAS GEMM; embedding lookups).
+ * Built by sluice/kernels/qmatmul/cpu.py with `gcc -O3 -march=native -fopenmp`.
+ */
+#include <stdint.h>
+#include <string.h>
+#if defined(__AVX2__) || defined(__F16C__)
+#include <immintrin.h>
+#endif
+
+static inline float half_to_float(uint16_t h) {
+#ifdef __F16C__
+    return _cvtsh_ss(h);
+#endif
+    uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1f, man = h & 0x3ff, bits;
+    if (exp == 0) {
+        if (man == 0) { bits = sign; }
+        else {  /* subnormal: normalise */
+            exp = 127 - 15 + 1;
+            while (!(man & 0x400)) { man <<= 1; exp--; }
+            bits = sign | (exp << 23) | ((man & 0x3ff) << 13);
+        }
+    } else if (exp == 31) { bits = sign | 0x7f800000 | (man << 13); }
+    else { bits = sign | ((exp + 127 - 15) << 23) | (man << 13); }
+    float f; memcpy(&f, &bits, 4); return f;
+}
+
+static inline float load_scalar(const void *p, int dtype, int64_t i) {
+    if (dtype == 0) return ((const float *)p)[i];
+    if (dtype == 1) return half_to_float(((const uint16_t *)p)[i]);
+    uint32_t bits = (uint32_t)((const uint16_t *)p)[i] << 16; float f; memcpy(&f, &bits, 4); return f;
+}
+
+/* Unpack one group of `gs` codes (starting at word pointer w) into floats. */
+static inline void unpack_group(const uint32_t *w, int bits, int gs, float *out) {
+#ifdef __AVX2__
+    if (bits == 4) {
+        const __m256i shifts = _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28), mask = _mm256_set1_epi32(15);
+        for (int i = 0; i < gs / 8; i++) {
+            __m256i v = _mm256_srlv_epi32(_mm256_set1_epi32((int)w[i]), shifts);
+            _mm256_storeu_ps(out + 8 * i, _mm256_cvtepi32_ps(_mm256_and_si256(v, mask)));
+        }
+        return;
+    }
+    if (bits == 8) {  /* LSB-first bytes of little-endian words are simply the bytes in order */
+        const uint8_t *b = (const uint8_t *)w;
+        for (int i = 0; i < gs / 8; i++) {
+            __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(b + 8 * i)));
+            _mm256_storeu_ps(out + 8 * i, _mm256_cvtepi32_ps(v));
+        }
+        return;
+    }
+    if (bits == 2) {
+        const __m256i lo = _mm256_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14), hi = _mm256_setr_epi32(16, 18, 20, 22, 24, 26, 28, 30);
+        const __m256i mask = _mm256_set1_epi32(3);
+        for (int i = 0; i < gs / 16; i++) {
+            __m256i word = _mm256_set1_epi32((int)w[i]);
+            _mm256_storeu_ps(out + 16 * i, _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srlv_epi32(word, lo), mask)));
+            _mm256_storeu_ps(out + 16 * i + 8, _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srlv_epi32(word, hi), mask)));
+        }
+        return;
+    }
+#endif
+    const int per = 32 / bits; const uint32_t mask = (1u << bits) - 1u;
+    for (int j = 0; j < gs; j++) out[j] = (float)((w[j / per] >> ((j % per) * bits)) & mask);
+}
+
+static inline float dot(const float *a, const float *b, int n) {
+#ifdef __AVX2__
+    __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
+    int i = 0;
+    for (; i + 16 <= n; i += 16) {
+        acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc0);
+        acc1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 8), _mm256_loadu_ps(b + i + 8), acc1);
+    }
+    acc0 = _mm256_add_ps(acc0, acc1);
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(acc0), _mm256_extractf128_ps(acc0, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s)); s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 1));
+    float r = _mm_cvtss_f32(s);
+    for (; i < n; i++) r += a[i] * b[i];
+    return r;
+#else
+    float r = 0.f; for (int i = 0; i < n; i++) r += a[i] * b[i]; return r;
+#endif
+}
+
+#ifdef __AVX2__
+static inline float hsum(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s)); s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 1));
+    return _mm_cvtss_f32(s);
+}
+#endif
+
+/* One output row for one activation row, 4-bit: unpack and FMA in registers, one horizontal sum per row. */
+static float row_dot_4bit(const float *x, const uint32_t *wr, const void *scales, const void *biases, int sdtype,
+                          int64_t n, int64_t G, int gs, const float *xsum) {
+#ifdef __AVX2__
+    const __m256i shifts = _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28), mask = _mm256_set1_epi32(15);
+    __m256 racc = _mm256_setzero_ps();
+    float bacc = 0.f;
+    const int wpg = gs / 8;
+    for (int64_t g = 0; g < G; g++) {
+        const uint32_t *wg = wr + g * wpg;
+        const float *xg = x + g * gs;
+        __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
+        for (int i = 0; i < wpg; i += 2) {
+            __m256i v0 = _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32((int)wg[i]), shifts), mask);
+            __m256i v1 = _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32((int)wg[i + 1]), shifts), mask);
+            a0 = _mm256_fmadd_ps(_mm256_loadu_ps(xg + 8 * i), _mm256_cvtepi32_ps(v0), a0);
+            a1 = _mm256_fmadd_ps(_mm256_loadu_ps(xg + 8 * i + 8), _mm256_cvtepi32_ps(v1), a1);
+        }
+        racc = _mm256_fmadd_ps(_mm256_set1_ps(load_scalar(scales, sdtype, n * G + g)), _mm256_add_ps(a0, a1), racc);
+        bacc += load_scalar(biases, sdtype, n * G + g) * xsum[g];
+    }
+    return hsum(racc) + bacc;
+#else
+    float buf[256], acc = 0.f;
+    for (int64_t g = 0; g < G; g++) {
+        unpack_group(wr + g * (gs / 8), 4, gs, buf);
+        acc += load_scalar(scales, sdtype, n * G + g) * dot(x + g * gs, buf, gs)
+             + load_scalar(biases, sdtype, n * G + g) * xsum[g];
+    }
+    return acc;
+#endif
+}
+
+/* y[M, N] = x[M, K] @ W[N, K]^T. xsum[M, K/gs] receives the per-group sums of x (the bias term). */
+void qgemv(const float *x, int64_t M, int64_t K, const uint32_t *w, const void *scales, const void *biases,
+           int sdtype, int64_t N, int bits, int gs, float *y, float *xsum) {
+    const int64_t G = K / gs, words_per_row = K * bits / 32, wpg = (int64_t)gs * bits / 32;
+    for (int64_t m = 0; m < M; m++)
+        for (int64_t g = 0; g < G; g++) {
+            float s = 0.f; for (int j = 0; j < gs; j++) s += x[m * K + g * gs + j]; xsum[m * G + g] = s;
+        }
+    #pragma omp parallel
+    {
+        float buf[256];
+        #pragma omp for schedule(static)
+        for (int64_t n = 0; n < N; n++) {
+            const uint32_t *wr = w + n * words_per_row;
+            if (bits == 4) {
+                for (int64_t m = 0; m < M; m++)
+                    y[m * N + n] = row_dot_4bit(x + m * K, wr, scales, biases, sdtype, n, G, gs, xsum + m * G);
+                continue;
+            }
+            for (int64_t m = 0; m < M; m++) y[m * N + n] = 0.f;
+            for (int64_t g = 0; g < G; g++) {
+                unpack_group(wr + g * wpg, bits, gs, buf);
+                float s = load_scalar(scales, sdtype, n * G + g), b = load_scalar(biases, sdtype, n * G + g);
+                for (int64_t m = 0; m < M; m++)
+                    y[m * N + n] += s * dot(x + m * K + g * gs, buf, gs) + b * xsum[m * G + g];
+            }
+        }
+    }
+}
+
+/* out[r, K] = dequantized W[rows[r]] (rows == NULL: all N rows in order). */
+void dequant(const uint32_t *w, const void *scales, const void *biases, int sdtype, int64_t K, int bits, int gs,
+             const int64_t *rows, int64_t nrows, float *out) {
+    const int64_t G = K / gs, words_per_row = K * bits / 32, wpg = (int64_t)gs * bits / 32;
+    #pragma omp parallel for schedule(static)
+    for (int64_t r = 0; r < nrows; r++) {
+        const int64_t n = rows ? rows[r] : r;
+        float *o = out + r * K;
+        for (int64_t g = 0; g < G; g++) {
+            unpack_group(w + n * words_per_row + g * wpg, bits, gs, o + g * gs);
+            float s = load_scalar(scales, sdtype, n * G + g), b = load_scalar(biases, sdtype, n * G + g);
+            for (int j = 0; j < gs; j++) o[g * gs + j] = o[g * gs + j] * s + b;
+        }
+    }
+}

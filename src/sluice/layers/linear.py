@@ -1,0 +1,104 @@
+"""Linear and Embedding layers over dense or MLX-affine quantized weights.
+
+Quantized weights stay packed in memory; `kernels.qmatmul` picks the implementation for the device.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from sluice.kernels.qmatmul import dequantize_rows, qmatmul
+from sluice.quant.affine import QuantizedTensor
+
+
+class _WeightHolder(nn.Module):
+    """Holds a weight [N, K] either dense (`weight`) or quantized (`qweight`, `scales`, `biases`)."""
+
+    def __init__(self, weight: torch.Tensor | QuantizedTensor):
+        super().__init__()
+        if isinstance(weight, QuantizedTensor):
+            if weight.weight.dim() != 2:
+                raise ValueError("a quantized Linear/Embedding weight must be 2-D")
+            self.register_buffer("qweight", weight.weight.contiguous())
+            self.register_buffer("scales", weight.scales.contiguous())
+            self.register_buffer("biases", weight.biases.contiguous())
+            self.bits, self.group_size = weight.bits, weight.group_size
+            self.weight = None
+        else:
+            self.register_buffer("weight", weight.contiguous())
+            self.qweight = None
+
+    @property
+    def quantized(self) -> bool:
+        return self.qweight is not None
+
+    @property
+    def qt(self) -> QuantizedTensor:
+        return QuantizedTensor(self.qweight, self.scales, self.biases, self.bits, self.group_size)
+
+    @property
+    def out_features(self) -> int:
+        return (self.qweight if self.quantized else self.weight).shape[0]
+
+    @property
+    def in_features(self) -> int:
+        return self.qt.in_features if self.quantized else self.weight.shape[1]
+
+
+class Linear(_WeightHolder):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.quantized:
+            return qmatmul(x, self.qt)
+        return F.linear(x, self.weight.to(x.dtype))
+
+    @staticmethod
+    def concat(parts: list[Linear]) -> Linear | None:
+        """One Linear whose output is the concatenation of `parts`' outputs (same input), or None when the
+        parts are stored differently. Fewer, larger matmuls: one launch/call instead of several."""
+        first = parts[0]
+        if first.quantized:
+            same = all(p.quantized and p.bits == first.bits and p.group_size == first.group_size
+                       and p.scales.dtype == first.scales.dtype for p in parts)
+            if not same:
+                return None
+            return Linear(QuantizedTensor(torch.cat([p.qweight for p in parts]), torch.cat([p.scales for p in parts]),
+                                          torch.cat([p.biases for p in parts]), first.bits, first.group_size))
+        if any(p.quantized or p.weight.dtype != first.weight.dtype for p in parts):
+            return None
+        return Linear(torch.cat([p.weight for p in parts]))
+
+
+class Embedding(_WeightHolder):
+    """Token embedding; `as_linear()` shares the same storage for a tied output head."""
+
+    def forward(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        if self.quantized:
+            return dequantize_rows(self.qt, ids).to(dtype)
+        return self.weight[ids].to(dtype)
+
+    def as_linear(self) -> Linear:
+        lin = Linear.__new__(Linear)
+        nn.Module.__init__(lin)
+        for name in ("qweight", "scales", "biases", "weight"):
+            t = getattr(self, name)
+            if t is None:
+                setattr(lin, name, None)
+            else:
+                lin.register_buffer(name, t)
+        if self.quantized:
+            lin.bits, lin.group_size = self.bits, self.group_size
+        return lin
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, weight: torch.Tensor, eps: float):
+        super().__init__()
+        self.register_buffer("weight", weight)
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from sluice.kernels.norm.reference import rms_norm
+
+        return rms_norm(x, self.weight, self.eps)

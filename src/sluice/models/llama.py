@@ -1,0 +1,196 @@
+"""Llama: RMSNorm, RoPE, GQA attention, SwiGLU MLP (HF `LlamaForCausalLM` math), from GGUF or HF/MLX dirs."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from sluice.errors import UnsupportedError
+from sluice.kernels.attention.reference import attention
+from sluice.kernels.rope.reference import apply_rope, rope_cos_sin, rope_inv_freq
+from sluice.layers.linear import Embedding, Linear, RMSNorm
+
+
+@dataclass
+class LlamaConfig:
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rope_theta: float
+    rms_norm_eps: float
+    context_length: int
+    tie_word_embeddings: bool
+    architecture: str = "llama"
+
+    @classmethod
+    def from_gguf(cls, g) -> LlamaConfig:
+        a = g.architecture
+        hidden, heads = int(g.meta(f"{a}.embedding_length")), int(g.meta(f"{a}.attention.head_count"))
+        head_dim = int(g.meta(f"{a}.attention.key_length", hidden // heads))
+        if int(g.meta(f"{a}.rope.dimension_count", head_dim)) != head_dim:
+            raise UnsupportedError("GGUF llama model with partial rotary embedding is not supported.")
+        if g.meta(f"{a}.rope.scaling.type", "none") not in ("none", None):
+            raise UnsupportedError(f"GGUF llama model with RoPE scaling '{g.meta(f'{a}.rope.scaling.type')}' is "
+                                   "not supported yet.")
+        vocab = g.meta(f"{a}.vocab_size", None) or len(g.fields["tokenizer.ggml.tokens"].data)
+        return cls(vocab_size=int(vocab), hidden_size=hidden,
+                   intermediate_size=int(g.meta(f"{a}.feed_forward_length")),
+                   num_layers=int(g.meta(f"{a}.block_count")), num_heads=heads,
+                   num_kv_heads=int(g.meta(f"{a}.attention.head_count_kv", heads)), head_dim=head_dim,
+                   rope_theta=float(g.meta(f"{a}.rope.freq_base", 10000.0)),
+                   rms_norm_eps=float(g.meta(f"{a}.attention.layer_norm_rms_epsilon")),
+                   context_length=int(g.meta(f"{a}.context_length", 2048)),
+                   tie_word_embeddings=not g.has("output.weight"))
+
+    @classmethod
+    def from_hf(cls, c: dict) -> LlamaConfig:
+        rs = c.get("rope_scaling") or (c.get("rope_parameters") or {})
+        if rs and rs.get("rope_type", rs.get("type", "default")) not in ("default", None):
+            raise UnsupportedError(f"Llama with rope_scaling {rs.get('rope_type', rs.get('type'))!r} is not "
+                                   "supported yet.")
+        if c.get("attention_bias") or c.get("mlp_bias"):
+            raise UnsupportedError("Llama with attention/MLP biases is not supported yet.")
+        heads = c["num_attention_heads"]
+        theta = c.get("rope_theta", (c.get("rope_parameters") or {}).get("rope_theta", 10000.0))
+        return cls(vocab_size=c["vocab_size"], hidden_size=c["hidden_size"],
+                   intermediate_size=c["intermediate_size"], num_layers=c["num_hidden_layers"], num_heads=heads,
+                   num_kv_heads=c.get("num_key_value_heads") or heads,
+                   head_dim=c.get("head_dim") or c["hidden_size"] // heads, rope_theta=float(theta),
+                   rms_norm_eps=float(c.get("rms_norm_eps", 1e-6)),
+                   context_length=int(c.get("max_position_embeddings", 2048)),
+                   tie_word_embeddings=bool(c.get("tie_word_embeddings", False)))
+
+
+# HF parameter name -> GGUF tensor name (llama.cpp's convert_hf_to_gguf naming).
+_GGUF_NAMES = {
+    "model.embed_tokens.weight": "token_embd.weight",
+    "model.norm.weight": "output_norm.weight",
+    "lm_head.weight": "output.weight",
+    "input_layernorm.weight": "attn_norm.weight",
+    "post_attention_layernorm.weight": "ffn_norm.weight",
+    "self_attn.q_proj.weight": "attn_q.weight",
+    "self_attn.k_proj.weight": "attn_k.weight",
+    "self_attn.v_proj.weight": "attn_v.weight",
+    "self_attn.o_proj.weight": "attn_output.weight",
+    "mlp.gate_proj.weight": "ffn_gate.weight",
+    "mlp.up_proj.weight": "ffn_up.weight",
+    "mlp.down_proj.weight": "ffn_down.weight",
+}
+
+
+def _gguf_name(hf_name: str) -> str:
+    if hf_name.startswith("model.layers."):
+        i, rest = hf_name.removeprefix("model.layers.").split(".", 1)
+        return f"blk.{i}.{_GGUF_NAMES[rest]}"
+    return _GGUF_NAMES[hf_name]
+
+
+def _unpermute_rows(w, n_heads: int):
+    """Undo llama.cpp's Q/K row permutation (it interleaves each head's two rotary halves for ggml's RoPE)."""
+    from sluice.quant.affine import QuantizedTensor
+
+    def fix(t):
+        rows = t.shape[0]
+        return t.reshape(n_heads, rows // n_heads // 2, 2, *t.shape[1:]).transpose(1, 2).reshape(t.shape)
+
+    if isinstance(w, QuantizedTensor):
+        return QuantizedTensor(fix(w.weight), fix(w.scales), fix(w.biases), w.bits, w.group_size)
+    return fix(w)
+
+
+class LlamaBlock(nn.Module):
+    def __init__(self, cfg: LlamaConfig, get, i: int):
+        super().__init__()
+        p = f"model.layers.{i}."
+        self.attn_norm = RMSNorm(get(p + "input_layernorm.weight"), cfg.rms_norm_eps)
+        self.mlp_norm = RMSNorm(get(p + "post_attention_layernorm.weight"), cfg.rms_norm_eps)
+        q, k, v = (Linear(get(p + f"self_attn.{n}_proj.weight")) for n in "qkv")
+        self.qkv = Linear.concat([q, k, v])
+        if self.qkv is None:
+            self.q, self.k, self.v = q, k, v
+        self.o = Linear(get(p + "self_attn.o_proj.weight"))
+        gate, up = Linear(get(p + "mlp.gate_proj.weight")), Linear(get(p + "mlp.up_proj.weight"))
+        self.gate_up = Linear.concat([gate, up])
+        if self.gate_up is None:
+            self.gate, self.up = gate, up
+        self.down = Linear(get(p + "mlp.down_proj.weight"))
+        self.cfg, self.index = cfg, i
+
+    def forward(self, h, cos, sin, cache, start):
+        cfg = self.cfg
+        B, T, _ = h.shape
+        x = self.attn_norm(h)
+        qd, kd = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        if self.qkv is not None:
+            q, k, v = self.qkv(x).split([qd, kd, kd], dim=-1)
+        else:
+            q, k, v = self.q(x), self.k(x), self.v(x)
+        q = apply_rope(q.view(B, T, cfg.num_heads, cfg.head_dim).transpose(1, 2), cos, sin)
+        k = apply_rope(k.view(B, T, cfg.num_kv_heads, cfg.head_dim).transpose(1, 2), cos, sin)
+        v = v.view(B, T, cfg.num_kv_heads, cfg.head_dim).transpose(1, 2)
+        k, v = cache.update(self.index, k, v, start)
+        o = attention(q, k, v, cfg.head_dim ** -0.5)
+        h = h + self.o(o.transpose(1, 2).reshape(B, T, qd))
+        x = self.mlp_norm(h)
+        if self.gate_up is not None:
+            g, u = self.gate_up(x).split(cfg.intermediate_size, dim=-1)
+        else:
+            g, u = self.gate(x), self.up(x)
+        return h + self.down(F.silu(g) * u)
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, cfg: LlamaConfig, get):
+        super().__init__()
+        self.cfg = cfg
+        self.embed = Embedding(get("model.embed_tokens.weight"))
+        self.layers = nn.ModuleList(LlamaBlock(cfg, get, i) for i in range(cfg.num_layers))
+        self.norm = RMSNorm(get("model.norm.weight"), cfg.rms_norm_eps)
+        self.lm_head = self.embed.as_linear() if cfg.tie_word_embeddings else Linear(get("lm_head.weight"))
+        self.register_buffer("inv_freq", rope_inv_freq(cfg.head_dim, cfg.rope_theta), persistent=False)
+
+    @property
+    def kv_heads_and_dim(self):
+        return self.cfg.num_kv_heads, self.cfg.head_dim
+
+    def forward(self, ids: torch.Tensor, cache, start: int, dtype: torch.dtype, last_only: bool = False):
+        """Logits (float32) for ids [B, T] at positions start..start+T, updating the cache."""
+        T = ids.shape[1]
+        h = self.embed(ids, dtype)
+        pos = torch.arange(start, start + T, device=ids.device)
+        cos, sin = rope_cos_sin(pos, self.inv_freq, dtype)
+        for layer in self.layers:
+            h = layer(h, cos, sin, cache, start)
+        if last_only:
+            h = h[:, -1:]
+        return self.lm_head(self.norm(h)).float()
+
+
+def _prepare(t, dtype):
+    return t if not isinstance(t, torch.Tensor) else t.to(dtype)
+
+
+def build_from_gguf(g, dtype: torch.dtype) -> LlamaModel:
+    cfg = LlamaConfig.from_gguf(g)
+
+    def get(hf_name):
+        t = _prepare(g.tensor(_gguf_name(hf_name)), dtype)
+        if hf_name.endswith("q_proj.weight"):
+            t = _unpermute_rows(t, cfg.num_heads)
+        elif hf_name.endswith("k_proj.weight"):
+            t = _unpermute_rows(t, cfg.num_kv_heads)
+        return t
+
+    return LlamaModel(cfg, get)
+
+
+def build_from_hf(d, dtype: torch.dtype) -> LlamaModel:
+    cfg = LlamaConfig.from_hf(d.config)
+    return LlamaModel(cfg, lambda name: _prepare(d.tensor(name), dtype))
