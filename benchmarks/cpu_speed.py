@@ -36,15 +36,22 @@ def bench_sluice(model, ids, n_decode):
     return len(ids) / (t1 - t0), n_decode / (t2 - t1)
 
 
+def _last_logits(llm) -> np.ndarray:
+    import llama_cpp
+
+    ptr = llama_cpp.llama_get_logits_ith(llm.ctx, -1)
+    return np.ctypeslib.as_array(ptr, shape=(llm.n_vocab(),))
+
+
 def bench_llamacpp(llm, ids, n_decode):
     llm.reset()
     t0 = time.perf_counter()
     llm.eval(ids)
     t1 = time.perf_counter()
-    tok = int(np.argmax(llm.scores[llm.n_tokens - 1]))
+    tok = int(np.argmax(_last_logits(llm)))
     for _ in range(n_decode):
         llm.eval([tok])
-        tok = int(np.argmax(llm.scores[llm.n_tokens - 1]))
+        tok = int(np.argmax(_last_logits(llm)))
     t2 = time.perf_counter()
     return len(ids) / (t1 - t0), n_decode / (t2 - t1)
 

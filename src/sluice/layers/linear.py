@@ -9,7 +9,9 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from sluice.kernels.qmatmul import dequantize_rows, qmatmul
+from sluice.kernels.norm.reference import rms_norm
+from sluice.kernels.qmatmul import cpu as qmatmul_cpu
+from sluice.kernels.qmatmul import dequantize_rows, prepare, qmatmul
 from sluice.quant.affine import QuantizedTensor
 
 
@@ -36,7 +38,13 @@ class _WeightHolder(nn.Module):
 
     @property
     def qt(self) -> QuantizedTensor:
-        return QuantizedTensor(self.qweight, self.scales, self.biases, self.bits, self.group_size)
+        # Built once per device/dtype move: the decode loop calls this ~100 times per token.
+        qt = self.__dict__.get("_qt")
+        if qt is None or qt.weight is not self.qweight:
+            qt = self.__dict__["_qt"] = QuantizedTensor(self.qweight, self.scales, self.biases, self.bits,
+                                                        self.group_size)
+            self.__dict__["_prepared"] = prepare(qt)
+        return qt
 
     @property
     def out_features(self) -> int:
@@ -50,7 +58,8 @@ class _WeightHolder(nn.Module):
 class Linear(_WeightHolder):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.quantized:
-            return qmatmul(x, self.qt)
+            qt = self.qt
+            return qmatmul(x, qt, self.__dict__["_prepared"])
         return F.linear(x, self.weight.to(x.dtype))
 
     @staticmethod
@@ -99,6 +108,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        from sluice.kernels.norm.reference import rms_norm
-
+        if (x.dtype == torch.float32 and self.weight.dtype == torch.float32 and not x.is_cuda
+                and x.is_contiguous() and qmatmul_cpu.available()):
+            return qmatmul_cpu.rms_norm(x, self.weight, self.eps)  # one call instead of ~6 torch ops
         return rms_norm(x, self.weight, self.eps)

@@ -129,12 +129,14 @@ class LlamaBlock(nn.Module):
         x = self.attn_norm(h)
         qd, kd = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
         if self.qkv is not None:
-            q, k, v = self.qkv(x).split([qd, kd, kd], dim=-1)
+            qkv = self.qkv(x)
         else:
-            q, k, v = self.q(x), self.k(x), self.v(x)
-        q = apply_rope(q.view(B, T, cfg.num_heads, cfg.head_dim).transpose(1, 2), cos, sin)
-        k = apply_rope(k.view(B, T, cfg.num_kv_heads, cfg.head_dim).transpose(1, 2), cos, sin)
-        v = v.view(B, T, cfg.num_kv_heads, cfg.head_dim).transpose(1, 2)
+            qkv = torch.cat([self.q(x), self.k(x), self.v(x)], dim=-1)
+        # RoPE on the q and k heads together: one rotation instead of two.
+        qk = apply_rope(qkv[..., :qd + kd].view(B, T, cfg.num_heads + cfg.num_kv_heads, cfg.head_dim),
+                        cos[:, None], sin[:, None]).transpose(1, 2)
+        q, k = qk[:, :cfg.num_heads], qk[:, cfg.num_heads:]
+        v = qkv[..., qd + kd:].view(B, T, cfg.num_kv_heads, cfg.head_dim).transpose(1, 2)
         k, v = cache.update(self.index, k, v, start)
         o = attention(q, k, v, cfg.head_dim ** -0.5)
         h = h + self.o(o.transpose(1, 2).reshape(B, T, qd))

@@ -8,22 +8,26 @@ import torch
 
 from sluice.kernels.qmatmul import cpu, reference
 
-# Up to this many rows the fused GEMV wins; above it, dequantizing once and calling BLAS is faster.
-GEMV_MAX_ROWS = 4
+
+def prepare(qt):
+    """The fastest implementation of x @ W^T for this weight where it lives, as a callable on x [M, K]."""
+    if not qt.weight.is_cuda and cpu.supports(qt) and cpu.available():
+        return cpu.QMatmul(qt)
+    return lambda x2: reference.qmatmul(x2, qt)
 
 
-def qmatmul(x: torch.Tensor, qt) -> torch.Tensor:
+def qmatmul(x: torch.Tensor, qt, prepared=None) -> torch.Tensor:
+    """x [..., K] @ W^T -> [..., N] in x's dtype. `prepared` (from `prepare(qt)`) saves per-call set-up."""
     K = x.shape[-1]
     if K != qt.in_features:
         raise ValueError(f"qmatmul: x has {K} features but the weight expects {qt.in_features}")
-    lead = x.shape[:-1]
+    fn = prepared or prepare(qt)
     x2 = x.reshape(-1, K)
-    if not x.is_cuda and cpu.supports(qt) and cpu.available():
+    if x2.dtype != torch.float32 or not x2.is_contiguous():
         x2 = x2.float().contiguous()
-        y = cpu.gemv(x2, qt) if x2.shape[0] <= GEMV_MAX_ROWS else x2 @ cpu.dequantize_rows(qt).T
-    else:
-        y = reference.qmatmul(x2, qt)
-    return y.reshape(*lead, y.shape[-1]).to(x.dtype)
+    y = fn(x2)
+    y = y.view(*x.shape[:-1], y.shape[-1])
+    return y if y.dtype == x.dtype else y.to(x.dtype)
 
 
 def dequantize_rows(qt, rows: torch.Tensor) -> torch.Tensor:

@@ -56,6 +56,8 @@ def _build() -> ctypes.CDLL | None:
     lib.qgemv.restype = None
     lib.dequant.argtypes = [ptr, ptr, ptr, ctypes.c_int, i64, ctypes.c_int, ctypes.c_int, ptr, i64, ptr]
     lib.dequant.restype = None
+    lib.rms_norm.argtypes = [ptr, ptr, ctypes.c_float, i64, i64, ptr]
+    lib.rms_norm.restype = None
     return lib
 
 
@@ -79,16 +81,46 @@ def supports(qt) -> bool:
             and qt.biases.is_contiguous() and not qt.weight.is_cuda)
 
 
+class QMatmul:
+    """y = x @ W^T for one 2-D QuantizedTensor W, with its call arguments prepared once (the decode loop makes
+    ~100 of these calls per token, so per-call Python work matters)."""
+
+    # Up to this many rows the fused GEMV wins; above it, dequantizing once and calling BLAS is faster.
+    GEMV_MAX_ROWS = 4
+
+    def __init__(self, qt):
+        self.qt = qt  # keeps the tensors (and so the pointers) alive
+        self.N, self.K, self.G = qt.weight.shape[0], qt.in_features, qt.in_features // qt.group_size
+        self.wargs = (qt.weight.data_ptr(), qt.scales.data_ptr(), qt.biases.data_ptr(),
+                      _SCALE_DTYPES[qt.scales.dtype], self.N, qt.bits, qt.group_size)
+        self.fn = _get().qgemv
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """x [M, K] float32 contiguous -> [M, N] float32."""
+        M = x.shape[0]
+        if M > self.GEMV_MAX_ROWS:
+            return x @ dequantize_rows(self.qt).T
+        buf = torch.empty(M * (self.N + self.G), dtype=torch.float32)
+        self.fn(x.data_ptr(), M, self.K, *self.wargs, buf.data_ptr(), buf.data_ptr() + 4 * M * self.N)
+        return buf[: M * self.N].view(M, self.N)
+
+
 def gemv(x: torch.Tensor, qt) -> torch.Tensor:
-    """y = x @ W^T for x [M, K] float32 contiguous (M small: decode), W a 2-D QuantizedTensor."""
-    lib = _get()
-    M, K = x.shape
-    N = qt.weight.shape[0]
-    y = torch.empty(M, N, dtype=torch.float32)
-    xsum = torch.empty(M, K // qt.group_size, dtype=torch.float32)
-    lib.qgemv(x.data_ptr(), M, K, qt.weight.data_ptr(), qt.scales.data_ptr(), qt.biases.data_ptr(),
-              _SCALE_DTYPES[qt.scales.dtype], N, qt.bits, qt.group_size, y.data_ptr(), xsum.data_ptr())
-    return y
+    """y = x @ W^T for x [M, K] float32 contiguous, W a 2-D QuantizedTensor (fused dequantization)."""
+    return QMatmul(qt)(x) if x.shape[0] <= QMatmul.GEMV_MAX_ROWS else _gemv_any(x, qt)
+
+
+def _gemv_any(x, qt):
+    m = QMatmul(qt)
+    return torch.cat([m(x[i:i + m.GEMV_MAX_ROWS]) for i in range(0, x.shape[0], m.GEMV_MAX_ROWS)])
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """fp32 RMSNorm over the last dim of a contiguous fp32 tensor."""
+    out = torch.empty_like(x)
+    D = x.shape[-1]
+    _get().rms_norm(x.data_ptr(), weight.data_ptr(), eps, x.numel() // D, D, out.data_ptr())
+    return out
 
 
 def dequantize_rows(qt, rows: torch.Tensor | None = None) -> torch.Tensor:

@@ -9,6 +9,7 @@
  * Built by sluice/kernels/qmatmul/cpu.py with `gcc -O3 -march=native -fopenmp`.
  */
 #include <stdint.h>
+#include <math.h>
 #include <string.h>
 #if defined(__AVX2__) || defined(__F16C__)
 #include <immintrin.h>
@@ -71,25 +72,6 @@ static inline void unpack_group(const uint32_t *w, int bits, int gs, float *out)
     for (int j = 0; j < gs; j++) out[j] = (float)((w[j / per] >> ((j % per) * bits)) & mask);
 }
 
-static inline float dot(const float *a, const float *b, int n) {
-#ifdef __AVX2__
-    __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
-    int i = 0;
-    for (; i + 16 <= n; i += 16) {
-        acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc0);
-        acc1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 8), _mm256_loadu_ps(b + i + 8), acc1);
-    }
-    acc0 = _mm256_add_ps(acc0, acc1);
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(acc0), _mm256_extractf128_ps(acc0, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s)); s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 1));
-    float r = _mm_cvtss_f32(s);
-    for (; i < n; i++) r += a[i] * b[i];
-    return r;
-#else
-    float r = 0.f; for (int i = 0; i < n; i++) r += a[i] * b[i]; return r;
-#endif
-}
-
 #ifdef __AVX2__
 static inline float hsum(__m256 v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -98,67 +80,101 @@ static inline float hsum(__m256 v) {
 }
 #endif
 
-/* One output row for one activation row, 4-bit: unpack and FMA in registers, one horizontal sum per row. */
-static float row_dot_4bit(const float *x, const uint32_t *wr, const void *scales, const void *biases, int sdtype,
-                          int64_t n, int64_t G, int gs, const float *xsum) {
+static inline float dot(const float *a, const float *b, int n) {
 #ifdef __AVX2__
-    const __m256i shifts = _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28), mask = _mm256_set1_epi32(15);
-    __m256 racc = _mm256_setzero_ps();
-    float bacc = 0.f;
-    const int wpg = gs / 8;
-    for (int64_t g = 0; g < G; g++) {
-        const uint32_t *wg = wr + g * wpg;
-        const float *xg = x + g * gs;
-        __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
-        for (int i = 0; i < wpg; i += 2) {
-            __m256i v0 = _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32((int)wg[i]), shifts), mask);
-            __m256i v1 = _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32((int)wg[i + 1]), shifts), mask);
-            a0 = _mm256_fmadd_ps(_mm256_loadu_ps(xg + 8 * i), _mm256_cvtepi32_ps(v0), a0);
-            a1 = _mm256_fmadd_ps(_mm256_loadu_ps(xg + 8 * i + 8), _mm256_cvtepi32_ps(v1), a1);
-        }
-        racc = _mm256_fmadd_ps(_mm256_set1_ps(load_scalar(scales, sdtype, n * G + g)), _mm256_add_ps(a0, a1), racc);
-        bacc += load_scalar(biases, sdtype, n * G + g) * xsum[g];
+    __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
+    int i = 0;
+    for (; i + 16 <= n; i += 16) {
+        acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc0);
+        acc1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 8), _mm256_loadu_ps(b + i + 8), acc1);
     }
-    return hsum(racc) + bacc;
+    float r = hsum(_mm256_add_ps(acc0, acc1));
+    for (; i < n; i++) r += a[i] * b[i];
+    return r;
 #else
+    float r = 0.f; for (int i = 0; i < n; i++) r += a[i] * b[i]; return r;
+#endif
+}
+
+
+#ifdef __AVX2__
+/* Codes i*8 .. i*8+7 of a group as floats; `bits` is a literal at every call site, so the switch folds away. */
+static inline __m256 codes8(const uint32_t *wg, int i, int bits) {
+    if (bits == 4) {
+        const __m256i shifts = _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28);
+        __m256i v = _mm256_srlv_epi32(_mm256_set1_epi32((int)wg[i]), shifts);
+        return _mm256_cvtepi32_ps(_mm256_and_si256(v, _mm256_set1_epi32(15)));
+    }
+    if (bits == 8) {
+        __m128i b = _mm_loadl_epi64((const __m128i *)((const uint8_t *)wg + 8 * i));
+        return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(b));
+    }
+    const __m256i lo = _mm256_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14), hi = _mm256_setr_epi32(16, 18, 20, 22, 24, 26, 28, 30);
+    __m256i v = _mm256_srlv_epi32(_mm256_set1_epi32((int)wg[i >> 1]), (i & 1) ? hi : lo);
+    return _mm256_cvtepi32_ps(_mm256_and_si256(v, _mm256_set1_epi32(3)));
+}
+
+/* One output row for one activation row: unpack and FMA in registers, one horizontal sum per row.
+ * sum_g scale_g * dot(x_g, q_g) accumulates in a vector; the bias term is one scalar FMA per group. */
+#define ROW_DOT(BITS)                                                                                           \
+static float row_dot_##BITS(const float *x, const uint32_t *wr, const void *scales, const void *biases,         \
+                            int sdtype, int64_t n, int64_t G, int gs, const float *xsum) {                      \
+    __m256 racc = _mm256_setzero_ps();                                                                          \
+    float bacc = 0.f;                                                                                           \
+    const int wpg = gs * BITS / 32;                                                                             \
+    for (int64_t g = 0; g < G; g++) {                                                                           \
+        const uint32_t *wg = wr + g * wpg;                                                                      \
+        const float *xg = x + g * gs;                                                                           \
+        __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();                                              \
+        for (int i = 0; i < gs / 8; i += 2) {                                                                   \
+            a0 = _mm256_fmadd_ps(_mm256_loadu_ps(xg + 8 * i), codes8(wg, i, BITS), a0);                         \
+            a1 = _mm256_fmadd_ps(_mm256_loadu_ps(xg + 8 * i + 8), codes8(wg, i + 1, BITS), a1);                 \
+        }                                                                                                       \
+        racc = _mm256_fmadd_ps(_mm256_set1_ps(load_scalar(scales, sdtype, n * G + g)), _mm256_add_ps(a0, a1), racc); \
+        bacc += load_scalar(biases, sdtype, n * G + g) * xsum[g];                                               \
+    }                                                                                                           \
+    return hsum(racc) + bacc;                                                                                   \
+}
+ROW_DOT(2)
+ROW_DOT(4)
+ROW_DOT(8)
+#endif
+
+/* Portable fallback: unpack a group into a buffer, then a plain dot product. */
+static float row_dot_any(const float *x, const uint32_t *wr, const void *scales, const void *biases, int sdtype,
+                         int64_t n, int64_t G, int gs, const float *xsum, int bits) {
     float buf[256], acc = 0.f;
     for (int64_t g = 0; g < G; g++) {
-        unpack_group(wr + g * (gs / 8), 4, gs, buf);
+        unpack_group(wr + g * ((int64_t)gs * bits / 32), bits, gs, buf);
         acc += load_scalar(scales, sdtype, n * G + g) * dot(x + g * gs, buf, gs)
              + load_scalar(biases, sdtype, n * G + g) * xsum[g];
     }
     return acc;
+}
+
+static inline float row_dot(const float *x, const uint32_t *wr, const void *scales, const void *biases, int sdtype,
+                            int64_t n, int64_t G, int gs, const float *xsum, int bits) {
+#ifdef __AVX2__
+    if (bits == 4) return row_dot_4(x, wr, scales, biases, sdtype, n, G, gs, xsum);
+    if (bits == 8) return row_dot_8(x, wr, scales, biases, sdtype, n, G, gs, xsum);
+    if (bits == 2) return row_dot_2(x, wr, scales, biases, sdtype, n, G, gs, xsum);
 #endif
+    return row_dot_any(x, wr, scales, biases, sdtype, n, G, gs, xsum, bits);
 }
 
 /* y[M, N] = x[M, K] @ W[N, K]^T. xsum[M, K/gs] receives the per-group sums of x (the bias term). */
 void qgemv(const float *x, int64_t M, int64_t K, const uint32_t *w, const void *scales, const void *biases,
            int sdtype, int64_t N, int bits, int gs, float *y, float *xsum) {
-    const int64_t G = K / gs, words_per_row = K * bits / 32, wpg = (int64_t)gs * bits / 32;
+    const int64_t G = K / gs, words_per_row = K * bits / 32;
     for (int64_t m = 0; m < M; m++)
         for (int64_t g = 0; g < G; g++) {
             float s = 0.f; for (int j = 0; j < gs; j++) s += x[m * K + g * gs + j]; xsum[m * G + g] = s;
         }
-    #pragma omp parallel
-    {
-        float buf[256];
-        #pragma omp for schedule(static)
-        for (int64_t n = 0; n < N; n++) {
-            const uint32_t *wr = w + n * words_per_row;
-            if (bits == 4) {
-                for (int64_t m = 0; m < M; m++)
-                    y[m * N + n] = row_dot_4bit(x + m * K, wr, scales, biases, sdtype, n, G, gs, xsum + m * G);
-                continue;
-            }
-            for (int64_t m = 0; m < M; m++) y[m * N + n] = 0.f;
-            for (int64_t g = 0; g < G; g++) {
-                unpack_group(wr + g * wpg, bits, gs, buf);
-                float s = load_scalar(scales, sdtype, n * G + g), b = load_scalar(biases, sdtype, n * G + g);
-                for (int64_t m = 0; m < M; m++)
-                    y[m * N + n] += s * dot(x + m * K + g * gs, buf, gs) + b * xsum[m * G + g];
-            }
-        }
-    }
+    #pragma omp parallel for schedule(static)
+    for (int64_t n = 0; n < N; n++)
+        for (int64_t m = 0; m < M; m++)
+            y[m * N + n] = row_dot(x + m * K, w + n * words_per_row, scales, biases, sdtype, n, G, gs,
+                                   xsum + m * G, bits);
 }
 
 /* out[r, K] = dequantized W[rows[r]] (rows == NULL: all N rows in order). */
@@ -174,5 +190,16 @@ void dequant(const uint32_t *w, const void *scales, const void *biases, int sdty
             float s = load_scalar(scales, sdtype, n * G + g), b = load_scalar(biases, sdtype, n * G + g);
             for (int j = 0; j < gs; j++) o[g * gs + j] = o[g * gs + j] * s + b;
         }
+    }
+}
+
+/* out[r] = x[r] / sqrt(mean(x[r]^2) + eps) * w  (fp32 RMSNorm, as the torch reference computes it). */
+void rms_norm(const float *x, const float *w, float eps, int64_t rows, int64_t D, float *out) {
+    for (int64_t r = 0; r < rows; r++) {
+        const float *xr = x + r * D;
+        float ss = 0.f;
+        for (int64_t i = 0; i < D; i++) ss += xr[i] * xr[i];
+        const float inv = 1.0f / sqrtf(ss / (float)D + eps);
+        for (int64_t i = 0; i < D; i++) out[r * D + i] = w[i] * (xr[i] * inv);
     }
 }

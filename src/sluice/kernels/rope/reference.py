@@ -20,7 +20,8 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [B, H, T, D]; rotates the first cos.shape[-1] dims (partial RoPE), the rest pass through."""
+    """x [..., D] with cos, sin broadcastable to x[..., :r]: rotates the first r = cos.shape[-1] dims (partial
+    RoPE); the rest pass through."""
     r = cos.shape[-1]
     if r == x.shape[-1]:
         return x * cos + rotate_half(x) * sin
