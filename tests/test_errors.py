@@ -105,7 +105,7 @@ def test_unsupported_tensor_type(tmp_path, capsys):
         w.add_key_value(f.name, f.contents(), f.types[0], sub_type=f.types[-1] if len(f.types) > 1 else None)
     for t in src.tensors:
         if t.name == "blk.0.attn_q.weight":  # one Q4_K block (256 values, 144 bytes) per row
-            w.add_tensor(t.name, np.zeros((64, 144), dtype=np.uint8), raw_shape=(64, 256),
+            w.add_tensor(t.name, np.zeros((64, 144), dtype=np.uint8),
                          raw_dtype=gguf.GGMLQuantizationType.Q4_K)
         else:
             w.add_tensor(t.name, np.array(t.data), raw_dtype=t.tensor_type)

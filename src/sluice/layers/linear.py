@@ -30,7 +30,7 @@ class _WeightHolder(nn.Module):
             self.weight = None
         else:
             self.register_buffer("weight", weight.contiguous())
-            self.qweight = None
+            self.qweight = self.scales = self.biases = None
 
     @property
     def quantized(self) -> bool:
