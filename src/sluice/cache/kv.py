@@ -22,6 +22,10 @@ class DenseKVCache:
         self.v[layer][:, :, start:end] = v
         return self.k[layer][:, :, :end], self.v[layer][:, :, :end]
 
+    def layer(self, layer: int):
+        """The whole (k, v) buffers of one layer, [B, Hkv, capacity, D] each (for kernels that write in place)."""
+        return self.k[layer], self.v[layer]
+
     def bytes_per_token(self) -> int:
         k = self.k[0]
         return 2 * len(self.k) * k.shape[0] * k.shape[1] * k.shape[3] * k.element_size()

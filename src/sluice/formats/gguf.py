@@ -13,6 +13,24 @@ GGUF_MAGIC = b"GGUF"
 _MISSING = object()
 
 
+def _reader_class():
+    from gguf import GGUFReader
+
+    class Reader(GGUFReader):
+        """GGUFReader over a plain ndarray view of the same memory map: numpy's memmap subclass costs ~1 us of
+        bookkeeping per view, and parsing a 49k-token vocabulary makes ~10^6 views (2x faster loading)."""
+
+        @property
+        def data(self):
+            return self._plain
+
+        @data.setter
+        def data(self, mm):
+            self._mmap, self._plain = mm, np.asarray(mm)
+
+    return Reader
+
+
 def is_gguf(path: Path) -> bool:
     try:
         with open(path, "rb") as f:
@@ -25,8 +43,6 @@ class GGUFFile:
     format = "gguf"
 
     def __init__(self, path: str | Path):
-        from gguf import GGUFReader
-
         self.path = Path(path)
         if not self.path.is_file():
             raise ModelFileError(f"{self.path}: no such file. Pass the path of a .gguf file or a model directory.")
@@ -34,7 +50,7 @@ class GGUFFile:
             raise ModelFileError(f"{self.path}: not a GGUF file (it does not start with the GGUF magic bytes). "
                                  "Check the path, or download the file again.")
         try:
-            self.reader = GGUFReader(self.path, "r")
+            self.reader = _reader_class()(self.path, "r")
         except Exception as e:  # the gguf package raises assorted errors on damaged headers
             raise ModelFileError(f"{self.path}: the GGUF file is truncated or corrupt ({type(e).__name__}: {e}). "
                                  "Download it again.") from e

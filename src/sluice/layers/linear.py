@@ -10,7 +10,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from sluice.kernels.norm.reference import rms_norm
-from sluice.kernels.qmatmul import cpu as qmatmul_cpu
+from sluice.kernels import cpu as native
+from sluice.kernels.norm import cpu as norm_cpu
 from sluice.kernels.qmatmul import dequantize_rows, prepare, qmatmul
 from sluice.quant.affine import QuantizedTensor
 
@@ -79,6 +80,23 @@ class Linear(_WeightHolder):
         return Linear(torch.cat([p.weight for p in parts]))
 
 
+class Concat(nn.Module):
+    """Several Linears on the same input, outputs concatenated (when their storage differs and cannot fuse)."""
+
+    def __init__(self, parts: list[Linear]):
+        super().__init__()
+        self.parts = nn.ModuleList(parts)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.cat([p(x) for p in self.parts], dim=-1)
+
+
+def fuse_linears(parts: list[Linear]) -> nn.Module:
+    """One module computing cat([p(x) for p in parts], -1): a single fused Linear when the weights are stored
+    alike (one matmul instead of several), else a Concat."""
+    return Linear.concat(parts) or Concat(parts)
+
+
 class Embedding(_WeightHolder):
     """Token embedding; `as_linear()` shares the same storage for a tied output head."""
 
@@ -109,6 +127,6 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if (x.dtype == torch.float32 and self.weight.dtype == torch.float32 and not x.is_cuda
-                and x.is_contiguous() and qmatmul_cpu.available()):
-            return qmatmul_cpu.rms_norm(x, self.weight, self.eps)  # one call instead of ~6 torch ops
+                and x.is_contiguous() and native.available()):
+            return norm_cpu.rms_norm(x, self.weight, self.eps)  # one call instead of ~6 torch ops
         return rms_norm(x, self.weight, self.eps)

@@ -9,9 +9,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from sluice.errors import UnsupportedError
-from sluice.kernels.attention.reference import attention
-from sluice.kernels.rope.reference import apply_rope, rope_cos_sin, rope_inv_freq
-from sluice.layers.linear import Embedding, Linear, RMSNorm
+from sluice.kernels.rope.reference import rope_cos_sin, rope_inv_freq
+from sluice.layers.attention import Attention
+from sluice.layers.linear import Embedding, Linear, RMSNorm, fuse_linears
 
 
 @dataclass
@@ -112,39 +112,18 @@ class LlamaBlock(nn.Module):
         self.attn_norm = RMSNorm(get(p + "input_layernorm.weight"), cfg.rms_norm_eps)
         self.mlp_norm = RMSNorm(get(p + "post_attention_layernorm.weight"), cfg.rms_norm_eps)
         q, k, v = (Linear(get(p + f"self_attn.{n}_proj.weight")) for n in "qkv")
-        self.qkv = Linear.concat([q, k, v])
-        if self.qkv is None:
-            self.q, self.k, self.v = q, k, v
-        self.o = Linear(get(p + "self_attn.o_proj.weight"))
+        qkv = fuse_linears([q, k, v])
+        self.attn = Attention(qkv, Linear(get(p + "self_attn.o_proj.weight")), cfg.num_heads, cfg.num_kv_heads,
+                              cfg.head_dim, i)
         gate, up = Linear(get(p + "mlp.gate_proj.weight")), Linear(get(p + "mlp.up_proj.weight"))
-        self.gate_up = Linear.concat([gate, up])
-        if self.gate_up is None:
-            self.gate, self.up = gate, up
+        self.gate_up = fuse_linears([gate, up])
         self.down = Linear(get(p + "mlp.down_proj.weight"))
-        self.cfg, self.index = cfg, i
+        self.intermediate_size = cfg.intermediate_size
 
     def forward(self, h, cos, sin, cache, start):
-        cfg = self.cfg
-        B, T, _ = h.shape
-        x = self.attn_norm(h)
-        qd, kd = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-        if self.qkv is not None:
-            qkv = self.qkv(x)
-        else:
-            qkv = torch.cat([self.q(x), self.k(x), self.v(x)], dim=-1)
-        # RoPE on the q and k heads together: one rotation instead of two.
-        qk = apply_rope(qkv[..., :qd + kd].view(B, T, cfg.num_heads + cfg.num_kv_heads, cfg.head_dim),
-                        cos[:, None], sin[:, None]).transpose(1, 2)
-        q, k = qk[:, :cfg.num_heads], qk[:, cfg.num_heads:]
-        v = qkv[..., qd + kd:].view(B, T, cfg.num_kv_heads, cfg.head_dim).transpose(1, 2)
-        k, v = cache.update(self.index, k, v, start)
-        o = attention(q, k, v, cfg.head_dim ** -0.5)
-        h = h + self.o(o.transpose(1, 2).reshape(B, T, qd))
+        h = h + self.attn(self.attn_norm(h), cos, sin, cache, start)
         x = self.mlp_norm(h)
-        if self.gate_up is not None:
-            g, u = self.gate_up(x).split(cfg.intermediate_size, dim=-1)
-        else:
-            g, u = self.gate(x), self.up(x)
+        g, u = self.gate_up(x).split(self.intermediate_size, dim=-1)
         return h + self.down(F.silu(g) * u)
 
 

@@ -95,7 +95,7 @@ def from_gguf(data: np.ndarray, ggml_type: GGMLQuantizationType | int, shape: tu
 
 def _f16(blocks: np.ndarray, offset: int) -> np.ndarray:
     """The fp16 field at byte ``offset`` of every block, as a contiguous float16 array."""
-    return np.ascontiguousarray(blocks[:, offset:offset + 2]).view(np.float16).reshape(-1)
+    return blocks[:, offset:offset + 2].copy().view(np.float16).reshape(-1)  # copy: the memmap is read-only
 
 
 def _exact_product(d: np.ndarray, k: float) -> np.ndarray:

@@ -10,6 +10,7 @@
  */
 #include <stdint.h>
 #include <math.h>
+#include <stdlib.h>
 #include <string.h>
 #if defined(__AVX2__) || defined(__F16C__)
 #include <immintrin.h>
@@ -201,5 +202,47 @@ void rms_norm(const float *x, const float *w, float eps, int64_t rows, int64_t D
         for (int64_t i = 0; i < D; i++) ss += xr[i] * xr[i];
         const float inv = 1.0f / sqrtf(ss / (float)D + eps);
         for (int64_t i = 0; i < D; i++) out[r * D + i] = w[i] * (xr[i] * inv);
+    }
+}
+
+/* One decode step (T = 1, one sequence) of causal GQA attention over an fp32 cache, in place.
+ *   qkv [Hq + 2 Hkv, D]: this token's q heads, then k heads, then v heads.
+ *   cos, sin [rot]: RoPE for this position, rotate-half convention over the first `rot` dims (rest pass through).
+ *   kc, vc [Hkv, cap, D]: the layer's cache; rope(k) and v are written at `pos`, then all q heads attend to
+ *   positions 0..pos. Query head h reads kv head h / (Hq / Hkv).
+ *   out [Hq, D].
+ * The same math, op for op, as kernels/rope + kernels/attention references (softmax with the max subtracted). */
+static void rope_row(const float *x, const float *cos, const float *sin, int64_t D, int64_t rot, float *y) {
+    const int64_t h = rot / 2;
+    for (int64_t i = 0; i < h; i++) {
+        y[i] = x[i] * cos[i] + (-x[i + h]) * sin[i];
+        y[i + h] = x[i + h] * cos[i + h] + x[i] * sin[i + h];
+    }
+    for (int64_t i = rot; i < D; i++) y[i] = x[i];
+}
+
+void attn_decode(const float *qkv, const float *cos, const float *sin, float *kc, float *vc, int64_t Hq,
+                 int64_t Hkv, int64_t D, int64_t rot, int64_t cap, int64_t pos, float scale, float *out) {
+    const int64_t rep = Hq / Hkv, S = pos + 1;
+    for (int64_t j = 0; j < Hkv; j++) {
+        rope_row(qkv + (Hq + j) * D, cos, sin, D, rot, kc + (j * cap + pos) * D);
+        memcpy(vc + (j * cap + pos) * D, qkv + (Hq + Hkv + j) * D, D * sizeof(float));
+    }
+    #pragma omp parallel for schedule(static)
+    for (int64_t h = 0; h < Hq; h++) {
+        const int64_t j = h / rep;
+        const float *K = kc + j * cap * D, *V = vc + j * cap * D;
+        float q[512], *o = out + h * D;
+        float *p = (float *)malloc(S * sizeof(float));
+        rope_row(qkv + h * D, cos, sin, D, rot, q);
+        float m = -INFINITY, sum = 0.f;
+        for (int64_t t = 0; t < S; t++) { p[t] = dot(q, K + t * D, (int)D) * scale; if (p[t] > m) m = p[t]; }
+        for (int64_t t = 0; t < S; t++) { p[t] = expf(p[t] - m); sum += p[t]; }
+        for (int64_t i = 0; i < D; i++) o[i] = 0.f;
+        for (int64_t t = 0; t < S; t++) {
+            const float w = p[t] / sum, *v = V + t * D;
+            for (int64_t i = 0; i < D; i++) o[i] += w * v[i];
+        }
+        free(p);
     }
 }

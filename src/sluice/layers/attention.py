@@ -1,0 +1,39 @@
+"""GQA self-attention with RoPE over a KV cache (Llama-style: fused qkv projection, no biases)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+from sluice.kernels import cpu as native
+from sluice.kernels.attention import cpu as attention_cpu
+from sluice.kernels.attention.reference import attention
+from sluice.kernels.rope.reference import apply_rope
+from sluice.layers.linear import Linear
+
+
+class Attention(nn.Module):
+    def __init__(self, qkv: Linear, o: Linear, num_heads: int, num_kv_heads: int, head_dim: int, layer_index: int):
+        super().__init__()
+        self.qkv, self.o = qkv, o
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.layer_index = layer_index
+        self.scale = head_dim ** -0.5
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache, start: int) -> torch.Tensor:
+        """x [B, T, hidden] at positions start..start+T; cos, sin [T, rot]."""
+        B, T, _ = x.shape
+        H, Hkv, D = self.num_heads, self.num_kv_heads, self.head_dim
+        qkv = self.qkv(x)
+        if T == 1 and B == 1 and qkv.dtype == torch.float32 and not qkv.is_cuda and native.available():
+            k_cache, v_cache = cache.layer(self.layer_index)
+            o = attention_cpu.decode_step(qkv.view(H + 2 * Hkv, D), cos[0], sin[0], k_cache[0], v_cache[0], start,
+                                          self.scale)
+            return self.o(o.view(1, 1, H * D))
+        # RoPE on the q and k heads together: one rotation instead of two.
+        qk = apply_rope(qkv[..., :(H + Hkv) * D].view(B, T, H + Hkv, D), cos[:, None], sin[:, None]).transpose(1, 2)
+        q, k = qk[:, :H], qk[:, H:]
+        v = qkv[..., (H + Hkv) * D:].view(B, T, Hkv, D).transpose(1, 2)
+        k, v = cache.update(self.layer_index, k, v, start)
+        o = attention(q, k, v, self.scale)
+        return self.o(o.transpose(1, 2).reshape(B, T, H * D))
