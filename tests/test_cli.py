@@ -1,0 +1,40 @@
+"""The `sluice` command on real checkpoints: run, chat, info."""
+
+import json
+import subprocess
+import sys
+
+from helpers import save_hf_dir, tiny_llama
+from sluice.cli import main
+
+
+def test_info_demo(demo_gguf_path, capsys):
+    assert main(["info", str(demo_gguf_path)]) == 0
+    out = capsys.readouterr().out
+    assert "llama: 30 layers" in out and "4-bit affine, group 32" in out and "per token" in out
+    assert main(["info", str(demo_gguf_path), "--json"]) == 0
+    info = json.loads(capsys.readouterr().out)
+    assert info["config"]["num_layers"] == 30 and info["kv_cache_bytes_per_token"] == 2 * 30 * 3 * 64 * 4
+
+
+def test_run_hf_directory(tmp_path, capsys):
+    d = save_hf_dir(tiny_llama(seed=4), tmp_path / "m")
+    assert main(["run", "the cat", "--model", str(d), "--max-tokens", "5", "--temperature", "0"]) == 0
+    assert main(["info", str(d)]) == 0
+    assert "llama: 2 layers" in capsys.readouterr().out
+
+
+def test_chat_keeps_the_conversation(demo_gguf_path):
+    proc = subprocess.run([sys.executable, "-m", "sluice", "chat", "--model", str(demo_gguf_path), "--temperature",
+                           "0", "--max-tokens", "24"], input="What is the capital of France?\nAnd of Italy?\n\n",
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    replies = [line for line in proc.stdout.splitlines() if line.startswith("> ")]
+    assert "Paris" in replies[0] and "Rome" in replies[1]  # the second answer needs the first turn's context
+
+
+def test_run_reads_stdin(demo_gguf_path):
+    proc = subprocess.run([sys.executable, "-m", "sluice", "run", "--model", str(demo_gguf_path), "--temperature",
+                           "0", "--max-tokens", "8"], input="The capital of France is", capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0 and "Paris" in proc.stdout
