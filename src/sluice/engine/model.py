@@ -112,8 +112,6 @@ class Model:
         return "".join(self.stream(prompt, max_tokens=max_tokens, **kwargs))
 
     def info(self) -> dict:
-        from sluice.quant.affine import QuantizedTensor  # noqa: F401  (the layers hold its parts)
-
         params, nbytes, kinds = 0, 0, {}
         for mod in self.module.modules():
             if getattr(mod, "qweight", None) is not None:

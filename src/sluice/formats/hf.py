@@ -106,5 +106,7 @@ class HFDirectory:
                 raise ModelFileError(f"{self.path}: '{name}' has shape {tuple(w.shape)} and scales "
                                      f"{tuple(s.shape)}, which disagree with config.json's quantization "
                                      f"(bits={bits}, group_size={gs}).")
-            return QuantizedTensor(w, s, b, bits, gs_shape)
+            qt = QuantizedTensor(w, s, b, bits, gs_shape)
+            qt.validate(name)
+            return qt
         return self._raw(name)

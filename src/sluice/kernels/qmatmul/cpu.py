@@ -41,16 +41,6 @@ class QMatmul:
         return buf[: M * self.N].view(M, self.N)
 
 
-def gemv(x: torch.Tensor, qt) -> torch.Tensor:
-    """y = x @ W^T for x [M, K] float32 contiguous, W a 2-D QuantizedTensor (fused dequantization)."""
-    return QMatmul(qt)(x) if x.shape[0] <= QMatmul.GEMV_MAX_ROWS else _gemv_any(x, qt)
-
-
-def _gemv_any(x, qt):
-    m = QMatmul(qt)
-    return torch.cat([m(x[i:i + m.GEMV_MAX_ROWS]) for i in range(0, x.shape[0], m.GEMV_MAX_ROWS)])
-
-
 def dequantize_rows(qt, rows: torch.Tensor | None = None) -> torch.Tensor:
     """fp32 rows of a 2-D QuantizedTensor (all rows when rows is None)."""
     N, K = qt.weight.shape[0], qt.in_features
