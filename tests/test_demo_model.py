@@ -73,3 +73,26 @@ def test_agreement_with_llama_cpp(model, demo_gguf_path):
     llm.eval(ids)
     ref = np.asarray(llm.scores[: len(ids)])
     assert (ours.argmax(-1) == ref.argmax(-1)).mean() >= 0.95
+
+
+def test_pure_torch_path_matches_native_kernels(model, demo_gguf_path, tmp_path):
+    """SLUICE_CPU_KERNEL=0 (no C compiler) runs the torch references end to end, with the same results."""
+    import os
+    import subprocess
+    import sys
+
+    import numpy as np
+
+    ids = model.tokenizer.encode("The capital of France is")
+    out = tmp_path / "logits.npy"
+    code = ("import sys, numpy as np, sluice; from sluice.kernels import cpu; assert not cpu.available(); "
+            f"m = sluice.load({str(demo_gguf_path)!r}, device='cpu'); "
+            f"np.save({str(out)!r}, m.logits({ids})[0].numpy()); "
+            "print(m.generate('The capital of France is', max_tokens=3, temperature=0))")
+    proc = subprocess.run([sys.executable, "-c", code], env={**os.environ, "SLUICE_CPU_KERNEL": "0"},
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert "Paris" in proc.stdout
+    ref = torch.from_numpy(np.load(out, allow_pickle=False))
+    ours = model.logits(ids)[0]
+    assert float((ours - ref).norm() / ref.norm()) < 1e-5

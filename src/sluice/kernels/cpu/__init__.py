@@ -36,6 +36,16 @@ _SIGNATURES = {
 }
 
 
+def _cpu_signature() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line for line in f if line.startswith(("flags", "Features"))), "")
+    except OSError:
+        import platform
+
+        return platform.machine() + platform.processor()
+
+
 def _compile() -> ctypes.CDLL | None:
     if os.environ.get("SLUICE_CPU_KERNEL", "1") == "0":
         return None
@@ -46,17 +56,23 @@ def _compile() -> ctypes.CDLL | None:
     from sluice.formats.demo import cache_dir
 
     src = _SOURCE.read_bytes()
-    tag = hashlib.sha256(src + " ".join([cc] + _FLAGS).encode()).hexdigest()[:16]
+    # -march=native code must not be reused on another CPU that shares the cache directory.
+    tag = hashlib.sha256(src + " ".join([cc, *_FLAGS, _cpu_signature()]).encode()).hexdigest()[:16]
     out = cache_dir() / "kernels" / f"sluice_cpu_{tag}.so"
     if not out.exists():
         out.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
             tmp_so = Path(tmp) / out.name
-            proc = subprocess.run([cc, *_FLAGS, str(_SOURCE), "-o", str(tmp_so), "-lm"], capture_output=True,
-                                  text=True)
-            if proc.returncode != 0:
-                print(f"sluice: could not compile the CPU kernels ({proc.stderr.strip()[-300:]}); "
-                      "using the slower pure-PyTorch CPU path", file=sys.stderr)
+            err = ""
+            for flags in (_FLAGS, [f for f in _FLAGS if f != "-fopenmp"]):  # no OpenMP: single-threaded, still fast
+                proc = subprocess.run([cc, *flags, str(_SOURCE), "-o", str(tmp_so), "-lm"], capture_output=True,
+                                      text=True)
+                if proc.returncode == 0:
+                    break
+                err = proc.stderr.strip()[-300:]
+            else:
+                print(f"sluice: could not compile the CPU kernels ({err}); using the slower pure-PyTorch CPU path",
+                      file=sys.stderr)
                 return None
             os.replace(tmp_so, out)
     lib = ctypes.CDLL(str(out))
