@@ -2,14 +2,15 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator
 from pathlib import Path
 
 import torch
 
-from sluice.cache.kv import DenseKVCache
 from sluice.engine.sampling import Sampler, SamplingParams
 from sluice.errors import ContextLengthError, InvalidOptionError, ModelFileError
+from sluice.quant.affine import QuantizedTensor
 
 PREFILL_CHUNK = 512  # prompt tokens per forward: bounds activation memory for long prompts
 
@@ -25,9 +26,9 @@ class Model:
     def context_length(self) -> int:
         return self.config.context_length
 
-    def new_cache(self, capacity: int, batch: int = 1) -> DenseKVCache:
-        heads, dim = self.module.kv_heads_and_dim
-        return DenseKVCache(self.config.num_layers, batch, heads, dim, capacity, self.dtype, self.device)
+    def new_cache(self, capacity: int, batch: int = 1):
+        """Empty caches for `batch` sequences of up to `capacity` positions (the architecture decides the kind)."""
+        return self.module.new_cache(batch, capacity, self.dtype, self.device)
 
     @torch.inference_mode()
     def _forward(self, ids: torch.Tensor, cache, start: int, last_only: bool) -> torch.Tensor:
@@ -113,7 +114,18 @@ class Model:
 
     def info(self) -> dict:
         params, nbytes, kinds = 0, 0, {}
+
+        def count(n, kind, nb):
+            nonlocal params, nbytes
+            params, nbytes = params + n, nbytes + nb
+            kinds[kind] = kinds.get(kind, 0) + n
+
         for mod in self.module.modules():
+            for w in (getattr(mod, "gate_up", None), getattr(mod, "down", None)):  # stacked MoE experts
+                if isinstance(w, QuantizedTensor):
+                    count(math.prod(w.shape), f"{w.bits}-bit affine, group {w.group_size}", w.nbytes)
+                elif isinstance(w, torch.Tensor):
+                    count(w.numel(), str(w.dtype).removeprefix("torch."), w.nbytes)
             if getattr(mod, "qweight", None) is not None:
                 n = mod.out_features * mod.in_features
                 kind = f"{mod.bits}-bit affine, group {mod.group_size}"
@@ -124,11 +136,8 @@ class Model:
                 continue
             if mod is getattr(self.module, "lm_head", None) and self.config.tie_word_embeddings:
                 continue
-            params += n
-            nbytes += nb
-            kinds[kind] = kinds.get(kind, 0) + n
-        heads, dim = self.module.kv_heads_and_dim
-        kv_per_token = 2 * self.config.num_layers * heads * dim * torch.tensor([], dtype=self.dtype).element_size()
+            count(n, kind, nb)
+        kv_per_token = self.module.new_cache(1, 1, self.dtype, "cpu").bytes_per_token()
         return {"path": str(self.path), "format": self.format, "architecture": self.config.architecture,
                 "config": dict(vars(self.config)), "parameters": params, "weight_bytes": nbytes,
                 "weights_by_kind": kinds, "kv_cache_bytes_per_token": kv_per_token,

@@ -37,3 +37,36 @@ class Attention(nn.Module):
         k, v = cache.update(self.layer_index, k, v, start)
         o = attention(q, k, v, self.scale)
         return self.o(o.transpose(1, 2).reshape(B, T, H * D))
+
+
+class GatedAttention(nn.Module):
+    """Qwen3-Next / Qwen3.5 full attention: per-head [query | gate] projection, q/k RMSNorm (fp32 scale) before
+    partial RoPE, GQA, and a sigmoid output gate before o_proj."""
+
+    def __init__(self, q_proj: Linear, k_proj: Linear, v_proj: Linear, o_proj: Linear, q_norm: torch.Tensor,
+                 k_norm: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int, eps: float, cache_index: int):
+        super().__init__()
+        from sluice.layers.linear import fuse_linears
+
+        self.qkv = fuse_linears([q_proj, k_proj, v_proj])
+        self.o = o_proj
+        self.register_buffer("q_norm", q_norm)  # effective scales (1 + w for HF's zero-centred weights)
+        self.register_buffer("k_norm", k_norm)
+        self.num_heads, self.num_kv_heads, self.head_dim, self.eps = num_heads, num_kv_heads, head_dim, eps
+        self.cache_index = cache_index
+        self.scale = head_dim ** -0.5
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache, start: int) -> torch.Tensor:
+        from sluice.kernels.norm.reference import rms_norm_fp32_scale
+
+        B, T, _ = x.shape
+        H, Hkv, D = self.num_heads, self.num_kv_heads, self.head_dim
+        qg, k, v = self.qkv(x).split([2 * H * D, Hkv * D, Hkv * D], dim=-1)
+        q, gate = qg.view(B, T, H, 2 * D).chunk(2, dim=-1)
+        q = apply_rope(rms_norm_fp32_scale(q, self.q_norm, self.eps), cos[:, None], sin[:, None]).transpose(1, 2)
+        k = apply_rope(rms_norm_fp32_scale(k.view(B, T, Hkv, D), self.k_norm, self.eps), cos[:, None],
+                       sin[:, None]).transpose(1, 2)
+        v = v.view(B, T, Hkv, D).transpose(1, 2)
+        k, v = cache.update(self.cache_index, k, v, start)
+        o = attention(q, k, v, self.scale).transpose(1, 2).reshape(B, T, H * D)
+        return self.o(o * torch.sigmoid(gate.reshape(B, T, H * D)))

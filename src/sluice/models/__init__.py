@@ -5,6 +5,9 @@ from sluice.errors import UnsupportedError
 # name -> module path; each module has build_from_gguf(gguf_file, dtype) and build_from_hf(hf_dir, dtype).
 ARCHITECTURES = {
     "llama": "sluice.models.llama",
+    "qwen3_next": "sluice.models.qwen3_next",
+    "qwen3_5_moe": "sluice.models.qwen3_next",
+    "qwen3_5_moe_text": "sluice.models.qwen3_next",
 }
 
 

@@ -8,6 +8,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from sluice.cache.kv import DenseKVCache
 from sluice.errors import UnsupportedError
 from sluice.kernels.rope.reference import rope_cos_sin, rope_inv_freq
 from sluice.layers.attention import Attention
@@ -137,9 +138,9 @@ class LlamaModel(nn.Module):
         self.lm_head = self.embed.as_linear() if cfg.tie_word_embeddings else Linear(get("lm_head.weight"))
         self.register_buffer("inv_freq", rope_inv_freq(cfg.head_dim, cfg.rope_theta), persistent=False)
 
-    @property
-    def kv_heads_and_dim(self):
-        return self.cfg.num_kv_heads, self.cfg.head_dim
+    def new_cache(self, batch: int, capacity: int, dtype: torch.dtype, device) -> DenseKVCache:
+        c = self.cfg
+        return DenseKVCache(c.num_layers, batch, c.num_kv_heads, c.head_dim, capacity, dtype, device)
 
     def forward(self, ids: torch.Tensor, cache, start: int, dtype: torch.dtype, last_only: bool = False):
         """Logits (float32) for ids [B, T] at positions start..start+T, updating the cache."""

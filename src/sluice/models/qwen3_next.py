@@ -1,0 +1,241 @@
+"""Qwen3-Next (`qwen3_next`) and Qwen3.5/3.6-MoE (`qwen3_5_moe`, text only): Gated DeltaNet layers interleaved
+with gated full attention, sparse MoE with a sigmoid-gated shared expert. HF transformers' math, torch reference
+path (CPU and GPU through PyTorch).
+
+Checkpoint layouts undone at load: Qwen3-Next's interleaved in_proj_qkvz/in_proj_ba (reordered into Qwen3.5's
+separate order), per-expert tensors (stacked), HF conv1d [C, 1, W], HF's zero-centred norms (1 + w).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn as nn
+
+from sluice.cache.hybrid import HybridCache
+from sluice.cache.kv import DenseKVCache
+from sluice.errors import ModelFileError, UnsupportedError
+from sluice.kernels.norm.reference import rms_norm_fp32_scale
+from sluice.kernels.rope.reference import rope_cos_sin, rope_inv_freq
+from sluice.layers.attention import GatedAttention
+from sluice.layers.gated_deltanet import GatedDeltaNet, ba_rows, qkvz_rows
+from sluice.layers.linear import Embedding, Linear, fuse_linears
+from sluice.layers.moe import SparseMoE, SwiGLU
+from sluice.quant.affine import QuantizedTensor
+
+
+@dataclass
+class Qwen3NextConfig:
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rotary_dim: int
+    rope_theta: float
+    rms_norm_eps: float
+    context_length: int
+    tie_word_embeddings: bool
+    layer_types: list[str]
+    linear_num_key_heads: int
+    linear_num_value_heads: int
+    linear_key_head_dim: int
+    linear_value_head_dim: int
+    conv_kernel: int
+    num_experts: int
+    top_k: int
+    moe_intermediate_size: int
+    shared_expert_intermediate_size: int
+    norm_topk_prob: bool
+    intermediate_size: int  # dense MLP layers (mlp_only_layers / decoder_sparse_step)
+    mlp_only_layers: list[int] = field(default_factory=list)
+    decoder_sparse_step: int = 1
+    architecture: str = "qwen3_next"
+
+    @property
+    def num_kv_layers(self) -> int:
+        return self.layer_types.count("full_attention")
+
+    def is_moe(self, i: int) -> bool:
+        return (i not in self.mlp_only_layers and self.num_experts > 0
+                and (i + 1) % self.decoder_sparse_step == 0)
+
+    @classmethod
+    def from_hf(cls, c: dict) -> Qwen3NextConfig:
+        model_type = c.get("model_type")
+        if model_type == "qwen3_5_moe":  # the multimodal wrapper: the language model's config is nested
+            c = {**c.get("text_config", {}), "model_type": model_type}
+        try:
+            rope = c.get("rope_parameters") or c.get("rope_scaling") or {}
+            if rope.get("rope_type", rope.get("type", "default")) not in ("default", None):
+                raise UnsupportedError(f"{model_type}: rope scaling {rope.get('rope_type')!r} is not supported yet.")
+            partial = c.get("partial_rotary_factor", rope.get("partial_rotary_factor", 0.25))
+            theta = c.get("rope_theta", rope.get("rope_theta", 10000.0))
+            n = c["num_hidden_layers"]
+            interval = c.get("full_attention_interval", 4)
+            layer_types = c.get("layer_types") or [
+                "linear_attention" if (i + 1) % interval else "full_attention" for i in range(n)]
+            head_dim = c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"]
+            qwen35 = model_type in ("qwen3_5_moe", "qwen3_5_moe_text")
+            cfg = cls(model_type=model_type, vocab_size=c["vocab_size"], hidden_size=c["hidden_size"], num_layers=n,
+                      num_heads=c["num_attention_heads"], num_kv_heads=c["num_key_value_heads"], head_dim=head_dim,
+                      rotary_dim=int(head_dim * partial), rope_theta=float(theta),
+                      rms_norm_eps=float(c.get("rms_norm_eps", 1e-6)),
+                      context_length=int(c.get("max_position_embeddings", 32768)),
+                      tie_word_embeddings=bool(c.get("tie_word_embeddings", False)), layer_types=list(layer_types),
+                      linear_num_key_heads=c["linear_num_key_heads"],
+                      linear_num_value_heads=c["linear_num_value_heads"],
+                      linear_key_head_dim=c["linear_key_head_dim"], linear_value_head_dim=c["linear_value_head_dim"],
+                      conv_kernel=c.get("linear_conv_kernel_dim", 4), num_experts=c["num_experts"],
+                      top_k=c["num_experts_per_tok"], moe_intermediate_size=c["moe_intermediate_size"],
+                      shared_expert_intermediate_size=c.get("shared_expert_intermediate_size", 0),
+                      norm_topk_prob=True if qwen35 else bool(c.get("norm_topk_prob", True)),
+                      intermediate_size=c.get("intermediate_size", 0),
+                      mlp_only_layers=[] if qwen35 else list(c.get("mlp_only_layers") or []),
+                      decoder_sparse_step=1 if qwen35 else int(c.get("decoder_sparse_step", 1)),
+                      architecture=model_type)
+        except KeyError as e:
+            raise ModelFileError(f"config.json of this {model_type} model lacks the key {e.args[0]!r}.") from e
+        if len(cfg.layer_types) != n or set(cfg.layer_types) - {"linear_attention", "full_attention"}:
+            raise ModelFileError(f"config.json: layer_types must list {n} entries of 'linear_attention' / "
+                                 "'full_attention'.")
+        if cfg.linear_num_value_heads % cfg.linear_num_key_heads:
+            raise ModelFileError("config.json: linear_num_value_heads must be a multiple of linear_num_key_heads.")
+        return cfg
+
+
+class Qwen3NextBlock(nn.Module):
+    def __init__(self, cfg: Qwen3NextConfig, w: _Weights, i: int, kv_index: int, gdn_index: int):
+        super().__init__()
+        p = w.layer_prefix(i)
+        eps = cfg.rms_norm_eps
+        self.register_buffer("input_norm", w.norm(p + "input_layernorm.weight"))
+        self.register_buffer("post_norm", w.norm(p + "post_attention_layernorm.weight"))
+        self.eps = eps
+        if cfg.layer_types[i] == "full_attention":
+            a = p + "self_attn."
+            self.mixer = GatedAttention(*(Linear(w.get(a + f"{n}_proj.weight")) for n in "qkvo"),
+                                        w.norm(a + "q_norm.weight"), w.norm(a + "k_norm.weight"), cfg.num_heads,
+                                        cfg.num_kv_heads, cfg.head_dim, eps, kv_index)
+        else:
+            self.mixer = w.gated_deltanet(cfg, p + "linear_attn.", gdn_index)
+        self.mlp = w.moe(cfg, p + "mlp.") if cfg.is_moe(i) else w.mlp(p + "mlp.", cfg.intermediate_size)
+
+    def forward(self, h, cos, sin, cache, start):
+        x = rms_norm_fp32_scale(h, self.input_norm, self.eps)
+        if isinstance(self.mixer, GatedAttention):
+            h = h + self.mixer(x, cos, sin, cache, start)
+        else:
+            h = h + self.mixer(x, cache)
+        return h + self.mlp(rms_norm_fp32_scale(h, self.post_norm, self.eps))
+
+
+class Qwen3NextModel(nn.Module):
+    def __init__(self, cfg: Qwen3NextConfig, w: _Weights):
+        super().__init__()
+        self.cfg = cfg
+        self.embed = Embedding(w.get(w.prefix + "embed_tokens.weight"))
+        blocks, kv, gdn = [], 0, 0
+        for i, kind in enumerate(cfg.layer_types):
+            blocks.append(Qwen3NextBlock(cfg, w, i, kv, gdn))
+            kv, gdn = kv + (kind == "full_attention"), gdn + (kind == "linear_attention")
+        self.layers = nn.ModuleList(blocks)
+        self.register_buffer("norm", w.norm(w.prefix + "norm.weight"))
+        self.lm_head = self.embed.as_linear() if cfg.tie_word_embeddings else Linear(w.get(w.head_name))
+        self.register_buffer("inv_freq", rope_inv_freq(cfg.rotary_dim, cfg.rope_theta), persistent=False)
+
+    def new_cache(self, batch: int, capacity: int, dtype: torch.dtype, device) -> HybridCache:
+        c = self.cfg
+        kv = DenseKVCache(c.num_kv_layers, batch, c.num_kv_heads, c.head_dim, capacity, dtype, device)
+        return HybridCache(kv, c.layer_types.count("linear_attention"))
+
+    def forward(self, ids: torch.Tensor, cache, start: int, dtype: torch.dtype, last_only: bool = False):
+        T = ids.shape[1]
+        h = self.embed(ids, dtype)
+        cos, sin = rope_cos_sin(torch.arange(start, start + T, device=ids.device), self.inv_freq, dtype)
+        for layer in self.layers:
+            h = layer(h, cos, sin, cache, start)
+        if last_only:
+            h = h[:, -1:]
+        return self.lm_head(rms_norm_fp32_scale(h, self.norm, self.cfg.rms_norm_eps)).float()
+
+
+class _Weights:
+    """Reads one checkpoint's tensors under HF names and undoes its layout quirks."""
+
+    def __init__(self, src, cfg: Qwen3NextConfig, dtype: torch.dtype):
+        self.src, self.cfg, self.dtype = src, cfg, dtype
+        # Qwen3.5's multimodal checkpoints nest the text model; text-only ones (and Qwen3-Next) do not.
+        self.prefix = "model.language_model." if src.has("model.language_model.embed_tokens.weight") else "model."
+        self.head_name = "lm_head.weight"
+        # HF stores zero-centred norm weights (scale = 1 + w); MLX checkpoints store the scale itself.
+        self.norm_offset = 0.0 if getattr(src, "is_mlx", False) else 1.0
+
+    def layer_prefix(self, i: int) -> str:
+        return f"{self.prefix}layers.{i}."
+
+    def get(self, name: str):
+        t = self.src.tensor(name)
+        return t.to(self.dtype) if isinstance(t, torch.Tensor) else t
+
+    def norm(self, name: str) -> torch.Tensor:
+        return self.src.tensor(name).float() + self.norm_offset
+
+    def mlp(self, p: str, intermediate: int) -> SwiGLU:
+        gate, up = Linear(self.get(p + "gate_proj.weight")), Linear(self.get(p + "up_proj.weight"))
+        return SwiGLU(fuse_linears([gate, up]), Linear(self.get(p + "down_proj.weight")), intermediate)
+
+    def moe(self, cfg: Qwen3NextConfig, p: str) -> SparseMoE:
+        if self.src.has(p + "experts.gate_up_proj"):  # Qwen3.5: fused [E, 2I, H] and [E, H, I]
+            gate_up, down = self.get(p + "experts.gate_up_proj"), self.get(p + "experts.down_proj")
+        else:  # per-expert tensors, stacked
+            E = cfg.num_experts
+            gate_up = torch.stack([torch.cat([self.get(p + f"experts.{e}.gate_proj.weight"),
+                                              self.get(p + f"experts.{e}.up_proj.weight")]) for e in range(E)])
+            down = torch.stack([self.get(p + f"experts.{e}.down_proj.weight") for e in range(E)])
+        E, I, H = cfg.num_experts, cfg.moe_intermediate_size, cfg.hidden_size
+        for name, t, shape in (("gate_up", gate_up, (E, 2 * I, H)), ("down", down, (E, H, I))):
+            got = tuple(t.shape) if isinstance(t, torch.Tensor) else t.shape
+            if got != shape:
+                raise ModelFileError(f"{p}experts {name}: shape {got}, config.json implies {shape}.")
+        shared = shared_gate = None
+        if cfg.shared_expert_intermediate_size:
+            shared = self.mlp(p + "shared_expert.", cfg.shared_expert_intermediate_size)
+            shared_gate = Linear(self.get(p + "shared_expert_gate.weight"))
+        return SparseMoE(Linear(self.get(p + "gate.weight")), gate_up, down, cfg.top_k, cfg.norm_topk_prob,
+                         shared, shared_gate)
+
+    def gated_deltanet(self, cfg: Qwen3NextConfig, p: str, index: int) -> GatedDeltaNet:
+        nk, nv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
+        dk, dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
+        if self.src.has(p + "in_proj_qkvz.weight"):  # Qwen3-Next: interleaved per k-group
+            parts = [Linear(_take_rows(self.get(p + "in_proj_qkvz.weight"), qkvz_rows(nk, dk, nv, dv))),
+                     Linear(_take_rows(self.get(p + "in_proj_ba.weight"), ba_rows(nk, nv)))]
+        else:  # Qwen3.5: already separate
+            parts = [Linear(self.get(p + f"in_proj_{n}.weight")) for n in ("qkv", "z", "b", "a")]
+        conv = self.src.tensor(p + "conv1d.weight")
+        C = 2 * nk * dk + nv * dv
+        if conv.numel() != C * cfg.conv_kernel:
+            raise ModelFileError(f"{p}conv1d.weight: shape {tuple(conv.shape)}, expected [{C}, 1, {cfg.conv_kernel}].")
+        conv = conv.reshape(C, cfg.conv_kernel)  # HF [C, 1, W]; MLX [C, W, 1]
+        return GatedDeltaNet(fuse_linears(parts), conv.to(self.dtype), self.src.tensor(p + "A_log").float(),
+                             self.src.tensor(p + "dt_bias").float(), self.get(p + "norm.weight"),
+                             Linear(self.get(p + "out_proj.weight")), nk, nv, dk, dv, cfg.rms_norm_eps, index)
+
+
+def _take_rows(w, rows: torch.Tensor):
+    if isinstance(w, QuantizedTensor):
+        return QuantizedTensor(w.weight[rows], w.scales[rows], w.biases[rows], w.bits, w.group_size)
+    return w[rows]
+
+
+def build_from_hf(d, dtype: torch.dtype) -> Qwen3NextModel:
+    cfg = Qwen3NextConfig.from_hf(d.config)
+    return Qwen3NextModel(cfg, _Weights(d, cfg, dtype))
+
+
+def build_from_gguf(g, dtype):
+    raise UnsupportedError(f"GGUF {g.architecture} models are not supported yet; use an HF or MLX directory.")
