@@ -114,6 +114,14 @@ def cmd_info(args) -> int:
     return 0
 
 
+def cmd_convert(args) -> int:
+    from sluice.formats.convert import convert
+
+    out = convert(args.src, args.dst, bits=args.bits, group_size=args.group_size)
+    print(f"wrote {out}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="sluice", description="Run gated MoE language models from quantized weights.")
     sub = ap.add_subparsers(dest="command", required=True)
@@ -134,6 +142,12 @@ def build_parser() -> argparse.ArgumentParser:
     info.add_argument("model", nargs="?", default=None)
     info.add_argument("--json", action="store_true")
     info.set_defaults(func=cmd_info)
+    conv = sub.add_parser("convert", help="HF checkpoint directory -> MLX-format quantized directory")
+    conv.add_argument("src")
+    conv.add_argument("dst")
+    conv.add_argument("--bits", type=int, default=4)
+    conv.add_argument("--group-size", type=int, default=64)
+    conv.set_defaults(func=cmd_convert)
     return ap
 
 

@@ -54,10 +54,15 @@ class HFDirectory:
             raise ModelFileError(f"{self.path}: no *.safetensors files. sluice reads safetensors only "
                                  "(never pickled .bin checkpoints); convert the weights to safetensors.")
         self._where: dict[str, Path] = {}
+        formats = set()
         for f in files:
-            for name in _read_header(f):
+            header = _read_header(f)
+            formats.add((header.get("__metadata__") or {}).get("format"))
+            for name in header:
                 if name != "__metadata__":
                     self._where[name] = f
+        # mlx-lm writes {"format": "mlx"}; its checkpoints hold post-sanitize parameters (e.g. norms with +1 baked)
+        self.is_mlx = "mlx" in formats or "quantization" in self.config
         self._handles = {}
 
     def has(self, name: str) -> bool:

@@ -42,11 +42,13 @@ class SparseMoE(nn.Module):
 
     def _apply(self, fn, recurse=True):  # move the stacked expert weights with the module
         super()._apply(fn, recurse)
-        if isinstance(self.gate_up, QuantizedTensor):
-            self.gate_up, self.down = (QuantizedTensor(fn(w.weight), fn(w.scales), fn(w.biases), w.bits, w.group_size)
-                                       for w in (self.gate_up, self.down))
-        else:
-            self.gate_up, self.down = fn(self.gate_up), fn(self.down)
+
+        def move(w):
+            if isinstance(w, QuantizedTensor):
+                return QuantizedTensor(fn(w.weight), fn(w.scales), fn(w.biases), w.bits, w.group_size)
+            return fn(w)
+
+        self.gate_up, self.down = move(self.gate_up), move(self.down)
         return self
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

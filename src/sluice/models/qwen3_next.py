@@ -168,9 +168,10 @@ class _Weights:
 
     def __init__(self, src, cfg: Qwen3NextConfig, dtype: torch.dtype):
         self.src, self.cfg, self.dtype = src, cfg, dtype
-        # Qwen3.5's multimodal checkpoints nest the text model; text-only ones (and Qwen3-Next) do not.
-        self.prefix = "model.language_model." if src.has("model.language_model.embed_tokens.weight") else "model."
-        self.head_name = "lm_head.weight"
+        # Text model prefix: Qwen3-Next "model."; Qwen3.5 HF "model.language_model."; Qwen3.5 MLX "language_model.model."
+        self.prefix = next((p for p in ("model.language_model.", "language_model.model.", "model.")
+                            if src.has(p + "embed_tokens.weight")), "model.")
+        self.head_name = "language_model.lm_head.weight" if src.has("language_model.lm_head.weight") else "lm_head.weight"
         # HF stores zero-centred norm weights (scale = 1 + w); MLX checkpoints store the scale itself.
         self.norm_offset = 0.0 if getattr(src, "is_mlx", False) else 1.0
 
@@ -189,7 +190,10 @@ class _Weights:
         return SwiGLU(fuse_linears([gate, up]), Linear(self.get(p + "down_proj.weight")), intermediate)
 
     def moe(self, cfg: Qwen3NextConfig, p: str) -> SparseMoE:
-        if self.src.has(p + "experts.gate_up_proj"):  # Qwen3.5: fused [E, 2I, H] and [E, H, I]
+        if self.src.has(p + "switch_mlp.gate_proj.weight"):  # MLX: stacked per projection
+            gate, up = self.get(p + "switch_mlp.gate_proj.weight"), self.get(p + "switch_mlp.up_proj.weight")
+            gate_up, down = _cat_rows([gate, up]), self.get(p + "switch_mlp.down_proj.weight")
+        elif self.src.has(p + "experts.gate_up_proj"):  # Qwen3.5: fused [E, 2I, H] and [E, H, I]
             gate_up, down = self.get(p + "experts.gate_up_proj"), self.get(p + "experts.down_proj")
         else:  # per-expert tensors, stacked
             E = cfg.num_experts
@@ -226,6 +230,17 @@ class _Weights:
                              Linear(self.get(p + "out_proj.weight")), nk, nv, dk, dv, cfg.rms_norm_eps, index)
 
 
+def _cat_rows(ws):
+    """Concatenate [..., rows, in] weights along the rows (dense or quantized alike)."""
+    if isinstance(ws[0], QuantizedTensor):
+        if any(not isinstance(w, QuantizedTensor) or (w.bits, w.group_size) != (ws[0].bits, ws[0].group_size)
+               for w in ws):
+            raise ModelFileError("expert gate and up projections are quantized differently; sluice needs them alike.")
+        return QuantizedTensor(*(torch.cat([getattr(w, f) for w in ws], dim=-2) for f in ("weight", "scales", "biases")),
+                               ws[0].bits, ws[0].group_size)
+    return torch.cat(ws, dim=-2)
+
+
 def _take_rows(w, rows: torch.Tensor):
     if isinstance(w, QuantizedTensor):
         return QuantizedTensor(w.weight[rows], w.scales[rows], w.biases[rows], w.bits, w.group_size)
@@ -239,3 +254,57 @@ def build_from_hf(d, dtype: torch.dtype) -> Qwen3NextModel:
 
 def build_from_gguf(g, dtype):
     raise UnsupportedError(f"GGUF {g.architecture} models are not supported yet; use an HF or MLX directory.")
+
+
+# -- MLX format (what mlx-lm's sanitize() produces; used by `sluice convert`) ------------------------------------
+
+_PLUS_ONE_NORMS = (".input_layernorm.weight", ".post_attention_layernorm.weight", ".q_norm.weight", ".k_norm.weight")
+
+
+def mlx_quant_override(module: str) -> dict | None:
+    """Router and shared-expert gates stay at 8 bits (mlx-lm's quant_predicate for these models)."""
+    if module.endswith("mlp.gate") or module.endswith("shared_expert_gate"):
+        return {"group_size": 64, "bits": 8}
+    return None
+
+
+def mlx_plan(hf) -> list[tuple[str, object]]:
+    """[(MLX name, loader)] for an HF checkpoint: drops mtp/visual tensors (and a tied lm_head), stacks experts into
+    switch_mlp, moves conv1d to [C, W, 1], bakes +1 into the zero-centred norms, renames Qwen3.5's prefix."""
+    cfg = Qwen3NextConfig.from_hf(hf.config)
+    nested = hf.has("model.language_model.embed_tokens.weight")  # Qwen3.5's multimodal layout -> language_model.*
+    plan, done = [], set()
+
+    def rename(n: str) -> str:
+        if n.startswith("model.language_model."):
+            return "language_model.model." + n.removeprefix("model.language_model.")
+        if nested and n == "lm_head.weight":
+            return "language_model.lm_head.weight"
+        return n
+
+    for name in sorted(hf.names()):
+        if "mtp." in name or name.startswith("model.visual.") or (name == "lm_head.weight" and cfg.tie_word_embeddings):
+            continue
+        if ".mlp.experts." in name:
+            layer = name[: name.index(".mlp.experts.")] + ".mlp."
+            if layer in done:
+                continue
+            done.add(layer)
+            E, I = cfg.num_experts, cfg.moe_intermediate_size
+            out = rename(layer) + "switch_mlp."
+            if hf.has(layer + "experts.gate_up_proj"):
+                plan += [(out + "gate_proj.weight", lambda l=layer: hf.tensor(l + "experts.gate_up_proj")[:, :I]),
+                         (out + "up_proj.weight", lambda l=layer: hf.tensor(l + "experts.gate_up_proj")[:, I:]),
+                         (out + "down_proj.weight", lambda l=layer: hf.tensor(l + "experts.down_proj"))]
+            else:
+                plan += [(out + f"{proj}.weight", lambda l=layer, proj=proj: torch.stack(
+                    [hf.tensor(f"{l}experts.{e}.{proj}.weight") for e in range(E)]))
+                    for proj in ("gate_proj", "up_proj", "down_proj")]
+        elif name.endswith("conv1d.weight"):
+            plan.append((rename(name), lambda n=name: hf.tensor(n).moveaxis(2, 1).contiguous()))
+        elif name.endswith(_PLUS_ONE_NORMS) or name.endswith("model.norm.weight") \
+                or name == "model.language_model.norm.weight":
+            plan.append((rename(name), lambda n=name: hf.tensor(n) + 1.0))
+        else:
+            plan.append((rename(name), lambda n=name: hf.tensor(n)))
+    return plan
