@@ -161,3 +161,86 @@ def test_convert_refuses_existing_destination_and_bad_bits(tmp_path, capsys):
     assert main(["convert", str(src), str(tmp_path / "out"), "--bits", "7"]) == 2
     assert "--bits 7" in capsys.readouterr().err
     assert not (tmp_path / "out").exists()
+
+
+def _edit_checkpoint(src, dst, drop=None, reshape=None, config=None):
+    """Copy an HF dir, dropping or replacing one tensor, or editing config.json."""
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(src, dst)
+    tensors = load_file(str(dst / "model.safetensors"))
+    if drop:
+        del tensors[drop]
+    if reshape:
+        name, shape = reshape
+        tensors[name] = torch.zeros(shape)
+    save_file(tensors, str(dst / "model.safetensors"))
+    if config:
+        cfg = json.loads((dst / "config.json").read_text())
+        config(cfg)
+        (dst / "config.json").write_text(json.dumps(cfg))
+    return dst
+
+
+@pytest.fixture(scope="module")
+def good_dir(tmp_path_factory):
+    return save(qwen3_next(seed=3), tmp_path_factory.mktemp("good") / "m")
+
+
+def test_missing_tensor_is_named(good_dir, tmp_path, capsys):
+    from sluice.cli import main
+
+    name = "model.layers.1.self_attn.k_proj.weight"
+    d = _edit_checkpoint(good_dir, tmp_path / "m", drop=name)
+    assert main(["info", str(d)]) == 2
+    assert name in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("name,shape", [("model.layers.1.self_attn.q_proj.weight", (200, 64)),
+                                        ("model.layers.0.linear_attn.in_proj_ba.weight", (8, 32)),
+                                        ("model.layers.0.mlp.experts.3.down_proj.weight", (64, 31)),
+                                        ("model.layers.2.linear_attn.conv1d.weight", (128, 1, 3))])
+def test_shape_disagreeing_with_config_is_named(good_dir, tmp_path, name, shape):
+    from sluice.errors import ModelFileError
+
+    d = _edit_checkpoint(good_dir, tmp_path / "m", reshape=(name, shape))
+    with pytest.raises(ModelFileError, match="conv1d|experts|" + name.replace(".", r"\.")):
+        sluice.load(d, device="cpu")
+
+
+def test_missing_config_key_and_unknown_model_type(good_dir, tmp_path):
+    from sluice.errors import ModelFileError, UnsupportedError
+
+    d = _edit_checkpoint(good_dir, tmp_path / "a", config=lambda c: c.pop("linear_num_value_heads"))
+    with pytest.raises(ModelFileError, match="linear_num_value_heads"):
+        sluice.load(d, device="cpu")
+    d = _edit_checkpoint(good_dir, tmp_path / "b", config=lambda c: c.update(model_type="qwen9_next"))
+    with pytest.raises(UnsupportedError, match="qwen9_next"):
+        sluice.load(d, device="cpu")
+
+
+def test_wrong_quantization_block(tmp_path):
+    import json
+
+    from sluice.errors import ModelFileError
+
+    src = save(qwen3_next(seed=5), tmp_path / "hf")
+    from sluice.formats.convert import convert
+
+    d = convert(src, tmp_path / "mlx", bits=4, group_size=32, quiet=True)
+    cfg = json.loads((d / "config.json").read_text())
+    cfg["quantization"]["group_size"] = 64  # disagrees with the stored scales
+    (d / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ModelFileError, match="quantization"):
+        sluice.load(d, device="cpu")
+
+
+def test_cli_run_and_info_on_a_hybrid_model(good_dir, capsys):
+    from sluice.cli import main
+
+    assert main(["run", "the cat", "--model", str(good_dir), "--max-tokens", "4", "--temperature", "0"]) == 0
+    assert main(["info", str(good_dir)]) == 0
+    assert "qwen3_next" in capsys.readouterr().out

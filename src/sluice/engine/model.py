@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -186,6 +187,28 @@ def open_source(path):
                          "(config.json + *.safetensors + tokenizer.json), or omit --model for the demo model.")
 
 
+class _LoadProgress:
+    """Wraps a checkpoint reader: a progress line on a terminal while tensors are read (nothing otherwise)."""
+
+    def __init__(self, src, total: int):
+        self.src, self.total, self.done = src, max(total, 1), 0
+        self.show = sys.stderr.isatty()
+
+    def __getattr__(self, name):
+        return getattr(self.src, name)
+
+    def tensor(self, name: str):
+        t = self.src.tensor(name)
+        self.done += 1
+        if self.show and (self.done % 16 == 0 or self.done >= self.total):
+            print(f"\rloading {min(self.done, self.total)}/{self.total} tensors", end="", file=sys.stderr, flush=True)
+        return t
+
+    def finish(self):
+        if self.show:
+            print("\r" + " " * 40 + "\r", end="", file=sys.stderr, flush=True)
+
+
 def load(path=None, device=None, dtype=None, **options) -> Model:
     from sluice.formats.tokenizer import Tokenizer
     from sluice.models import architecture_module
@@ -202,10 +225,13 @@ def load(path=None, device=None, dtype=None, **options) -> Model:
     if src.format == "gguf":
         arch = architecture_module(src.architecture)
         tokenizer = Tokenizer.from_gguf(src.fields)
-        module = arch.build_from_gguf(src, dt)
+        reader = _LoadProgress(src, len(src.tensors))
+        module = arch.build_from_gguf(reader, dt)
     else:
         arch = architecture_module(src.config.get("model_type", "<missing model_type>"))
         tokenizer = Tokenizer.from_hf_dir(src.path)
-        module = arch.build_from_hf(src, dt)
+        reader = _LoadProgress(src, sum(1 for n in src.names() if not n.endswith((".scales", ".biases"))))
+        module = arch.build_from_hf(reader, dt)
+    reader.finish()
     module.eval().to(dev)
     return Model(module, tokenizer, Path(path), src.format, dev, dt)

@@ -112,17 +112,21 @@ class Qwen3NextBlock(nn.Module):
         super().__init__()
         p = w.layer_prefix(i)
         eps = cfg.rms_norm_eps
-        self.register_buffer("input_norm", w.norm(p + "input_layernorm.weight"))
-        self.register_buffer("post_norm", w.norm(p + "post_attention_layernorm.weight"))
+        H = cfg.hidden_size
+        self.register_buffer("input_norm", w.norm(p + "input_layernorm.weight", H))
+        self.register_buffer("post_norm", w.norm(p + "post_attention_layernorm.weight", H))
         self.eps = eps
         if cfg.layer_types[i] == "full_attention":
             a = p + "self_attn."
-            self.mixer = GatedAttention(*(Linear(w.get(a + f"{n}_proj.weight")) for n in "qkvo"),
-                                        w.norm(a + "q_norm.weight"), w.norm(a + "k_norm.weight"), cfg.num_heads,
+            qd, kd = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+            shapes = {"q": (2 * qd, H), "k": (kd, H), "v": (kd, H), "o": (H, qd)}
+            self.mixer = GatedAttention(*(Linear(w.get(a + f"{n}_proj.weight", shapes[n])) for n in "qkvo"),
+                                        w.norm(a + "q_norm.weight", cfg.head_dim),
+                                        w.norm(a + "k_norm.weight", cfg.head_dim), cfg.num_heads,
                                         cfg.num_kv_heads, cfg.head_dim, eps, kv_index)
         else:
             self.mixer = w.gated_deltanet(cfg, p + "linear_attn.", gdn_index)
-        self.mlp = w.moe(cfg, p + "mlp.") if cfg.is_moe(i) else w.mlp(p + "mlp.", cfg.intermediate_size)
+        self.mlp = w.moe(cfg, p + "mlp.") if cfg.is_moe(i) else w.mlp(p + "mlp.", cfg.intermediate_size, H)
 
     def forward(self, h, cos, sin, cache, start):
         x = rms_norm_fp32_scale(h, self.input_norm, self.eps)
@@ -137,14 +141,15 @@ class Qwen3NextModel(nn.Module):
     def __init__(self, cfg: Qwen3NextConfig, w: _Weights):
         super().__init__()
         self.cfg = cfg
-        self.embed = Embedding(w.get(w.prefix + "embed_tokens.weight"))
+        self.embed = Embedding(w.get(w.prefix + "embed_tokens.weight", (cfg.vocab_size, cfg.hidden_size)))
         blocks, kv, gdn = [], 0, 0
         for i, kind in enumerate(cfg.layer_types):
             blocks.append(Qwen3NextBlock(cfg, w, i, kv, gdn))
             kv, gdn = kv + (kind == "full_attention"), gdn + (kind == "linear_attention")
         self.layers = nn.ModuleList(blocks)
-        self.register_buffer("norm", w.norm(w.prefix + "norm.weight"))
-        self.lm_head = self.embed.as_linear() if cfg.tie_word_embeddings else Linear(w.get(w.head_name))
+        self.register_buffer("norm", w.norm(w.prefix + "norm.weight", cfg.hidden_size))
+        self.lm_head = self.embed.as_linear() if cfg.tie_word_embeddings else \
+            Linear(w.get(w.head_name, (cfg.vocab_size, cfg.hidden_size)))
         self.register_buffer("inv_freq", rope_inv_freq(cfg.rotary_dim, cfg.rope_theta), persistent=False)
 
     def new_cache(self, batch: int, capacity: int, dtype: torch.dtype, device) -> HybridCache:
@@ -178,56 +183,68 @@ class _Weights:
     def layer_prefix(self, i: int) -> str:
         return f"{self.prefix}layers.{i}."
 
-    def get(self, name: str):
+    def get(self, name: str, shape: tuple | None = None, keep_dtype: bool = False):
+        """A tensor (model dtype) or QuantizedTensor; `shape` (logical, as config.json implies) is checked."""
         t = self.src.tensor(name)
-        return t.to(self.dtype) if isinstance(t, torch.Tensor) else t
+        got = tuple(t.shape)
+        if shape is not None and got != tuple(shape):
+            raise ModelFileError(f"{self.src.path}: tensor '{name}' has shape {got}, but config.json implies "
+                                 f"{tuple(shape)}. The checkpoint and its config.json do not belong together.")
+        return t.to(self.dtype) if isinstance(t, torch.Tensor) and not keep_dtype else t
 
-    def norm(self, name: str) -> torch.Tensor:
-        return self.src.tensor(name).float() + self.norm_offset
+    def norm(self, name: str, size: int) -> torch.Tensor:
+        return self.get(name, (size,), keep_dtype=True).float() + self.norm_offset
 
-    def mlp(self, p: str, intermediate: int) -> SwiGLU:
-        gate, up = Linear(self.get(p + "gate_proj.weight")), Linear(self.get(p + "up_proj.weight"))
-        return SwiGLU(fuse_linears([gate, up]), Linear(self.get(p + "down_proj.weight")), intermediate)
+    def mlp(self, p: str, intermediate: int, hidden: int) -> SwiGLU:
+        gate = Linear(self.get(p + "gate_proj.weight", (intermediate, hidden)))
+        up = Linear(self.get(p + "up_proj.weight", (intermediate, hidden)))
+        return SwiGLU(fuse_linears([gate, up]), Linear(self.get(p + "down_proj.weight", (hidden, intermediate))),
+                      intermediate)
 
     def moe(self, cfg: Qwen3NextConfig, p: str) -> SparseMoE:
+        H = cfg.hidden_size
         if self.src.has(p + "switch_mlp.gate_proj.weight"):  # MLX: stacked per projection
             gate, up = self.get(p + "switch_mlp.gate_proj.weight"), self.get(p + "switch_mlp.up_proj.weight")
             gate_up, down = _cat_rows([gate, up]), self.get(p + "switch_mlp.down_proj.weight")
         elif self.src.has(p + "experts.gate_up_proj"):  # Qwen3.5: fused [E, 2I, H] and [E, H, I]
             gate_up, down = self.get(p + "experts.gate_up_proj"), self.get(p + "experts.down_proj")
         else:  # per-expert tensors, stacked
-            E = cfg.num_experts
-            gate_up = torch.stack([torch.cat([self.get(p + f"experts.{e}.gate_proj.weight"),
-                                              self.get(p + f"experts.{e}.up_proj.weight")]) for e in range(E)])
-            down = torch.stack([self.get(p + f"experts.{e}.down_proj.weight") for e in range(E)])
-        E, I, H = cfg.num_experts, cfg.moe_intermediate_size, cfg.hidden_size
+            E, I = cfg.num_experts, cfg.moe_intermediate_size
+            gate_up = torch.stack([torch.cat([self.get(p + f"experts.{e}.{n}_proj.weight", (I, H))
+                                              for n in ("gate", "up")]) for e in range(E)])
+            down = torch.stack([self.get(p + f"experts.{e}.down_proj.weight", (H, I)) for e in range(E)])
+        E, I = cfg.num_experts, cfg.moe_intermediate_size
         for name, t, shape in (("gate_up", gate_up, (E, 2 * I, H)), ("down", down, (E, H, I))):
             got = tuple(t.shape) if isinstance(t, torch.Tensor) else t.shape
             if got != shape:
                 raise ModelFileError(f"{p}experts {name}: shape {got}, config.json implies {shape}.")
         shared = shared_gate = None
         if cfg.shared_expert_intermediate_size:
-            shared = self.mlp(p + "shared_expert.", cfg.shared_expert_intermediate_size)
-            shared_gate = Linear(self.get(p + "shared_expert_gate.weight"))
-        return SparseMoE(Linear(self.get(p + "gate.weight")), gate_up, down, cfg.top_k, cfg.norm_topk_prob,
+            shared = self.mlp(p + "shared_expert.", cfg.shared_expert_intermediate_size, H)
+            shared_gate = Linear(self.get(p + "shared_expert_gate.weight", (1, H)))
+        return SparseMoE(Linear(self.get(p + "gate.weight", (E, H))), gate_up, down, cfg.top_k, cfg.norm_topk_prob,
                          shared, shared_gate)
 
     def gated_deltanet(self, cfg: Qwen3NextConfig, p: str, index: int) -> GatedDeltaNet:
         nk, nv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
         dk, dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
+        H, kd, vd = cfg.hidden_size, nk * dk, nv * dv
         if self.src.has(p + "in_proj_qkvz.weight"):  # Qwen3-Next: interleaved per k-group
-            parts = [Linear(_take_rows(self.get(p + "in_proj_qkvz.weight"), qkvz_rows(nk, dk, nv, dv))),
-                     Linear(_take_rows(self.get(p + "in_proj_ba.weight"), ba_rows(nk, nv)))]
+            qkvz = self.get(p + "in_proj_qkvz.weight", (2 * kd + 2 * vd, H))
+            ba = self.get(p + "in_proj_ba.weight", (2 * nv, H))
+            parts = [Linear(_take_rows(qkvz, qkvz_rows(nk, dk, nv, dv))), Linear(_take_rows(ba, ba_rows(nk, nv)))]
         else:  # Qwen3.5: already separate
-            parts = [Linear(self.get(p + f"in_proj_{n}.weight")) for n in ("qkv", "z", "b", "a")]
+            shapes = {"qkv": (2 * kd + vd, H), "z": (vd, H), "b": (nv, H), "a": (nv, H)}
+            parts = [Linear(self.get(p + f"in_proj_{n}.weight", shapes[n])) for n in ("qkv", "z", "b", "a")]
         conv = self.src.tensor(p + "conv1d.weight")
         C = 2 * nk * dk + nv * dv
         if conv.numel() != C * cfg.conv_kernel:
             raise ModelFileError(f"{p}conv1d.weight: shape {tuple(conv.shape)}, expected [{C}, 1, {cfg.conv_kernel}].")
         conv = conv.reshape(C, cfg.conv_kernel)  # HF [C, 1, W]; MLX [C, W, 1]
-        return GatedDeltaNet(fuse_linears(parts), conv.to(self.dtype), self.src.tensor(p + "A_log").float(),
-                             self.src.tensor(p + "dt_bias").float(), self.get(p + "norm.weight"),
-                             Linear(self.get(p + "out_proj.weight")), nk, nv, dk, dv, cfg.rms_norm_eps, index)
+        return GatedDeltaNet(fuse_linears(parts), conv.to(self.dtype), self.get(p + "A_log", (nv,), True).float(),
+                             self.get(p + "dt_bias", (nv,), True).float(), self.get(p + "norm.weight", (dv,)),
+                             Linear(self.get(p + "out_proj.weight", (H, vd))), nk, nv, dk, dv, cfg.rms_norm_eps,
+                             index)
 
 
 def _cat_rows(ws):
