@@ -244,3 +244,39 @@ def test_cli_run_and_info_on_a_hybrid_model(good_dir, capsys):
     assert main(["run", "the cat", "--model", str(good_dir), "--max-tokens", "4", "--temperature", "0"]) == 0
     assert main(["info", str(good_dir)]) == 0
     assert "qwen3_next" in capsys.readouterr().out
+
+
+def test_multimodal_layout_qwen3_5_moe(tmp_path):
+    """Qwen3.5/3.6 checkpoints as published: model_type qwen3_5_moe with a nested text_config, the text model
+    under model.language_model.*, vision weights beside it (ignored). Loads, and converts to MLX's
+    language_model.* naming."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    hf = qwen3_5_moe(seed=9)
+    src = save(hf, tmp_path / "text")
+    d = tmp_path / "vl"
+    d.mkdir()
+    tensors = {("model.language_model." + k.removeprefix("model.")) if k.startswith("model.") else k: v
+               for k, v in load_file(str(src / "model.safetensors")).items()}
+    tensors["model.visual.patch_embed.proj.weight"] = torch.zeros(4, 4)
+    tensors["mtp.fc.weight"] = torch.zeros(4, 4)
+    save_file(tensors, str(d / "model.safetensors"))
+    text_cfg = json.loads((src / "config.json").read_text())
+    (d / "config.json").write_text(json.dumps({"model_type": "qwen3_5_moe", "text_config": text_cfg,
+                                               "vision_config": {"depth": 1}}))
+    byte_level_tokenizer_json(d)
+    ids = torch.randint(0, 300, (1, 40), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        ref = hf(ids).logits
+    assert rel_err(sluice.load(d, device="cpu").logits(ids), ref) < 1e-4
+
+    from sluice.formats.convert import convert
+    from sluice.formats.hf import HFDirectory
+
+    out = convert(d, tmp_path / "mlx", bits=8, group_size=32, quiet=True)
+    names = set(HFDirectory(out).names())
+    assert "language_model.model.embed_tokens.weight" in names and "language_model.lm_head.weight" in names
+    assert not any(n.startswith(("model.visual", "mtp.")) for n in names)
+    assert rel_err(sluice.load(out, device="cpu").logits(ids), ref) < 2e-2  # 8-bit weights: close, not equal
