@@ -9,7 +9,8 @@ from sluice.kernels import cpu as native
 from sluice.kernels.attention import cpu as attention_cpu
 from sluice.kernels.attention.reference import attention
 from sluice.kernels.rope.reference import apply_rope
-from sluice.layers.linear import Linear
+from sluice.kernels.norm.reference import rms_norm_fp32_scale
+from sluice.layers.linear import Linear, fuse_linears
 
 
 class Attention(nn.Module):
@@ -46,8 +47,6 @@ class GatedAttention(nn.Module):
     def __init__(self, q_proj: Linear, k_proj: Linear, v_proj: Linear, o_proj: Linear, q_norm: torch.Tensor,
                  k_norm: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int, eps: float, cache_index: int):
         super().__init__()
-        from sluice.layers.linear import fuse_linears
-
         self.qkv = fuse_linears([q_proj, k_proj, v_proj])
         self.o = o_proj
         self.register_buffer("q_norm", q_norm)  # effective scales (1 + w for HF's zero-centred weights)
@@ -57,8 +56,6 @@ class GatedAttention(nn.Module):
         self.scale = head_dim ** -0.5
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache, start: int) -> torch.Tensor:
-        from sluice.kernels.norm.reference import rms_norm_fp32_scale
-
         B, T, _ = x.shape
         H, Hkv, D = self.num_heads, self.num_kv_heads, self.head_dim
         qg, k, v = self.qkv(x).split([2 * H * D, Hkv * D, Hkv * D], dim=-1)
