@@ -1,4 +1,11 @@
+import os
+
 import pytest
+import torch
+
+# Without a GPU, Triton kernels run under the interpreter (must be set before triton is imported).
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 @pytest.fixture(scope="session")

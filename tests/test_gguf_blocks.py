@@ -7,7 +7,8 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader
 from gguf.quants import dequantize as gguf_dequantize
 
 from sluice.errors import ModelFileError, UnsupportedError
-from sluice.quant import QuantizedTensor, from_gguf
+from sluice.quant import QuantizedTensor
+from sluice.quant.gguf_blocks import from_gguf
 
 T = GGMLQuantizationType
 F32 = np.float32

@@ -1,4 +1,5 @@
-"""Quantized weights: the MLX affine layout (`affine`) and GGUF block types mapped onto it (`gguf_blocks`)."""
+"""Quantized weights: the MLX affine layout (`affine`) and GGUF block types mapped onto it (`gguf_blocks`,
+imported on its own so the kernels do not need the `gguf` package)."""
 
 from sluice.quant.affine import (
     SCALE_DTYPES,
@@ -10,16 +11,13 @@ from sluice.quant.affine import (
     quantize,
     unpack,
 )
-from sluice.quant.gguf_blocks import SUPPORTED_GGUF_TYPES, from_gguf
 
 __all__ = [
     "QuantizedTensor",
     "SCALE_DTYPES",
     "SUPPORTED_BITS",
-    "SUPPORTED_GGUF_TYPES",
     "SUPPORTED_GROUP_SIZES",
     "dequantize",
-    "from_gguf",
     "pack",
     "quantize",
     "unpack",

@@ -1,0 +1,57 @@
+"""Triton quantized matmul (GEMV for few rows, tensor-core GEMM for many) against the torch reference, on fresh
+random data: under the Triton interpreter on CPU, at real shapes on a GPU (benchmarks/qmatmul_gpu.py)."""
+
+import pytest
+import torch
+
+triton = pytest.importorskip("triton")
+
+from sluice.kernels.qmatmul import reference  # noqa: E402
+from sluice.kernels.qmatmul import triton as tq  # noqa: E402
+from sluice.quant.affine import quantize  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def rel_err(a, b):
+    return float((a.float() - b.float()).norm() / b.float().norm())
+
+
+@pytest.mark.parametrize("bits", [2, 4, 8])
+@pytest.mark.parametrize("group_size", [32, 64, 128])
+@pytest.mark.parametrize("rows", [1, 5, 16, 33])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_matches_reference(bits, group_size, rows, dtype):
+    g = torch.Generator().manual_seed(bits * 7 + group_size + rows)
+    w = torch.randn(48, 384, generator=g).to(dtype)
+    qt = quantize(w, bits=bits, group_size=group_size)
+    qt = type(qt)(qt.weight.to(DEVICE), qt.scales.to(DEVICE), qt.biases.to(DEVICE), bits, group_size)
+    x = torch.randn(rows, 384, generator=g).to(dtype)
+    ref = reference.qmatmul(x.float(), type(qt)(qt.weight.cpu(), qt.scales.cpu(), qt.biases.cpu(), bits, group_size))
+    if rows <= tq.GEMV_MAX_ROWS:
+        out = tq.qgemv(x.to(DEVICE), qt)
+    else:
+        out = tq.qgemm(x.to(DEVICE), qt, block_m=32, block_n=32, block_k=64)
+    assert out.dtype == dtype and out.shape == (rows, 48)
+    assert rel_err(out.cpu(), ref) < 1e-2
+
+
+def test_split_k_and_ragged_shapes():
+    qt = quantize(torch.randn(70, 576), bits=4, group_size=64)  # K not a multiple of the K block, N ragged
+    x = torch.randn(2, 576)
+    ref = reference.qmatmul(x, qt)
+    for split in (1, 3):
+        out = tq.qgemv(x.to(DEVICE).bfloat16(), type(qt)(*(t.to(DEVICE) for t in (qt.weight, qt.scales, qt.biases)),
+                                                        4, 64), split_k=split)
+        assert rel_err(out.cpu(), ref) < 1e-2
+
+
+def test_bad_inputs_raise_before_launch():
+    qt = quantize(torch.randn(16, 128), bits=3, group_size=32)
+    with pytest.raises(ValueError, match="3-bit"):
+        tq.qgemv(torch.randn(1, 128), qt)
+    qt = quantize(torch.randn(16, 128), bits=4, group_size=32)
+    with pytest.raises(ValueError, match=r"\[M, 128\]"):
+        tq.qgemv(torch.randn(1, 64), qt)
+    with pytest.raises(ValueError, match="bf16, fp16 or fp32"):
+        tq.qgemv(torch.ones(1, 128, dtype=torch.int32), qt)
