@@ -75,7 +75,7 @@ def _qgemm_kernel(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_
     num_m, num_n = tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N)
     group = pid // (GROUP_M * num_n)  # grouped order: neighbouring programs share W tiles in L2
     first_m = group * GROUP_M
-    size_m = min(num_m - first_m, GROUP_M)
+    size_m = tl.minimum(num_m - first_m, GROUP_M)
     pid_m = first_m + (pid % size_m)
     pid_n = (pid % (GROUP_M * num_n)) // size_m
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
