@@ -73,6 +73,41 @@ def _qmm_kernel(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, M, N, K, k_per_split,
              acc.to(y_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
 
 
+@triton.jit
+def _qgemv1_kernel(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, N, K, k_per_split, stride_wn, stride_sn, stride_ys,
+                   BITS: tl.constexpr, GS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr):
+    """One activation row (decode, batch 1): y[n] = sum_k x[k] W[n, k], reading W in its own K-contiguous
+    order (coalesced packed words). Code j of every word is handled as a [BLOCK_N, BLOCK_W] plane against the
+    matching strided slice of x, so nothing is reshaped; products accumulate elementwise and are reduced once
+    at the end. Per word: s * sum_j q_j x_j + b * sum_j x_j (a word never straddles a group)."""
+    EPW: tl.constexpr = 32 // BITS
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < N
+    acc = tl.zeros((BLOCK_N, BLOCK_W), dtype=tl.float32)
+    w_start = pid_k * (k_per_split // EPW)
+    w_end = tl.minimum(w_start + k_per_split // EPW, K // EPW)
+    for w0 in range(w_start, w_end, BLOCK_W):
+        offs_w = w0 + tl.arange(0, BLOCK_W)
+        w_ok = offs_w < w_end
+        words = tl.load(w_ptr + offs_n[:, None] * stride_wn + offs_w[None, :], mask=n_ok[:, None] & w_ok[None, :],
+                        other=0)
+        dot = tl.zeros((BLOCK_N, BLOCK_W), dtype=tl.float32)
+        xsum = tl.zeros((BLOCK_W,), dtype=tl.float32)
+        for j in tl.static_range(EPW):
+            xj = tl.load(x_ptr + offs_w * EPW + j, mask=w_ok, other=0.0).to(tl.float32)
+            q = ((words >> (j * BITS)) & ((1 << BITS) - 1)).to(tl.float32)
+            dot += q * xj[None, :]
+            xsum += xj
+        g = (offs_w * EPW) // GS
+        sb_ok = n_ok[:, None] & w_ok[None, :]
+        s = tl.load(s_ptr + offs_n[:, None] * stride_sn + g[None, :], mask=sb_ok, other=0.0).to(tl.float32)
+        b = tl.load(b_ptr + offs_n[:, None] * stride_sn + g[None, :], mask=sb_ok, other=0.0).to(tl.float32)
+        acc += s * dot + b * xsum[None, :]
+    tl.store(y_ptr + pid_k * stride_ys + offs_n, tl.sum(acc, axis=1).to(y_ptr.dtype.element_ty), mask=n_ok)
+
+
 def check(x: torch.Tensor, qt) -> None:
     """Clear errors before any launch."""
     if qt.bits not in SUPPORTED_BITS:
@@ -125,8 +160,35 @@ def _launch(x, qt, block_m, block_n, block_k, split_k, num_warps, num_stages):
 
 def qgemv(x: torch.Tensor, qt, block_n: int = 64, block_k: int = 128, split_k: int | None = None,
           num_warps: int = 4, num_stages: int = 4) -> torch.Tensor:
-    """y [M, N] = x [M, K] @ W^T for few rows (decode): one 16-row tile, split-K to fill the GPU."""
+    """y [M, N] = x [M, K] @ W^T for few rows (decode). One row: the CUDA-core kernel over W's own layout;
+    2..16 rows: one 16-row tensor-core tile, split-K to fill the GPU."""
+    if x.shape[0] == 1:
+        return qgemv1(x, qt, block_n=block_n, block_w=block_k * qt.bits // 32, split_k=split_k, num_warps=num_warps,
+                      num_stages=num_stages)
     return _launch(x, qt, 16, block_n, block_k, split_k, num_warps, num_stages)
+
+
+def qgemv1(x: torch.Tensor, qt, block_n: int = 64, block_w: int = 16, split_k: int | None = None,
+           num_warps: int = 4, num_stages: int = 4) -> torch.Tensor:
+    """y [1, N] = x [1, K] @ W^T (batch-1 decode)."""
+    check(x, qt)
+    K = x.shape[1]
+    N = qt.weight.shape[0]
+    epw = 32 // qt.bits
+    k_block = block_w * epw
+    k_blocks = triton.cdiv(K, k_block)
+    if split_k is None:
+        split_k = max(1, min(k_blocks, (4 * _num_sms(x.device)) // max(triton.cdiv(N, block_n), 1)))
+    k_per_split = triton.cdiv(k_blocks, split_k) * k_block
+    split_k = triton.cdiv(K, k_per_split)
+    x = x.contiguous()
+    out = torch.empty((split_k, N), dtype=x.dtype if split_k == 1 else torch.float32, device=x.device)
+    _qgemv1_kernel[(triton.cdiv(N, block_n), split_k)](
+        x, qt.weight.view(torch.int32), qt.scales, qt.biases, out, N, K, k_per_split, qt.weight.stride(0),
+        qt.scales.stride(0), out.stride(0), BITS=qt.bits, GS=qt.group_size, BLOCK_N=block_n, BLOCK_W=block_w,
+        num_warps=num_warps, num_stages=num_stages)
+    y = out[0] if split_k == 1 else out.sum(0).to(x.dtype)
+    return y.view(1, N)
 
 
 def qgemm(x: torch.Tensor, qt, block_m: int = 128, block_n: int = 128, block_k: int = 64,
