@@ -77,8 +77,8 @@ def _qmm_kernel(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, M, N, K, k_per_split,
 def _qgemv1_kernel(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, N, K, k_per_split, stride_wn, stride_sn, stride_ys,
                    BITS: tl.constexpr, GS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr):
     """One activation row (decode, batch 1): y[n] = sum_k x[k] W[n, k], reading W in its own K-contiguous
-    order (coalesced packed words). Code j of every word is handled as a [BLOCK_N, BLOCK_W] plane against the
-    matching strided slice of x, so nothing is reshaped; products accumulate elementwise and are reduced once
+    order (coalesced packed words). Code j of every word is handled as a [BLOCK_N, BLOCK_W] plane against
+    x_planes[j] = x[j::EPW] (x regrouped once by the caller, so these loads are contiguous); nothing is reshaped; products accumulate elementwise and are reduced once
     at the end. Per word: s * sum_j q_j x_j + b * sum_j x_j (a word never straddles a group)."""
     EPW: tl.constexpr = 32 // BITS
     pid_n = tl.program_id(0)
@@ -96,7 +96,7 @@ def _qgemv1_kernel(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, N, K, k_per_split, stride_
         dot = tl.zeros((BLOCK_N, BLOCK_W), dtype=tl.float32)
         xsum = tl.zeros((BLOCK_W,), dtype=tl.float32)
         for j in tl.static_range(EPW):
-            xj = tl.load(x_ptr + offs_w * EPW + j, mask=w_ok, other=0.0).to(tl.float32)
+            xj = tl.load(x_ptr + j * (K // EPW) + offs_w, mask=w_ok, other=0.0).to(tl.float32)
             q = ((words >> (j * BITS)) & ((1 << BITS) - 1)).to(tl.float32)
             dot += q * xj[None, :]
             xsum += xj
@@ -181,10 +181,10 @@ def qgemv1(x: torch.Tensor, qt, block_n: int = 64, block_w: int = 16, split_k: i
         split_k = max(1, min(k_blocks, (4 * _num_sms(x.device)) // max(triton.cdiv(N, block_n), 1)))
     k_per_split = triton.cdiv(k_blocks, split_k) * k_block
     split_k = triton.cdiv(K, k_per_split)
-    x = x.contiguous()
+    x_planes = x.reshape(K // epw, epw).t().contiguous()  # [EPW, K/EPW]: plane j holds x[j::EPW]
     out = torch.empty((split_k, N), dtype=x.dtype if split_k == 1 else torch.float32, device=x.device)
     _qgemv1_kernel[(triton.cdiv(N, block_n), split_k)](
-        x, qt.weight.view(torch.int32), qt.scales, qt.biases, out, N, K, k_per_split, qt.weight.stride(0),
+        x_planes, qt.weight.view(torch.int32), qt.scales, qt.biases, out, N, K, k_per_split, qt.weight.stride(0),
         qt.scales.stride(0), out.stride(0), BITS=qt.bits, GS=qt.group_size, BLOCK_N=block_n, BLOCK_W=block_w,
         num_warps=num_warps, num_stages=num_stages)
     y = out[0] if split_k == 1 else out.sum(0).to(x.dtype)
