@@ -77,34 +77,37 @@ def _qmm_kernel(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, M, N, K, k_per_split,
 def _qgemv1_kernel(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, N, K, k_per_split, stride_wn, stride_sn, stride_ys,
                    BITS: tl.constexpr, GS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr):
     """One activation row (decode, batch 1): y[n] = sum_k x[k] W[n, k], reading W in its own K-contiguous
-    order (coalesced packed words). Code j of every word is handled as a [BLOCK_N, BLOCK_W] plane against
-    x_planes[j] = x[j::EPW] (x regrouped once by the caller, so these loads are contiguous); nothing is reshaped; products accumulate elementwise and are reduced once
-    at the end. Per word: s * sum_j q_j x_j + b * sum_j x_j (a word never straddles a group)."""
+    order (coalesced packed words), BLOCK_W words of each of BLOCK_N rows per step, one group at a time.
+    Code j of every word is a [BLOCK_N, WPG] plane against x_planes[j] = x[j::EPW] (x regrouped once by the
+    caller, so these loads are contiguous); nothing is reshaped. Per group: s * sum(q x) + b * sum(x), with s
+    and b loaded once per row and group; products accumulate elementwise and are reduced once at the end."""
     EPW: tl.constexpr = 32 // BITS
+    WPG: tl.constexpr = GS // EPW
+    GPB: tl.constexpr = BLOCK_W // WPG  # groups per step
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < N
-    acc = tl.zeros((BLOCK_N, BLOCK_W), dtype=tl.float32)
+    acc = tl.zeros((BLOCK_N, WPG), dtype=tl.float32)
     w_start = pid_k * (k_per_split // EPW)
     w_end = tl.minimum(w_start + k_per_split // EPW, K // EPW)
     for w0 in range(w_start, w_end, BLOCK_W):
-        offs_w = w0 + tl.arange(0, BLOCK_W)
-        w_ok = offs_w < w_end
-        words = tl.load(w_ptr + offs_n[:, None] * stride_wn + offs_w[None, :], mask=n_ok[:, None] & w_ok[None, :],
-                        other=0)
-        dot = tl.zeros((BLOCK_N, BLOCK_W), dtype=tl.float32)
-        xsum = tl.zeros((BLOCK_W,), dtype=tl.float32)
-        for j in tl.static_range(EPW):
-            xj = tl.load(x_ptr + j * (K // EPW) + offs_w, mask=w_ok, other=0.0).to(tl.float32)
-            q = ((words >> (j * BITS)) & ((1 << BITS) - 1)).to(tl.float32)
-            dot += q * xj[None, :]
-            xsum += xj
-        g = (offs_w * EPW) // GS
-        sb_ok = n_ok[:, None] & w_ok[None, :]
-        s = tl.load(s_ptr + offs_n[:, None] * stride_sn + g[None, :], mask=sb_ok, other=0.0).to(tl.float32)
-        b = tl.load(b_ptr + offs_n[:, None] * stride_sn + g[None, :], mask=sb_ok, other=0.0).to(tl.float32)
-        acc += s * dot + b * xsum[None, :]
+        for gi in tl.static_range(GPB):
+            offs_w = w0 + gi * WPG + tl.arange(0, WPG)
+            w_ok = offs_w < w_end
+            words = tl.load(w_ptr + offs_n[:, None] * stride_wn + offs_w[None, :],
+                            mask=n_ok[:, None] & w_ok[None, :], other=0)
+            dot = tl.zeros((BLOCK_N, WPG), dtype=tl.float32)
+            xsum = tl.zeros((WPG,), dtype=tl.float32)
+            for j in tl.static_range(EPW):
+                xj = tl.load(x_ptr + j * (K // EPW) + offs_w, mask=w_ok, other=0.0).to(tl.float32)
+                dot += ((words >> (j * BITS)) & ((1 << BITS) - 1)).to(tl.float32) * xj[None, :]
+                xsum += xj
+            g = (w0 + gi * WPG) // WPG
+            g_ok = n_ok & ((g * WPG + tl.zeros_like(offs_n)) < w_end)
+            s = tl.load(s_ptr + offs_n * stride_sn + g, mask=g_ok, other=0.0).to(tl.float32)
+            b = tl.load(b_ptr + offs_n * stride_sn + g, mask=g_ok, other=0.0).to(tl.float32)
+            acc += s[:, None] * dot + b[:, None] * xsum[None, :]
     tl.store(y_ptr + pid_k * stride_ys + offs_n, tl.sum(acc, axis=1).to(y_ptr.dtype.element_ty), mask=n_ok)
 
 
@@ -175,6 +178,7 @@ def qgemv1(x: torch.Tensor, qt, block_n: int = 64, block_w: int = 16, split_k: i
     K = x.shape[1]
     N = qt.weight.shape[0]
     epw = 32 // qt.bits
+    block_w = max(block_w, qt.group_size // epw)  # whole groups per step
     k_block = block_w * epw
     k_blocks = triton.cdiv(K, k_block)
     if split_k is None:
