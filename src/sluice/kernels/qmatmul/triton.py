@@ -101,7 +101,9 @@ def _qgemv1_kernel(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, N, K, k_per_split, stride_
             xsum = tl.zeros((WPG,), dtype=tl.float32)
             for j in tl.static_range(EPW):
                 xj = tl.load(x_ptr + j * (K // EPW) + offs_w, mask=w_ok, other=0.0).to(tl.float32)
-                dot += ((words >> (j * BITS)) & ((1 << BITS) - 1)).to(tl.float32) * xj[None, :]
+                # int -> float without the quarter-rate I2F: 2^23 + q is exact as float bits 0x4B000000 | q
+                q = (((words >> (j * BITS)) & ((1 << BITS) - 1)) | 0x4B000000).to(tl.float32, bitcast=True)
+                dot += (q - 8388608.0) * xj[None, :]
                 xsum += xj
             g = (w0 + gi * WPG) // WPG
             g_ok = n_ok & ((g * WPG + tl.zeros_like(offs_n)) < w_end)
