@@ -1,7 +1,7 @@
 """Quantized matmul y = x @ W^T with W an MLX-affine QuantizedTensor; picks the implementation by device.
 
-CPU: the C kernel (fused dequant GEMV for a few rows; dequantize once + BLAS GEMM for many rows), else the
-torch reference. CUDA: the torch reference until the Triton kernels land.
+CPU: the native kernel (fused dequant GEMV for a few rows; dequantize once + BLAS GEMM for many rows), else the
+torch reference. CUDA: the Triton kernels (bits 2/4/8, groups 32/64/128), else the torch reference.
 """
 
 import torch
@@ -10,10 +10,27 @@ from sluice.kernels.qmatmul import cpu, reference
 
 
 def prepare(qt):
-    """The fastest implementation of x @ W^T for this weight where it lives, as a callable on x [M, K]."""
-    if not qt.weight.is_cuda and cpu.supports(qt) and cpu.available():
-        return cpu.QMatmul(qt)
+    """The fastest implementation of x @ W^T for this weight where it lives, as a callable on x [M, K] (any float
+    dtype; returns [M, N])."""
+    if qt.weight.is_cuda:
+        triton_mm = _triton_for(qt)
+        if triton_mm is not None:
+            return triton_mm
+        return lambda x2: reference.qmatmul(x2, qt)
+    if cpu.supports(qt) and cpu.available():
+        native = cpu.QMatmul(qt)
+        return lambda x2: native(x2 if x2.dtype == torch.float32 and x2.is_contiguous() else x2.float().contiguous())
     return lambda x2: reference.qmatmul(x2, qt)
+
+
+def _triton_for(qt):
+    try:
+        from sluice.kernels.qmatmul import triton as tq
+    except ImportError:  # no Triton: the reference (correct, slow)
+        return None
+    if qt.bits not in tq.SUPPORTED_BITS or qt.group_size not in tq.SUPPORTED_GROUPS or qt.weight.dim() != 2:
+        return None
+    return lambda x2: tq.qmatmul(x2, qt)
 
 
 def qmatmul(x: torch.Tensor, qt, prepared=None) -> torch.Tensor:
@@ -22,10 +39,7 @@ def qmatmul(x: torch.Tensor, qt, prepared=None) -> torch.Tensor:
     if K != qt.in_features:
         raise ValueError(f"qmatmul: x has {K} features but the weight expects {qt.in_features}")
     fn = prepared or prepare(qt)
-    x2 = x.reshape(-1, K)
-    if x2.dtype != torch.float32 or not x2.is_contiguous():
-        x2 = x2.float().contiguous()
-    y = fn(x2)
+    y = fn(x.reshape(-1, K))
     y = y.view(*x.shape[:-1], y.shape[-1])
     return y if y.dtype == x.dtype else y.to(x.dtype)
 

@@ -64,7 +64,7 @@ def _qmm_kernel(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, M, N, K, k_per_split,
             s = tl.load(s_ptr + offs_n * stride_sn + kg // GS, mask=g_ok, other=0.0).to(tl.float32)
             b = tl.load(b_ptr + offs_n * stride_sn + kg // GS, mask=g_ok, other=0.0).to(tl.float32)
             if DOT_FP32:  # fp32 activations, or the interpreter (its bf16 dot is wrong in Triton 3.9)
-                part = tl.dot(x.to(tl.float32), tl.trans(q.to(tl.float32)))
+                part = tl.dot(x.to(tl.float32), tl.trans(q.to(tl.float32)), input_precision="ieee")
             else:
                 part = tl.dot(x, tl.trans(q.to(x.dtype)))  # codes <= 255 are exact in bf16/fp16
             xsum = tl.sum(x.to(tl.float32), axis=1)
@@ -101,9 +101,7 @@ def _qgemv1_kernel(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, N, K, k_per_split, stride_
             xsum = tl.zeros((WPG,), dtype=tl.float32)
             for j in tl.static_range(EPW):
                 xj = tl.load(x_ptr + j * (K // EPW) + offs_w, mask=w_ok, other=0.0).to(tl.float32)
-                # int -> float without the quarter-rate I2F: 2^23 + q is exact as float bits 0x4B000000 | q
-                q = (((words >> (j * BITS)) & ((1 << BITS) - 1)) | 0x4B000000).to(tl.float32, bitcast=True)
-                dot += (q - 8388608.0) * xj[None, :]
+                dot += ((words >> (j * BITS)) & ((1 << BITS) - 1)).to(tl.float32) * xj[None, :]
                 xsum += xj
             g = (w0 + gi * WPG) // WPG
             g_ok = n_ok & ((g * WPG + tl.zeros_like(offs_n)) < w_end)
