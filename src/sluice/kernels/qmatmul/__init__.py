@@ -50,5 +50,6 @@ def dequantize_rows(qt, rows: torch.Tensor) -> torch.Tensor:
         return cpu.dequantize_rows(qt, rows).reshape(*rows.shape, qt.in_features)
     from sluice.quant.affine import QuantizedTensor
 
-    sub = QuantizedTensor(qt.weight[rows], qt.scales[rows], qt.biases[rows], qt.bits, qt.group_size)
+    words = qt.weight.view(torch.int32)[rows].view(torch.uint32)  # CUDA has no uint32 gather; int32 is the same bits
+    sub = QuantizedTensor(words, qt.scales[rows], qt.biases[rows], qt.bits, qt.group_size)
     return sub.dequantize(torch.float32)
