@@ -19,7 +19,7 @@ def rel_err(a, b):
 
 @pytest.mark.parametrize("bits", [2, 4, 8])
 @pytest.mark.parametrize("group_size", [32, 64, 128])
-@pytest.mark.parametrize("rows", [1, 5, 16, 33])
+@pytest.mark.parametrize("rows", [1, 3, 5, 16, 33])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_matches_reference(bits, group_size, rows, dtype):
     g = torch.Generator().manual_seed(bits * 7 + group_size + rows)

@@ -1,12 +1,9 @@
 """Triton kernels for y = x @ W^T with W an MLX-affine QuantizedTensor, dequantization fused in registers.
 
-One kernel, `_qmm_kernel`, two launch shapes:
-- decode (`qgemv`, M <= 16): one 16-row tile per program, BLOCK_N output rows, split-K across programs so
-  every SM streams W (fp32 partials summed after); bound by the bytes of W.
-- prefill (`qgemm`): 128x128 tiles on tensor cores, grouped program order for L2 reuse.
-The packed codes are unpacked in registers and multiplied on the tensor cores as exact integers; the per-group
-scale and bias are applied to the partial products (`s * (x.q) + b * sum(x)`), so no weight is ever
-dequantized element by element.
+- `_qgemv_kernel` (decode, M <= 4): CUDA cores, W streamed in its own K-contiguous order, split-K.
+- `_qmm_kernel` (tensor cores): one 16-row tile for 5 <= M <= 16 (split-K), 128-row tiles for prefill with
+  grouped program order for L2 reuse. The codes are multiplied as exact integers.
+Both apply each group's scale and bias to partial products (`s * (x.q) + b * sum(x)`), never per weight.
 
 Packed layout (MLX): element k of a row sits in word k // (32/BITS) at bit (k % (32/BITS)) * BITS; scale and bias
 of group k // GS; value = scale * q + bias. Bits 2, 4, 8; group sizes 32, 64, 128.
@@ -74,41 +71,48 @@ def _qmm_kernel(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, M, N, K, k_per_split,
 
 
 @triton.jit
-def _qgemv1_kernel(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, N, K, k_per_split, stride_wn, stride_sn, stride_ys,
-                   BITS: tl.constexpr, GS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr):
-    """One activation row (decode, batch 1): y[n] = sum_k x[k] W[n, k], reading W in its own K-contiguous
-    order (coalesced packed words), BLOCK_W words of each of BLOCK_N rows per step, one group at a time.
-    Code j of every word is a [BLOCK_N, WPG] plane against x_planes[j] = x[j::EPW] (x regrouped once by the
-    caller, so these loads are contiguous); nothing is reshaped. Per group: s * sum(q x) + b * sum(x), with s
-    and b loaded once per row and group; products accumulate elementwise and are reduced once at the end."""
+def _qgemv_kernel(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, M, N, K, k_per_split, stride_wn, stride_sn, stride_ys,
+                  stride_ym, BITS: tl.constexpr, GS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                  BLOCK_W: tl.constexpr):
+    """A few activation rows (decode, M <= 4): y[m, n] = sum_k x[m, k] W[n, k], on CUDA cores, reading W in its
+    own K-contiguous order (coalesced packed words), BLOCK_W words of each of BLOCK_N rows per step, one group
+    at a time. Code j of every word is a [BLOCK_N, WPG] plane against x_planes[:, j] = x[:, j::EPW] (x regrouped
+    once by the caller, so these loads are contiguous); nothing is reshaped, and the unpacked codes serve every
+    row of x. Per group: s * sum(q x) + b * sum(x), s and b loaded once per row and group; products accumulate
+    elementwise and are reduced once at the end."""
     EPW: tl.constexpr = 32 // BITS
     WPG: tl.constexpr = GS // EPW
     GPB: tl.constexpr = BLOCK_W // WPG  # groups per step
+    KW = K // EPW  # words per row
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_ok = offs_n < N
-    acc = tl.zeros((BLOCK_N, WPG), dtype=tl.float32)
+    offs_m = tl.arange(0, BLOCK_M)
+    n_ok, m_ok = offs_n < N, offs_m < M
+    acc = tl.zeros((BLOCK_M, BLOCK_N, WPG), dtype=tl.float32)
     w_start = pid_k * (k_per_split // EPW)
-    w_end = tl.minimum(w_start + k_per_split // EPW, K // EPW)
+    w_end = tl.minimum(w_start + k_per_split // EPW, KW)
     for w0 in range(w_start, w_end, BLOCK_W):
         for gi in tl.static_range(GPB):
             offs_w = w0 + gi * WPG + tl.arange(0, WPG)
             w_ok = offs_w < w_end
             words = tl.load(w_ptr + offs_n[:, None] * stride_wn + offs_w[None, :],
                             mask=n_ok[:, None] & w_ok[None, :], other=0)
-            dot = tl.zeros((BLOCK_N, WPG), dtype=tl.float32)
-            xsum = tl.zeros((WPG,), dtype=tl.float32)
+            dot = tl.zeros((BLOCK_M, BLOCK_N, WPG), dtype=tl.float32)
+            xsum = tl.zeros((BLOCK_M, WPG), dtype=tl.float32)
             for j in tl.static_range(EPW):
-                xj = tl.load(x_ptr + j * (K // EPW) + offs_w, mask=w_ok, other=0.0).to(tl.float32)
-                dot += ((words >> (j * BITS)) & ((1 << BITS) - 1)).to(tl.float32) * xj[None, :]
+                xj = tl.load(x_ptr + offs_m[:, None] * K + j * KW + offs_w[None, :],
+                             mask=m_ok[:, None] & w_ok[None, :], other=0.0).to(tl.float32)
+                q = ((words >> (j * BITS)) & ((1 << BITS) - 1)).to(tl.float32)
+                dot += q[None, :, :] * xj[:, None, :]
                 xsum += xj
             g = (w0 + gi * WPG) // WPG
             g_ok = n_ok & ((g * WPG + tl.zeros_like(offs_n)) < w_end)
             s = tl.load(s_ptr + offs_n * stride_sn + g, mask=g_ok, other=0.0).to(tl.float32)
             b = tl.load(b_ptr + offs_n * stride_sn + g, mask=g_ok, other=0.0).to(tl.float32)
-            acc += s[:, None] * dot + b[:, None] * xsum[None, :]
-    tl.store(y_ptr + pid_k * stride_ys + offs_n, tl.sum(acc, axis=1).to(y_ptr.dtype.element_ty), mask=n_ok)
+            acc += s[None, :, None] * dot + b[None, :, None] * xsum[:, None, :]
+    tl.store(y_ptr + pid_k * stride_ys + offs_m[:, None] * stride_ym + offs_n[None, :],
+             tl.sum(acc, axis=2).to(y_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
 
 
 def check(x: torch.Tensor, qt) -> None:
@@ -161,21 +165,21 @@ def _launch(x, qt, block_m, block_n, block_k, split_k, num_warps, num_stages):
     return out[0] if split_k == 1 else out.sum(0).to(x.dtype)
 
 
-def qgemv(x: torch.Tensor, qt, block_n: int = 64, block_k: int = 128, split_k: int | None = None,
-          num_warps: int = 4, num_stages: int = 4) -> torch.Tensor:
-    """y [M, N] = x [M, K] @ W^T for few rows (decode). One row: the CUDA-core kernel over W's own layout;
-    2..16 rows: one 16-row tensor-core tile, split-K to fill the GPU."""
-    if x.shape[0] == 1:
-        return qgemv1(x, qt, block_n=block_n, block_w=block_k * qt.bits // 32, split_k=split_k, num_warps=num_warps,
-                      num_stages=num_stages)
-    return _launch(x, qt, 16, block_n, block_k, split_k, num_warps, num_stages)
+def qgemv(x: torch.Tensor, qt, block_n: int = 64, block_k: int = 512, split_k: int | None = None,
+          num_warps: int = 4, num_stages: int = 3) -> torch.Tensor:
+    """y [M, N] = x [M, K] @ W^T for few rows (decode). Up to 4 rows: the CUDA-core kernel over W's own layout;
+    5..16 rows: one 16-row tensor-core tile; split-K in both to fill the GPU."""
+    if x.shape[0] <= GEMV_CUDA_CORE_ROWS:
+        return _gemv_cuda_cores(x, qt, block_n, block_k * qt.bits // 32, split_k, num_warps, num_stages)
+    return _launch(x, qt, 16, block_n, min(block_k, 128), split_k, num_warps, num_stages)
 
 
-def qgemv1(x: torch.Tensor, qt, block_n: int = 64, block_w: int = 16, split_k: int | None = None,
-           num_warps: int = 4, num_stages: int = 4) -> torch.Tensor:
-    """y [1, N] = x [1, K] @ W^T (batch-1 decode)."""
+GEMV_CUDA_CORE_ROWS = 4
+
+
+def _gemv_cuda_cores(x, qt, block_n, block_w, split_k, num_warps, num_stages):
     check(x, qt)
-    K = x.shape[1]
+    M, K = x.shape
     N = qt.weight.shape[0]
     epw = 32 // qt.bits
     block_w = max(block_w, qt.group_size // epw)  # whole groups per step
@@ -185,14 +189,15 @@ def qgemv1(x: torch.Tensor, qt, block_n: int = 64, block_w: int = 16, split_k: i
         split_k = max(1, min(k_blocks, (4 * _num_sms(x.device)) // max(triton.cdiv(N, block_n), 1)))
     k_per_split = triton.cdiv(k_blocks, split_k) * k_block
     split_k = triton.cdiv(K, k_per_split)
-    x_planes = x.reshape(K // epw, epw).t().contiguous()  # [EPW, K/EPW]: plane j holds x[j::EPW]
-    out = torch.empty((split_k, N), dtype=x.dtype if split_k == 1 else torch.float32, device=x.device)
-    _qgemv1_kernel[(triton.cdiv(N, block_n), split_k)](
-        x_planes, qt.weight.view(torch.int32), qt.scales, qt.biases, out, N, K, k_per_split, qt.weight.stride(0),
-        qt.scales.stride(0), out.stride(0), BITS=qt.bits, GS=qt.group_size, BLOCK_N=block_n, BLOCK_W=block_w,
-        num_warps=num_warps, num_stages=num_stages)
-    y = out[0] if split_k == 1 else out.sum(0).to(x.dtype)
-    return y.view(1, N)
+    # [M, EPW, K/EPW]: plane j of row m holds x[m, j::EPW], so the kernel's loads of x are contiguous
+    x_planes = x.reshape(M, K // epw, epw).transpose(1, 2).contiguous()
+    out = torch.empty((split_k, M, N), dtype=x.dtype if split_k == 1 else torch.float32, device=x.device)
+    _qgemv_kernel[(triton.cdiv(N, block_n), split_k)](
+        x_planes, qt.weight.view(torch.int32), qt.scales, qt.biases, out, M, N, K, k_per_split, qt.weight.stride(0),
+        qt.scales.stride(0), out.stride(0), out.stride(1), BITS=qt.bits, GS=qt.group_size,
+        BLOCK_M=triton.next_power_of_2(M), BLOCK_N=block_n, BLOCK_W=block_w, num_warps=num_warps,
+        num_stages=num_stages)
+    return out[0] if split_k == 1 else out.sum(0).to(x.dtype)
 
 
 def qgemm(x: torch.Tensor, qt, block_m: int = 128, block_n: int = 128, block_k: int = 64,
