@@ -1,6 +1,7 @@
 """Triton kernels for y = x @ W^T with W an MLX-affine QuantizedTensor, dequantization fused in registers.
 
-- `_qgemv_kernel` (decode, M <= 4): CUDA cores, W streamed in its own K-contiguous order, split-K.
+- `_qgemv1_kernel` / `_qgemv_kernel` (decode, M = 1 / M <= 4): CUDA cores, W streamed in its own
+  K-contiguous order, split-K.
 - `_qmm_kernel` (tensor cores): one 16-row tile for 5 <= M <= 16 (split-K), 128-row tiles for prefill with
   grouped program order for L2 reuse. The codes are multiplied as exact integers.
 Both apply each group's scale and bias to partial products (`s * (x.q) + b * sum(x)`), never per weight.
@@ -68,6 +69,44 @@ def _qmm_kernel(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, M, N, K, k_per_split,
             acc += part * s[None, :] + xsum[:, None] * b[None, :]
     tl.store(y_ptr + pid_k * stride_ys + offs_m[:, None] * stride_ym + offs_n[None, :],
              acc.to(y_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+
+
+@triton.jit
+def _qgemv1_kernel(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, N, K, k_per_split, stride_wn, stride_sn, stride_ys,
+                   BITS: tl.constexpr, GS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr):
+    """One activation row (decode, batch 1): y[n] = sum_k x[k] W[n, k], reading W in its own K-contiguous
+    order (coalesced packed words), BLOCK_W words of each of BLOCK_N rows per step, one group at a time.
+    Code j of every word is a [BLOCK_N, WPG] plane against x_planes[j] = x[j::EPW] (x regrouped once by the
+    caller, so these loads are contiguous); nothing is reshaped. Per group: s * sum(q x) + b * sum(x), with s
+    and b loaded once per row and group; products accumulate elementwise and are reduced once at the end."""
+    EPW: tl.constexpr = 32 // BITS
+    WPG: tl.constexpr = GS // EPW
+    GPB: tl.constexpr = BLOCK_W // WPG  # groups per step
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < N
+    acc = tl.zeros((BLOCK_N, WPG), dtype=tl.float32)
+    w_start = pid_k * (k_per_split // EPW)
+    w_end = tl.minimum(w_start + k_per_split // EPW, K // EPW)
+    for w0 in range(w_start, w_end, BLOCK_W):
+        for gi in tl.static_range(GPB):
+            offs_w = w0 + gi * WPG + tl.arange(0, WPG)
+            w_ok = offs_w < w_end
+            words = tl.load(w_ptr + offs_n[:, None] * stride_wn + offs_w[None, :],
+                            mask=n_ok[:, None] & w_ok[None, :], other=0)
+            dot = tl.zeros((BLOCK_N, WPG), dtype=tl.float32)
+            xsum = tl.zeros((WPG,), dtype=tl.float32)
+            for j in tl.static_range(EPW):
+                xj = tl.load(x_ptr + j * (K // EPW) + offs_w, mask=w_ok, other=0.0).to(tl.float32)
+                dot += ((words >> (j * BITS)) & ((1 << BITS) - 1)).to(tl.float32) * xj[None, :]
+                xsum += xj
+            g = (w0 + gi * WPG) // WPG
+            g_ok = n_ok & ((g * WPG + tl.zeros_like(offs_n)) < w_end)
+            s = tl.load(s_ptr + offs_n * stride_sn + g, mask=g_ok, other=0.0).to(tl.float32)
+            b = tl.load(b_ptr + offs_n * stride_sn + g, mask=g_ok, other=0.0).to(tl.float32)
+            acc += s[:, None] * dot + b[:, None] * xsum[None, :]
+    tl.store(y_ptr + pid_k * stride_ys + offs_n, tl.sum(acc, axis=1).to(y_ptr.dtype.element_ty), mask=n_ok)
 
 
 @triton.jit
@@ -192,6 +231,12 @@ def _gemv_cuda_cores(x, qt, block_n, block_w, split_k, num_warps, num_stages):
     # [M, EPW, K/EPW]: plane j of row m holds x[m, j::EPW], so the kernel's loads of x are contiguous
     x_planes = x.reshape(M, K // epw, epw).transpose(1, 2).contiguous()
     out = torch.empty((split_k, M, N), dtype=x.dtype if split_k == 1 else torch.float32, device=x.device)
+    if M == 1:  # the 2-D kernel: measured ~1.3-1.5x faster than the general one at M = 1
+        _qgemv1_kernel[(triton.cdiv(N, block_n), split_k)](
+            x_planes, qt.weight.view(torch.int32), qt.scales, qt.biases, out, N, K, k_per_split, qt.weight.stride(0),
+            qt.scales.stride(0), out.stride(0), BITS=qt.bits, GS=qt.group_size, BLOCK_N=block_n, BLOCK_W=block_w,
+            num_warps=num_warps, num_stages=num_stages)
+        return out[0] if split_k == 1 else out.sum(0).to(x.dtype)
     _qgemv_kernel[(triton.cdiv(N, block_n), split_k)](
         x_planes, qt.weight.view(torch.int32), qt.scales, qt.biases, out, M, N, K, k_per_split, qt.weight.stride(0),
         qt.scales.stride(0), out.stride(0), out.stride(1), BITS=qt.bits, GS=qt.group_size,
