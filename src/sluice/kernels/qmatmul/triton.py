@@ -72,6 +72,20 @@ def _qmm_kernel(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, M, N, K, k_per_split,
 
 
 @triton.jit
+def _load_group(w_ptr, s_ptr, b_ptr, offs_n, n_ok, w_first, w_end, stride_wn, stride_sn, WPG: tl.constexpr):
+    """One group of BLOCK_N rows starting at packed word `w_first`: its word offsets and mask, the words
+    [BLOCK_N, WPG], and each row's scale and bias (fp32)."""
+    offs_w = w_first + tl.arange(0, WPG)
+    w_ok = offs_w < w_end
+    words = tl.load(w_ptr + offs_n[:, None] * stride_wn + offs_w[None, :], mask=n_ok[:, None] & w_ok[None, :],
+                    other=0)
+    g_ok = n_ok & ((w_first + tl.zeros_like(offs_n)) < w_end)
+    s = tl.load(s_ptr + offs_n * stride_sn + w_first // WPG, mask=g_ok, other=0.0).to(tl.float32)
+    b = tl.load(b_ptr + offs_n * stride_sn + w_first // WPG, mask=g_ok, other=0.0).to(tl.float32)
+    return offs_w, w_ok, words, s, b
+
+
+@triton.jit
 def _qgemv1_kernel(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, N, K, k_per_split, stride_wn, stride_sn, stride_ys,
                    BITS: tl.constexpr, GS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr):
     """One activation row (decode, batch 1): y[n] = sum_k x[k] W[n, k], reading W in its own K-contiguous
@@ -91,20 +105,14 @@ def _qgemv1_kernel(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, N, K, k_per_split, stride_
     w_end = tl.minimum(w_start + k_per_split // EPW, K // EPW)
     for w0 in range(w_start, w_end, BLOCK_W):
         for gi in tl.static_range(GPB):
-            offs_w = w0 + gi * WPG + tl.arange(0, WPG)
-            w_ok = offs_w < w_end
-            words = tl.load(w_ptr + offs_n[:, None] * stride_wn + offs_w[None, :],
-                            mask=n_ok[:, None] & w_ok[None, :], other=0)
+            offs_w, w_ok, words, s, b = _load_group(w_ptr, s_ptr, b_ptr, offs_n, n_ok, w0 + gi * WPG, w_end,
+                                                    stride_wn, stride_sn, WPG)
             dot = tl.zeros((BLOCK_N, WPG), dtype=tl.float32)
             xsum = tl.zeros((WPG,), dtype=tl.float32)
             for j in tl.static_range(EPW):
                 xj = tl.load(x_ptr + j * (K // EPW) + offs_w, mask=w_ok, other=0.0).to(tl.float32)
                 dot += ((words >> (j * BITS)) & ((1 << BITS) - 1)).to(tl.float32) * xj[None, :]
                 xsum += xj
-            g = (w0 + gi * WPG) // WPG
-            g_ok = n_ok & ((g * WPG + tl.zeros_like(offs_n)) < w_end)
-            s = tl.load(s_ptr + offs_n * stride_sn + g, mask=g_ok, other=0.0).to(tl.float32)
-            b = tl.load(b_ptr + offs_n * stride_sn + g, mask=g_ok, other=0.0).to(tl.float32)
             acc += s[:, None] * dot + b[:, None] * xsum[None, :]
     tl.store(y_ptr + pid_k * stride_ys + offs_n, tl.sum(acc, axis=1).to(y_ptr.dtype.element_ty), mask=n_ok)
 
@@ -133,10 +141,8 @@ def _qgemv_kernel(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, M, N, K, k_per_split, strid
     w_end = tl.minimum(w_start + k_per_split // EPW, KW)
     for w0 in range(w_start, w_end, BLOCK_W):
         for gi in tl.static_range(GPB):
-            offs_w = w0 + gi * WPG + tl.arange(0, WPG)
-            w_ok = offs_w < w_end
-            words = tl.load(w_ptr + offs_n[:, None] * stride_wn + offs_w[None, :],
-                            mask=n_ok[:, None] & w_ok[None, :], other=0)
+            offs_w, w_ok, words, s, b = _load_group(w_ptr, s_ptr, b_ptr, offs_n, n_ok, w0 + gi * WPG, w_end,
+                                                    stride_wn, stride_sn, WPG)
             dot = tl.zeros((BLOCK_M, BLOCK_N, WPG), dtype=tl.float32)
             xsum = tl.zeros((BLOCK_M, WPG), dtype=tl.float32)
             for j in tl.static_range(EPW):
@@ -145,10 +151,6 @@ def _qgemv_kernel(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, M, N, K, k_per_split, strid
                 q = ((words >> (j * BITS)) & ((1 << BITS) - 1)).to(tl.float32)
                 dot += q[None, :, :] * xj[:, None, :]
                 xsum += xj
-            g = (w0 + gi * WPG) // WPG
-            g_ok = n_ok & ((g * WPG + tl.zeros_like(offs_n)) < w_end)
-            s = tl.load(s_ptr + offs_n * stride_sn + g, mask=g_ok, other=0.0).to(tl.float32)
-            b = tl.load(b_ptr + offs_n * stride_sn + g, mask=g_ok, other=0.0).to(tl.float32)
             acc += s[None, :, None] * dot + b[None, :, None] * xsum[:, None, :]
     tl.store(y_ptr + pid_k * stride_ys + offs_m[:, None] * stride_ym + offs_n[None, :],
              tl.sum(acc, axis=2).to(y_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
