@@ -96,3 +96,11 @@ def test_pure_torch_path_matches_native_kernels(model, demo_gguf_path, tmp_path)
     ref = torch.from_numpy(np.load(out, allow_pickle=False))
     ours = model.logits(ids)[0]
     assert float((ours - ref).norm() / ref.norm()) < 1e-5
+
+
+def test_dequantized_weights_give_the_same_logits(model, demo_gguf_path):
+    dense = sluice.load(demo_gguf_path, device="cpu", keep_quantized=False)
+    assert not any(getattr(m, "qweight", None) is not None for m in dense.module.modules())
+    ids = model.tokenizer.encode("The capital of France is")
+    a, b = model.logits(ids), dense.logits(ids)
+    assert float((a - b).norm() / b.norm()) < 1e-5

@@ -280,3 +280,14 @@ def test_multimodal_layout_qwen3_5_moe(tmp_path):
     assert "language_model.model.embed_tokens.weight" in names and "language_model.lm_head.weight" in names
     assert not any(n.startswith(("model.visual", "mtp.")) for n in names)
     assert rel_err(sluice.load(out, device="cpu").logits(ids), ref) < 2e-2  # 8-bit weights: close, not equal
+
+
+def test_keep_quantized_false_dequantizes_experts(tmp_path):
+    from sluice.formats.convert import convert
+    from sluice.quant.affine import QuantizedTensor
+
+    q = convert(save(qwen3_next(seed=6), tmp_path / "hf"), tmp_path / "q", bits=4, group_size=32, quiet=True)
+    packed, dense = sluice.load(q, device="cpu"), sluice.load(q, device="cpu", keep_quantized=False)
+    assert not any(isinstance(getattr(m, "gate_up", None), QuantizedTensor) for m in dense.module.modules())
+    ids = torch.randint(0, 300, (1, 33), generator=torch.Generator().manual_seed(0))
+    assert rel_err(dense.logits(ids), packed.logits(ids)) < 1e-5

@@ -14,6 +14,8 @@ def _add_model_args(p: argparse.ArgumentParser):
     p.add_argument("--model", "-m", default=None, help="GGUF file or model directory (default: the demo model)")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
     p.add_argument("--dtype", default=None, help="float32, bfloat16 or float16 (default: float32 on CPU)")
+    p.add_argument("--dequantize", action="store_true",
+                   help="hold quantized weights dense in memory (more memory; dense matmuls)")
 
 
 def _add_sampling_args(p: argparse.ArgumentParser):
@@ -34,7 +36,7 @@ def _sampling(args) -> dict:
 def _load(args):
     import sluice
 
-    return sluice.load(args.model, device=args.device, dtype=args.dtype)
+    return sluice.load(args.model, device=args.device, dtype=args.dtype, keep_quantized=not args.dequantize)
 
 
 def cmd_run(args) -> int:

@@ -209,7 +209,9 @@ class _LoadProgress:
             print("\r" + " " * 40 + "\r", end="", file=sys.stderr, flush=True)
 
 
-def load(path=None, device=None, dtype=None, **options) -> Model:
+def load(path=None, device=None, dtype=None, keep_quantized: bool = True, **options) -> Model:
+    """Load a GGUF file or an HF/MLX directory (None: the demo model). Quantized weights stay packed unless
+    keep_quantized=False, which dequantizes them once to `dtype` (more memory; dense matmuls)."""
     from sluice.formats.tokenizer import Tokenizer
     from sluice.models import architecture_module
 
@@ -233,5 +235,11 @@ def load(path=None, device=None, dtype=None, **options) -> Model:
         reader = _LoadProgress(src, sum(1 for n in src.names() if not n.endswith((".scales", ".biases"))))
         module = arch.build_from_hf(reader, dt)
     reader.finish()
+    if not keep_quantized:
+        for mod in module.modules():
+            if hasattr(mod, "dequantize_"):
+                mod.dequantize_(dt)
+        if module.cfg.tie_word_embeddings:  # share the one dense copy again
+            module.lm_head = module.embed.as_linear()
     module.eval().to(dev)
     return Model(module, tokenizer, Path(path), src.format, dev, dt)

@@ -47,6 +47,15 @@ class _WeightHolder(nn.Module):
             self.__dict__["_prepared"] = prepare(qt)
         return qt
 
+    def dequantize_(self, dtype: torch.dtype) -> None:
+        """Hold the weight dense from now on (trades memory for dense-matmul speed where that wins)."""
+        if self.quantized:
+            dense = self.qt.dequantize(dtype)
+            self.qweight = self.scales = self.biases = None
+            self.__dict__.pop("_qt", None)
+            self.__dict__.pop("weight", None)  # the plain `None` placeholder of a quantized holder
+            self.register_buffer("weight", dense)
+
     @property
     def out_features(self) -> int:
         return (self.qweight if self.quantized else self.weight).shape[0]

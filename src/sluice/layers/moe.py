@@ -51,6 +51,10 @@ class SparseMoE(nn.Module):
         self.gate_up, self.down = move(self.gate_up), move(self.down)
         return self
 
+    def dequantize_(self, dtype: torch.dtype) -> None:
+        self.gate_up, self.down = (w.dequantize(dtype) if isinstance(w, QuantizedTensor) else w
+                                   for w in (self.gate_up, self.down))
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])
