@@ -11,6 +11,7 @@ import torch
 
 from sluice.engine.sampling import Sampler, SamplingParams
 from sluice.errors import ContextLengthError, InvalidOptionError, ModelFileError
+from sluice.layers.linear import RMSNorm, _WeightHolder
 from sluice.quant.affine import QuantizedTensor
 
 PREFILL_CHUNK = 512  # prompt tokens per forward: bounds activation memory for long prompts
@@ -131,7 +132,7 @@ class Model:
                 n = mod.out_features * mod.in_features
                 kind = f"{mod.bits}-bit affine, group {mod.group_size}"
                 nb = mod.qweight.nbytes + mod.scales.nbytes + mod.biases.nbytes
-            elif type(mod).__name__ in ("Linear", "Embedding", "RMSNorm") and getattr(mod, "weight", None) is not None:
+            elif isinstance(mod, (_WeightHolder, RMSNorm)) and mod.weight is not None:
                 n, kind, nb = mod.weight.numel(), str(mod.weight.dtype).removeprefix("torch."), mod.weight.nbytes
             else:
                 continue
