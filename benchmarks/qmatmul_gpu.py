@@ -41,9 +41,13 @@ GEMV_SHAPES = {  # name: (N, K)
 GEMM_SHAPES = {"q3next dense 16384x2048": (16384, 2048), "q3next qkvz 12288x2048": (12288, 2048),
                "q3.5 dense 8192x4096": (8192, 4096)}
 L2_BYTES = 60 << 20
-# (block_n, block_k, split_k (None = auto), num_warps, num_stages)
-GEMV_CONFIGS = [(64, 128, None, 4, 4), (128, 128, None, 4, 4), (64, 512, None, 4, 3), (8, 1024, None, 4, 3),
-                (32, 512, None, 4, 3)]
+# M = 1, CUDA cores: (block_n, g_max, split_k (None = auto), num_warps)
+GEMV_CONFIGS = [(16, 8, None, 2), (32, 8, None, 2), (16, 8, None, 4), (32, 8, None, 4), (16, 4, None, 2)]
+# M = 4, 16, tensor cores with swapped operands: (block_m, block_n, block_k, num_warps, num_stages)
+SMALL_M_CONFIGS = [(16, 64, 128, 4, 4), (16, 128, 128, 4, 3), (16, 64, 256, 4, 3), (16, 128, 64, 4, 4),
+                   (16, 256, 128, 8, 3)]
+GEMM_CONFIGS = [(128, 128, 64, 8, 3), (128, 128, 128, 8, 3), (128, 256, 64, 8, 3), (256, 128, 64, 8, 3),
+                (128, 128, 64, 4, 4), (64, 256, 64, 4, 4), (128, 64, 128, 4, 4), (128, 256, 128, 8, 2)]
 
 
 def events_time(fn, reps=20, warmup=3):
@@ -101,7 +105,7 @@ def main():
     dev = torch.device("cuda")
     props = torch.cuda.get_device_properties(dev)
     res = {"gpu": props.name, "sms": props.multi_processor_count, "torch": torch.__version__,
-           "triton": tq.triton.__version__, "correctness": [], "gemv": [], "gemm": []}
+           "triton": tq.triton.__version__, "correctness": [], "gemv": [], "gemm": [], "sweep": []}
 
     # floors
     src = torch.empty(1 << 30, dtype=torch.uint8, device=dev)
@@ -120,12 +124,16 @@ def main():
         for gs in (32, 64, 128):
             w = torch.randn(4096, 2048, device=dev) * 0.02
             qt = quantize(w, bits, gs)
-            for M in (1, 7, 16, 512):
+            for M in (1, 2, 7, 16, 33, 512):
                 x = torch.randn(M, 2048, device=dev, dtype=torch.bfloat16)
                 ref = reference.qmatmul(x.float(), qt)
-                err = rel_err(tq.qmatmul(x, qt), ref)
-                res["correctness"].append({"bits": bits, "group": gs, "M": M, "rel_err": err})
-                assert err <= 1e-2, (bits, gs, M, err)
+                outs = {"qmatmul": tq.qmatmul(x, qt)}
+                if M <= 2:
+                    outs["gemv split 3"] = tq.qgemv(x, qt, split_k=3)
+                for what, y in outs.items():
+                    err = rel_err(y, ref)
+                    res["correctness"].append({"bits": bits, "group": gs, "M": M, "path": what, "rel_err": err})
+                    assert err <= 1e-2 and torch.isfinite(y).all(), (bits, gs, M, what, err)
     print(f"# correctness: {len(res['correctness'])} cases, max rel err "
           f"{max(c['rel_err'] for c in res['correctness']):.2e}", flush=True)
 
@@ -139,8 +147,18 @@ def main():
         for M in (1, 4, 16):
             xs = [torch.randn(M, K, device=dev, dtype=torch.bfloat16) for _ in range(n)]
             t, cfg = None, None
-            for c in GEMV_CONFIGS:  # a small sweep; the best is recorded with the row
-                tc = graph_time([lambda q=q, x=x, c=c: tq.qgemv(x, q, *c) for q, x in zip(qts, xs)], reps=10)
+            if M == 1:
+                cands = [(c, lambda q, x, c=c: tq.qgemv(x, q, *c)) for c in GEMV_CONFIGS]
+            else:
+                cands = [(c, lambda q, x, c=c: tq.qgemm(x, q, c[0], c[1], c[2], c[3], c[4], swap=True))
+                         for c in SMALL_M_CONFIGS] + [("gemv per row", lambda q, x: tq.qgemv(x, q))]
+            for c, fn in cands:  # a small sweep; the best is recorded with the row
+                try:
+                    tc = graph_time([lambda q=q, x=x, fn=fn: fn(q, x) for q, x in zip(qts, xs)], reps=10)
+                except Exception as e:  # a config that does not compile or fit
+                    print(f"  config {c} failed: {type(e).__name__}: {str(e)[:200]}", flush=True)
+                    continue
+                res["sweep"].append({"shape": name, "M": M, "config": str(c), "us": tc * 1e6})
                 if t is None or tc < t:
                     t, cfg = tc, c
             moved = nb + 2 * M * K + 2 * M * N
@@ -161,13 +179,13 @@ def main():
         x = torch.randn(M, K, device=dev, dtype=torch.bfloat16)
         w = torch.randn(N, K, device=dev, dtype=torch.bfloat16)
         best = None
-        for bm, bn, bk, warps, stages in ((128, 128, 64, 8, 3), (128, 256, 64, 8, 3), (128, 128, 128, 8, 3),
-                                          (64, 128, 64, 4, 4), (128, 64, 64, 4, 4)):
+        for bm, bn, bk, warps, stages in GEMM_CONFIGS:
             try:
                 t = events_time(lambda: tq.qgemm(x, qt, bm, bn, bk, warps, stages), reps=10)
             except Exception as e:  # a config that does not fit shared memory
                 print(f"  config {(bm, bn, bk, warps, stages)} failed: {type(e).__name__}", flush=True)
                 continue
+            res["sweep"].append({"shape": name, "M": M, "config": str((bm, bn, bk, warps, stages)), "us": t * 1e6})
             if best is None or t < best[0]:
                 best = (t, (bm, bn, bk, warps, stages))
         t_cublas = events_time(lambda: x @ w.T, reps=10)

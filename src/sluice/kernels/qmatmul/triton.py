@@ -1,13 +1,18 @@
 """Triton kernels for y = x @ W^T with W an MLX-affine QuantizedTensor, dequantization fused in registers.
 
-- `_qgemv1_kernel` / `_qgemv_kernel` (decode, M = 1 / M <= 4): CUDA cores, W streamed in its own
-  K-contiguous order, split-K.
-- `_qmm_kernel` (tensor cores): one 16-row tile for 5 <= M <= 16 (split-K), 128-row tiles for prefill with
-  grouped program order for L2 reuse. The codes are multiplied as exact integers.
-Both apply each group's scale and bias to partial products (`s * (x.q) + b * sum(x)`), never per weight.
+- `_gemv_kernel` (decode, one activation row per program): CUDA cores, W streamed in its own K-contiguous order
+  with 16-byte loads, against x "planes" prepared once by `_prep_x_kernel`. Also the MoE expert GEMV: with
+  `INDEXED`, program (.., .., slot) reads the expert whose index sits in device memory.
+- `_qgemm_kernel` (tensor cores, M >= 2): W tiles dequantized to the activation dtype in registers, fed to
+  `tl.dot`; for few rows the operands are swapped (W is the wide side) and K is split.
 
 Packed layout (MLX): element k of a row sits in word k // (32/BITS) at bit (k % (32/BITS)) * BITS; scale and bias
 of group k // GS; value = scale * q + bias. Bits 2, 4, 8; group sizes 32, 64, 128.
+
+The GEMV never shifts a code down to bit 0: code j is masked where it lies (in the low or the high half-word,
+the high half shifted down once per word), so `w & mask` = q * 2^s with s = (j*BITS) % 16, exact as a float, and
+x's plane j carries the 2^-s: three instructions per weight (mask, convert, fma). Per group:
+y += s * sum(q x) + b * sum(x), with the group sums of x prepared once.
 """
 
 from __future__ import annotations
@@ -24,19 +29,112 @@ INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
 
 @triton.jit
-def _qmm_kernel(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, M, N, K, k_per_split,
-                stride_xm, stride_wn, stride_sn, stride_ys, stride_ym,
-                BITS: tl.constexpr, GS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, DOT_FP32: tl.constexpr):
-    """y[pid_k] (+)= x[:, k-slice] @ W[:, k-slice]^T. Per group g of a row n, W = s*q + b, so
-    x_g . W_g = s * (x_g . q_g) + b * sum(x_g): the codes go to the tensor cores as exact small integers and the
-    scale and bias are applied once per group to the [BLOCK_M, BLOCK_N] partial, not per weight."""
+def _prep_x_kernel(x_ptr, xp_ptr, K, stride_xm, stride_pm, BITS: tl.constexpr, GS: tl.constexpr,
+                   BLOCK_W: tl.constexpr):
+    """xp[m] = [EPW planes of KW fp32 | K/GS group sums]: plane j holds x[m, w*EPW + j] * 2^-((j*BITS) % 16)."""
     EPW: tl.constexpr = 32 // BITS
-    WPG: tl.constexpr = GS // EPW  # packed words per group
+    GB: tl.constexpr = BLOCK_W * EPW // GS  # groups covered by this program
+    KW = K // EPW
+    m = tl.program_id(0)
+    pid = tl.program_id(1)
+    offs_w = pid * BLOCK_W + tl.arange(0, BLOCK_W)
+    w_ok = offs_w < KW
+    x_row = x_ptr + m.to(tl.int64) * stride_xm
+    p_row = xp_ptr + m.to(tl.int64) * stride_pm
+    for j in tl.static_range(EPW):
+        v = tl.load(x_row + offs_w * EPW + j, mask=w_ok, other=0.0).to(tl.float32)
+        tl.store(p_row + j * KW + offs_w, v * (1.0 / (1 << ((j * BITS) % 16))), mask=w_ok)
+    offs_g = pid * GB + tl.arange(0, GB)
+    g_ok = offs_g < K // GS
+    xg = tl.load(x_row + offs_g[:, None] * GS + tl.arange(0, GS)[None, :], mask=g_ok[:, None], other=0.0)
+    tl.store(p_row + EPW * KW + offs_g, tl.sum(xg.to(tl.float32), axis=1), mask=g_ok)
+
+
+@triton.jit
+def _code_as_float(src, j: tl.constexpr, BITS: tl.constexpr):
+    """q_j * 2^((j*BITS) % 16) as fp32, exactly, from `src` (the word, or the word shifted down 16)."""
+    return (src & (((1 << BITS) - 1) << ((j * BITS) % 16))).to(tl.float32)
+
+
+@triton.jit
+def _gemv_kernel(xp_ptr, w_ptr, s_ptr, b_ptr, y_ptr, ids_ptr, N, KW, w_per_split, x_div,
+                 stride_pm, stride_we, stride_wn, stride_se, stride_sn, stride_ys, stride_ym,
+                 BITS: tl.constexpr, GS: tl.constexpr, BLOCK_N: tl.constexpr, G: tl.constexpr,
+                 V: tl.constexpr, EVEN_N: tl.constexpr, EVEN_K: tl.constexpr, INDEXED: tl.constexpr):
+    """y[split, row, n] = sum over this split's words of x[row] . W[n]. Program (n-block, split, row). Each step
+    reads a [BLOCK_N, G groups, WPG words] tile as [BLOCK_N, G, WPG/V, V] (V-word vector loads).
+    INDEXED: W, scales and biases are stacked over experts and row r uses expert ids[r] and x row r // x_div."""
+    EPW: tl.constexpr = 32 // BITS
+    WPG: tl.constexpr = GS // EPW
+    H: tl.constexpr = WPG // V
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    row = tl.program_id(2)
+    if INDEXED:
+        e = tl.load(ids_ptr + row).to(tl.int64)
+        w_ptr += e * stride_we
+        s_ptr += e * stride_se
+        b_ptr += e * stride_se
+        xp_ptr += (row // x_div).to(tl.int64) * stride_pm
+    else:
+        xp_ptr += row.to(tl.int64) * stride_pm
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < N
+    rows = offs_n if EVEN_N else tl.minimum(offs_n, N - 1)  # clamped rows load real data; never stored
+    rows = rows.to(tl.int64)
+    offs_g = tl.arange(0, G)
+    sel = offs_g[:, None, None] * WPG + tl.arange(0, H)[None, :, None] * V + tl.arange(0, V)[None, None, :]
+    w_rows = w_ptr + rows[:, None, None, None] * stride_wn
+    s_rows = s_ptr + rows[:, None] * stride_sn
+    b_rows = b_ptr + rows[:, None] * stride_sn
+    w_start = pid_k * w_per_split
+    w_end = tl.minimum(w_start + w_per_split, KW)
+    acc = tl.zeros((BLOCK_N, G, H), dtype=tl.float32)
+    accb = tl.zeros((BLOCK_N, G), dtype=tl.float32)
+    for w0 in range(w_start, w_end, G * WPG):
+        w0 = tl.multiple_of(w0, WPG)
+        gw = w0 + sel
+        grp = w0 // WPG + offs_g
+        if EVEN_K:
+            words = tl.load(w_rows + gw[None]).to(tl.uint32, bitcast=True)
+            s = tl.load(s_rows + grp[None, :]).to(tl.float32)
+            b = tl.load(b_rows + grp[None, :]).to(tl.float32)
+            xg = tl.load(xp_ptr + EPW * KW + grp)
+        else:
+            g_ok = (w0 + offs_g * WPG) < w_end
+            words = tl.load(w_rows + gw[None], mask=g_ok[None, :, None, None], other=0).to(tl.uint32, bitcast=True)
+            s = tl.load(s_rows + grp[None, :], mask=g_ok[None, :], other=0.0).to(tl.float32)
+            b = tl.load(b_rows + grp[None, :], mask=g_ok[None, :], other=0.0).to(tl.float32)
+            xg = tl.load(xp_ptr + EPW * KW + grp, mask=g_ok, other=0.0)
+        high = words >> 16
+        dot = _code_as_float(words, 0, BITS) * tl.load(xp_ptr + gw)[None]
+        for j in tl.static_range(1, EPW):
+            src = words if j * BITS < 16 else high
+            dot += _code_as_float(src, j, BITS) * tl.load(xp_ptr + j * KW + gw)[None]
+        acc += s[:, :, None] * tl.sum(dot, axis=3)
+        accb += b * xg[None, :]
+    y = tl.sum(tl.sum(acc, axis=2), axis=1) + tl.sum(accb, axis=1)
+    tl.store(y_ptr + pid_k * stride_ys + row * stride_ym + offs_n, y.to(y_ptr.dtype.element_ty), mask=n_ok)
+
+
+@triton.jit
+def _qgemm_kernel(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, M, N, K, k_per_split,
+                  stride_xm, stride_wn, stride_sn, stride_ys, stride_ym,
+                  BITS: tl.constexpr, GS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                  BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, SWAP: tl.constexpr, DOT_FP32: tl.constexpr):
+    """y[pid_k] (+)= x[:, k-slice] @ W[:, k-slice]^T on tensor cores. Each [BLOCK_N, BLOCK_K] tile of W is
+    dequantized in registers (fp32 math, rounded once to x's dtype) and multiplied; SWAP computes the transposed
+    product W x^T, so that for few rows the wide W tile is the dot's first operand. Program order is grouped so
+    that neighbouring programs share W tiles in L2."""
+    EPW: tl.constexpr = 32 // BITS
+    WB: tl.constexpr = BLOCK_K // EPW  # packed words per K step
+    GPT: tl.constexpr = BLOCK_K // GS if BLOCK_K >= GS else 1  # groups per K step
+    PER: tl.constexpr = BLOCK_K // GPT  # elements per group within the step
+    MASK: tl.constexpr = (1 << BITS) - 1
     pid = tl.program_id(0)
     pid_k = tl.program_id(1)
     num_m, num_n = tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N)
-    group = pid // (GROUP_M * num_n)  # grouped order: neighbouring programs share W tiles in L2
+    group = pid // (GROUP_M * num_n)
     first_m = group * GROUP_M
     size_m = tl.minimum(num_m - first_m, GROUP_M)
     pid_m = first_m + (pid % size_m)
@@ -44,116 +142,52 @@ def _qmm_kernel(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, M, N, K, k_per_split,
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     m_ok, n_ok = offs_m < M, offs_n < N
+    rows_n = tl.minimum(offs_n, N - 1).to(tl.int64)
+    rows_m = tl.minimum(offs_m, M - 1).to(tl.int64)
     shifts = tl.arange(0, EPW) * BITS
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    if SWAP:
+        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    else:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     k_start = pid_k * k_per_split
     k_end = tl.minimum(k_start + k_per_split, K)
     for k0 in range(k_start, k_end, BLOCK_K):
-        for j in tl.static_range(BLOCK_K // GS):
-            kg = k0 + j * GS
-            offs_k = kg + tl.arange(0, GS)
-            x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :],
-                        mask=m_ok[:, None] & (offs_k[None, :] < k_end), other=0.0)
-            offs_w = kg // EPW + tl.arange(0, WPG)
-            words = tl.load(w_ptr + offs_n[:, None] * stride_wn + offs_w[None, :],
-                            mask=n_ok[:, None] & (offs_w[None, :] < k_end // EPW), other=0)
-            q = tl.reshape((words[:, :, None] >> shifts[None, None, :]) & ((1 << BITS) - 1), (BLOCK_N, GS))
-            g_ok = n_ok & ((kg + tl.zeros_like(offs_n)) < k_end)
-            s = tl.load(s_ptr + offs_n * stride_sn + kg // GS, mask=g_ok, other=0.0).to(tl.float32)
-            b = tl.load(b_ptr + offs_n * stride_sn + kg // GS, mask=g_ok, other=0.0).to(tl.float32)
-            if DOT_FP32:  # fp32 activations, or the interpreter (its bf16 dot is wrong in Triton 3.9)
-                part = tl.dot(x.to(tl.float32), tl.trans(q.to(tl.float32)), input_precision="ieee")
+        k0 = tl.multiple_of(k0, BLOCK_K)
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        k_ok = offs_k < k_end
+        x = tl.load(x_ptr + rows_m[:, None] * stride_xm + offs_k[None, :], mask=k_ok[None, :], other=0.0)
+        offs_w = k0 // EPW + tl.arange(0, WB)
+        words = tl.load(w_ptr + rows_n[:, None] * stride_wn + offs_w[None, :],
+                        mask=(offs_w < k_end // EPW)[None, :], other=0).to(tl.uint32, bitcast=True)
+        q = tl.reshape((words[:, :, None] >> shifts[None, None, :]) & MASK, (BLOCK_N, BLOCK_K))
+        if GPT == 1:  # one group per step: a scale and a bias per row
+            s = tl.load(s_ptr + rows_n * stride_sn + k0 // GS).to(tl.float32)
+            b = tl.load(b_ptr + rows_n * stride_sn + k0 // GS).to(tl.float32)
+            w = q.to(tl.float32) * s[:, None] + b[:, None]
+        else:
+            grp = k0 // GS + tl.arange(0, GPT)
+            g_ok = (k0 + tl.arange(0, GPT) * PER) < k_end
+            s = tl.load(s_ptr + rows_n[:, None] * stride_sn + grp[None, :], mask=g_ok[None, :], other=0.0)
+            b = tl.load(b_ptr + rows_n[:, None] * stride_sn + grp[None, :], mask=g_ok[None, :], other=0.0)
+            s = tl.reshape(tl.broadcast_to(s.to(tl.float32)[:, :, None], (BLOCK_N, GPT, PER)), (BLOCK_N, BLOCK_K))
+            b = tl.reshape(tl.broadcast_to(b.to(tl.float32)[:, :, None], (BLOCK_N, GPT, PER)), (BLOCK_N, BLOCK_K))
+            w = q.to(tl.float32) * s + b
+        if DOT_FP32:  # fp32 activations, or the interpreter (its bf16 dot is wrong in Triton 3.9)
+            if SWAP:
+                acc += tl.dot(w, tl.trans(x.to(tl.float32)), input_precision="ieee")
             else:
-                part = tl.dot(x, tl.trans(q.to(x.dtype)))  # codes <= 255 are exact in bf16/fp16
-            xsum = tl.sum(x.to(tl.float32), axis=1)
-            acc += part * s[None, :] + xsum[:, None] * b[None, :]
-    tl.store(y_ptr + pid_k * stride_ys + offs_m[:, None] * stride_ym + offs_n[None, :],
-             acc.to(y_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
-
-
-@triton.jit
-def _load_group(w_ptr, s_ptr, b_ptr, offs_n, n_ok, w_first, w_end, stride_wn, stride_sn, WPG: tl.constexpr):
-    """One group of BLOCK_N rows starting at packed word `w_first`: its word offsets and mask, the words
-    [BLOCK_N, WPG], and each row's scale and bias (fp32)."""
-    offs_w = w_first + tl.arange(0, WPG)
-    w_ok = offs_w < w_end
-    words = tl.load(w_ptr + offs_n[:, None] * stride_wn + offs_w[None, :], mask=n_ok[:, None] & w_ok[None, :],
-                    other=0)
-    g_ok = n_ok & ((w_first + tl.zeros_like(offs_n)) < w_end)
-    s = tl.load(s_ptr + offs_n * stride_sn + w_first // WPG, mask=g_ok, other=0.0).to(tl.float32)
-    b = tl.load(b_ptr + offs_n * stride_sn + w_first // WPG, mask=g_ok, other=0.0).to(tl.float32)
-    return offs_w, w_ok, words, s, b
-
-
-@triton.jit
-def _qgemv1_kernel(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, N, K, k_per_split, stride_wn, stride_sn, stride_ys,
-                   BITS: tl.constexpr, GS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr):
-    """One activation row (decode, batch 1): y[n] = sum_k x[k] W[n, k], reading W in its own K-contiguous
-    order (coalesced packed words), BLOCK_W words of each of BLOCK_N rows per step, one group at a time.
-    Code j of every word is a [BLOCK_N, WPG] plane against x_planes[j] = x[j::EPW] (x regrouped once by the
-    caller, so these loads are contiguous); nothing is reshaped. Per group: s * sum(q x) + b * sum(x), with s
-    and b loaded once per row and group; products accumulate elementwise and are reduced once at the end."""
-    EPW: tl.constexpr = 32 // BITS
-    WPG: tl.constexpr = GS // EPW
-    GPB: tl.constexpr = BLOCK_W // WPG  # groups per step
-    pid_n = tl.program_id(0)
-    pid_k = tl.program_id(1)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_ok = offs_n < N
-    acc = tl.zeros((BLOCK_N, WPG), dtype=tl.float32)
-    w_start = pid_k * (k_per_split // EPW)
-    w_end = tl.minimum(w_start + k_per_split // EPW, K // EPW)
-    for w0 in range(w_start, w_end, BLOCK_W):
-        for gi in tl.static_range(GPB):
-            offs_w, w_ok, words, s, b = _load_group(w_ptr, s_ptr, b_ptr, offs_n, n_ok, w0 + gi * WPG, w_end,
-                                                    stride_wn, stride_sn, WPG)
-            dot = tl.zeros((BLOCK_N, WPG), dtype=tl.float32)
-            xsum = tl.zeros((WPG,), dtype=tl.float32)
-            for j in tl.static_range(EPW):
-                xj = tl.load(x_ptr + j * (K // EPW) + offs_w, mask=w_ok, other=0.0).to(tl.float32)
-                dot += ((words >> (j * BITS)) & ((1 << BITS) - 1)).to(tl.float32) * xj[None, :]
-                xsum += xj
-            acc += s[:, None] * dot + b[:, None] * xsum[None, :]
-    tl.store(y_ptr + pid_k * stride_ys + offs_n, tl.sum(acc, axis=1).to(y_ptr.dtype.element_ty), mask=n_ok)
-
-
-@triton.jit
-def _qgemv_kernel(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, M, N, K, k_per_split, stride_wn, stride_sn, stride_ys,
-                  stride_ym, BITS: tl.constexpr, GS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                  BLOCK_W: tl.constexpr):
-    """A few activation rows (decode, M <= 4): y[m, n] = sum_k x[m, k] W[n, k], on CUDA cores, reading W in its
-    own K-contiguous order (coalesced packed words), BLOCK_W words of each of BLOCK_N rows per step, one group
-    at a time. Code j of every word is a [BLOCK_N, WPG] plane against x_planes[:, j] = x[:, j::EPW] (x regrouped
-    once by the caller, so these loads are contiguous); nothing is reshaped, and the unpacked codes serve every
-    row of x. Per group: s * sum(q x) + b * sum(x), s and b loaded once per row and group; products accumulate
-    elementwise and are reduced once at the end."""
-    EPW: tl.constexpr = 32 // BITS
-    WPG: tl.constexpr = GS // EPW
-    GPB: tl.constexpr = BLOCK_W // WPG  # groups per step
-    KW = K // EPW  # words per row
-    pid_n = tl.program_id(0)
-    pid_k = tl.program_id(1)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_m = tl.arange(0, BLOCK_M)
-    n_ok, m_ok = offs_n < N, offs_m < M
-    acc = tl.zeros((BLOCK_M, BLOCK_N, WPG), dtype=tl.float32)
-    w_start = pid_k * (k_per_split // EPW)
-    w_end = tl.minimum(w_start + k_per_split // EPW, KW)
-    for w0 in range(w_start, w_end, BLOCK_W):
-        for gi in tl.static_range(GPB):
-            offs_w, w_ok, words, s, b = _load_group(w_ptr, s_ptr, b_ptr, offs_n, n_ok, w0 + gi * WPG, w_end,
-                                                    stride_wn, stride_sn, WPG)
-            dot = tl.zeros((BLOCK_M, BLOCK_N, WPG), dtype=tl.float32)
-            xsum = tl.zeros((BLOCK_M, WPG), dtype=tl.float32)
-            for j in tl.static_range(EPW):
-                xj = tl.load(x_ptr + offs_m[:, None] * K + j * KW + offs_w[None, :],
-                             mask=m_ok[:, None] & w_ok[None, :], other=0.0).to(tl.float32)
-                q = ((words >> (j * BITS)) & ((1 << BITS) - 1)).to(tl.float32)
-                dot += q[None, :, :] * xj[:, None, :]
-                xsum += xj
-            acc += s[None, :, None] * dot + b[None, :, None] * xsum[:, None, :]
-    tl.store(y_ptr + pid_k * stride_ys + offs_m[:, None] * stride_ym + offs_n[None, :],
-             tl.sum(acc, axis=2).to(y_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+                acc += tl.dot(x.to(tl.float32), tl.trans(w), input_precision="ieee")
+        else:
+            if SWAP:
+                acc += tl.dot(w.to(x.dtype), tl.trans(x))
+            else:
+                acc += tl.dot(x, tl.trans(w.to(x.dtype)))
+    if SWAP:
+        tl.store(y_ptr + pid_k * stride_ys + offs_m[None, :] * stride_ym + offs_n[:, None],
+                 acc.to(y_ptr.dtype.element_ty), mask=m_ok[None, :] & n_ok[:, None])
+    else:
+        tl.store(y_ptr + pid_k * stride_ys + offs_m[:, None] * stride_ym + offs_n[None, :],
+                 acc.to(y_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
 
 
 def check(x: torch.Tensor, qt) -> None:
@@ -166,15 +200,18 @@ def check(x: torch.Tensor, qt) -> None:
         raise ValueError("triton qmatmul: the weight must be 2-D [N, K]")
     if x.dim() != 2 or x.shape[1] != qt.in_features:
         raise ValueError(f"triton qmatmul: x must be [M, {qt.in_features}], got {tuple(x.shape)}")
+    check_activations(x, qt)
+
+
+def check_activations(x: torch.Tensor, qt) -> None:
     if x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
         raise ValueError(f"triton qmatmul: activations must be bf16, fp16 or fp32, got {x.dtype}")
     if x.device != qt.weight.device or qt.scales.device != qt.weight.device:
         raise ValueError("triton qmatmul: x and the weight must be on the same device")
     if not (x.is_cuda or INTERPRET):
         raise ValueError("triton qmatmul: tensors must be on a CUDA device (or set TRITON_INTERPRET=1)")
-
-
-GEMV_MAX_ROWS = 16
+    if qt.in_features % qt.group_size:
+        raise ValueError(f"triton qmatmul: in_features {qt.in_features} is not a multiple of the group size")
 
 
 def _num_sms(device) -> int:
@@ -183,75 +220,110 @@ def _num_sms(device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def _launch(x, qt, block_m, block_n, block_k, split_k, num_warps, num_stages):
+def prep_x(x: torch.Tensor, bits: int, group_size: int) -> torch.Tensor:
+    """x [M, K] -> the GEMV's fp32 planes [M, K + K/GS] (row stride padded to 16 elements)."""
+    M, K = x.shape
+    epw = 32 // bits
+    stride = -(-(K + K // group_size) // 16) * 16
+    xp = torch.empty((M, stride), dtype=torch.float32, device=x.device)
+    block_w = max(64, group_size // epw)
+    _prep_x_kernel[(M, triton.cdiv(K // epw, block_w))](x, xp, K, x.stride(0), stride, BITS=bits, GS=group_size,
+                                                        BLOCK_W=block_w, num_warps=4)
+    return xp
+
+
+def _groups_per_step(n_groups: int, g_max: int) -> tuple[int, bool]:
+    """Groups per GEMV step: a power of two dividing the group count (no masks) if one is near g_max, else
+    g_max with masked steps."""
+    g = min(g_max, triton.next_power_of_2(n_groups))
+    for cand in (g, g // 2, g // 4):
+        if cand >= 1 and n_groups % cand == 0:
+            return cand, True
+    return g, False
+
+
+def gemv_split_k(N, K, bits, gs, rows, block_n=16, g_max=8, device=None) -> int:
+    """Enough K splits for about two programs per multiprocessor."""
+    G, _ = _groups_per_step(K // gs, g_max)
+    steps = triton.cdiv(K // gs, G)
+    return max(1, min(steps, (2 * _num_sms(device)) // max(triton.cdiv(N, block_n) * rows, 1)))
+
+
+def gemv_launch(xp, w, s, b, out, ids, rows, N, K, bits, gs, split_k, x_div=1, block_n=16, g_max=8, num_warps=2):
+    """Launch `_gemv_kernel` for `rows` output rows: xp from `prep_x`; W [E?, N, KW] int32, scales/biases
+    [E?, N, K/GS]; ids [rows] expert indices (INDEXED) or None; out [split_k', rows, N] (fp32 when split).
+    Returns the split count actually used (<= split_k: every split covers whole steps)."""
+    epw = 32 // bits
+    wpg = gs // epw
+    G, even_k = _groups_per_step(K // gs, g_max)
+    step = G * wpg
+    w_per_split = triton.cdiv(triton.cdiv(K // gs, G), split_k) * step
+    used = triton.cdiv(K // epw, w_per_split)
+    indexed = ids is not None
+    _gemv_kernel[(triton.cdiv(N, block_n), used, rows)](
+        xp, w, s, b, out, ids if indexed else xp, N, K // epw, w_per_split, x_div, xp.stride(0),
+        w.stride(0) if indexed else 0, w.stride(-2), s.stride(0) if indexed else 0, s.stride(-2),
+        out.stride(0), out.stride(1), BITS=bits, GS=gs, BLOCK_N=block_n, G=G, V=min(4, wpg),
+        EVEN_N=N % block_n == 0, EVEN_K=even_k, INDEXED=indexed, num_warps=num_warps, num_stages=1)
+    return used
+
+
+def _used_splits(K, bits, gs, split_k, g_max=8):
+    G, _ = _groups_per_step(K // gs, g_max)
+    per = triton.cdiv(triton.cdiv(K // gs, G), split_k) * G * (gs // (32 // bits))
+    return triton.cdiv(K // (32 // bits), per)
+
+
+def qgemv(x: torch.Tensor, qt, block_n: int = 16, g_max: int = 8, split_k: int | None = None,
+          num_warps: int = 2) -> torch.Tensor:
+    """y [M, N] = x [M, K] @ W^T for a few rows on CUDA cores (each row its own programs; W is re-read per row,
+    mostly from L2)."""
     check(x, qt)
     M, K = x.shape
     N = qt.weight.shape[0]
+    xp = prep_x(x, qt.bits, qt.group_size)
+    if split_k is None:
+        split_k = gemv_split_k(N, K, qt.bits, qt.group_size, M, block_n, g_max, x.device)
+    split = _used_splits(K, qt.bits, qt.group_size, split_k, g_max)
+    out = torch.empty((split, M, N), dtype=x.dtype if split == 1 else torch.float32, device=x.device)
+    gemv_launch(xp, qt.weight.view(torch.int32), qt.scales, qt.biases, out, None, M, N, K, qt.bits, qt.group_size,
+                split_k, block_n=block_n, g_max=g_max, num_warps=num_warps)
+    return out[0] if split == 1 else out.sum(0).to(x.dtype)
+
+
+def qgemm(x: torch.Tensor, qt, block_m: int = 128, block_n: int = 128, block_k: int = 64, num_warps: int = 8,
+          num_stages: int = 3, swap: bool | None = None, split_k: int | None = None) -> torch.Tensor:
+    """y [M, N] = x [M, K] @ W^T on tensor cores, in x's dtype. Few rows: swapped operands and split-K."""
+    check(x, qt)
+    M, K = x.shape
+    N = qt.weight.shape[0]
+    if swap is None:
+        swap = M <= 64
     x = x.contiguous()
-    w = qt.weight.view(torch.int32)
-    block_k = max(block_k, qt.group_size)
     k_blocks = triton.cdiv(K, block_k)
-    if split_k is None:  # enough programs to cover every SM a few times over
-        tiles = triton.cdiv(M, block_m) * triton.cdiv(N, block_n)
+    tiles = triton.cdiv(M, block_m) * triton.cdiv(N, block_n)
+    if split_k is None:
         split_k = max(1, min(k_blocks, (2 * _num_sms(x.device)) // max(tiles, 1)))
     k_per_split = triton.cdiv(k_blocks, split_k) * block_k
     split_k = triton.cdiv(K, k_per_split)
-    # one split: the kernel writes y in x's dtype; several: fp32 partials, summed after
     out = torch.empty((split_k, M, N), dtype=x.dtype if split_k == 1 else torch.float32, device=x.device)
-    grid = (triton.cdiv(M, block_m) * triton.cdiv(N, block_n), split_k)
-    _qmm_kernel[grid](x, w, qt.scales, qt.biases, out, M, N, K, k_per_split, x.stride(0), w.stride(0),
-                      qt.scales.stride(0), out.stride(0), out.stride(1), BITS=qt.bits, GS=qt.group_size,
-                      BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=8,
-                      DOT_FP32=INTERPRET or x.dtype == torch.float32, num_warps=num_warps, num_stages=num_stages)
+    _qgemm_kernel[(tiles, split_k)](
+        x, qt.weight.view(torch.int32), qt.scales, qt.biases, out, M, N, K, k_per_split, x.stride(0),
+        qt.weight.stride(0), qt.scales.stride(0), out.stride(0), out.stride(1), BITS=qt.bits, GS=qt.group_size,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=8, SWAP=swap,
+        DOT_FP32=INTERPRET or x.dtype == torch.float32, num_warps=num_warps, num_stages=num_stages)
     return out[0] if split_k == 1 else out.sum(0).to(x.dtype)
 
 
-def qgemv(x: torch.Tensor, qt, block_n: int = 64, block_k: int = 512, split_k: int | None = None,
-          num_warps: int = 4, num_stages: int = 3) -> torch.Tensor:
-    """y [M, N] = x [M, K] @ W^T for few rows (decode). Up to 4 rows: the CUDA-core kernel over W's own layout;
-    5..16 rows: one 16-row tensor-core tile; split-K in both to fill the GPU."""
-    if x.shape[0] <= GEMV_CUDA_CORE_ROWS:
-        return _gemv_cuda_cores(x, qt, block_n, block_k * qt.bits // 32, split_k, num_warps, num_stages)
-    return _launch(x, qt, 16, block_n, min(block_k, 128), split_k, num_warps, num_stages)
-
-
-GEMV_CUDA_CORE_ROWS = 4
-
-
-def _gemv_cuda_cores(x, qt, block_n, block_w, split_k, num_warps, num_stages):
-    check(x, qt)
-    M, K = x.shape
-    N = qt.weight.shape[0]
-    epw = 32 // qt.bits
-    block_w = max(block_w, qt.group_size // epw)  # whole groups per step
-    k_block = block_w * epw
-    k_blocks = triton.cdiv(K, k_block)
-    if split_k is None:
-        split_k = max(1, min(k_blocks, (4 * _num_sms(x.device)) // max(triton.cdiv(N, block_n), 1)))
-    k_per_split = triton.cdiv(k_blocks, split_k) * k_block
-    split_k = triton.cdiv(K, k_per_split)
-    # [M, EPW, K/EPW]: plane j of row m holds x[m, j::EPW], so the kernel's loads of x are contiguous
-    x_planes = x.reshape(M, K // epw, epw).transpose(1, 2).contiguous()
-    out = torch.empty((split_k, M, N), dtype=x.dtype if split_k == 1 else torch.float32, device=x.device)
-    if M == 1:  # the 2-D kernel: measured ~1.3-1.5x faster than the general one at M = 1
-        _qgemv1_kernel[(triton.cdiv(N, block_n), split_k)](
-            x_planes, qt.weight.view(torch.int32), qt.scales, qt.biases, out, N, K, k_per_split, qt.weight.stride(0),
-            qt.scales.stride(0), out.stride(0), BITS=qt.bits, GS=qt.group_size, BLOCK_N=block_n, BLOCK_W=block_w,
-            num_warps=num_warps, num_stages=num_stages)
-        return out[0] if split_k == 1 else out.sum(0).to(x.dtype)
-    _qgemv_kernel[(triton.cdiv(N, block_n), split_k)](
-        x_planes, qt.weight.view(torch.int32), qt.scales, qt.biases, out, M, N, K, k_per_split, qt.weight.stride(0),
-        qt.scales.stride(0), out.stride(0), out.stride(1), BITS=qt.bits, GS=qt.group_size,
-        BLOCK_M=triton.next_power_of_2(M), BLOCK_N=block_n, BLOCK_W=block_w, num_warps=num_warps,
-        num_stages=num_stages)
-    return out[0] if split_k == 1 else out.sum(0).to(x.dtype)
-
-
-def qgemm(x: torch.Tensor, qt, block_m: int = 128, block_n: int = 128, block_k: int = 64,
-          num_warps: int = 8, num_stages: int = 3) -> torch.Tensor:
-    """y [M, N] = x [M, K] @ W^T on tensor cores (prefill), in x's dtype."""
-    return _launch(x, qt, block_m, block_n, block_k, 1, num_warps, num_stages)
+GEMV_MAX_ROWS = 1  # CUDA cores for one row; tensor cores from two rows up
 
 
 def qmatmul(x: torch.Tensor, qt) -> torch.Tensor:
-    return qgemv(x, qt) if x.shape[0] <= GEMV_MAX_ROWS else qgemm(x, qt)
+    M = x.shape[0]
+    if M <= GEMV_MAX_ROWS:
+        return qgemv(x, qt)
+    if M <= 16:
+        return qgemm(x, qt, block_m=16, block_n=64, block_k=128, num_warps=4, num_stages=4)
+    if M <= 64:
+        return qgemm(x, qt, block_m=64, block_n=64, block_k=64, num_warps=4, num_stages=4)
+    return qgemm(x, qt)
