@@ -118,6 +118,27 @@ def _gemv_kernel(xp_ptr, w_ptr, s_ptr, b_ptr, y_ptr, ids_ptr, N, KW, w_per_split
 
 
 @triton.jit
+def _dequant_kernel(w_ptr, s_ptr, b_ptr, out_ptr, N, K, stride_wn, stride_sn, stride_on,
+                    BITS: tl.constexpr, GS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """out [N, K] = s * q + b (fp32 math, rounded once to out's dtype), one [BLOCK_N, BLOCK_K] tile per program."""
+    EPW: tl.constexpr = 32 // BITS
+    WB: tl.constexpr = BLOCK_K // EPW
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    k0 = tl.program_id(1) * BLOCK_K
+    rows = tl.minimum(offs_n, N - 1).to(tl.int64)
+    offs_w = k0 // EPW + tl.arange(0, WB)
+    words = tl.load(w_ptr + rows[:, None] * stride_wn + offs_w[None, :]).to(tl.uint32, bitcast=True)
+    q = tl.reshape((words[:, :, None] >> (tl.arange(0, EPW) * BITS)[None, None, :]) & ((1 << BITS) - 1),
+                   (BLOCK_N, BLOCK_K))
+    grp = (k0 + tl.arange(0, BLOCK_K)) // GS
+    s = tl.load(s_ptr + rows[:, None] * stride_sn + grp[None, :]).to(tl.float32)
+    b = tl.load(b_ptr + rows[:, None] * stride_sn + grp[None, :]).to(tl.float32)
+    offs_k = k0 + tl.arange(0, BLOCK_K)
+    tl.store(out_ptr + offs_n[:, None].to(tl.int64) * stride_on + offs_k[None, :],
+             (q.to(tl.float32) * s + b).to(out_ptr.dtype.element_ty), mask=(offs_n < N)[:, None])
+
+
+@triton.jit
 def _qgemm_kernel(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, M, N, K, k_per_split,
                   stride_xm, stride_wn, stride_sn, stride_ys, stride_ym,
                   BITS: tl.constexpr, GS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -315,7 +336,31 @@ def qgemm(x: torch.Tensor, qt, block_m: int = 128, block_n: int = 128, block_k: 
     return out[0] if split_k == 1 else out.sum(0).to(x.dtype)
 
 
+def dequantize(qt, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """The dense [N, K] weight in `dtype`, one pass over the packed bytes."""
+    N, K = qt.weight.shape[0], qt.in_features
+    epw = 32 // qt.bits
+    block_k = max(128, epw)
+    if K % block_k:
+        block_k = qt.group_size if qt.group_size >= epw else epw
+    out = torch.empty((N, K), dtype=dtype, device=qt.weight.device)
+    _dequant_kernel[(triton.cdiv(N, 32), K // block_k)](
+        qt.weight.view(torch.int32), qt.scales, qt.biases, out, N, K, qt.weight.stride(0), qt.scales.stride(0),
+        out.stride(0), BITS=qt.bits, GS=qt.group_size, BLOCK_N=32, BLOCK_K=block_k, num_warps=4)
+    return out
+
+
+def qgemm_dequant(x: torch.Tensor, qt) -> torch.Tensor:
+    """Prefill: dequantize W once into a temporary (bf16/fp16 as x) and hand the product to cuBLAS. At M in the
+    thousands the extra pass (0.56 + 2 bytes per weight) is a few percent of the GEMM, and cuBLAS is the fastest
+    tensor-core GEMM there is."""
+    check(x, qt)
+    w = dequantize(qt, x.dtype if x.dtype != torch.float32 else torch.float32)
+    return x @ w.T
+
+
 GEMV_MAX_ROWS = 1  # CUDA cores for one row; tensor cores from two rows up
+DEQUANT_GEMM_ROWS = 256  # from here on, dequantize + cuBLAS (measured faster than our fused GEMM at M = 4096)
 
 
 def qmatmul(x: torch.Tensor, qt) -> torch.Tensor:
@@ -324,6 +369,6 @@ def qmatmul(x: torch.Tensor, qt) -> torch.Tensor:
         return qgemv(x, qt)
     if M <= 16:
         return qgemm(x, qt, block_m=16, block_n=64, block_k=128, num_warps=4, num_stages=4)
-    if M <= 64:
+    if M < DEQUANT_GEMM_ROWS or INTERPRET:
         return qgemm(x, qt, block_m=64, block_n=64, block_k=64, num_warps=4, num_stages=4)
-    return qgemm(x, qt)
+    return qgemm_dequant(x, qt)
