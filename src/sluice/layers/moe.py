@@ -1,7 +1,8 @@
 """Sparse MoE block of Qwen3-Next / Qwen3.5: softmax top-k router, SwiGLU experts, sigmoid-gated shared expert.
 
-This is the reference path (a loop over the experts that were hit); the GPU kernels replace it (issue #4).
 Expert weights are stacked: gate_up [E, 2I, H] (gate rows first), down [E, H, I]; dense or QuantizedTensor.
+On CUDA with quantized experts (bits 2/4/8) the Triton kernels of `kernels.moe` run the block without a host
+sync; elsewhere the reference path, a loop over the experts that were hit.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from sluice.kernels.moe import triton_for
 from sluice.kernels.qmatmul import qmatmul
 from sluice.layers.linear import Linear
 from sluice.quant.affine import QuantizedTensor
@@ -56,8 +58,19 @@ class SparseMoE(nn.Module):
                                    for w in (self.gate_up, self.down))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        shape = x.shape
-        x2 = x.reshape(-1, shape[-1])
+        x2 = x.reshape(-1, x.shape[-1])
+        kernels = triton_for(self.gate_up, self.down, self.top_k) if x.is_cuda else None
+        out = self._forward_reference(x2) if kernels is None else self._forward_triton(x2, kernels)
+        return out.view(x.shape)
+
+    def _forward_triton(self, x2: torch.Tensor, kernels) -> torch.Tensor:
+        ids, weights = kernels.route(self.router(x2), self.top_k, self.norm_topk_prob)
+        shared_out = shared_gate_logit = None
+        if self.shared is not None:
+            shared_out, shared_gate_logit = self.shared(x2), self.shared_gate(x2)
+        return kernels.moe(x2, ids, weights, self.gate_up, self.down, shared_out, shared_gate_logit)
+
+    def _forward_reference(self, x2: torch.Tensor) -> torch.Tensor:
         probs = torch.softmax(self.router(x2).float(), dim=-1)
         top_w, top_i = torch.topk(probs, self.top_k, dim=-1)
         if self.norm_topk_prob:
@@ -71,4 +84,4 @@ class SparseMoE(nn.Module):
             out.index_add_(0, tok, (h * top_w[tok, slot, None]).to(x2.dtype))
         if self.shared is not None:
             out = out + torch.sigmoid(self.shared_gate(x2)) * self.shared(x2)
-        return out.view(shape)
+        return out

@@ -1,0 +1,238 @@
+"""Sparse MoE block on the GPU: our Triton kernels vs the memory-bandwidth floor (decode) and cuBLAS bf16 (prefill).
+
+    python benchmarks/moe_gpu.py [--json out.json]
+
+One run, at Qwen3-Next-80B-A3B and Qwen3.5-397B-A17B shapes (4-bit g64 experts and shared expert; router and
+shared-expert gate 8-bit g64 or bf16), random weights built directly in the packed layout:
+- correctness against the fp32 torch reference (kernels/moe/reference.py): router ids, decode (T = 1, 4) and
+  prefill (T = 4096), the experts given the reference's ids (bf16 logits tie; the router is checked on its own);
+- decode, one token: the whole SparseMoE layer (router -> top-k -> expert GEMVs -> combine, shared expert and its
+  gate included) under CUDA-graph replay, rotating over enough layer copies to exceed L2 ~4x; the floor is the
+  bytes that must be read (k experts, shared expert, router, shared gate) over the measured copy bandwidth;
+  with a breakdown (router + top-k, routed experts, shared expert);
+- routed experts at T = 1, 4, 16: decode GEMVs vs prefill grouped GEMMs (where to switch);
+- prefill, T = 4096: routed experts (a small block-size sweep; effective TFLOP/s vs cuBLAS bf16 GEMMs of the same
+  FLOPs, [T*k, H] x [H, 2I] and [T*k, I] x [I, H]: an optimistic grouped-GEMM estimate) and the whole layer.
+Each case runs in try/except: an error is printed and recorded and the run goes on. Table printed last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import traceback
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from qmatmul_gpu import copies_for, events_time, graph_time, qt_bytes, random_qt, rel_err  # noqa: E402
+from sluice.kernels.moe import reference  # noqa: E402
+from sluice.kernels.moe import triton as mt  # noqa: E402
+from sluice.layers.linear import Linear  # noqa: E402
+from sluice.layers.moe import SparseMoE, SwiGLU  # noqa: E402
+from sluice.quant.affine import QuantizedTensor  # noqa: E402
+
+MODELS = {  # name: (hidden, experts, expert intermediate, top-k, shared intermediate)
+    "Qwen3-Next-80B-A3B": (2048, 512, 512, 10, 512),
+    "Qwen3.5-397B-A17B": (4096, 512, 1024, 10, 1024),
+}
+ROUTERS = ("8-bit", "bf16")
+PREFILL_T = 4096
+# moe_prefill (block_m, block_n, block_k, num_warps, num_stages)
+PREFILL_CONFIGS = [(64, 64, 64, 4, 3), (64, 128, 64, 4, 3), (128, 64, 64, 8, 3), (128, 128, 64, 8, 3),
+                   (64, 64, 128, 4, 3)]
+BF16 = torch.bfloat16
+
+
+def stacked_qt(E, N, K, bits=4, gs=64):
+    qt = random_qt(E * N, K, bits, gs)
+    return QuantizedTensor(*(t.view(E, N, -1) for t in (qt.weight, qt.scales, qt.biases)), bits, gs)
+
+
+def linear_bytes(lin):
+    return qt_bytes(lin.qt) if lin.quantized else lin.weight.nbytes
+
+
+def build_layers(H, E, I, k, Is):
+    """One layer per router kind, sharing the experts and the shared expert."""
+    gate_up, down = stacked_qt(E, 2 * I, H), stacked_qt(E, H, I)
+    shared = SwiGLU(Linear(random_qt(2 * Is, H)), Linear(random_qt(H, Is)), Is)
+    quant = lambda N: Linear(random_qt(N, H, 8, 64))  # noqa: E731
+    dense = lambda N: Linear(torch.randn(N, H, device="cuda", dtype=BF16) * 0.02)  # noqa: E731
+    return {kind: SparseMoE(make(E), gate_up, down, k, True, shared, make(1))
+            for kind, make in (("8-bit", quant), ("bf16", dense))}
+
+
+def decode_floor_bytes(layer, k):
+    E = layer.num_experts
+    experts = k * (qt_bytes(layer.gate_up) + qt_bytes(layer.down)) / E
+    shared = linear_bytes(layer.shared.gate_up) + linear_bytes(layer.shared.down)
+    return experts + shared + linear_bytes(layer.router) + linear_bytes(layer.shared_gate)
+
+
+def case(res, what, fn):
+    """Run one benchmark case; an error is printed and recorded, never fatal."""
+    try:
+        fn()
+    except Exception as e:  # noqa: BLE001 - a benchmark run must reach the end
+        msg = f"{what}: {type(e).__name__}: {e}"
+        print(f"ERROR {msg}\n{traceback.format_exc(limit=3)}", flush=True)
+        res["errors"].append(msg)
+
+
+def check_correctness(res, name, layer, H, E, k):
+    gate_up, down = layer.gate_up, layer.down
+    for T in (1, 4, PREFILL_T):
+        x = torch.randn(T, H, device="cuda", dtype=BF16)
+        logits = torch.randn(T, E, device="cuda")  # fp32: no ties, the router must agree exactly
+        shared, gate = torch.randn(T, H, device="cuda", dtype=BF16), torch.randn(T, 1, device="cuda")
+        ref = reference.moe_reference(x, logits, gate_up, down, k, True, shared, gate)
+        ref_w, ref_ids = reference.route(logits, k, True)
+        ids, w = mt.route(logits, k, True)
+        out = mt.moe(x, ref_ids.int(), ref_w, gate_up, down, shared, gate)
+        row = {"model": name, "T": T, "path": "decode" if T <= mt.DECODE_MAX_TOKENS else "prefill",
+               "rel_err": rel_err(out, ref), "router_ids_equal": bool(torch.equal(ids.long(), ref_ids)),
+               "router_w_max_diff": float((w - ref_w).abs().max())}
+        row["ok"] = row["rel_err"] <= 1e-2 and row["router_ids_equal"]
+        res["correctness"].append(row)
+        print(f"check {name} T={T} ({row['path']}): rel err {row['rel_err']:.2e}, router ids equal "
+              f"{row['router_ids_equal']}, {'ok' if row['ok'] else 'FAILED'}", flush=True)
+
+
+def time_decode(res, name, layers, k, copy_bw):
+    """The whole layer for one token and its parts, each call on its own layer copy (cold L2)."""
+    for kind in ROUTERS:
+        rot = layers[kind]
+        xs = [torch.randn(1, rot[0].gate_up.shape[2], device="cuda", dtype=BF16) for _ in rot]
+        t_layer = graph_time([lambda m=m, x=x: m(x) for m, x in zip(rot, xs)])
+        routed = [mt.route(m.router(x), k, True) for m, x in zip(rot, xs)]
+        t_router = graph_time([lambda m=m, x=x: mt.route(m.router(x), k, True) for m, x in zip(rot, xs)])
+        t_experts = graph_time([lambda m=m, x=x, r=r: mt.moe_decode(x, *r, m.gate_up, m.down)
+                                for m, x, r in zip(rot, xs, routed)])
+        t_shared = graph_time([lambda m=m, x=x: (m.shared(x), m.shared_gate(x)) for m, x in zip(rot, xs)])
+        nbytes = decode_floor_bytes(rot[0], k)
+        floor = nbytes / copy_bw
+        row = {"model": name, "router": kind, "us": t_layer * 1e6, "floor_bytes": nbytes, "floor_us": floor * 1e6,
+               "pct_floor": floor / t_layer, "router_topk_us": t_router * 1e6, "experts_us": t_experts * 1e6,
+               "shared_us": t_shared * 1e6, "copies": len(rot)}
+        res["decode"].append(row)
+        print(f"decode {name} router {kind}: {row['us']:.1f} us, floor {row['floor_us']:.1f} us "
+              f"({row['pct_floor'] * 100:.0f}%); router+top-k {row['router_topk_us']:.1f}, experts "
+              f"{row['experts_us']:.1f}, shared {row['shared_us']:.1f} us", flush=True)
+
+
+def time_crossover(res, name, layers, H, E, k):
+    rot = layers["8-bit"]
+    for T in (1, 4, 16):
+        xs = [torch.randn(T, H, device="cuda", dtype=BF16) for _ in rot]
+        routed = [mt.route(torch.randn(T, E, device="cuda"), k, True) for _ in rot]
+        row = {"model": name, "T": T, "decode_us": float("nan"), "prefill_us": float("nan")}
+        res["crossover"].append(row)
+        for path, fn in (("decode", mt.moe_decode), ("prefill", mt.moe_prefill)):
+            calls = [lambda m=m, x=x, r=r, fn=fn: fn(x, *r, m.gate_up, m.down) for m, x, r in zip(rot, xs, routed)]
+            case(res, f"{name} experts T={T} {path}", lambda: row.update({f"{path}_us": graph_time(calls) * 1e6}))
+        print(f"experts {name} T={T}: decode GEMVs {row['decode_us']:.1f} us, grouped GEMMs "
+              f"{row['prefill_us']:.1f} us", flush=True)
+
+
+def time_prefill(res, name, layer, H, E, I, k):
+    T = PREFILL_T
+    x = torch.randn(T, H, device="cuda", dtype=BF16)
+    ids, w = mt.route(torch.randn(T, E, device="cuda"), k, True)
+    flops = 6 * T * k * H * I  # gate_up 2*(2I)*H and down 2*H*I per slot
+    best = None
+    for cfg in PREFILL_CONFIGS:
+        try:
+            t = events_time(lambda: mt.moe_prefill(x, ids, w, layer.gate_up, layer.down, None, None, *cfg), reps=10)
+        except Exception as e:  # noqa: BLE001 - e.g. a config that does not fit shared memory
+            print(f"  config {cfg} failed: {type(e).__name__}: {str(e)[:200]}", flush=True)
+            continue
+        if best is None or t < best[0]:
+            best = (t, cfg)
+    a, b = torch.randn(T * k, H, device="cuda", dtype=BF16), torch.randn(T * k, I, device="cuda", dtype=BF16)
+    w_gu, w_down = torch.randn(2 * I, H, device="cuda", dtype=BF16), torch.randn(H, I, device="cuda", dtype=BF16)
+    t_cublas = events_time(lambda: (a @ w_gu.T, b @ w_down.T), reps=10)
+    del a, b
+    t_layer = events_time(lambda: layer(x), reps=10)
+    row = {"model": name, "T": T, "flops": flops, "cublas_tflops": flops / t_cublas / 1e12, "layer_us": t_layer * 1e6}
+    if best is not None:
+        row.update(experts_us=best[0] * 1e6, config=best[1], tflops=flops / best[0] / 1e12,
+                   pct_cublas=t_cublas / best[0])
+    res["prefill"].append(row)
+    print(f"prefill {name} T={T}: experts {row.get('tflops', 0):.0f} TFLOP/s = {row.get('pct_cublas', 0) * 100:.0f}% "
+          f"of cuBLAS bf16 ({row['cublas_tflops']:.0f}); layer {row['layer_us']:.0f} us", flush=True)
+
+
+def print_tables(res):
+    print(f"\n{res['gpu']}; copy bandwidth {res['copy_bandwidth_Bps'] / 1e12:.2f} TB/s; "
+          f"bf16 GEMM {res['bf16_gemm_flops'] / 1e12:.0f} TFLOP/s")
+    print(f"{'MoE decode, 1 token (4-bit g64)':30s} {'router':>6s} {'us':>7s} {'floor':>7s} {'%floor':>7s} "
+          f"{'router+topk':>12s} {'experts':>8s} {'shared':>7s}")
+    for r in res["decode"]:
+        print(f"{r['model']:30s} {r['router']:>6s} {r['us']:7.1f} {r['floor_us']:7.1f} {r['pct_floor'] * 100:6.0f}% "
+              f"{r['router_topk_us']:12.1f} {r['experts_us']:8.1f} {r['shared_us']:7.1f}")
+    print(f"\n{'routed experts':30s} {'T':>5s} {'GEMVs us':>9s} {'grouped us':>11s}")
+    for r in res["crossover"]:
+        print(f"{r['model']:30s} {r['T']:5d} {r['decode_us']:9.1f} {r['prefill_us']:11.1f}")
+    print(f"\n{'MoE prefill T=' + str(PREFILL_T):30s} {'experts us':>11s} {'TFLOP/s':>8s} {'cuBLAS':>7s} "
+          f"{'%cuBLAS':>8s} {'layer us':>9s}  config")
+    for r in res["prefill"]:
+        print(f"{r['model']:30s} {r.get('experts_us', float('nan')):11.0f} {r.get('tflops', float('nan')):8.0f} "
+              f"{r['cublas_tflops']:7.0f} {r.get('pct_cublas', float('nan')) * 100:7.0f}% {r['layer_us']:9.0f}  "
+              f"{r.get('config')}")
+    bad = [c for c in res["correctness"] if not c["ok"]]
+    print(f"\ncorrectness: {len(res['correctness'])} checks, {len(bad)} failed; "
+          f"max rel err {max((c['rel_err'] for c in res['correctness']), default=float('nan')):.2e}")
+    for msg in res["errors"]:
+        print(f"ERROR {msg}")
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--json", default=None)
+    a = ap.parse_args()
+    dev = torch.device("cuda")
+    props = torch.cuda.get_device_properties(dev)
+    res = {"gpu": props.name, "sms": props.multi_processor_count, "torch": torch.__version__,
+           "triton": mt.triton.__version__, "correctness": [], "decode": [], "crossover": [], "prefill": [],
+           "errors": []}
+    src = torch.empty(1 << 30, dtype=torch.uint8, device=dev)
+    dst = torch.empty_like(src)
+    copy_bw = 2 * src.numel() / events_time(lambda: dst.copy_(src))
+    del src, dst
+    A = torch.randn(8192, 8192, device=dev, dtype=BF16)
+    res["copy_bandwidth_Bps"], res["bf16_gemm_flops"] = copy_bw, 2 * 8192 ** 3 / events_time(lambda: A @ A, reps=10)
+    del A
+    print(f"# {props.name}: copy {copy_bw / 1e12:.2f} TB/s (read+write), bf16 GEMM "
+          f"{res['bf16_gemm_flops'] / 1e12:.0f} TFLOP/s", flush=True)
+    try:
+        for name, (H, E, I, k, Is) in MODELS.items():
+            layers = {kind: [] for kind in ROUTERS}
+
+            def build():
+                first = build_layers(H, E, I, k, Is)
+                n = copies_for(int(decode_floor_bytes(first["8-bit"], k)))
+                for copy in [first] + [build_layers(H, E, I, k, Is) for _ in range(n - 1)]:
+                    for kind in ROUTERS:
+                        layers[kind].append(copy[kind])
+
+            case(res, f"{name} build", build)
+            if not layers["8-bit"]:
+                continue
+            case(res, f"{name} correctness", lambda: check_correctness(res, name, layers["8-bit"][0], H, E, k))
+            case(res, f"{name} decode", lambda: time_decode(res, name, layers, k, copy_bw))
+            case(res, f"{name} crossover", lambda: time_crossover(res, name, layers, H, E, k))
+            case(res, f"{name} prefill", lambda: time_prefill(res, name, layers["8-bit"][0], H, E, I, k))
+            del layers
+            torch.cuda.empty_cache()
+    finally:
+        print_tables(res)
+        if a.json:
+            Path(a.json).write_text(json.dumps(res, indent=2))
+
+
+if __name__ == "__main__":
+    main()

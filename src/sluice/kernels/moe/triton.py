@@ -1,0 +1,411 @@
+"""Triton kernels of the sparse MoE block (softmax top-k router, SwiGLU experts, weighted sum, gated shared
+expert) over stacked MLX-affine experts: gate_up [E, 2I, H] (gate rows first), down [E, H, I].
+
+Everything stays on the device (no host synchronisation, so a decode step can be captured in a CUDA graph):
+- `route`: logits [T, E] -> softmax (fp32) -> top-k by iterated argmax -> optional renormalisation.
+- `moe_decode` (a few tokens): the T*k (token, expert) slots are rows of ONE indexed GEMV per projection
+  (`qmatmul.triton.gemv_launch` with expert ids read on the device); between them `_swiglu_prep_kernel` turns
+  the gate_up partial sums into h = silu(g) * u already in the GEMV's prepared-activation layout.
+- `moe_prefill` (many tokens): slots sorted by expert, a table of BLOCK_M-row tiles (expert, first row) built on
+  the device, ONE grouped tensor-core GEMM launch per projection (W tiles dequantized in registers), SwiGLU
+  fused into the gate_up epilogue.
+- `combine`: out[t] = sum_j w[t, j] * y[t*k + j] (+ sigmoid(gate[t]) * shared[t]); a gather, no atomics, so the
+  result is deterministic.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from sluice.kernels.qmatmul import triton as tq
+from sluice.quant.affine import QuantizedTensor
+
+MAX_TOP_K = 16
+MAX_EXPERTS = 1024
+DECODE_MAX_TOKENS = 4  # up to this many tokens the indexed GEMVs; beyond, the grouped GEMMs
+
+
+# ---------------------------------------------------------------------------------------------------- router
+
+
+@triton.jit
+def _route_kernel(logits_ptr, ids_ptr, w_ptr, E, stride_lt, TOP_K: tl.constexpr, BLOCK_E: tl.constexpr,
+                  KP: tl.constexpr, NORM: tl.constexpr):
+    """One token per program: softmax over its E logits, then TOP_K rounds of argmax (lowest index on ties).
+    Each round is a single max over int64 keys (probability bits << 32 | BLOCK_E - 1 - index): a probability is
+    >= 0, so its fp32 bits order like the value, and the low half breaks ties towards the lower index."""
+    t = tl.program_id(0)
+    offs = tl.arange(0, BLOCK_E)
+    ok = offs < E
+    logit = tl.load(logits_ptr + t.to(tl.int64) * stride_lt + offs, mask=ok, other=-float("inf")).to(tl.float32)
+    p = tl.exp(logit - tl.max(logit, axis=0))
+    p = p / tl.sum(p, axis=0)
+    key = (p.to(tl.int32, bitcast=True).to(tl.int64) << 32) | (BLOCK_E - 1 - offs)
+    key = tl.where(ok, key, -1)  # below every real key: never picked
+    offs_k = tl.arange(0, KP)
+    top_w = tl.zeros((KP,), dtype=tl.float32)
+    top_i = tl.zeros((KP,), dtype=tl.int32)
+    for j in tl.static_range(TOP_K):
+        best = tl.max(key, axis=0)
+        idx = BLOCK_E - 1 - (best & (BLOCK_E - 1)).to(tl.int32)
+        top_w = tl.where(offs_k == j, (best >> 32).to(tl.int32).to(tl.float32, bitcast=True), top_w)
+        top_i = tl.where(offs_k == j, idx, top_i)
+        key = tl.where(offs == idx, -1, key)
+    if NORM:
+        top_w = top_w / tl.sum(top_w, axis=0)  # slots >= TOP_K hold 0
+    k_ok = offs_k < TOP_K
+    tl.store(ids_ptr + t * TOP_K + offs_k, top_i, mask=k_ok)
+    tl.store(w_ptr + t * TOP_K + offs_k, top_w, mask=k_ok)
+
+
+def route(logits: torch.Tensor, top_k: int, norm_topk_prob: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Router logits [T, E] (any float dtype) -> (expert ids int32 [T, k], weights fp32 [T, k]), best first."""
+    if logits.dim() != 2 or not logits.is_floating_point():
+        raise ValueError(f"moe route: logits must be a float [T, E] tensor, got {logits.dtype} {tuple(logits.shape)}")
+    T, E = logits.shape
+    if E > MAX_EXPERTS:
+        raise ValueError(f"moe route: at most {MAX_EXPERTS} experts, got {E}")
+    if not 1 <= top_k <= min(MAX_TOP_K, E):
+        raise ValueError(f"moe route: top_k must be in [1, {min(MAX_TOP_K, E)}], got {top_k}")
+    _check_device(logits)
+    logits = logits if logits.stride(-1) == 1 else logits.contiguous()
+    ids = torch.empty((T, top_k), dtype=torch.int32, device=logits.device)
+    weights = torch.empty((T, top_k), dtype=torch.float32, device=logits.device)
+    _route_kernel[(T,)](logits, ids, weights, E, logits.stride(0), TOP_K=top_k, BLOCK_E=triton.next_power_of_2(E),
+                        KP=triton.next_power_of_2(top_k), NORM=norm_topk_prob, num_warps=4)
+    return ids, weights
+
+
+# ---------------------------------------------------------------------------------------------------- decode
+
+
+@triton.jit
+def _swiglu(y_row, offs, mask, I, S, stride_ys):
+    """h = silu(g) * u at columns `offs`, g and u summed over the S split-K partials of one gate_up row."""
+    g = tl.load(y_row + offs, mask=mask, other=0.0)
+    u = tl.load(y_row + I + offs, mask=mask, other=0.0)
+    for s in range(1, S):
+        g += tl.load(y_row + s * stride_ys + offs, mask=mask, other=0.0)
+        u += tl.load(y_row + s * stride_ys + I + offs, mask=mask, other=0.0)
+    return g / (1.0 + tl.exp(-g)) * u
+
+
+@triton.jit
+def _swiglu_prep_kernel(y_ptr, xp_ptr, I, S, stride_ys, stride_ym, stride_pm, BITS: tl.constexpr, GS: tl.constexpr,
+                        BLOCK_W: tl.constexpr):
+    """xp[m] = prep_x(h)[m] for h = silu(g) * u of gate_up row m: `_prep_x_kernel` of qmatmul.triton with its
+    loads replaced by `_swiglu` (same tiles, same order of summation)."""
+    EPW: tl.constexpr = 32 // BITS
+    GB: tl.constexpr = BLOCK_W * EPW // GS
+    KW = I // EPW
+    m = tl.program_id(0)
+    pid = tl.program_id(1)
+    offs_w = pid * BLOCK_W + tl.arange(0, BLOCK_W)
+    w_ok = offs_w < KW
+    y_row = y_ptr + m.to(tl.int64) * stride_ym
+    p_row = xp_ptr + m.to(tl.int64) * stride_pm
+    for j in tl.static_range(EPW):
+        h = _swiglu(y_row, offs_w * EPW + j, w_ok, I, S, stride_ys)
+        tl.store(p_row + j * KW + offs_w, h * (1.0 / (1 << ((j * BITS) % 16))), mask=w_ok)
+    offs_g = pid * GB + tl.arange(0, GB)
+    g_ok = offs_g < I // GS
+    h = _swiglu(y_row, offs_g[:, None] * GS + tl.arange(0, GS)[None, :], g_ok[:, None], I, S, stride_ys)
+    tl.store(p_row + EPW * KW + offs_g, tl.sum(h, axis=1), mask=g_ok)
+
+
+def swiglu_prep(y: torch.Tensor, bits: int, group_size: int) -> torch.Tensor:
+    """gate_up GEMV partials y fp32 [S, rows, 2I] -> exactly `tq.prep_x(silu(g) * u, bits, group_size)` with
+    g, u = y.sum(0).chunk(2, -1): the down projection's prepared activations, without materialising h."""
+    if y.dim() != 3 or y.dtype != torch.float32 or y.shape[2] % 2 or y.stride(2) != 1:
+        raise ValueError(f"moe swiglu_prep: y must be fp32 [S, rows, 2I] with unit column stride, got {y.dtype} "
+                         f"{tuple(y.shape)}")
+    S, rows, I2 = y.shape
+    I = I2 // 2
+    if bits not in tq.SUPPORTED_BITS or group_size not in tq.SUPPORTED_GROUPS or I % group_size:
+        raise ValueError(f"moe swiglu_prep: unsupported bits {bits} / group size {group_size} for I = {I}")
+    epw = 32 // bits
+    stride = -(-(I + I // group_size) // 16) * 16  # prep_x's row layout: planes, group sums, padded to 16
+    xp = torch.empty((rows, stride), dtype=torch.float32, device=y.device)
+    block_w = max(64, group_size // epw)
+    _swiglu_prep_kernel[(rows, triton.cdiv(I // epw, block_w))](
+        y, xp, I, S, y.stride(0), y.stride(1), stride, BITS=bits, GS=group_size, BLOCK_W=block_w, num_warps=4)
+    return xp
+
+
+def _expert_gemv(xp: torch.Tensor, qt: QuantizedTensor, ids: torch.Tensor, x_div: int) -> torch.Tensor:
+    """Partials [splits, rows, N] fp32 of row r = xp[r // x_div] @ W[ids[r]]^T: one indexed GEMV launch."""
+    rows = ids.numel()
+    N, K = qt.out_features, qt.in_features
+    # K is split only when the rows and N-blocks alone leave multiprocessors idle (rarely: top-k is usually >= 8)
+    split_k = tq.gemv_split_k(N, K, qt.bits, qt.group_size, rows, device=xp.device)
+    used = tq._used_splits(K, qt.bits, qt.group_size, split_k)
+    out = torch.empty((used, rows, N), dtype=torch.float32, device=xp.device)
+    tq.gemv_launch(xp, qt.weight.view(torch.int32), qt.scales, qt.biases, out, ids, rows, N, K, qt.bits,
+                   qt.group_size, split_k, x_div=x_div)
+    return out
+
+
+def moe_decode(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_up: QuantizedTensor,
+               down: QuantizedTensor, shared_out: torch.Tensor | None = None,
+               shared_gate_logit: torch.Tensor | None = None) -> torch.Tensor:
+    """MoE output [T, H] in x's dtype for a few tokens (T <= ~4): five launches whatever k is."""
+    _check_moe(x, ids, weights, gate_up, down, shared_out, shared_gate_logit)
+    ids = ids.contiguous().view(-1)
+    xp = tq.prep_x(x.contiguous(), gate_up.bits, gate_up.group_size)
+    y_gu = _expert_gemv(xp, gate_up, ids, x_div=weights.shape[1])
+    y = _expert_gemv(swiglu_prep(y_gu, down.bits, down.group_size), down, ids, x_div=1)
+    return combine(y, weights, x.dtype, shared_out, shared_gate_logit)
+
+
+# ---------------------------------------------------------------------------------------------------- prefill
+
+
+@triton.jit
+def _dequant_tile(w_ptr, s_ptr, b_ptr, rows, k0, stride_wn, stride_sn, BITS: tl.constexpr, GS: tl.constexpr,
+                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """W[rows, k0:k0+BLOCK_K] as fp32 [BLOCK_N, BLOCK_K] (as in `_qgemm_kernel` of qmatmul.triton)."""
+    EPW: tl.constexpr = 32 // BITS
+    GPT: tl.constexpr = BLOCK_K // GS if BLOCK_K >= GS else 1  # groups per K step
+    PER: tl.constexpr = BLOCK_K // GPT
+    words = tl.load(w_ptr + rows[:, None] * stride_wn + (k0 // EPW + tl.arange(0, BLOCK_K // EPW))[None, :])
+    shifts = tl.arange(0, EPW) * BITS
+    q = (words.to(tl.uint32, bitcast=True)[:, :, None] >> shifts[None, None, :]) & ((1 << BITS) - 1)
+    q = tl.reshape(q, (BLOCK_N, BLOCK_K)).to(tl.float32)
+    if GPT == 1:  # one group per step: a scale and a bias per row
+        s = tl.load(s_ptr + rows * stride_sn + k0 // GS).to(tl.float32)
+        b = tl.load(b_ptr + rows * stride_sn + k0 // GS).to(tl.float32)
+        w = q * s[:, None] + b[:, None]
+    else:
+        grp = k0 // GS + tl.arange(0, GPT)
+        s = tl.load(s_ptr + rows[:, None] * stride_sn + grp[None, :]).to(tl.float32)
+        b = tl.load(b_ptr + rows[:, None] * stride_sn + grp[None, :]).to(tl.float32)
+        s = tl.reshape(tl.broadcast_to(s[:, :, None], (BLOCK_N, GPT, PER)), (BLOCK_N, BLOCK_K))
+        b = tl.reshape(tl.broadcast_to(b[:, :, None], (BLOCK_N, GPT, PER)), (BLOCK_N, BLOCK_K))
+        w = q * s + b
+    return w
+
+
+@triton.jit
+def _dot(a, w, acc, DOT_FP32: tl.constexpr):
+    """acc + a @ w^T; w (fp32) rounded once to a's dtype for the tensor cores."""
+    if DOT_FP32:  # fp32 activations, or the interpreter (its bf16 dot is wrong in Triton 3.9)
+        acc += tl.dot(a.to(tl.float32), tl.trans(w), input_precision="ieee")
+    else:
+        acc += tl.dot(a, tl.trans(w.to(a.dtype)))
+    return acc
+
+
+@triton.jit
+def _grouped_gemm_kernel(a_ptr, w_ptr, s_ptr, b_ptr, c_ptr, order_ptr, tile_expert_ptr, tile_row_ptr, offsets_ptr,
+                         N, K, E, a_div, stride_am, stride_we, stride_wn, stride_se, stride_sn, stride_cm,
+                         BITS: tl.constexpr, GS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                         BLOCK_K: tl.constexpr, SWIGLU: tl.constexpr, DOT_FP32: tl.constexpr):
+    """For the sorted rows r of one tile of expert e, with slot = order[r]:
+    C[slot, n-block] = A[slot // a_div] @ W[e, n-block]^T, or with SWIGLU (W[e] = gate rows [0, N), up rows
+    [N, 2N)): silu(A Wg^T) * (A Wu^T). Program (n-block, tile); tiles past the table's end exit at once."""
+    pid_n = tl.program_id(0)
+    tile = tl.program_id(1)
+    e = tl.load(tile_expert_ptr + tile)
+    if e >= E:  # the grid is an upper bound on the tile count
+        return
+    row_end = tl.load(offsets_ptr + e + 1)
+    offs_r = tl.load(tile_row_ptr + tile) + tl.arange(0, BLOCK_M)
+    r_ok = offs_r < row_end
+    slot = tl.load(order_ptr + tl.minimum(offs_r, row_end - 1)).to(tl.int64)  # clamped rows: real data, not stored
+    a_rows = a_ptr + (slot // a_div) * stride_am
+    e = e.to(tl.int64)
+    w_ptr += e * stride_we
+    s_ptr += e * stride_se
+    b_ptr += e * stride_se
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rows_n = tl.minimum(offs_n, N - 1).to(tl.int64)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    if SWIGLU:
+        acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):  # K is a multiple of BLOCK_K: no masks
+        k0 = tl.multiple_of(k0, BLOCK_K)
+        a = tl.load(a_rows[:, None] + (k0 + tl.arange(0, BLOCK_K))[None, :])
+        acc = _dot(a, _dequant_tile(w_ptr, s_ptr, b_ptr, rows_n, k0, stride_wn, stride_sn, BITS, GS, BLOCK_N,
+                                    BLOCK_K), acc, DOT_FP32)
+        if SWIGLU:
+            acc_u = _dot(a, _dequant_tile(w_ptr, s_ptr, b_ptr, rows_n + N, k0, stride_wn, stride_sn, BITS, GS,
+                                          BLOCK_N, BLOCK_K), acc_u, DOT_FP32)
+    if SWIGLU:
+        acc = acc / (1.0 + tl.exp(-acc)) * acc_u
+    tl.store(c_ptr + slot[:, None] * stride_cm + offs_n[None, :], acc.to(c_ptr.dtype.element_ty),
+             mask=r_ok[:, None] & (offs_n < N)[None, :])
+
+
+def _tile_table(ids: torch.Tensor, E: int, block_m: int):
+    """Slots grouped by expert, and the BLOCK_M-row tiles over them, all computed on the device.
+
+    Returns order (the slot t*k + j of each sorted row), offsets [E + 1] (the first sorted row of each expert),
+    and per tile its expert and first sorted row. The host cannot know the tile count without a sync, so the
+    table has an upper-bound length (each expert adds at most one partial tile; every tile holds a slot), its
+    unused tail marked with expert E."""
+    flat = ids.reshape(-1)
+    sorted_ids, order = torch.sort(flat, stable=True)
+    experts = torch.arange(E + 1, dtype=torch.int32, device=ids.device)
+    # searchsorted, not bincount: CUDA bincount reads the max id back to the host
+    offsets = torch.searchsorted(sorted_ids, experts, out_int32=True)
+    tiles = (offsets.diff() + block_m - 1) // block_m
+    tile_end = tiles.cumsum(0, dtype=torch.int32)
+    n = min(flat.numel(), triton.cdiv(flat.numel(), block_m) + E)
+    i = torch.arange(n, dtype=torch.int32, device=ids.device)
+    tile_expert = torch.searchsorted(tile_end, i, right=True, out_int32=True)
+    e = tile_expert.clamp(max=E - 1)
+    tile_row = offsets[e] + (i - (tile_end[e] - tiles[e])) * block_m
+    return order, offsets, tile_expert, tile_row
+
+
+def _grouped_gemm(a, a_div, qt, c, table, swiglu, block_m, block_n, block_k, num_warps, num_stages):
+    order, offsets, tile_expert, tile_row = table
+    N = qt.out_features // 2 if swiglu else qt.out_features
+    K = qt.in_features
+    w = qt.weight.view(torch.int32)
+    _grouped_gemm_kernel[(triton.cdiv(N, block_n), tile_expert.numel())](
+        a, w, qt.scales, qt.biases, c, order, tile_expert, tile_row, offsets, N, K, w.shape[0], a_div,
+        a.stride(0), w.stride(0), w.stride(1), qt.scales.stride(0), qt.scales.stride(1), c.stride(0),
+        BITS=qt.bits, GS=qt.group_size, BLOCK_M=block_m, BLOCK_N=block_n,
+        BLOCK_K=min(block_k, K & -K),  # the largest power of two dividing K (>= 32) caps the K step
+        SWIGLU=swiglu, DOT_FP32=tq.INTERPRET or a.dtype == torch.float32, num_warps=num_warps, num_stages=num_stages)
+
+
+def moe_prefill(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_up: QuantizedTensor,
+                down: QuantizedTensor, shared_out: torch.Tensor | None = None,
+                shared_gate_logit: torch.Tensor | None = None, block_m: int = 64, block_n: int = 64,
+                block_k: int = 64, num_warps: int = 4, num_stages: int = 3) -> torch.Tensor:
+    """MoE output [T, H] in x's dtype for many tokens: grouped tensor-core GEMMs over the slots sorted by expert;
+    h and the expert outputs are held in x's dtype, in slot order."""
+    _check_moe(x, ids, weights, gate_up, down, shared_out, shared_gate_logit)
+    x = x.contiguous()
+    T, k = ids.shape
+    table = _tile_table(ids, gate_up.weight.shape[0], block_m)
+    h = torch.empty((T * k, down.in_features), dtype=x.dtype, device=x.device)
+    _grouped_gemm(x, k, gate_up, h, table, True, block_m, block_n, block_k, num_warps, num_stages)
+    y = torch.empty((1, T * k, down.out_features), dtype=x.dtype, device=x.device)
+    _grouped_gemm(h, 1, down, y[0], table, False, block_m, block_n, block_k, num_warps, num_stages)
+    return combine(y, weights, x.dtype, shared_out, shared_gate_logit)
+
+
+# ---------------------------------------------------------------------------------------------------- combine
+
+
+@triton.jit
+def _combine_kernel(y_ptr, w_ptr, shared_ptr, gate_ptr, out_ptr, H, S, stride_ys, stride_ym, stride_sh, stride_g,
+                    TOP_K: tl.constexpr, KP: tl.constexpr, BLOCK_H: tl.constexpr, HAS_SHARED: tl.constexpr):
+    """Program (token, column block): the token's TOP_K expert rows are loaded as one [KP, BLOCK_H] tile (one
+    memory round trip, not TOP_K dependent ones: decode has only a few such programs)."""
+    t = tl.program_id(0)
+    offs = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    ok = offs < H
+    offs_k = tl.arange(0, KP)
+    k_ok = offs_k < TOP_K
+    tile = y_ptr + (t * TOP_K + offs_k).to(tl.int64)[:, None] * stride_ym + offs[None, :]
+    mask = k_ok[:, None] & ok[None, :]
+    y = tl.load(tile, mask=mask, other=0.0).to(tl.float32)
+    for s in range(1, S):
+        y += tl.load(tile + s * stride_ys, mask=mask, other=0.0).to(tl.float32)
+    w = tl.load(w_ptr + t * TOP_K + offs_k, mask=k_ok, other=0.0)
+    acc = tl.sum(w[:, None] * y, axis=0)
+    if HAS_SHARED:
+        gate = tl.sigmoid(tl.load(gate_ptr + t * stride_g).to(tl.float32))
+        acc += gate * tl.load(shared_ptr + t.to(tl.int64) * stride_sh + offs, mask=ok, other=0.0).to(tl.float32)
+    tl.store(out_ptr + t.to(tl.int64) * H + offs, acc.to(out_ptr.dtype.element_ty), mask=ok)
+
+
+def combine(y: torch.Tensor, weights: torch.Tensor, dtype: torch.dtype, shared_out: torch.Tensor | None = None,
+            shared_gate_logit: torch.Tensor | None = None) -> torch.Tensor:
+    """out [T, H] (dtype) = sum_j weights[t, j] * y[:, t*k + j].sum(0) (+ sigmoid(gate[t]) * shared_out[t]).
+    y [S, T*k, H]: the S split-K partials (or S = 1) of the expert outputs, slot t*k + j = token t's j-th expert."""
+    if weights.dim() != 2 or weights.dtype != torch.float32:
+        raise ValueError(f"moe combine: weights must be fp32 [T, k], got {weights.dtype} {tuple(weights.shape)}")
+    T, k = weights.shape
+    if y.dim() != 3 or y.shape[1] != T * k or y.stride(2) != 1:
+        raise ValueError(f"moe combine: y must be [S, {T * k}, H] with unit column stride, got {tuple(y.shape)}")
+    H = y.shape[2]
+    _check_shared(T, H, shared_out, shared_gate_logit)
+    weights = weights.contiguous()
+    out = torch.empty((T, H), dtype=dtype, device=y.device)
+    has_shared = shared_out is not None
+    gate = shared_gate_logit.reshape(T) if has_shared else weights
+    block_h = min(256, triton.next_power_of_2(H))
+    _combine_kernel[(T, triton.cdiv(H, block_h))](
+        y, weights, shared_out if has_shared else y, gate, out, H, y.shape[0], y.stride(0), y.stride(1),
+        shared_out.stride(0) if has_shared else 0, gate.stride(0), TOP_K=k, KP=triton.next_power_of_2(k),
+        BLOCK_H=block_h, HAS_SHARED=has_shared, num_warps=4)
+    return out
+
+
+def moe(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_up: QuantizedTensor, down: QuantizedTensor,
+        shared_out: torch.Tensor | None = None, shared_gate_logit: torch.Tensor | None = None) -> torch.Tensor:
+    """The MoE output [T, H] in x's dtype: x [T, H] (bf16/fp16/fp32), ids int32 [T, k] in [0, E) and weights
+    fp32 [T, k] (from `route`; the ids are not checked, that would take a sync), stacked quantized experts; the
+    shared expert's output [T, H] and gate logit [T] (or [T, 1]) when there is one."""
+    run = moe_decode if x.shape[0] <= DECODE_MAX_TOKENS else moe_prefill
+    return run(x, ids, weights, gate_up, down, shared_out, shared_gate_logit)
+
+
+# ---------------------------------------------------------------------------------------------------- checks
+
+
+def supports(gate_up, down, top_k: int) -> bool:
+    """Whether these kernels run a block with these stacked expert weights and this top-k."""
+    quantized = all(isinstance(qt, QuantizedTensor) and qt.weight.dim() == 3 and qt.bits in tq.SUPPORTED_BITS
+                    and qt.group_size in tq.SUPPORTED_GROUPS for qt in (gate_up, down))
+    return quantized and gate_up.weight.shape[0] <= MAX_EXPERTS and top_k <= min(MAX_TOP_K, gate_up.weight.shape[0])
+
+
+def _check_device(*tensors) -> None:
+    dev = tensors[0].device
+    if any(t.device != dev for t in tensors):
+        raise ValueError("moe: all tensors must be on the same device")
+    if not (dev.type == "cuda" or tq.INTERPRET):
+        raise ValueError("moe: tensors must be on a CUDA device (or set TRITON_INTERPRET=1)")
+
+
+def _check_shared(T, H, shared_out, shared_gate_logit) -> None:
+    if (shared_out is None) != (shared_gate_logit is None):
+        raise ValueError("moe: shared_out and shared_gate_logit come together")
+    if shared_out is None:
+        return
+    if tuple(shared_out.shape) != (T, H) or shared_out.stride(1) != 1 or not shared_out.is_floating_point():
+        raise ValueError(f"moe: shared_out must be a float [{T}, {H}] tensor with unit column stride, got "
+                         f"{tuple(shared_out.shape)}")
+    if tuple(shared_gate_logit.shape) not in ((T,), (T, 1)) or not shared_gate_logit.is_floating_point():
+        raise ValueError(f"moe: shared_gate_logit must be a float [{T}] or [{T}, 1] tensor, got "
+                         f"{tuple(shared_gate_logit.shape)}")
+    _check_device(shared_out, shared_gate_logit)
+
+
+def _check_moe(x, ids, weights, gate_up, down, shared_out, shared_gate_logit) -> None:
+    """Clear errors before any launch (the kernels would read out of bounds instead)."""
+    for name, qt in (("gate_up", gate_up), ("down", down)):
+        if not isinstance(qt, QuantizedTensor) or qt.weight.dim() != 3:
+            raise ValueError(f"moe: {name} must be a stacked QuantizedTensor [E, N, K*bits/32]")
+        if qt.bits not in tq.SUPPORTED_BITS or qt.group_size not in tq.SUPPORTED_GROUPS:
+            raise ValueError(f"moe: {name} is {qt.bits}-bit with group size {qt.group_size}; supported: bits "
+                             f"{tq.SUPPORTED_BITS}, group sizes {tq.SUPPORTED_GROUPS}")
+        groups = (*qt.weight.shape[:2], qt.in_features // qt.group_size)
+        if tuple(qt.scales.shape) != groups or qt.scales.stride() != qt.biases.stride():
+            raise ValueError(f"moe: {name} scales and biases must both be {groups} with the same strides")
+        if qt.weight.stride(-1) != 1 or qt.scales.stride(-1) != 1:
+            raise ValueError(f"moe: {name} rows must be contiguous")
+    E, I2, H = gate_up.shape
+    if I2 % 2 or tuple(down.shape) != (E, H, I2 // 2):
+        raise ValueError(f"moe: down must be [E, H, I] = {(E, H, I2 // 2)} for gate_up {tuple(gate_up.shape)}, "
+                         f"got {tuple(down.shape)}")
+    if x.dim() != 2 or x.shape[1] != H:
+        raise ValueError(f"moe: x must be [T, {H}], got {tuple(x.shape)}")
+    if x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        raise ValueError(f"moe: x must be bf16, fp16 or fp32, got {x.dtype}")
+    if ids.dtype != torch.int32 or ids.dim() != 2 or ids.shape[0] != x.shape[0] or not 1 <= ids.shape[1] <= MAX_TOP_K:
+        raise ValueError(f"moe: ids must be int32 [{x.shape[0]}, k <= {MAX_TOP_K}], got {ids.dtype} "
+                         f"{tuple(ids.shape)}")
+    if weights.dtype != torch.float32 or weights.shape != ids.shape:
+        raise ValueError(f"moe: weights must be fp32 {tuple(ids.shape)}, got {weights.dtype} {tuple(weights.shape)}")
+    _check_shared(x.shape[0], H, shared_out, shared_gate_logit)
+    _check_device(x, ids, weights, gate_up.weight, gate_up.scales, gate_up.biases, down.weight, down.scales,
+                  down.biases)

@@ -1,0 +1,189 @@
+"""Triton MoE kernels (router, decode GEMVs, prefill grouped GEMMs, combine) against the torch reference on fresh
+random data: tiny shapes under the Triton interpreter on CPU, real shapes on a GPU (benchmarks/moe_gpu.py).
+
+The Triton 3.9 interpreter truncates fp32 -> bf16 stores (about 3x the error of round-to-nearest): the prefill
+path, which holds h and the expert outputs in x's dtype, measures ~0.009 there in bf16 (round-to-nearest on a GPU:
+expected a few 1e-3), so it is also checked in fp16 and fp32 at tighter bounds."""
+
+import pytest
+import torch
+
+triton = pytest.importorskip("triton")
+
+from sluice.kernels.moe import reference  # noqa: E402
+from sluice.kernels.moe import triton as mt  # noqa: E402
+from sluice.kernels.qmatmul import triton as tq  # noqa: E402
+from sluice.quant.affine import QuantizedTensor, quantize  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+E, H, I = 8, 128, 64
+
+
+def rel_err(a, b):
+    return float((a.float() - b.float()).norm() / b.float().norm())
+
+
+def on_device(qt):
+    return QuantizedTensor(*(t.to(DEVICE) for t in (qt.weight, qt.scales, qt.biases)), qt.bits, qt.group_size)
+
+
+def experts(g, bits, gs_gate_up, gs_down):
+    gate_up = quantize(torch.randn(E, 2 * I, H, generator=g) * 0.1, bits, gs_gate_up)
+    down = quantize(torch.randn(E, H, I, generator=g) * 0.1, bits, gs_down)
+    return gate_up, down
+
+
+@pytest.mark.parametrize("n_exp,k,norm", [(8, 2, True), (8, 4, False), (512, 10, True), (1000, 16, False)])
+def test_route_matches_reference(n_exp, k, norm):
+    logits = 2 * torch.randn(37, n_exp, generator=torch.Generator().manual_seed(n_exp + k))
+    ids, weights = mt.route(logits.to(DEVICE), k, norm)
+    ref_w, ref_ids = reference.route(logits, k, norm)
+    assert ids.dtype == torch.int32 and weights.dtype == torch.float32
+    assert torch.equal(ids.cpu().long(), ref_ids)
+    torch.testing.assert_close(weights.cpu(), ref_w, rtol=1e-5, atol=1e-7)
+
+
+def test_route_breaks_ties_towards_the_lower_index():
+    logits = torch.zeros(2, E)
+    logits[1, 5] = 1.0
+    ids, weights = mt.route(logits.to(DEVICE), 3, True)
+    assert ids.cpu().tolist() == [[0, 1, 2], [5, 0, 1]]
+    torch.testing.assert_close(weights[0].cpu(), torch.full((3,), 1 / 3))
+
+
+# (path, tokens, top-k, bits, group size of gate_up, of down, renormalise, shared expert)
+CASES = [
+    ("decode", 1, 2, 4, 64, 64, True, True),
+    ("decode", 3, 4, 8, 32, 64, False, True),
+    ("decode", 2, 3, 2, 32, 32, True, False),
+    ("prefill", 3, 2, 4, 128, 64, True, True),  # most experts empty: tiles past the table's end exit
+    ("prefill", 37, 4, 4, 32, 32, True, True),
+    ("prefill", 37, 3, 8, 64, 64, False, False),
+    ("prefill", 37, 2, 2, 32, 64, True, True),
+]
+
+
+def run_case(path, T, k, bits, gs_gu, gs_down, norm, shared, dtype, seed):
+    g = torch.Generator().manual_seed(seed)
+    gate_up, down = experts(g, bits, gs_gu, gs_down)
+    x = torch.randn(T, H, generator=g).to(dtype)
+    logits = 2 * torch.randn(T, E, generator=g)
+    shared_out = torch.randn(T, H, generator=g).to(dtype) if shared else None
+    gate_logit = torch.randn(T, 1, generator=g) if shared else None
+    ref = reference.moe_reference(x, logits, gate_up, down, k, norm, shared_out, gate_logit)
+    ids, weights = mt.route(logits.to(DEVICE), k, norm)
+    run = mt.moe_decode if path == "decode" else mt.moe_prefill
+    to = (lambda t: None if t is None else t.to(DEVICE))
+    out = run(x.to(DEVICE), ids, weights, on_device(gate_up), on_device(down), to(shared_out), to(gate_logit))
+    assert out.dtype == dtype and out.shape == (T, H)
+    return rel_err(out.cpu(), ref)
+
+
+@pytest.mark.parametrize("case", CASES, ids=[f"{c[0]}-T{c[1]}-k{c[2]}-{c[3]}bit-g{c[4]}/{c[5]}" for c in CASES])
+def test_moe_matches_reference(case):
+    assert run_case(*case, dtype=torch.bfloat16, seed=sum(case[1:6])) <= 1e-2
+
+
+@pytest.mark.parametrize("dtype,bound", [(torch.float16, 2e-3), (torch.float32, 1e-5)])
+def test_prefill_tighter_in_fp16_and_fp32(dtype, bound):
+    assert run_case("prefill", 37, 4, 4, 64, 32, True, True, dtype=dtype, seed=5) <= bound
+
+
+def test_moe_picks_decode_or_prefill(monkeypatch):
+    calls = []
+    monkeypatch.setattr(mt, "moe_decode", lambda *a: calls.append("decode"))
+    monkeypatch.setattr(mt, "moe_prefill", lambda *a: calls.append("prefill"))
+    for T in (mt.DECODE_MAX_TOKENS, mt.DECODE_MAX_TOKENS + 1):
+        mt.moe(torch.zeros(T, H), None, None, None, None)
+    assert calls == ["decode", "prefill"]
+
+
+@pytest.mark.parametrize("bits,group_size", [(2, 32), (4, 64), (8, 128)])
+def test_swiglu_prep_is_prep_x_of_h(bits, group_size):
+    g = torch.Generator().manual_seed(bits)
+    n = 256 + 256 // group_size  # prep_x's planes and group sums (the row padding is left unwritten)
+    y = torch.randn(2, 5, 512, generator=g)  # two split-K partials of 5 rows of [gate | up]
+    y[:, :, :256] += 50  # gate >= ~90: exp(-g) vanishes against 1, silu(g) = g exactly, so h is exact too
+    gate, up = y.sum(0).chunk(2, dim=-1)
+    xp = mt.swiglu_prep(y.to(DEVICE), bits, group_size).cpu()
+    assert xp.shape == tq.prep_x(up.to(DEVICE), bits, group_size).shape
+    assert torch.equal(xp[:, :n], tq.prep_x((gate * up).to(DEVICE), bits, group_size).cpu()[:, :n])
+    y = torch.randn(2, 5, 512, generator=g)  # silu in the general case: the exp may differ by an ulp
+    gate, up = y.sum(0).chunk(2, dim=-1)
+    xp = mt.swiglu_prep(y.to(DEVICE), bits, group_size).cpu()
+    ref = tq.prep_x((torch.nn.functional.silu(gate) * up).to(DEVICE), bits, group_size).cpu()
+    torch.testing.assert_close(xp[:, :256], ref[:, :256], rtol=1e-5, atol=0)
+    torch.testing.assert_close(xp[:, 256:n], ref[:, 256:n], rtol=1e-5, atol=1e-5)
+
+
+def test_combine_sums_splits_and_gates_the_shared_expert():
+    g = torch.Generator().manual_seed(0)
+    T, k = 3, 4
+    y = torch.randn(2, T * k, H, generator=g)
+    weights = torch.rand(T, k, generator=g)
+    shared, gate = torch.randn(T, H, generator=g), torch.randn(T, generator=g)
+    out = mt.combine(*(t.to(DEVICE) for t in (y, weights)), torch.float32, shared.to(DEVICE), gate.to(DEVICE))
+    ref = (weights[:, :, None] * y.sum(0).view(T, k, H)).sum(1) + torch.sigmoid(gate)[:, None] * shared
+    torch.testing.assert_close(out.cpu(), ref, rtol=1e-5, atol=1e-5)
+
+
+def test_bad_inputs_raise_before_launch():
+    g = torch.Generator().manual_seed(1)
+    logits = torch.randn(2, E, generator=g).to(DEVICE)
+    for bad, match in ((lambda: mt.route(logits[None], 2, True), r"\[T, E\]"),
+                       (lambda: mt.route(logits.int(), 2, True), r"\[T, E\]"),
+                       (lambda: mt.route(logits, E + 1, True), "top_k"),
+                       (lambda: mt.route(torch.randn(1, 32, device=DEVICE), 17, True), "top_k"),
+                       (lambda: mt.route(torch.randn(1, 1025, device=DEVICE), 2, True), "1024 experts")):
+        with pytest.raises(ValueError, match=match):
+            bad()
+    gate_up, down = (on_device(w) for w in experts(g, 4, 32, 32))
+    x = torch.randn(2, H, device=DEVICE, dtype=torch.bfloat16)
+    ids, weights = mt.route(logits, 2, True)
+    three_bit = on_device(quantize(torch.randn(E, H, I, generator=g), 3, 32))
+    for args, match in (((x[:, :64], ids, weights, gate_up, down), r"x must be \[T, 128\]"),
+                        ((x.int(), ids, weights, gate_up, down), "bf16, fp16 or fp32"),
+                        ((x, ids.long(), weights, gate_up, down), "int32"),
+                        ((x, ids, weights[:, :1], gate_up, down), "fp32"),
+                        ((x, ids, weights, gate_up, three_bit), "3-bit"),
+                        ((x, ids, weights, gate_up, gate_up), "down must be"),
+                        ((x, ids, weights, gate_up.dequantize(), down), "stacked QuantizedTensor"),
+                        ((x, ids, weights, gate_up, down, x), "come together"),
+                        ((x, ids, weights, gate_up, down, x[:1], weights[:, 0]), r"shared_out must be")):
+        for run in (mt.moe_decode, mt.moe_prefill):
+            with pytest.raises(ValueError, match=match):
+                run(*args)
+    with pytest.raises(ValueError, match="2I"):
+        mt.swiglu_prep(torch.randn(1, 2, 63, device=DEVICE), 4, 32)
+    with pytest.raises(ValueError, match=r"\[S, 8, H\]"):
+        mt.combine(torch.randn(1, 3, H, device=DEVICE), torch.rand(2, 4, device=DEVICE), torch.float32)
+
+
+def sparse_moe(T, n_exp, hidden, inter, k):
+    from sluice.layers.linear import Linear
+    from sluice.layers.moe import SparseMoE, SwiGLU
+
+    g = torch.Generator().manual_seed(T)
+    q = (lambda *shape: quantize(torch.randn(*shape, generator=g) * 0.05, 4, 64))
+    shared = SwiGLU(Linear(q(2 * inter, hidden)), Linear(q(hidden, inter)), inter)
+    layer = SparseMoE(Linear(torch.randn(n_exp, hidden, generator=g)), q(n_exp, 2 * inter, hidden),
+                      q(n_exp, hidden, inter), k, True, shared, Linear(torch.randn(1, hidden, generator=g)))
+    # fp32 activations: bf16 router logits tie often enough that the two top-k tie-breaks could pick differently
+    return layer.to(DEVICE), torch.randn(T, hidden, generator=g).to(DEVICE)
+
+
+@pytest.mark.parametrize("T", [1, 37])
+def test_sparse_moe_triton_path_matches_its_reference_path(T):
+    layer, x = sparse_moe(T, E, H, I, 3)
+    out = layer._forward_triton(x, mt)  # called directly: forward picks it on CUDA only
+    assert rel_err(out, layer._forward_reference(x)) <= 1e-2
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="SparseMoE picks the kernels on CUDA only")
+@pytest.mark.parametrize("T", [1, 3, 64])
+def test_sparse_moe_forward_on_cuda_uses_the_kernels(T):
+    from sluice.kernels.moe import triton_for
+
+    layer, x = sparse_moe(T, 16, 256, 128, 4)
+    assert triton_for(layer.gate_up, layer.down, layer.top_k) is mt
+    assert rel_err(layer(x), layer._forward_reference(x)) <= 1e-2
