@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from qmatmul_gpu import copies_for, events_time, graph_time, qt_bytes, random_qt, rel_err  # noqa: E402
+from qmatmul_gpu import copies_for, copy_bandwidth, graph_time, qt_bytes, random_qt, rel_err  # noqa: E402
 
 from sluice.kernels.qmatmul import reference  # noqa: E402
 from sluice.kernels.qmatmul import triton as tq  # noqa: E402
@@ -28,10 +28,7 @@ def main():
     ap.add_argument("--json", default=None)
     a = ap.parse_args()
     dev = torch.device("cuda")
-    src = torch.empty(1 << 30, dtype=torch.uint8, device=dev)
-    dst = torch.empty_like(src)
-    copy_bw = 2 * src.numel() / events_time(lambda: dst.copy_(src))
-    del src, dst
+    copy_bw = copy_bandwidth(dev)
     rows = []
     for name, (N, K) in SHAPES.items():
         base = random_qt(N, K)

@@ -28,7 +28,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from qmatmul_gpu import copies_for, events_time, graph_time, qt_bytes, random_qt, rel_err  # noqa: E402
+from qmatmul_gpu import copies_for, copy_bandwidth, events_time, graph_time, qt_bytes, random_qt, rel_err  # noqa: E402
 from sluice.kernels.moe import reference  # noqa: E402
 from sluice.kernels.moe import triton as mt  # noqa: E402
 from sluice.layers.linear import Linear  # noqa: E402
@@ -199,10 +199,7 @@ def main():
     res = {"gpu": props.name, "sms": props.multi_processor_count, "torch": torch.__version__,
            "triton": mt.triton.__version__, "correctness": [], "decode": [], "crossover": [], "prefill": [],
            "errors": []}
-    src = torch.empty(1 << 30, dtype=torch.uint8, device=dev)
-    dst = torch.empty_like(src)
-    copy_bw = 2 * src.numel() / events_time(lambda: dst.copy_(src))
-    del src, dst
+    copy_bw = copy_bandwidth(dev)
     A = torch.randn(8192, 8192, device=dev, dtype=BF16)
     res["copy_bandwidth_Bps"], res["bf16_gemm_flops"] = copy_bw, 2 * 8192 ** 3 / events_time(lambda: A @ A, reps=10)
     del A

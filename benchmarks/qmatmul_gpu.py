@@ -77,6 +77,13 @@ def graph_time(calls, reps=20):
     return events_time(g.replay, reps=reps) / len(calls)
 
 
+def copy_bandwidth(dev) -> float:
+    """Measured device copy bandwidth, bytes read + written per second (1 GiB each way)."""
+    src = torch.empty(1 << 30, dtype=torch.uint8, device=dev)
+    dst = torch.empty_like(src)
+    return 2 * src.numel() / events_time(lambda: dst.copy_(src))
+
+
 def copies_for(nbytes: int) -> int:
     return max(2, min(64, math.ceil(4 * L2_BYTES / nbytes)))
 
@@ -108,10 +115,7 @@ def main():
            "triton": tq.triton.__version__, "correctness": [], "gemv": [], "gemm": [], "sweep": []}
 
     # floors
-    src = torch.empty(1 << 30, dtype=torch.uint8, device=dev)
-    dst = torch.empty_like(src)
-    copy_bw = 2 * src.numel() / events_time(lambda: dst.copy_(src))
-    del src, dst
+    copy_bw = copy_bandwidth(dev)
     A = torch.randn(8192, 8192, device=dev, dtype=torch.bfloat16)
     gemm_rate = 2 * 8192 ** 3 / events_time(lambda: A @ A, reps=10)
     del A

@@ -4,8 +4,8 @@ expert) over stacked MLX-affine experts: gate_up [E, 2I, H] (gate rows first), d
 Everything stays on the device (no host synchronisation, so a decode step can be captured in a CUDA graph):
 - `route`: logits [T, E] -> softmax (fp32) -> top-k by iterated argmax -> optional renormalisation.
 - `moe_decode` (a few tokens): the T*k (token, expert) slots are rows of ONE indexed GEMV per projection
-  (`qmatmul.triton.gemv_launch` with expert ids read on the device); between them `_swiglu_prep_kernel` turns
-  the gate_up partial sums into h = silu(g) * u already in the GEMV's prepared-activation layout.
+  (`qmatmul.triton.gemv_launch` with expert ids read on the device); between them `swiglu_prep` (`prep_x` in
+  its SwiGLU mode) turns the gate_up partial sums into h = silu(g) * u already in the GEMV's prepared-activation layout.
 - `moe_prefill` (many tokens): slots sorted by expert, a table of BLOCK_M-row tiles (expert, first row) built on
   the device, ONE grouped tensor-core GEMM launch per projection (W tiles dequantized in registers), SwiGLU
   fused into the gate_up epilogue.
@@ -81,57 +81,16 @@ def route(logits: torch.Tensor, top_k: int, norm_topk_prob: bool) -> tuple[torch
 # ---------------------------------------------------------------------------------------------------- decode
 
 
-@triton.jit
-def _swiglu(y_row, offs, mask, I, S, stride_ys):
-    """h = silu(g) * u at columns `offs`, g and u summed over the S split-K partials of one gate_up row."""
-    g = tl.load(y_row + offs, mask=mask, other=0.0)
-    u = tl.load(y_row + I + offs, mask=mask, other=0.0)
-    for s in range(1, S):
-        g += tl.load(y_row + s * stride_ys + offs, mask=mask, other=0.0)
-        u += tl.load(y_row + s * stride_ys + I + offs, mask=mask, other=0.0)
-    return g / (1.0 + tl.exp(-g)) * u
-
-
-@triton.jit
-def _swiglu_prep_kernel(y_ptr, xp_ptr, I, S, stride_ys, stride_ym, stride_pm, BITS: tl.constexpr, GS: tl.constexpr,
-                        BLOCK_W: tl.constexpr):
-    """xp[m] = prep_x(h)[m] for h = silu(g) * u of gate_up row m: `_prep_x_kernel` of qmatmul.triton with its
-    loads replaced by `_swiglu` (same tiles, same order of summation)."""
-    EPW: tl.constexpr = 32 // BITS
-    GB: tl.constexpr = BLOCK_W * EPW // GS
-    KW = I // EPW
-    m = tl.program_id(0)
-    pid = tl.program_id(1)
-    offs_w = pid * BLOCK_W + tl.arange(0, BLOCK_W)
-    w_ok = offs_w < KW
-    y_row = y_ptr + m.to(tl.int64) * stride_ym
-    p_row = xp_ptr + m.to(tl.int64) * stride_pm
-    for j in tl.static_range(EPW):
-        h = _swiglu(y_row, offs_w * EPW + j, w_ok, I, S, stride_ys)
-        tl.store(p_row + j * KW + offs_w, h * (1.0 / (1 << ((j * BITS) % 16))), mask=w_ok)
-    offs_g = pid * GB + tl.arange(0, GB)
-    g_ok = offs_g < I // GS
-    h = _swiglu(y_row, offs_g[:, None] * GS + tl.arange(0, GS)[None, :], g_ok[:, None], I, S, stride_ys)
-    tl.store(p_row + EPW * KW + offs_g, tl.sum(h, axis=1), mask=g_ok)
-
-
 def swiglu_prep(y: torch.Tensor, bits: int, group_size: int) -> torch.Tensor:
     """gate_up GEMV partials y fp32 [S, rows, 2I] -> exactly `tq.prep_x(silu(g) * u, bits, group_size)` with
     g, u = y.sum(0).chunk(2, -1): the down projection's prepared activations, without materialising h."""
     if y.dim() != 3 or y.dtype != torch.float32 or y.shape[2] % 2 or y.stride(2) != 1:
         raise ValueError(f"moe swiglu_prep: y must be fp32 [S, rows, 2I] with unit column stride, got {y.dtype} "
                          f"{tuple(y.shape)}")
-    S, rows, I2 = y.shape
-    I = I2 // 2
+    I = y.shape[2] // 2
     if bits not in tq.SUPPORTED_BITS or group_size not in tq.SUPPORTED_GROUPS or I % group_size:
         raise ValueError(f"moe swiglu_prep: unsupported bits {bits} / group size {group_size} for I = {I}")
-    epw = 32 // bits
-    stride = -(-(I + I // group_size) // 16) * 16  # prep_x's row layout: planes, group sums, padded to 16
-    xp = torch.empty((rows, stride), dtype=torch.float32, device=y.device)
-    block_w = max(64, group_size // epw)
-    _swiglu_prep_kernel[(rows, triton.cdiv(I // epw, block_w))](
-        y, xp, I, S, y.stride(0), y.stride(1), stride, BITS=bits, GS=group_size, BLOCK_W=block_w, num_warps=4)
-    return xp
+    return tq.prep_x(y, bits, group_size, swiglu=True)
 
 
 def _expert_gemv(xp: torch.Tensor, qt: QuantizedTensor, ids: torch.Tensor, x_div: int) -> torch.Tensor:
@@ -140,7 +99,7 @@ def _expert_gemv(xp: torch.Tensor, qt: QuantizedTensor, ids: torch.Tensor, x_div
     N, K = qt.out_features, qt.in_features
     # K is split only when the rows and N-blocks alone leave multiprocessors idle (rarely: top-k is usually >= 8)
     split_k = tq.gemv_split_k(N, K, qt.bits, qt.group_size, rows, device=xp.device)
-    used = tq._used_splits(K, qt.bits, qt.group_size, split_k)
+    used = tq.gemv_used_splits(K, qt.bits, qt.group_size, split_k)[0]
     out = torch.empty((used, rows, N), dtype=torch.float32, device=xp.device)
     tq.gemv_launch(xp, qt.weight.view(torch.int32), qt.scales, qt.biases, out, ids, rows, N, K, qt.bits,
                    qt.group_size, split_k, x_div=x_div)

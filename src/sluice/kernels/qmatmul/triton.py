@@ -17,6 +17,7 @@ y += s * sum(q x) + b * sum(x), with the group sums of x prepared once.
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -29,8 +30,23 @@ INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
 
 @triton.jit
-def _prep_x_kernel(x_ptr, xp_ptr, K, stride_xm, stride_pm, BITS: tl.constexpr, GS: tl.constexpr,
-                   BLOCK_W: tl.constexpr):
+def _load_x(x_row, offs, mask, K, S, stride_xs, SWIGLU: tl.constexpr):
+    """fp32 x at columns `offs`; with SWIGLU the row is [gate | up] (K columns each) as S split-K partials and
+    x = silu(gate) * up."""
+    if SWIGLU:
+        g = tl.load(x_row + offs, mask=mask, other=0.0)
+        u = tl.load(x_row + K + offs, mask=mask, other=0.0)
+        for s in range(1, S):
+            g += tl.load(x_row + s * stride_xs + offs, mask=mask, other=0.0)
+            u += tl.load(x_row + s * stride_xs + K + offs, mask=mask, other=0.0)
+        return g / (1.0 + tl.exp(-g)) * u
+    else:
+        return tl.load(x_row + offs, mask=mask, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _prep_x_kernel(x_ptr, xp_ptr, K, S, stride_xs, stride_xm, stride_pm, BITS: tl.constexpr, GS: tl.constexpr,
+                   BLOCK_W: tl.constexpr, SWIGLU: tl.constexpr):
     """xp[m] = [EPW planes of KW fp32 | K/GS group sums]: plane j holds x[m, w*EPW + j] * 2^-((j*BITS) % 16)."""
     EPW: tl.constexpr = 32 // BITS
     GB: tl.constexpr = BLOCK_W * EPW // GS  # groups covered by this program
@@ -42,12 +58,12 @@ def _prep_x_kernel(x_ptr, xp_ptr, K, stride_xm, stride_pm, BITS: tl.constexpr, G
     x_row = x_ptr + m.to(tl.int64) * stride_xm
     p_row = xp_ptr + m.to(tl.int64) * stride_pm
     for j in tl.static_range(EPW):
-        v = tl.load(x_row + offs_w * EPW + j, mask=w_ok, other=0.0).to(tl.float32)
+        v = _load_x(x_row, offs_w * EPW + j, w_ok, K, S, stride_xs, SWIGLU)
         tl.store(p_row + j * KW + offs_w, v * (1.0 / (1 << ((j * BITS) % 16))), mask=w_ok)
     offs_g = pid * GB + tl.arange(0, GB)
     g_ok = offs_g < K // GS
-    xg = tl.load(x_row + offs_g[:, None] * GS + tl.arange(0, GS)[None, :], mask=g_ok[:, None], other=0.0)
-    tl.store(p_row + EPW * KW + offs_g, tl.sum(xg.to(tl.float32), axis=1), mask=g_ok)
+    xg = _load_x(x_row, offs_g[:, None] * GS + tl.arange(0, GS)[None, :], g_ok[:, None], K, S, stride_xs, SWIGLU)
+    tl.store(p_row + EPW * KW + offs_g, tl.sum(xg, axis=1), mask=g_ok)
 
 
 @triton.jit
@@ -235,21 +251,28 @@ def check_activations(x: torch.Tensor, qt) -> None:
         raise ValueError(f"triton qmatmul: in_features {qt.in_features} is not a multiple of the group size")
 
 
+@functools.lru_cache(maxsize=None)
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
 def _num_sms(device) -> int:
     if INTERPRET or not torch.cuda.is_available():
         return 4
-    return torch.cuda.get_device_properties(device).multi_processor_count
+    return _sm_count(torch.device(device).index or 0)  # cached: this runs on every decode matmul
 
 
-def prep_x(x: torch.Tensor, bits: int, group_size: int) -> torch.Tensor:
-    """x [M, K] -> the GEMV's fp32 planes [M, K + K/GS] (row stride padded to 16 elements)."""
-    M, K = x.shape
+def prep_x(x: torch.Tensor, bits: int, group_size: int, swiglu: bool = False) -> torch.Tensor:
+    """x [M, K] -> the GEMV's fp32 planes [M, K + K/GS] (row stride padded to 16 elements). With `swiglu`, x is
+    fp32 split-K partials [S, M, 2K] of a gate_up projection and the planes are those of silu(gate) * up."""
+    S, M, K = (x.shape[0], x.shape[1], x.shape[2] // 2) if swiglu else (1, *x.shape)
     epw = 32 // bits
     stride = -(-(K + K // group_size) // 16) * 16
     xp = torch.empty((M, stride), dtype=torch.float32, device=x.device)
     block_w = max(64, group_size // epw)
-    _prep_x_kernel[(M, triton.cdiv(K // epw, block_w))](x, xp, K, x.stride(0), stride, BITS=bits, GS=group_size,
-                                                        BLOCK_W=block_w, num_warps=4)
+    _prep_x_kernel[(M, triton.cdiv(K // epw, block_w))](
+        x, xp, K, S, x.stride(0) if swiglu else 0, x.stride(-2), stride, BITS=bits, GS=group_size, BLOCK_W=block_w,
+        SWIGLU=swiglu, num_warps=4)
     return xp
 
 
@@ -270,6 +293,14 @@ def gemv_split_k(N, K, bits, gs, rows, block_n=16, g_max=8, device=None) -> int:
     return max(1, min(steps, (2 * _num_sms(device)) // max(triton.cdiv(N, block_n) * rows, 1)))
 
 
+def gemv_used_splits(K, bits, gs, split_k, g_max=8) -> tuple[int, int]:
+    """(splits actually used, packed words per split): each split covers whole GEMV steps, so asking for
+    `split_k` may give fewer. Size `gemv_launch`'s output with the first."""
+    G, _ = _groups_per_step(K // gs, g_max)
+    w_per_split = triton.cdiv(triton.cdiv(K // gs, G), split_k) * G * (gs // (32 // bits))
+    return triton.cdiv(K // (32 // bits), w_per_split), w_per_split
+
+
 def gemv_launch(xp, w, s, b, out, ids, rows, N, K, bits, gs, split_k, x_div=1, block_n=16, g_max=8, num_warps=2):
     """Launch `_gemv_kernel` for `rows` output rows: xp from `prep_x`; W [E?, N, KW] int32, scales/biases
     [E?, N, K/GS]; ids [rows] expert indices (INDEXED) or None; out [split_k', rows, N] (fp32 when split).
@@ -277,9 +308,7 @@ def gemv_launch(xp, w, s, b, out, ids, rows, N, K, bits, gs, split_k, x_div=1, b
     epw = 32 // bits
     wpg = gs // epw
     G, even_k = _groups_per_step(K // gs, g_max)
-    step = G * wpg
-    w_per_split = triton.cdiv(triton.cdiv(K // gs, G), split_k) * step
-    used = triton.cdiv(K // epw, w_per_split)
+    used, w_per_split = gemv_used_splits(K, bits, gs, split_k, g_max)
     indexed = ids is not None
     _gemv_kernel[(triton.cdiv(N, block_n), used, rows)](
         xp, w, s, b, out, ids if indexed else xp, N, K // epw, w_per_split, x_div, xp.stride(0),
@@ -287,12 +316,6 @@ def gemv_launch(xp, w, s, b, out, ids, rows, N, K, bits, gs, split_k, x_div=1, b
         out.stride(0), out.stride(1), BITS=bits, GS=gs, BLOCK_N=block_n, G=G, V=min(4, wpg),
         EVEN_N=N % block_n == 0, EVEN_K=even_k, INDEXED=indexed, num_warps=num_warps, num_stages=1)
     return used
-
-
-def _used_splits(K, bits, gs, split_k, g_max=8):
-    G, _ = _groups_per_step(K // gs, g_max)
-    per = triton.cdiv(triton.cdiv(K // gs, G), split_k) * G * (gs // (32 // bits))
-    return triton.cdiv(K // (32 // bits), per)
 
 
 def qgemv(x: torch.Tensor, qt, block_n: int = 16, g_max: int = 8, split_k: int | None = None,
@@ -305,7 +328,7 @@ def qgemv(x: torch.Tensor, qt, block_n: int = 16, g_max: int = 8, split_k: int |
     xp = prep_x(x, qt.bits, qt.group_size)
     if split_k is None:
         split_k = gemv_split_k(N, K, qt.bits, qt.group_size, M, block_n, g_max, x.device)
-    split = _used_splits(K, qt.bits, qt.group_size, split_k, g_max)
+    split, _ = gemv_used_splits(K, qt.bits, qt.group_size, split_k, g_max)
     out = torch.empty((split, M, N), dtype=x.dtype if split == 1 else torch.float32, device=x.device)
     gemv_launch(xp, qt.weight.view(torch.int32), qt.scales, qt.biases, out, None, M, N, K, qt.bits, qt.group_size,
                 split_k, block_n=block_n, g_max=g_max, num_warps=num_warps)
@@ -355,7 +378,7 @@ def qgemm_dequant(x: torch.Tensor, qt) -> torch.Tensor:
     thousands the extra pass (0.56 + 2 bytes per weight) is a few percent of the GEMM, and cuBLAS is the fastest
     tensor-core GEMM there is."""
     check(x, qt)
-    w = dequantize(qt, x.dtype if x.dtype != torch.float32 else torch.float32)
+    w = dequantize(qt, x.dtype)
     return x @ w.T
 
 
