@@ -41,8 +41,8 @@ GEMV_SHAPES = {  # name: (N, K)
 GEMM_SHAPES = {"q3next dense 16384x2048": (16384, 2048), "q3next qkvz 12288x2048": (12288, 2048),
                "q3.5 dense 8192x4096": (8192, 4096)}
 L2_BYTES = 60 << 20
-# M = 1, CUDA cores: (block_n, g_max, split_k (None = auto), num_warps)
-GEMV_CONFIGS = [(16, 8, None, 2), (32, 8, None, 2), (16, 8, None, 4), (32, 8, None, 4), (16, 4, None, 2)]
+# M = 1, CUDA cores: (block_n, split_k (None = auto), num_warps)
+GEMV_CONFIGS = [(4, None, 1), (8, None, 1), (2, None, 4), (4, None, 2)]
 # M = 4, 16, tensor cores with swapped operands: (block_m, block_n, block_k, num_warps, num_stages)
 SMALL_M_CONFIGS = [(16, 64, 128, 4, 4), (16, 128, 128, 4, 3), (16, 64, 256, 4, 3), (16, 128, 64, 4, 4),
                    (16, 256, 128, 8, 3)]

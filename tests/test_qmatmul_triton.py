@@ -45,22 +45,52 @@ def test_split_k_and_ragged_shapes():
     x = torch.randn(2, 576)
     ref = reference.qmatmul(x, type(qt)(*(t.cpu() for t in (qt.weight, qt.scales, qt.biases)), 4, 64))
     for split in (1, 3):
-        for block_n, g_max in ((16, 8), (64, 4)):
-            out = tq.qgemv(x.to(DEVICE).bfloat16(), qt, block_n=block_n, g_max=g_max, split_k=split)
+        for block_n, num_warps in ((8, 1), (16, 2)):
+            out = tq.qgemv(x.to(DEVICE).bfloat16(), qt, block_n=block_n, num_warps=num_warps, split_k=split)
             assert rel_err(out.cpu(), ref) < 1e-2
         out = tq.qgemm(x.to(DEVICE).bfloat16(), qt, block_m=16, block_n=32, block_k=128, split_k=split)
         assert rel_err(out.cpu(), ref) < 1e-2
 
 
-def test_prep_x_planes():
-    """Plane j of a packed word's activations carries 2^-((j*bits) % 16); the tail holds the group sums."""
+@pytest.mark.parametrize("bits,group_size", [(4, 64), (8, 32), (2, 128), (2, 32)])
+def test_gemv_several_steps_per_split(bits, group_size):
+    """Rows longer than one GEMV step (128 words per warp), split or not, with ragged N."""
+    qt = quantize(torch.randn(20, 4096), bits=bits, group_size=group_size)
+    x = torch.randn(1, 4096).bfloat16()
+    ref = reference.qmatmul(x.float(), qt)
+    qt = type(qt)(*(t.to(DEVICE) for t in (qt.weight, qt.scales, qt.biases)), bits, group_size)
+    for split in (1, 2, 3):
+        out = tq.qgemv(x.to(DEVICE), qt, block_n=8, split_k=split)
+        assert rel_err(out.cpu(), ref) < 1e-2
+
+
+def unpack_prepared(xp: torch.Tensor, bits: int, gs: int, K: int):
+    """prep_x's int32 rows -> (x rounded to int16 per group, in natural order [M, K], x scales, group sums)."""
+    epw, d, kw, ng = 32 // bits, 8 // bits, K // (32 // bits), K // gs
+    q = torch.empty(xp.shape[0], kw, epw, dtype=torch.int64)
+    for p in range(2 * d):
+        j = p // 2 + 2 * (p % 2) * d
+        pair = xp[:, p * kw:(p + 1) * kw].to(torch.int64)
+        q[:, :, j] = ((pair & 0xFFFF) ^ 0x8000) - 0x8000  # the low int16, sign-extended
+        q[:, :, j + d] = pair >> 16
+    tail = xp[:, 2 * d * kw:2 * d * kw + 2 * ng].contiguous().view(torch.float32)
+    return q.view(-1, K), tail[:, :ng], tail[:, ng:]
+
+
+def test_prep_x_rounds_x_to_int16_per_group():
+    """prep_x: x ~= q * xscale with |q| <= 32767 (the group's largest |x| maps to 32767), in the pair order dp2a
+    meets the codes in; the tail holds the scales and the exact fp32 group sums."""
     x = torch.randn(2, 256)
+    x[1, :64] = 0  # an all-zero group: scale 0, codes 0
     for bits, gs in ((4, 64), (2, 32), (8, 128)):
-        xp = tq.prep_x(x.to(DEVICE), bits, gs).cpu()
-        epw, kw = 32 // bits, 256 // (32 // bits)
-        for j in range(epw):
-            torch.testing.assert_close(xp[:, j * kw:(j + 1) * kw], x[:, j::epw] / 2 ** ((j * bits) % 16))
-        torch.testing.assert_close(xp[:, 256:256 + 256 // gs], x.view(2, -1, gs).sum(-1))
+        q, xs, sums = unpack_prepared(tq.prep_x(x.to(DEVICE), bits, gs).cpu(), bits, gs, 256)
+        amax = x.view(2, -1, gs).abs().amax(-1)
+        torch.testing.assert_close(xs, amax / tq.X_INT_MAX)
+        torch.testing.assert_close(sums, x.view(2, -1, gs).sum(-1))
+        assert q.abs().max() == tq.X_INT_MAX
+        expect = torch.round(x.view(2, -1, gs) / torch.where(amax > 0, amax / tq.X_INT_MAX, 1)[..., None])
+        assert (q - expect.view(2, 256)).abs().max() <= 1  # round-half-even vs half-up, fp32 vs fp32 divide
+        assert torch.equal(q[1, :64], torch.zeros(64, dtype=torch.int64))
 
 
 def test_bad_inputs_raise_before_launch():

@@ -99,7 +99,7 @@ def _expert_gemv(xp: torch.Tensor, qt: QuantizedTensor, ids: torch.Tensor, x_div
     N, K = qt.out_features, qt.in_features
     # K is split only when the rows and N-blocks alone leave multiprocessors idle (rarely: top-k is usually >= 8)
     split_k = tq.gemv_split_k(N, K, qt.bits, qt.group_size, rows, device=xp.device)
-    used = tq.gemv_used_splits(K, qt.bits, qt.group_size, split_k)[0]
+    used = tq.gemv_used_splits(K, qt.bits, split_k)[0]
     out = torch.empty((used, rows, N), dtype=torch.float32, device=xp.device)
     tq.gemv_launch(xp, qt.weight.view(torch.int32), qt.scales, qt.biases, out, ids, rows, N, K, qt.bits,
                    qt.group_size, split_k, x_div=x_div)

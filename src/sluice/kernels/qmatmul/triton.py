@@ -1,18 +1,20 @@
 """Triton kernels for y = x @ W^T with W an MLX-affine QuantizedTensor, dequantization fused in registers.
 
-- `_gemv_kernel` (decode, one activation row per program): CUDA cores, W streamed in its own K-contiguous order
-  with 16-byte loads, against x "planes" prepared once by `_prep_x_kernel`. Also the MoE expert GEMV: with
-  `INDEXED`, program (.., .., slot) reads the expert whose index sits in device memory.
+- `_gemv_kernel` (decode, one activation row per program): integer dot products on CUDA cores. W is streamed in
+  its own K-contiguous order with 16-byte loads; x is prepared once by `_prep_x_kernel`. Also the MoE expert
+  GEMV: with `INDEXED`, program (.., .., slot) reads the expert whose index sits in device memory.
 - `_qgemm_kernel` (tensor cores, M >= 2): W tiles dequantized to the activation dtype in registers, fed to
   `tl.dot`; for few rows the operands are swapped (W is the wide side) and K is split.
 
 Packed layout (MLX): element k of a row sits in word k // (32/BITS) at bit (k % (32/BITS)) * BITS; scale and bias
 of group k // GS; value = scale * q + bias. Bits 2, 4, 8; group sizes 32, 64, 128.
 
-The GEMV never shifts a code down to bit 0: code j is masked where it lies (in the low or the high half-word,
-the high half shifted down once per word), so `w & mask` = q * 2^s with s = (j*BITS) % 16, exact as a float, and
-x's plane j carries the 2^-s: three instructions per weight (mask, convert, fma). Per group:
-y += s * sum(q x) + b * sum(x), with the group sums of x prepared once.
+Why integers: converting each code to a float costs an int->float conversion, a quarter-rate instruction on
+NVIDIA GPUs, and with it the fp32 GEMV could not go past ~half the memory bandwidth. Instead x is rounded, per
+group, to 16-bit integers (error <= 2^-16 of the group's largest |x|, far below bf16's own rounding of x) and
+the GEMV multiplies codes by them with `dp2a` (two 16x8-bit products added to an int32 per instruction): a word
+of 4-bit codes costs one shift, two masks and four dp2a, exact in int32. Per group:
+y += scale * xscale * sum(q * xq) + bias * sum(x), with xscale and the exact fp32 group sums of x prepared once.
 """
 
 from __future__ import annotations
@@ -27,6 +29,8 @@ import triton.language as tl
 SUPPORTED_BITS = (2, 4, 8)
 SUPPORTED_GROUPS = (32, 64, 128)
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+X_INT_MAX = 32767  # x is rounded to int16 per group: x ~= xq * amax / X_INT_MAX
+_X_INT_MAX = tl.constexpr(X_INT_MAX)
 
 
 @triton.jit
@@ -46,43 +50,69 @@ def _load_x(x_row, offs, mask, K, S, stride_xs, SWIGLU: tl.constexpr):
 
 @triton.jit
 def _prep_x_kernel(x_ptr, xp_ptr, K, S, stride_xs, stride_xm, stride_pm, BITS: tl.constexpr, GS: tl.constexpr,
-                   BLOCK_W: tl.constexpr, SWIGLU: tl.constexpr):
-    """xp[m] = [EPW planes of KW fp32 | K/GS group sums]: plane j holds x[m, w*EPW + j] * 2^-((j*BITS) % 16)."""
+                   GB: tl.constexpr, SWIGLU: tl.constexpr):
+    """xp[m] (int32) = [EPW/2 planes of KW int16 pairs | K/GS x scales (fp32 bits) | K/GS group sums (fp32 bits)].
+    Plane 2i+h pairs, for word w, the elements whose codes `dp2a` meets in the low (h=0) or high (h=1) bytes of
+    (word >> i*BITS) & byte-mask: x[w*EPW + i + 2hD] (low half) and x[w*EPW + i + (2h+1)D] (high), D = 8/BITS."""
     EPW: tl.constexpr = 32 // BITS
-    GB: tl.constexpr = BLOCK_W * EPW // GS  # groups covered by this program
+    D: tl.constexpr = 8 // BITS
+    WPG: tl.constexpr = GS // EPW
     KW = K // EPW
+    NG = K // GS
     m = tl.program_id(0)
-    pid = tl.program_id(1)
-    offs_w = pid * BLOCK_W + tl.arange(0, BLOCK_W)
-    w_ok = offs_w < KW
+    offs_g = tl.program_id(1) * GB + tl.arange(0, GB)
+    g_ok = offs_g < NG
     x_row = x_ptr + m.to(tl.int64) * stride_xm
     p_row = xp_ptr + m.to(tl.int64) * stride_pm
-    for j in tl.static_range(EPW):
-        v = _load_x(x_row, offs_w * EPW + j, w_ok, K, S, stride_xs, SWIGLU)
-        tl.store(p_row + j * KW + offs_w, v * (1.0 / (1 << ((j * BITS) % 16))), mask=w_ok)
-    offs_g = pid * GB + tl.arange(0, GB)
-    g_ok = offs_g < K // GS
+    f_row = p_row.to(tl.pointer_type(tl.float32))
     xg = _load_x(x_row, offs_g[:, None] * GS + tl.arange(0, GS)[None, :], g_ok[:, None], K, S, stride_xs, SWIGLU)
-    tl.store(p_row + EPW * KW + offs_g, tl.sum(xg, axis=1), mask=g_ok)
+    amax = tl.max(tl.abs(xg), axis=1)
+    inv = tl.where(amax > 0, _X_INT_MAX / tl.maximum(amax, 1e-30), 0.0)[:, None]
+    tl.store(f_row + 2 * D * KW + offs_g, amax / _X_INT_MAX, mask=g_ok)
+    tl.store(f_row + 2 * D * KW + NG + offs_g, tl.sum(xg, axis=1), mask=g_ok)
+    offs_w = offs_g[:, None] * WPG + tl.arange(0, WPG)[None, :]
+    for p in tl.static_range(2 * D):
+        lo = _load_x(x_row, offs_w * EPW + (p // 2 + 2 * (p % 2) * D), g_ok[:, None], K, S, stride_xs, SWIGLU)
+        hi = _load_x(x_row, offs_w * EPW + (p // 2 + (2 * (p % 2) + 1) * D), g_ok[:, None], K, S, stride_xs,
+                     SWIGLU)
+        q_lo = tl.minimum(tl.maximum(tl.floor(lo * inv + 0.5), -_X_INT_MAX), _X_INT_MAX).to(tl.int32)
+        q_hi = tl.minimum(tl.maximum(tl.floor(hi * inv + 0.5), -_X_INT_MAX), _X_INT_MAX).to(tl.int32)
+        tl.store(p_row + p * KW + offs_w, (q_lo & 0xFFFF) | (q_hi << 16), mask=g_ok[:, None])
 
 
 @triton.jit
-def _code_as_float(src, j: tl.constexpr, BITS: tl.constexpr):
-    """q_j * 2^((j*BITS) % 16) as fp32, exactly, from `src` (the word, or the word shifted down 16)."""
-    return (src & (((1 << BITS) - 1) << ((j * BITS) % 16))).to(tl.float32)
+def _dp2a(a, b, c, HI: tl.constexpr, ASM: tl.constexpr):
+    """c + a.lo16 * b.byte(2HI) + a.hi16 * b.byte(2HI + 1): a two int16, b four uint8 (PTX `dp2a`). The
+    interpreter, which cannot run PTX, gets the same arithmetic spelled out."""
+    if ASM:
+        if HI:
+            return tl.inline_asm_elementwise("dp2a.hi.s32.u32 $0, $1, $2, $3;", "=r,r,r,r", [a, b, c],
+                                             dtype=tl.int32, is_pure=True, pack=1)
+        else:
+            return tl.inline_asm_elementwise("dp2a.lo.s32.u32 $0, $1, $2, $3;", "=r,r,r,r", [a, b, c],
+                                             dtype=tl.int32, is_pure=True, pack=1)
+    else:
+        SH: tl.constexpr = 16 * HI
+        return c + ((a << 16) >> 16) * ((b >> SH) & 0xFF) + (a >> 16) * ((b >> (SH + 8)) & 0xFF)
 
 
 @triton.jit
 def _gemv_kernel(xp_ptr, w_ptr, s_ptr, b_ptr, y_ptr, ids_ptr, N, KW, w_per_split, x_div,
                  stride_pm, stride_we, stride_wn, stride_se, stride_sn, stride_ys, stride_ym,
-                 BITS: tl.constexpr, GS: tl.constexpr, BLOCK_N: tl.constexpr, G: tl.constexpr,
-                 V: tl.constexpr, EVEN_N: tl.constexpr, EVEN_K: tl.constexpr, INDEXED: tl.constexpr):
-    """y[split, row, n] = sum over this split's words of x[row] . W[n]. Program (n-block, split, row). Each step
-    reads a [BLOCK_N, G groups, WPG words] tile as [BLOCK_N, G, WPG/V, V] (V-word vector loads).
+                 BITS: tl.constexpr, GS: tl.constexpr, BLOCK_N: tl.constexpr, KB: tl.constexpr,
+                 EVEN_N: tl.constexpr, EVEN_K: tl.constexpr, INDEXED: tl.constexpr, ASM: tl.constexpr):
+    """y[split, row, n] = sum over this split's words of x[row] . W[n]. Program (n-block, split, row); each step
+    reads a [BLOCK_N, KB words] tile of W.
+    Layout: KB = 128 words per warp, so the threads lie along K (4 words, one 16-byte load, each) and every
+    thread holds all BLOCK_N rows of its columns: x is loaded once per step and reused BLOCK_N times from
+    registers. (x traffic through L1 is what capped earlier layouts at ~55% of the memory bandwidth.)
     INDEXED: W, scales and biases are stacked over experts and row r uses expert ids[r] and x row r // x_div."""
     EPW: tl.constexpr = 32 // BITS
+    D: tl.constexpr = 8 // BITS
     WPG: tl.constexpr = GS // EPW
-    H: tl.constexpr = WPG // V
+    V: tl.constexpr = 4 if WPG >= 4 else WPG  # words of one group held by one thread
+    G: tl.constexpr = KB // WPG
+    BYTE_MASK: tl.constexpr = ((1 << BITS) - 1) * 0x01010101
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     row = tl.program_id(2)
@@ -94,40 +124,55 @@ def _gemv_kernel(xp_ptr, w_ptr, s_ptr, b_ptr, y_ptr, ids_ptr, N, KW, w_per_split
         xp_ptr += (row // x_div).to(tl.int64) * stride_pm
     else:
         xp_ptr += row.to(tl.int64) * stride_pm
+    xf_ptr = xp_ptr.to(tl.pointer_type(tl.float32)) + 2 * D * KW  # x scales, then group sums
+    NG = KW // WPG
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < N
     rows = offs_n if EVEN_N else tl.minimum(offs_n, N - 1)  # clamped rows load real data; never stored
     rows = rows.to(tl.int64)
+    offs_k = tl.arange(0, KB)
     offs_g = tl.arange(0, G)
-    sel = offs_g[:, None, None] * WPG + tl.arange(0, H)[None, :, None] * V + tl.arange(0, V)[None, None, :]
-    w_rows = w_ptr + rows[:, None, None, None] * stride_wn
+    w_rows = w_ptr + rows[:, None] * stride_wn
     s_rows = s_ptr + rows[:, None] * stride_sn
     b_rows = b_ptr + rows[:, None] * stride_sn
     w_start = pid_k * w_per_split
     w_end = tl.minimum(w_start + w_per_split, KW)
-    acc = tl.zeros((BLOCK_N, G, H), dtype=tl.float32)
+    acc = tl.zeros((BLOCK_N, G, WPG // V), dtype=tl.float32)
     accb = tl.zeros((BLOCK_N, G), dtype=tl.float32)
-    for w0 in range(w_start, w_end, G * WPG):
-        w0 = tl.multiple_of(w0, WPG)
-        gw = w0 + sel
+    for w0 in range(w_start, w_end, KB):
+        w0 = tl.multiple_of(w0, KB)
+        kk = w0 + offs_k
         grp = w0 // WPG + offs_g
         if EVEN_K:
-            words = tl.load(w_rows + gw[None]).to(tl.uint32, bitcast=True)
+            words = tl.load(w_rows + kk[None, :])
             s = tl.load(s_rows + grp[None, :]).to(tl.float32)
             b = tl.load(b_rows + grp[None, :]).to(tl.float32)
-            xg = tl.load(xp_ptr + EPW * KW + grp)
+            xs = tl.load(xf_ptr + grp)
+            xg = tl.load(xf_ptr + NG + grp)
         else:
-            g_ok = (w0 + offs_g * WPG) < w_end
-            words = tl.load(w_rows + gw[None], mask=g_ok[None, :, None, None], other=0).to(tl.uint32, bitcast=True)
+            k_ok = kk < w_end
+            g_ok = grp < w_end // WPG
+            words = tl.load(w_rows + kk[None, :], mask=k_ok[None, :], other=0)
             s = tl.load(s_rows + grp[None, :], mask=g_ok[None, :], other=0.0).to(tl.float32)
             b = tl.load(b_rows + grp[None, :], mask=g_ok[None, :], other=0.0).to(tl.float32)
-            xg = tl.load(xp_ptr + EPW * KW + grp, mask=g_ok, other=0.0)
-        high = words >> 16
-        dot = _code_as_float(words, 0, BITS) * tl.load(xp_ptr + gw)[None]
-        for j in tl.static_range(1, EPW):
-            src = words if j * BITS < 16 else high
-            dot += _code_as_float(src, j, BITS) * tl.load(xp_ptr + j * KW + gw)[None]
-        acc += s[:, :, None] * tl.sum(dot, axis=3)
+            xs = tl.load(xf_ptr + grp, mask=g_ok, other=0.0)
+            xg = tl.load(xf_ptr + NG + grp, mask=g_ok, other=0.0)
+        dot = tl.zeros((BLOCK_N, KB), dtype=tl.int32)
+        for i in tl.static_range(D):
+            if BITS == 8:
+                a = words
+            else:
+                a = (words >> (i * BITS)) & BYTE_MASK
+            if EVEN_K:
+                x_lo = tl.load(xp_ptr + (2 * i) * KW + kk)
+                x_hi = tl.load(xp_ptr + (2 * i + 1) * KW + kk)
+            else:
+                x_lo = tl.load(xp_ptr + (2 * i) * KW + kk, mask=k_ok, other=0)
+                x_hi = tl.load(xp_ptr + (2 * i + 1) * KW + kk, mask=k_ok, other=0)
+            dot = _dp2a(x_lo[None, :], a, dot, False, ASM)
+            dot = _dp2a(x_hi[None, :], a, dot, True, ASM)
+        part = tl.sum(tl.reshape(dot, (BLOCK_N, G, WPG // V, V)), axis=3)  # within each thread's 16 bytes
+        acc += part.to(tl.float32) * (s * xs[None, :])[:, :, None]
         accb += b * xg[None, :]
     y = tl.sum(tl.sum(acc, axis=2), axis=1) + tl.sum(accb, axis=1)
     tl.store(y_ptr + pid_k * stride_ys + row * stride_ym + offs_n, y.to(y_ptr.dtype.element_ty), mask=n_ok)
@@ -263,63 +308,57 @@ def _num_sms(device) -> int:
 
 
 def prep_x(x: torch.Tensor, bits: int, group_size: int, swiglu: bool = False) -> torch.Tensor:
-    """x [M, K] -> the GEMV's fp32 planes [M, K + K/GS] (row stride padded to 16 elements). With `swiglu`, x is
-    fp32 split-K partials [S, M, 2K] of a gate_up projection and the planes are those of silu(gate) * up."""
+    """x [M, K] -> the GEMV's prepared activations, int32 [M, K/2 + 2K/GS] (row stride padded to 16): x rounded
+    per group to int16 pairs, then the per-group x scales and the exact group sums (fp32 bits). With `swiglu`,
+    x is fp32 split-K partials [S, M, 2K] of a gate_up projection and the result is that of silu(gate) * up."""
     S, M, K = (x.shape[0], x.shape[1], x.shape[2] // 2) if swiglu else (1, *x.shape)
-    epw = 32 // bits
-    stride = -(-(K + K // group_size) // 16) * 16
-    xp = torch.empty((M, stride), dtype=torch.float32, device=x.device)
-    block_w = max(64, group_size // epw)
-    _prep_x_kernel[(M, triton.cdiv(K // epw, block_w))](
-        x, xp, K, S, x.stride(0) if swiglu else 0, x.stride(-2), stride, BITS=bits, GS=group_size, BLOCK_W=block_w,
+    stride = -(-(K // 2 + 2 * (K // group_size)) // 16) * 16
+    xp = torch.empty((M, stride), dtype=torch.int32, device=x.device)
+    gb = max(1, 2048 // group_size)  # groups per program
+    _prep_x_kernel[(M, triton.cdiv(K // group_size, gb))](
+        x, xp, K, S, x.stride(0) if swiglu else 0, x.stride(-2), stride, BITS=bits, GS=group_size, GB=gb,
         SWIGLU=swiglu, num_warps=4)
     return xp
 
 
-def _groups_per_step(n_groups: int, g_max: int) -> tuple[int, bool]:
-    """Groups per GEMV step: a power of two dividing the group count (no masks) if one is near g_max, else
-    g_max with masked steps."""
-    g = min(g_max, triton.next_power_of_2(n_groups))
-    for cand in (g, g // 2, g // 4):
-        if cand >= 1 and n_groups % cand == 0:
-            return cand, True
-    return g, False
+def gemv_step_words(K: int, bits: int, num_warps: int) -> int:
+    """Packed words per GEMV step: 128 per warp (4 per thread), fewer for short rows (a power of two >= 4)."""
+    return max(4, min(128 * num_warps, triton.next_power_of_2(K // (32 // bits))))
 
 
-def gemv_split_k(N, K, bits, gs, rows, block_n=16, g_max=8, device=None) -> int:
-    """Enough K splits for about two programs per multiprocessor."""
-    G, _ = _groups_per_step(K // gs, g_max)
-    steps = triton.cdiv(K // gs, G)
-    return max(1, min(steps, (2 * _num_sms(device)) // max(triton.cdiv(N, block_n) * rows, 1)))
+def gemv_split_k(N, K, bits, gs, rows, block_n=4, num_warps=1, device=None) -> int:
+    """Enough K splits for about eight warps per multiprocessor (1-warp programs, each waiting on its loads)."""
+    steps = triton.cdiv(K // (32 // bits), gemv_step_words(K, bits, num_warps))
+    programs = triton.cdiv(N, block_n) * rows * num_warps
+    return max(1, min(steps, (8 * _num_sms(device)) // max(programs, 1)))
 
 
-def gemv_used_splits(K, bits, gs, split_k, g_max=8) -> tuple[int, int]:
+def gemv_used_splits(K, bits, split_k, num_warps=1) -> tuple[int, int]:
     """(splits actually used, packed words per split): each split covers whole GEMV steps, so asking for
     `split_k` may give fewer. Size `gemv_launch`'s output with the first."""
-    G, _ = _groups_per_step(K // gs, g_max)
-    w_per_split = triton.cdiv(triton.cdiv(K // gs, G), split_k) * G * (gs // (32 // bits))
-    return triton.cdiv(K // (32 // bits), w_per_split), w_per_split
+    kw, kb = K // (32 // bits), gemv_step_words(K, bits, num_warps)
+    w_per_split = triton.cdiv(triton.cdiv(kw, kb), split_k) * kb
+    return triton.cdiv(kw, w_per_split), w_per_split
 
 
-def gemv_launch(xp, w, s, b, out, ids, rows, N, K, bits, gs, split_k, x_div=1, block_n=16, g_max=8, num_warps=2):
+def gemv_launch(xp, w, s, b, out, ids, rows, N, K, bits, gs, split_k, x_div=1, block_n=4, num_warps=1):
     """Launch `_gemv_kernel` for `rows` output rows: xp from `prep_x`; W [E?, N, KW] int32, scales/biases
     [E?, N, K/GS]; ids [rows] expert indices (INDEXED) or None; out [split_k', rows, N] (fp32 when split).
     Returns the split count actually used (<= split_k: every split covers whole steps)."""
-    epw = 32 // bits
-    wpg = gs // epw
-    G, even_k = _groups_per_step(K // gs, g_max)
-    used, w_per_split = gemv_used_splits(K, bits, gs, split_k, g_max)
+    kw = K // (32 // bits)
+    kb = gemv_step_words(K, bits, num_warps)
+    used, w_per_split = gemv_used_splits(K, bits, split_k, num_warps)
     indexed = ids is not None
     _gemv_kernel[(triton.cdiv(N, block_n), used, rows)](
-        xp, w, s, b, out, ids if indexed else xp, N, K // epw, w_per_split, x_div, xp.stride(0),
+        xp, w, s, b, out, ids if indexed else xp, N, kw, w_per_split, x_div, xp.stride(0),
         w.stride(0) if indexed else 0, w.stride(-2), s.stride(0) if indexed else 0, s.stride(-2),
-        out.stride(0), out.stride(1), BITS=bits, GS=gs, BLOCK_N=block_n, G=G, V=min(4, wpg),
-        EVEN_N=N % block_n == 0, EVEN_K=even_k, INDEXED=indexed, num_warps=num_warps, num_stages=1)
+        out.stride(0), out.stride(1), BITS=bits, GS=gs, BLOCK_N=block_n, KB=kb,
+        EVEN_N=N % block_n == 0, EVEN_K=kw % kb == 0 and w_per_split % kb == 0, INDEXED=indexed,
+        ASM=not INTERPRET, num_warps=num_warps, num_stages=1)
     return used
 
 
-def qgemv(x: torch.Tensor, qt, block_n: int = 16, g_max: int = 8, split_k: int | None = None,
-          num_warps: int = 2) -> torch.Tensor:
+def qgemv(x: torch.Tensor, qt, block_n: int = 4, split_k: int | None = None, num_warps: int = 1) -> torch.Tensor:
     """y [M, N] = x [M, K] @ W^T for a few rows on CUDA cores (each row its own programs; W is re-read per row,
     mostly from L2)."""
     check(x, qt)
@@ -327,11 +366,11 @@ def qgemv(x: torch.Tensor, qt, block_n: int = 16, g_max: int = 8, split_k: int |
     N = qt.weight.shape[0]
     xp = prep_x(x, qt.bits, qt.group_size)
     if split_k is None:
-        split_k = gemv_split_k(N, K, qt.bits, qt.group_size, M, block_n, g_max, x.device)
-    split, _ = gemv_used_splits(K, qt.bits, qt.group_size, split_k, g_max)
+        split_k = gemv_split_k(N, K, qt.bits, qt.group_size, M, block_n, num_warps, x.device)
+    split, _ = gemv_used_splits(K, qt.bits, split_k, num_warps)
     out = torch.empty((split, M, N), dtype=x.dtype if split == 1 else torch.float32, device=x.device)
     gemv_launch(xp, qt.weight.view(torch.int32), qt.scales, qt.biases, out, None, M, N, K, qt.bits, qt.group_size,
-                split_k, block_n=block_n, g_max=g_max, num_warps=num_warps)
+                split_k, block_n=block_n, num_warps=num_warps)
     return out[0] if split == 1 else out.sum(0).to(x.dtype)
 
 
