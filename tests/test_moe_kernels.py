@@ -51,6 +51,38 @@ def test_route_breaks_ties_towards_the_lower_index():
     torch.testing.assert_close(weights[0].cpu(), torch.full((3,), 1 / 3))
 
 
+def test_route_adds_the_shared_expert_slot():
+    g = torch.Generator().manual_seed(3)
+    logits, gate = 2 * torch.randn(5, E, generator=g), torch.randn(5, 1, generator=g)
+    ids, weights = mt.route(logits.to(DEVICE), 3, True, gate.to(DEVICE))
+    ref_ids, ref_w = mt.route(logits.to(DEVICE), 3, True)
+    assert ids.shape == (5, 4) and torch.equal(ids[:, :3], ref_ids) and (ids[:, 3] == E).all()
+    assert torch.equal(weights[:, :3], ref_w)
+    torch.testing.assert_close(weights[:, 3].cpu(), torch.sigmoid(gate[:, 0]))
+
+
+@pytest.mark.parametrize("T,bits,gs", [(1, 4, 64), (3, 8, 32), (2, 2, 64)])
+def test_decode_runs_the_shared_expert_as_one_more_slot(T, bits, gs):
+    """moe_decode with the shared expert as expert id E (stored apart) equals the reference with the shared
+    expert's output computed on its own."""
+    g = torch.Generator().manual_seed(T + bits)
+    gate_up, down = experts(g, bits, gs, gs)
+    sh_gu = quantize(torch.randn(2 * I, H, generator=g) * 0.1, bits, gs)
+    sh_down = quantize(torch.randn(H, I, generator=g) * 0.1, bits, gs)
+    x = torch.randn(T, H, generator=g).bfloat16()
+    logits, gate = 2 * torch.randn(T, E, generator=g), torch.randn(T, generator=g)
+    gu = x.float() @ sh_gu.dequantize(torch.float32).T
+    shared_out = (torch.nn.functional.silu(gu[:, :I]) * gu[:, I:]) @ sh_down.dequantize(torch.float32).T
+    ref = reference.moe_reference(x, logits, gate_up, down, 2, True, shared_out, gate[:, None])
+    ids, weights = mt.route(logits.to(DEVICE), 2, True, gate.to(DEVICE))
+    out = mt.moe_decode(x.to(DEVICE), ids, weights, on_device(gate_up), on_device(down),
+                        shared_expert=(on_device(sh_gu), on_device(sh_down)))
+    assert rel_err(out.cpu(), ref) <= 1e-2
+    with pytest.raises(ValueError, match="stored like one routed expert"):
+        mt.moe_decode(x.to(DEVICE), ids, weights, on_device(gate_up), on_device(down),
+                      shared_expert=(on_device(sh_down), on_device(sh_gu)))
+
+
 # (path, tokens, top-k, bits, group size of gate_up, of down, renormalise, shared expert)
 CASES = [
     ("decode", 1, 2, 4, 64, 64, True, True),
@@ -181,6 +213,7 @@ def sparse_moe(T, n_exp, hidden, inter, k):
 @pytest.mark.parametrize("T", [1, 37])
 def test_sparse_moe_triton_path_matches_its_reference_path(T):
     layer, x = sparse_moe(T, E, H, I, 3)
+    assert layer._shared_as_expert() is not None  # decode (T = 1) runs the shared expert as an expert slot
     out = layer._forward_triton(x, mt)  # called directly: forward picks it on CUDA only
     assert rel_err(out, layer._forward_reference(x)) <= 1e-2
 

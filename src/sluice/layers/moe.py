@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 from sluice.kernels.moe import triton_for
 from sluice.kernels.qmatmul import qmatmul
-from sluice.layers.linear import Linear
+from sluice.layers.linear import Linear, fuse_linears
 from sluice.quant.affine import QuantizedTensor
 
 
@@ -37,7 +37,9 @@ class SparseMoE(nn.Module):
     def __init__(self, router: Linear, gate_up, down, top_k: int, norm_topk_prob: bool,
                  shared: SwiGLU | None, shared_gate: Linear | None):
         super().__init__()
-        self.router, self.shared, self.shared_gate = router, shared, shared_gate
+        # the router and the shared expert's gate read the same x: one matmul, [E logits | shared gate logit]
+        self.gates = router if shared_gate is None else fuse_linears([router, shared_gate])
+        self.shared = shared
         self.gate_up, self.down = gate_up, down  # stacked experts (tensor or QuantizedTensor)
         self.top_k, self.norm_topk_prob = top_k, norm_topk_prob
         self.num_experts = (gate_up.weight if isinstance(gate_up, QuantizedTensor) else gate_up).shape[0]
@@ -63,15 +65,35 @@ class SparseMoE(nn.Module):
         out = self._forward_reference(x2) if kernels is None else self._forward_triton(x2, kernels)
         return out.view(x.shape)
 
+    def _shared_as_expert(self) -> tuple[QuantizedTensor, QuantizedTensor] | None:
+        """The shared expert's (gate_up, down) when stored exactly like one routed expert: then decode runs it as
+        one more expert slot of the routed launches."""
+        sh = self.shared
+        if sh is None or not (isinstance(sh.gate_up, Linear) and sh.gate_up.quantized and sh.down.quantized):
+            return None
+        pair = (sh.gate_up.qt, sh.down.qt)
+        for qt, stacked in zip(pair, (self.gate_up, self.down)):
+            if (qt.shape != stacked.shape[1:] or (qt.bits, qt.group_size) != (stacked.bits, stacked.group_size)
+                    or qt.scales.dtype != stacked.scales.dtype or qt.weight.stride() != stacked.weight.stride()[1:]
+                    or qt.scales.stride() != stacked.scales.stride()[1:]):
+                return None
+        return pair
+
     def _forward_triton(self, x2: torch.Tensor, kernels) -> torch.Tensor:
-        ids, weights = kernels.route(self.router(x2), self.top_k, self.norm_topk_prob)
-        shared_out = shared_gate_logit = None
-        if self.shared is not None:
-            shared_out, shared_gate_logit = self.shared(x2), self.shared_gate(x2)
-        return kernels.moe(x2, ids, weights, self.gate_up, self.down, shared_out, shared_gate_logit)
+        E = self.num_experts
+        logits = self.gates(x2)
+        gate_logit = logits[:, E] if self.shared is not None else None
+        shared_expert = self._shared_as_expert() if x2.shape[0] <= kernels.DECODE_MAX_TOKENS else None
+        if shared_expert is not None:  # decode: the shared expert is slot k of every token
+            ids, weights = kernels.route(logits[:, :E], self.top_k, self.norm_topk_prob, gate_logit)
+            return kernels.moe_decode(x2, ids, weights, self.gate_up, self.down, shared_expert=shared_expert)
+        ids, weights = kernels.route(logits[:, :E], self.top_k, self.norm_topk_prob)
+        shared_out = self.shared(x2) if self.shared is not None else None
+        return kernels.moe(x2, ids, weights, self.gate_up, self.down, shared_out, gate_logit)
 
     def _forward_reference(self, x2: torch.Tensor) -> torch.Tensor:
-        probs = torch.softmax(self.router(x2).float(), dim=-1)
+        logits = self.gates(x2)
+        probs = torch.softmax(logits[:, :self.num_experts].float(), dim=-1)
         top_w, top_i = torch.topk(probs, self.top_k, dim=-1)
         if self.norm_topk_prob:
             top_w = top_w / top_w.sum(-1, keepdim=True)
@@ -83,5 +105,5 @@ class SparseMoE(nn.Module):
             h = _expert_matmul(F.silu(g) * u, self.down, e)
             out.index_add_(0, tok, (h * top_w[tok, slot, None]).to(x2.dtype))
         if self.shared is not None:
-            out = out + torch.sigmoid(self.shared_gate(x2)) * self.shared(x2)
+            out = out + torch.sigmoid(logits[:, self.num_experts:]) * self.shared(x2)
         return out

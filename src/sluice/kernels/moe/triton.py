@@ -31,8 +31,8 @@ DECODE_MAX_TOKENS = 4  # up to this many tokens the indexed GEMVs; beyond, the g
 
 
 @triton.jit
-def _route_kernel(logits_ptr, ids_ptr, w_ptr, E, stride_lt, TOP_K: tl.constexpr, BLOCK_E: tl.constexpr,
-                  KP: tl.constexpr, NORM: tl.constexpr):
+def _route_kernel(logits_ptr, ids_ptr, w_ptr, gate_ptr, E, stride_lt, stride_g, TOP_K: tl.constexpr,
+                  BLOCK_E: tl.constexpr, KP: tl.constexpr, NORM: tl.constexpr, SHARED: tl.constexpr):
     """One token per program: softmax over its E logits, then TOP_K rounds of argmax (lowest index on ties).
     Each round is a single max over int64 keys (probability bits << 32 | BLOCK_E - 1 - index): a probability is
     >= 0, so its fp32 bits order like the value, and the low half breaks ties towards the lower index."""
@@ -55,13 +55,20 @@ def _route_kernel(logits_ptr, ids_ptr, w_ptr, E, stride_lt, TOP_K: tl.constexpr,
         key = tl.where(offs == idx, -1, key)
     if NORM:
         top_w = top_w / tl.sum(top_w, axis=0)  # slots >= TOP_K hold 0
-    k_ok = offs_k < TOP_K
-    tl.store(ids_ptr + t * TOP_K + offs_k, top_i, mask=k_ok)
-    tl.store(w_ptr + t * TOP_K + offs_k, top_w, mask=k_ok)
+    SLOTS: tl.constexpr = TOP_K + SHARED
+    if SHARED:
+        top_i = tl.where(offs_k == TOP_K, E, top_i)
+        top_w = tl.where(offs_k == TOP_K, tl.sigmoid(tl.load(gate_ptr + t * stride_g).to(tl.float32)), top_w)
+    k_ok = offs_k < SLOTS
+    tl.store(ids_ptr + t * SLOTS + offs_k, top_i, mask=k_ok)
+    tl.store(w_ptr + t * SLOTS + offs_k, top_w, mask=k_ok)
 
 
-def route(logits: torch.Tensor, top_k: int, norm_topk_prob: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """Router logits [T, E] (any float dtype) -> (expert ids int32 [T, k], weights fp32 [T, k]), best first."""
+def route(logits: torch.Tensor, top_k: int, norm_topk_prob: bool,
+          shared_gate_logit: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Router logits [T, E] (any float dtype) -> (expert ids int32 [T, k], weights fp32 [T, k]), best first.
+    With the shared expert's gate logits [T] (or [T, 1]): one more slot per token, id E weighted
+    sigmoid(gate logit), so that `moe_decode` runs the shared expert as one more expert."""
     if logits.dim() != 2 or not logits.is_floating_point():
         raise ValueError(f"moe route: logits must be a float [T, E] tensor, got {logits.dtype} {tuple(logits.shape)}")
     T, E = logits.shape
@@ -69,12 +76,18 @@ def route(logits: torch.Tensor, top_k: int, norm_topk_prob: bool) -> tuple[torch
         raise ValueError(f"moe route: at most {MAX_EXPERTS} experts, got {E}")
     if not 1 <= top_k <= min(MAX_TOP_K, E):
         raise ValueError(f"moe route: top_k must be in [1, {min(MAX_TOP_K, E)}], got {top_k}")
-    _check_device(logits)
+    shared = shared_gate_logit is not None
+    if shared and (shared_gate_logit.numel() != T or not shared_gate_logit.is_floating_point()):
+        raise ValueError(f"moe route: shared_gate_logit must be a float [{T}] tensor, got "
+                         f"{tuple(shared_gate_logit.shape)}")
+    _check_device(logits, *([shared_gate_logit] if shared else []))
     logits = logits if logits.stride(-1) == 1 else logits.contiguous()
-    ids = torch.empty((T, top_k), dtype=torch.int32, device=logits.device)
-    weights = torch.empty((T, top_k), dtype=torch.float32, device=logits.device)
-    _route_kernel[(T,)](logits, ids, weights, E, logits.stride(0), TOP_K=top_k, BLOCK_E=triton.next_power_of_2(E),
-                        KP=triton.next_power_of_2(top_k), NORM=norm_topk_prob, num_warps=4)
+    gate = shared_gate_logit.reshape(T) if shared else logits
+    ids = torch.empty((T, top_k + shared), dtype=torch.int32, device=logits.device)
+    weights = torch.empty((T, top_k + shared), dtype=torch.float32, device=logits.device)
+    _route_kernel[(T,)](logits, ids, weights, gate, E, logits.stride(0), gate.stride(0), TOP_K=top_k,
+                        BLOCK_E=triton.next_power_of_2(E), KP=triton.next_power_of_2(top_k + shared),
+                        NORM=norm_topk_prob, SHARED=shared, num_warps=4)
     return ids, weights
 
 
@@ -93,28 +106,36 @@ def swiglu_prep(y: torch.Tensor, bits: int, group_size: int) -> torch.Tensor:
     return tq.prep_x(y, bits, group_size, swiglu=True)
 
 
-def _expert_gemv(xp: torch.Tensor, qt: QuantizedTensor, ids: torch.Tensor, x_div: int) -> torch.Tensor:
-    """Partials [splits, rows, N] fp32 of row r = xp[r // x_div] @ W[ids[r]]^T: one indexed GEMV launch."""
+def _expert_gemv(xp: torch.Tensor, qt: QuantizedTensor, ids: torch.Tensor, x_div: int,
+                 extra: QuantizedTensor | None = None) -> torch.Tensor:
+    """Partials [splits, rows, N] fp32 of row r = xp[r // x_div] @ W[ids[r]]^T: one indexed GEMV launch. Id E
+    (one past the stacked experts) stands for `extra`."""
     rows = ids.numel()
     N, K = qt.out_features, qt.in_features
-    # K is split only when the rows and N-blocks alone leave multiprocessors idle (rarely: top-k is usually >= 8)
+    # K is split only when the rows and N-blocks alone leave multiprocessors idle
     split_k = tq.gemv_split_k(N, K, qt.bits, qt.group_size, rows, device=xp.device)
     used = tq.gemv_used_splits(K, qt.bits, split_k)[0]
     out = torch.empty((used, rows, N), dtype=torch.float32, device=xp.device)
     tq.gemv_launch(xp, qt.weight.view(torch.int32), qt.scales, qt.biases, out, ids, rows, N, K, qt.bits,
-                   qt.group_size, split_k, x_div=x_div)
+                   qt.group_size, split_k, x_div=x_div,
+                   extra=None if extra is None else (extra.weight.view(torch.int32), extra.scales, extra.biases))
     return out
 
 
 def moe_decode(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_up: QuantizedTensor,
                down: QuantizedTensor, shared_out: torch.Tensor | None = None,
-               shared_gate_logit: torch.Tensor | None = None) -> torch.Tensor:
-    """MoE output [T, H] in x's dtype for a few tokens (T <= ~4): five launches whatever k is."""
-    _check_moe(x, ids, weights, gate_up, down, shared_out, shared_gate_logit)
+               shared_gate_logit: torch.Tensor | None = None,
+               shared_expert: tuple[QuantizedTensor, QuantizedTensor] | None = None) -> torch.Tensor:
+    """MoE output [T, H] in x's dtype for a few tokens (T <= ~4): five launches whatever k is. With
+    `shared_expert` (its gate_up [2I, H] and down [H, I], stored like the routed experts) the ids and weights
+    come from `route(..., shared_gate_logit)`: id E is the shared expert, run as one more slot of the same
+    launches."""
+    _check_moe(x, ids, weights, gate_up, down, shared_out, shared_gate_logit, shared_expert)
     ids = ids.contiguous().view(-1)
+    gu_extra, down_extra = shared_expert if shared_expert is not None else (None, None)
     xp = tq.prep_x(x.contiguous(), gate_up.bits, gate_up.group_size)
-    y_gu = _expert_gemv(xp, gate_up, ids, x_div=weights.shape[1])
-    y = _expert_gemv(swiglu_prep(y_gu, down.bits, down.group_size), down, ids, x_div=1)
+    y_gu = _expert_gemv(xp, gate_up, ids, x_div=weights.shape[1], extra=gu_extra)
+    y = _expert_gemv(swiglu_prep(y_gu, down.bits, down.group_size), down, ids, x_div=1, extra=down_extra)
     return combine(y, weights, x.dtype, shared_out, shared_gate_logit)
 
 
@@ -339,7 +360,7 @@ def _check_shared(T, H, shared_out, shared_gate_logit) -> None:
     _check_device(shared_out, shared_gate_logit)
 
 
-def _check_moe(x, ids, weights, gate_up, down, shared_out, shared_gate_logit) -> None:
+def _check_moe(x, ids, weights, gate_up, down, shared_out, shared_gate_logit, shared_expert=None) -> None:
     """Clear errors before any launch (the kernels would read out of bounds instead)."""
     for name, qt in (("gate_up", gate_up), ("down", down)):
         if not isinstance(qt, QuantizedTensor) or qt.weight.dim() != 3:
@@ -360,11 +381,22 @@ def _check_moe(x, ids, weights, gate_up, down, shared_out, shared_gate_logit) ->
         raise ValueError(f"moe: x must be [T, {H}], got {tuple(x.shape)}")
     if x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
         raise ValueError(f"moe: x must be bf16, fp16 or fp32, got {x.dtype}")
-    if ids.dtype != torch.int32 or ids.dim() != 2 or ids.shape[0] != x.shape[0] or not 1 <= ids.shape[1] <= MAX_TOP_K:
-        raise ValueError(f"moe: ids must be int32 [{x.shape[0]}, k <= {MAX_TOP_K}], got {ids.dtype} "
-                         f"{tuple(ids.shape)}")
+    slots = MAX_TOP_K + (shared_expert is not None)
+    if ids.dtype != torch.int32 or ids.dim() != 2 or ids.shape[0] != x.shape[0] or not 1 <= ids.shape[1] <= slots:
+        raise ValueError(f"moe: ids must be int32 [{x.shape[0]}, k <= {slots}], got {ids.dtype} {tuple(ids.shape)}")
+    if shared_expert is not None:
+        if shared_out is not None:
+            raise ValueError("moe: the shared expert comes either as an expert slot or as shared_out, not both")
+        for name, qt, stacked in zip(("gate_up", "down"), shared_expert, (gate_up, down)):
+            if not (isinstance(qt, QuantizedTensor) and qt.weight.dim() == 2 and qt.shape == stacked.shape[1:]
+                    and (qt.bits, qt.group_size) == (stacked.bits, stacked.group_size)
+                    and qt.weight.stride() == stacked.weight.stride()[1:]
+                    and qt.scales.stride() == stacked.scales.stride()[1:] == qt.biases.stride()
+                    and qt.scales.dtype == stacked.scales.dtype):
+                raise ValueError(f"moe: the shared expert's {name} must be stored like one routed expert "
+                                 f"({tuple(stacked.shape[1:])}, {stacked.bits}-bit, group {stacked.group_size})")
     if weights.dtype != torch.float32 or weights.shape != ids.shape:
         raise ValueError(f"moe: weights must be fp32 {tuple(ids.shape)}, got {weights.dtype} {tuple(weights.shape)}")
     _check_shared(x.shape[0], H, shared_out, shared_gate_logit)
     _check_device(x, ids, weights, gate_up.weight, gate_up.scales, gate_up.biases, down.weight, down.scales,
-                  down.biases)
+                  down.biases, *(t for qt in shared_expert or () for t in (qt.weight, qt.scales, qt.biases)))

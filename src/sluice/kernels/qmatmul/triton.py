@@ -97,16 +97,18 @@ def _dp2a(a, b, c, HI: tl.constexpr, ASM: tl.constexpr):
 
 
 @triton.jit
-def _gemv_kernel(xp_ptr, w_ptr, s_ptr, b_ptr, y_ptr, ids_ptr, N, KW, w_per_split, x_div,
-                 stride_pm, stride_we, stride_wn, stride_se, stride_sn, stride_ys, stride_ym,
+def _gemv_kernel(xp_ptr, w_ptr, s_ptr, b_ptr, y_ptr, ids_ptr, wx_ptr, sx_ptr, bx_ptr, N, KW, w_per_split, x_div,
+                 n_experts, stride_pm, stride_we, stride_wn, stride_se, stride_sn, stride_ys, stride_ym,
                  BITS: tl.constexpr, GS: tl.constexpr, BLOCK_N: tl.constexpr, KB: tl.constexpr,
-                 EVEN_N: tl.constexpr, EVEN_K: tl.constexpr, INDEXED: tl.constexpr, ASM: tl.constexpr):
+                 EVEN_N: tl.constexpr, EVEN_K: tl.constexpr, INDEXED: tl.constexpr, EXTRA: tl.constexpr,
+                 ASM: tl.constexpr):
     """y[split, row, n] = sum over this split's words of x[row] . W[n]. Program (n-block, split, row); each step
     reads a [BLOCK_N, KB words] tile of W.
     Layout: KB = 128 words per warp, so the threads lie along K (4 words, one 16-byte load, each) and every
     thread holds all BLOCK_N rows of its columns: x is loaded once per step and reused BLOCK_N times from
     registers. (x traffic through L1 is what capped earlier layouts at ~55% of the memory bandwidth.)
-    INDEXED: W, scales and biases are stacked over experts and row r uses expert ids[r] and x row r // x_div."""
+    INDEXED: W, scales and biases are stacked over experts and row r uses expert ids[r] and x row r // x_div;
+    with EXTRA, id n_experts means one more expert stored apart (wx, sx, bx: the shared expert, same shape)."""
     EPW: tl.constexpr = 32 // BITS
     D: tl.constexpr = 8 // BITS
     WPG: tl.constexpr = GS // EPW
@@ -121,6 +123,9 @@ def _gemv_kernel(xp_ptr, w_ptr, s_ptr, b_ptr, y_ptr, ids_ptr, N, KW, w_per_split
         w_ptr += e * stride_we
         s_ptr += e * stride_se
         b_ptr += e * stride_se
+        if EXTRA:
+            if e == n_experts:
+                w_ptr, s_ptr, b_ptr = wx_ptr, sx_ptr, bx_ptr
         xp_ptr += (row // x_div).to(tl.int64) * stride_pm
     else:
         xp_ptr += row.to(tl.int64) * stride_pm
@@ -341,20 +346,22 @@ def gemv_used_splits(K, bits, split_k, num_warps=1) -> tuple[int, int]:
     return triton.cdiv(kw, w_per_split), w_per_split
 
 
-def gemv_launch(xp, w, s, b, out, ids, rows, N, K, bits, gs, split_k, x_div=1, block_n=4, num_warps=1):
+def gemv_launch(xp, w, s, b, out, ids, rows, N, K, bits, gs, split_k, x_div=1, block_n=4, num_warps=1, extra=None):
     """Launch `_gemv_kernel` for `rows` output rows: xp from `prep_x`; W [E?, N, KW] int32, scales/biases
-    [E?, N, K/GS]; ids [rows] expert indices (INDEXED) or None; out [split_k', rows, N] (fp32 when split).
+    [E?, N, K/GS]; ids [rows] expert indices (INDEXED) or None; out [split_k', rows, N] (fp32 when split);
+    extra: (W, scales, biases) [N, ...] of the expert that id E stands for (row strides as the stacked ones').
     Returns the split count actually used (<= split_k: every split covers whole steps)."""
     kw = K // (32 // bits)
     kb = gemv_step_words(K, bits, num_warps)
     used, w_per_split = gemv_used_splits(K, bits, split_k, num_warps)
     indexed = ids is not None
+    wx, sx, bx = extra if extra is not None else (w, s, b)
     _gemv_kernel[(triton.cdiv(N, block_n), used, rows)](
-        xp, w, s, b, out, ids if indexed else xp, N, kw, w_per_split, x_div, xp.stride(0),
-        w.stride(0) if indexed else 0, w.stride(-2), s.stride(0) if indexed else 0, s.stride(-2),
-        out.stride(0), out.stride(1), BITS=bits, GS=gs, BLOCK_N=block_n, KB=kb,
-        EVEN_N=N % block_n == 0, EVEN_K=kw % kb == 0 and w_per_split % kb == 0, INDEXED=indexed,
-        ASM=not INTERPRET, num_warps=num_warps, num_stages=1)
+        xp, w, s, b, out, ids if indexed else xp, wx, sx, bx, N, kw, w_per_split, x_div,
+        w.shape[0] if indexed else 0, xp.stride(0), w.stride(0) if indexed else 0, w.stride(-2),
+        s.stride(0) if indexed else 0, s.stride(-2), out.stride(0), out.stride(1), BITS=bits, GS=gs,
+        BLOCK_N=block_n, KB=kb, EVEN_N=N % block_n == 0, EVEN_K=kw % kb == 0 and w_per_split % kb == 0,
+        INDEXED=indexed, EXTRA=extra is not None, ASM=not INTERPRET, num_warps=num_warps, num_stages=1)
     return used
 
 
