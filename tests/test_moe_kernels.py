@@ -61,6 +61,15 @@ def test_route_adds_the_shared_expert_slot():
     torch.testing.assert_close(weights[:, 3].cpu(), torch.sigmoid(gate[:, 0]))
 
 
+def test_route_adds_split_k_partials():
+    g = torch.Generator().manual_seed(4)
+    parts = torch.randn(3, 2, E + 1, generator=g)  # three partial sums of [E logits | shared gate logit]
+    ids, weights = mt.route(parts[..., :E].to(DEVICE), 3, True, parts[..., E].to(DEVICE))
+    ref_ids, ref_w = mt.route(parts.sum(0)[:, :E].to(DEVICE), 3, True, parts.sum(0)[:, E].to(DEVICE))
+    assert torch.equal(ids, ref_ids)
+    torch.testing.assert_close(weights, ref_w)
+
+
 @pytest.mark.parametrize("T,bits,gs", [(1, 4, 64), (3, 8, 32), (2, 2, 64)])
 def test_decode_runs_the_shared_expert_as_one_more_slot(T, bits, gs):
     """moe_decode with the shared expert as expert id E (stored apart) equals the reference with the shared
@@ -168,7 +177,8 @@ def test_combine_sums_splits_and_gates_the_shared_expert():
 def test_bad_inputs_raise_before_launch():
     g = torch.Generator().manual_seed(1)
     logits = torch.randn(2, E, generator=g).to(DEVICE)
-    for bad, match in ((lambda: mt.route(logits[None], 2, True), r"\[T, E\]"),
+    for bad, match in ((lambda: mt.route(logits[None, None], 2, True), r"\[T, E\]"),
+                       (lambda: mt.route(logits[None].bfloat16(), 2, True), r"fp32 \[S, T, E\] partials"),
                        (lambda: mt.route(logits.int(), 2, True), r"\[T, E\]"),
                        (lambda: mt.route(logits, E + 1, True), "top_k"),
                        (lambda: mt.route(torch.randn(1, 32, device=DEVICE), 17, True), "top_k"),
@@ -197,22 +207,25 @@ def test_bad_inputs_raise_before_launch():
         mt.combine(torch.randn(1, 3, H, device=DEVICE), torch.rand(2, 4, device=DEVICE), torch.float32)
 
 
-def sparse_moe(T, n_exp, hidden, inter, k):
+def sparse_moe(T, n_exp, hidden, inter, k, quantized_router=False):
     from sluice.layers.linear import Linear
     from sluice.layers.moe import SparseMoE, SwiGLU
 
     g = torch.Generator().manual_seed(T)
     q = (lambda *shape: quantize(torch.randn(*shape, generator=g) * 0.05, 4, 64))
     shared = SwiGLU(Linear(q(2 * inter, hidden)), Linear(q(hidden, inter)), inter)
-    layer = SparseMoE(Linear(torch.randn(n_exp, hidden, generator=g)), q(n_exp, 2 * inter, hidden),
-                      q(n_exp, hidden, inter), k, True, shared, Linear(torch.randn(1, hidden, generator=g)))
+    if quantized_router:  # 8-bit, as MLX stores it
+        gates = [Linear(quantize(torch.randn(n, hidden, generator=g), 8, 64)) for n in (n_exp, 1)]
+    else:
+        gates = [Linear(torch.randn(n, hidden, generator=g)) for n in (n_exp, 1)]
+    layer = SparseMoE(gates[0], q(n_exp, 2 * inter, hidden), q(n_exp, hidden, inter), k, True, shared, gates[1])
     # fp32 activations: bf16 router logits tie often enough that the two top-k tie-breaks could pick differently
     return layer.to(DEVICE), torch.randn(T, hidden, generator=g).to(DEVICE)
 
 
-@pytest.mark.parametrize("T", [1, 37])
-def test_sparse_moe_triton_path_matches_its_reference_path(T):
-    layer, x = sparse_moe(T, E, H, I, 3)
+@pytest.mark.parametrize("T,quantized_router", [(1, False), (1, True), (37, False)])
+def test_sparse_moe_triton_path_matches_its_reference_path(T, quantized_router):
+    layer, x = sparse_moe(T, E, H, I, 3, quantized_router)
     assert layer._shared_as_expert() is not None  # decode (T = 1) runs the shared expert as an expert slot
     out = layer._forward_triton(x, mt)  # called directly: forward picks it on CUDA only
     assert rel_err(out, layer._forward_reference(x)) <= 1e-2

@@ -81,12 +81,20 @@ class SparseMoE(nn.Module):
 
     def _forward_triton(self, x2: torch.Tensor, kernels) -> torch.Tensor:
         E = self.num_experts
-        logits = self.gates(x2)
-        gate_logit = logits[:, E] if self.shared is not None else None
         shared_expert = self._shared_as_expert() if x2.shape[0] <= kernels.DECODE_MAX_TOKENS else None
         if shared_expert is not None:  # decode: the shared expert is slot k of every token
-            ids, weights = kernels.route(logits[:, :E], self.top_k, self.norm_topk_prob, gate_logit)
+            g = self.gates
+            tq = kernels.tq
+            if (isinstance(g, Linear) and g.quantized and x2.shape[0] == 1 and g.bits in tq.SUPPORTED_BITS
+                    and g.group_size in tq.SUPPORTED_GROUPS):  # the router kernel adds the split-K partials
+                logits = tq.qgemv_partials(x2, g.qt)
+                ids, weights = kernels.route(logits[..., :E], self.top_k, self.norm_topk_prob, logits[..., E])
+            else:
+                logits = g(x2)
+                ids, weights = kernels.route(logits[:, :E], self.top_k, self.norm_topk_prob, logits[:, E])
             return kernels.moe_decode(x2, ids, weights, self.gate_up, self.down, shared_expert=shared_expert)
+        logits = self.gates(x2)
+        gate_logit = logits[:, E] if self.shared is not None else None
         ids, weights = kernels.route(logits[:, :E], self.top_k, self.norm_topk_prob)
         shared_out = self.shared(x2) if self.shared is not None else None
         return kernels.moe(x2, ids, weights, self.gate_up, self.down, shared_out, gate_logit)

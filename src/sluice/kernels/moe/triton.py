@@ -31,7 +31,7 @@ DECODE_MAX_TOKENS = 4  # up to this many tokens the indexed GEMVs; beyond, the g
 
 
 @triton.jit
-def _route_kernel(logits_ptr, ids_ptr, w_ptr, gate_ptr, E, stride_lt, stride_g, TOP_K: tl.constexpr,
+def _route_kernel(logits_ptr, ids_ptr, w_ptr, gate_ptr, E, S, stride_ls, stride_lt, stride_g, TOP_K: tl.constexpr,
                   BLOCK_E: tl.constexpr, KP: tl.constexpr, NORM: tl.constexpr, SHARED: tl.constexpr):
     """One token per program: softmax over its E logits, then TOP_K rounds of argmax (lowest index on ties).
     Each round is a single max over int64 keys (probability bits << 32 | BLOCK_E - 1 - index): a probability is
@@ -39,7 +39,10 @@ def _route_kernel(logits_ptr, ids_ptr, w_ptr, gate_ptr, E, stride_lt, stride_g, 
     t = tl.program_id(0)
     offs = tl.arange(0, BLOCK_E)
     ok = offs < E
-    logit = tl.load(logits_ptr + t.to(tl.int64) * stride_lt + offs, mask=ok, other=-float("inf")).to(tl.float32)
+    row = logits_ptr + t.to(tl.int64) * stride_lt
+    logit = tl.load(row + offs, mask=ok, other=-float("inf")).to(tl.float32)
+    for s in range(1, S):  # split-K partials of the router matmul
+        logit += tl.load(row + s * stride_ls + offs, mask=ok, other=0.0)
     p = tl.exp(logit - tl.max(logit, axis=0))
     p = p / tl.sum(p, axis=0)
     key = (p.to(tl.int32, bitcast=True).to(tl.int64) << 32) | (BLOCK_E - 1 - offs)
@@ -58,7 +61,10 @@ def _route_kernel(logits_ptr, ids_ptr, w_ptr, gate_ptr, E, stride_lt, stride_g, 
     SLOTS: tl.constexpr = TOP_K + SHARED
     if SHARED:
         top_i = tl.where(offs_k == TOP_K, E, top_i)
-        top_w = tl.where(offs_k == TOP_K, tl.sigmoid(tl.load(gate_ptr + t * stride_g).to(tl.float32)), top_w)
+        gate = tl.load(gate_ptr + t * stride_g).to(tl.float32)
+        for s in range(1, S):
+            gate += tl.load(gate_ptr + s * stride_ls + t * stride_g)
+        top_w = tl.where(offs_k == TOP_K, tl.sigmoid(gate), top_w)
     k_ok = offs_k < SLOTS
     tl.store(ids_ptr + t * SLOTS + offs_k, top_i, mask=k_ok)
     tl.store(w_ptr + t * SLOTS + offs_k, top_w, mask=k_ok)
@@ -66,27 +72,37 @@ def _route_kernel(logits_ptr, ids_ptr, w_ptr, gate_ptr, E, stride_lt, stride_g, 
 
 def route(logits: torch.Tensor, top_k: int, norm_topk_prob: bool,
           shared_gate_logit: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Router logits [T, E] (any float dtype) -> (expert ids int32 [T, k], weights fp32 [T, k]), best first.
-    With the shared expert's gate logits [T] (or [T, 1]): one more slot per token, id E weighted
-    sigmoid(gate logit), so that `moe_decode` runs the shared expert as one more expert."""
-    if logits.dim() != 2 or not logits.is_floating_point():
-        raise ValueError(f"moe route: logits must be a float [T, E] tensor, got {logits.dtype} {tuple(logits.shape)}")
-    T, E = logits.shape
+    """Router logits [T, E] (any float dtype), or fp32 split-K partials [S, T, E] of them -> (expert ids int32
+    [T, k], weights fp32 [T, k]), best first. With the shared expert's gate logits [T] (or [T, 1]; [S, T]
+    partials alongside partial logits): one more slot per token, id E weighted sigmoid(gate logit), so that
+    `moe_decode` runs the shared expert as one more expert."""
+    if logits.dim() not in (2, 3) or not logits.is_floating_point() or (logits.dim() == 3 and
+                                                                        logits.dtype != torch.float32):
+        raise ValueError(f"moe route: logits must be a float [T, E] tensor or fp32 [S, T, E] partials, got "
+                         f"{logits.dtype} {tuple(logits.shape)}")
+    S = logits.shape[0] if logits.dim() == 3 else 1
+    logits3 = logits if logits.dim() == 3 else logits[None]
+    T, E = logits3.shape[1:]
     if E > MAX_EXPERTS:
         raise ValueError(f"moe route: at most {MAX_EXPERTS} experts, got {E}")
     if not 1 <= top_k <= min(MAX_TOP_K, E):
         raise ValueError(f"moe route: top_k must be in [1, {min(MAX_TOP_K, E)}], got {top_k}")
     shared = shared_gate_logit is not None
-    if shared and (shared_gate_logit.numel() != T or not shared_gate_logit.is_floating_point()):
-        raise ValueError(f"moe route: shared_gate_logit must be a float [{T}] tensor, got "
-                         f"{tuple(shared_gate_logit.shape)}")
-    _check_device(logits, *([shared_gate_logit] if shared else []))
-    logits = logits if logits.stride(-1) == 1 else logits.contiguous()
-    gate = shared_gate_logit.reshape(T) if shared else logits
+    if shared:
+        gate = shared_gate_logit.reshape(S, T)
+        if not gate.is_floating_point() or (S > 1 and gate.stride(0) != logits3.stride(0)):
+            raise ValueError(f"moe route: shared_gate_logit must be float [{T}] (or the [S, T] partials beside the "
+                             f"logits), got {shared_gate_logit.dtype} {tuple(shared_gate_logit.shape)}")
+        _check_device(logits, shared_gate_logit)
+    else:
+        gate = logits3[:, :, 0]
+        _check_device(logits)
+    if logits3.stride(-1) != 1:
+        raise ValueError("moe route: logits must have unit column stride")
     ids = torch.empty((T, top_k + shared), dtype=torch.int32, device=logits.device)
     weights = torch.empty((T, top_k + shared), dtype=torch.float32, device=logits.device)
-    _route_kernel[(T,)](logits, ids, weights, gate, E, logits.stride(0), gate.stride(0), TOP_K=top_k,
-                        BLOCK_E=triton.next_power_of_2(E), KP=triton.next_power_of_2(top_k + shared),
+    _route_kernel[(T,)](logits3, ids, weights, gate, E, S, logits3.stride(0), logits3.stride(1), gate.stride(1),
+                        TOP_K=top_k, BLOCK_E=triton.next_power_of_2(E), KP=triton.next_power_of_2(top_k + shared),
                         NORM=norm_topk_prob, SHARED=shared, num_warps=4)
     return ids, weights
 
@@ -112,12 +128,13 @@ def _expert_gemv(xp: torch.Tensor, qt: QuantizedTensor, ids: torch.Tensor, x_div
     (one past the stacked experts) stands for `extra`."""
     rows = ids.numel()
     N, K = qt.out_features, qt.in_features
+    block_n = tq.gemv_block_n(N, rows, xp.device)
     # K is split only when the rows and N-blocks alone leave multiprocessors idle
-    split_k = tq.gemv_split_k(N, K, qt.bits, qt.group_size, rows, device=xp.device)
+    split_k = tq.gemv_split_k(N, K, qt.bits, qt.group_size, rows, block_n, device=xp.device)
     used = tq.gemv_used_splits(K, qt.bits, split_k)[0]
     out = torch.empty((used, rows, N), dtype=torch.float32, device=xp.device)
     tq.gemv_launch(xp, qt.weight.view(torch.int32), qt.scales, qt.biases, out, ids, rows, N, K, qt.bits,
-                   qt.group_size, split_k, x_div=x_div,
+                   qt.group_size, split_k, x_div=x_div, block_n=block_n,
                    extra=None if extra is None else (extra.weight.view(torch.int32), extra.scales, extra.biases))
     return out
 

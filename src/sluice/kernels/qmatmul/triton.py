@@ -365,12 +365,41 @@ def gemv_launch(xp, w, s, b, out, ids, rows, N, K, bits, gs, split_k, x_div=1, b
     return used
 
 
-def qgemv(x: torch.Tensor, qt, block_n: int = 4, split_k: int | None = None, num_warps: int = 1) -> torch.Tensor:
+def gemv_block_n(N: int, rows: int, device=None) -> int:
+    """Rows per GEMV program: 4, or 8 / 16 when that puts a grid of a few waves into one (one-warp programs, 32
+    per multiprocessor), so that no mostly empty last wave leaves the memory system idle."""
+    wave = 32 * _num_sms(device)
+    if triton.cdiv(N, 4) * rows > 3 * wave:
+        return 4
+    return next((bn for bn in (4, 8, 16) if triton.cdiv(N, bn) * rows <= wave), 16)
+
+
+def qgemv_partials(x: torch.Tensor, qt, block_n: int | None = None, split_k: int | None = None,
+                   num_warps: int = 1) -> torch.Tensor:
+    """fp32 [S, M, N]: the S split-K partial sums of x [M, K] @ W^T (S = 1 when K is not split), for a consumer
+    that adds them itself instead of paying a launch for it."""
+    check(x, qt)
+    M, K = x.shape
+    N = qt.weight.shape[0]
+    block_n = block_n or gemv_block_n(N, M, x.device)
+    xp = prep_x(x, qt.bits, qt.group_size)
+    if split_k is None:
+        split_k = gemv_split_k(N, K, qt.bits, qt.group_size, M, block_n, num_warps, x.device)
+    split, _ = gemv_used_splits(K, qt.bits, split_k, num_warps)
+    out = torch.empty((split, M, N), dtype=torch.float32, device=x.device)
+    gemv_launch(xp, qt.weight.view(torch.int32), qt.scales, qt.biases, out, None, M, N, K, qt.bits, qt.group_size,
+                split_k, block_n=block_n, num_warps=num_warps)
+    return out
+
+
+def qgemv(x: torch.Tensor, qt, block_n: int | None = None, split_k: int | None = None,
+          num_warps: int = 1) -> torch.Tensor:
     """y [M, N] = x [M, K] @ W^T for a few rows on CUDA cores (each row its own programs; W is re-read per row,
     mostly from L2)."""
     check(x, qt)
     M, K = x.shape
     N = qt.weight.shape[0]
+    block_n = block_n or gemv_block_n(N, M, x.device)
     xp = prep_x(x, qt.bits, qt.group_size)
     if split_k is None:
         split_k = gemv_split_k(N, K, qt.bits, qt.group_size, M, block_n, num_warps, x.device)
