@@ -64,7 +64,7 @@ def test_route_adds_the_shared_expert_slot():
 def test_route_adds_split_k_partials():
     g = torch.Generator().manual_seed(4)
     parts = torch.randn(3, 2, E + 1, generator=g)  # three partial sums of [E logits | shared gate logit]
-    ids, weights = mt.route(parts[..., :E].to(DEVICE), 3, True, parts[..., E].to(DEVICE))
+    ids, weights = mt.route(parts[..., :E].to(DEVICE), 3, True, parts[..., E].contiguous().to(DEVICE))
     ref_ids, ref_w = mt.route(parts.sum(0)[:, :E].to(DEVICE), 3, True, parts.sum(0)[:, E].to(DEVICE))
     assert torch.equal(ids, ref_ids)
     torch.testing.assert_close(weights, ref_w)

@@ -31,8 +31,9 @@ DECODE_MAX_TOKENS = 4  # up to this many tokens the indexed GEMVs; beyond, the g
 
 
 @triton.jit
-def _route_kernel(logits_ptr, ids_ptr, w_ptr, gate_ptr, E, S, stride_ls, stride_lt, stride_g, TOP_K: tl.constexpr,
-                  BLOCK_E: tl.constexpr, KP: tl.constexpr, NORM: tl.constexpr, SHARED: tl.constexpr):
+def _route_kernel(logits_ptr, ids_ptr, w_ptr, gate_ptr, E, S, stride_ls, stride_lt, stride_gs, stride_g,
+                  TOP_K: tl.constexpr, BLOCK_E: tl.constexpr, KP: tl.constexpr, NORM: tl.constexpr,
+                  SHARED: tl.constexpr):
     """One token per program: softmax over its E logits, then TOP_K rounds of argmax (lowest index on ties).
     Each round is a single max over int64 keys (probability bits << 32 | BLOCK_E - 1 - index): a probability is
     >= 0, so its fp32 bits order like the value, and the low half breaks ties towards the lower index."""
@@ -63,7 +64,7 @@ def _route_kernel(logits_ptr, ids_ptr, w_ptr, gate_ptr, E, S, stride_ls, stride_
         top_i = tl.where(offs_k == TOP_K, E, top_i)
         gate = tl.load(gate_ptr + t * stride_g).to(tl.float32)
         for s in range(1, S):
-            gate += tl.load(gate_ptr + s * stride_ls + t * stride_g)
+            gate += tl.load(gate_ptr + s * stride_gs + t * stride_g)
         top_w = tl.where(offs_k == TOP_K, tl.sigmoid(gate), top_w)
     k_ok = offs_k < SLOTS
     tl.store(ids_ptr + t * SLOTS + offs_k, top_i, mask=k_ok)
@@ -90,7 +91,7 @@ def route(logits: torch.Tensor, top_k: int, norm_topk_prob: bool,
     shared = shared_gate_logit is not None
     if shared:
         gate = shared_gate_logit.reshape(S, T)
-        if not gate.is_floating_point() or (S > 1 and gate.stride(0) != logits3.stride(0)):
+        if not gate.is_floating_point():
             raise ValueError(f"moe route: shared_gate_logit must be float [{T}] (or the [S, T] partials beside the "
                              f"logits), got {shared_gate_logit.dtype} {tuple(shared_gate_logit.shape)}")
         _check_device(logits, shared_gate_logit)
@@ -101,8 +102,8 @@ def route(logits: torch.Tensor, top_k: int, norm_topk_prob: bool,
         raise ValueError("moe route: logits must have unit column stride")
     ids = torch.empty((T, top_k + shared), dtype=torch.int32, device=logits.device)
     weights = torch.empty((T, top_k + shared), dtype=torch.float32, device=logits.device)
-    _route_kernel[(T,)](logits3, ids, weights, gate, E, S, logits3.stride(0), logits3.stride(1), gate.stride(1),
-                        TOP_K=top_k, BLOCK_E=triton.next_power_of_2(E), KP=triton.next_power_of_2(top_k + shared),
+    _route_kernel[(T,)](logits3, ids, weights, gate, E, S, logits3.stride(0), logits3.stride(1), gate.stride(0),
+                        gate.stride(1), TOP_K=top_k, BLOCK_E=triton.next_power_of_2(E), KP=triton.next_power_of_2(top_k + shared),
                         NORM=norm_topk_prob, SHARED=shared, num_warps=4)
     return ids, weights
 
