@@ -375,9 +375,9 @@ def gemv_block_n(N: int, rows: int, device=None) -> int:
 
 
 def qgemv_partials(x: torch.Tensor, qt, block_n: int | None = None, split_k: int | None = None,
-                   num_warps: int = 1) -> torch.Tensor:
-    """fp32 [S, M, N]: the S split-K partial sums of x [M, K] @ W^T (S = 1 when K is not split), for a consumer
-    that adds them itself instead of paying a launch for it."""
+                   num_warps: int = 1, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """[S, M, N]: the S split-K partial sums (fp32) of x [M, K] @ W^T, for a consumer that adds them itself
+    instead of paying a launch for it; when K is not split (S = 1) the result itself, in `dtype`."""
     check(x, qt)
     M, K = x.shape
     N = qt.weight.shape[0]
@@ -386,7 +386,7 @@ def qgemv_partials(x: torch.Tensor, qt, block_n: int | None = None, split_k: int
     if split_k is None:
         split_k = gemv_split_k(N, K, qt.bits, qt.group_size, M, block_n, num_warps, x.device)
     split, _ = gemv_used_splits(K, qt.bits, split_k, num_warps)
-    out = torch.empty((split, M, N), dtype=torch.float32, device=x.device)
+    out = torch.empty((split, M, N), dtype=dtype if split == 1 else torch.float32, device=x.device)
     gemv_launch(xp, qt.weight.view(torch.int32), qt.scales, qt.biases, out, None, M, N, K, qt.bits, qt.group_size,
                 split_k, block_n=block_n, num_warps=num_warps)
     return out
@@ -396,18 +396,8 @@ def qgemv(x: torch.Tensor, qt, block_n: int | None = None, split_k: int | None =
           num_warps: int = 1) -> torch.Tensor:
     """y [M, N] = x [M, K] @ W^T for a few rows on CUDA cores (each row its own programs; W is re-read per row,
     mostly from L2)."""
-    check(x, qt)
-    M, K = x.shape
-    N = qt.weight.shape[0]
-    block_n = block_n or gemv_block_n(N, M, x.device)
-    xp = prep_x(x, qt.bits, qt.group_size)
-    if split_k is None:
-        split_k = gemv_split_k(N, K, qt.bits, qt.group_size, M, block_n, num_warps, x.device)
-    split, _ = gemv_used_splits(K, qt.bits, split_k, num_warps)
-    out = torch.empty((split, M, N), dtype=x.dtype if split == 1 else torch.float32, device=x.device)
-    gemv_launch(xp, qt.weight.view(torch.int32), qt.scales, qt.biases, out, None, M, N, K, qt.bits, qt.group_size,
-                split_k, block_n=block_n, num_warps=num_warps)
-    return out[0] if split == 1 else out.sum(0).to(x.dtype)
+    out = qgemv_partials(x, qt, block_n, split_k, num_warps, dtype=x.dtype)
+    return out[0] if out.shape[0] == 1 else out.sum(0).to(x.dtype)
 
 
 def qgemm(x: torch.Tensor, qt, block_m: int = 128, block_n: int = 128, block_k: int = 64, num_warps: int = 8,
