@@ -18,7 +18,6 @@ Each case runs in try/except: an error is printed and recorded and the run goes 
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 import traceback
@@ -28,7 +27,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from qmatmul_gpu import copies_for, copy_bandwidth, events_time, graph_time, qt_bytes, random_qt, rel_err  # noqa: E402
+from qmatmul_gpu import (copies_for, copy_bandwidth, events_time, graph_time, qt_bytes, random_qt,  # noqa: E402
+                         rel_err, start_run)
 from sluice.kernels.moe import reference  # noqa: E402
 from sluice.kernels.moe import triton as mt  # noqa: E402
 from sluice.layers.linear import Linear  # noqa: E402
@@ -194,19 +194,12 @@ def print_tables(res):
 
 
 def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--json", default=None)
-    a = ap.parse_args()
-    dev = torch.device("cuda")
-    props = torch.cuda.get_device_properties(dev)
-    res = {"gpu": props.name, "sms": props.multi_processor_count, "torch": torch.__version__,
-           "triton": mt.triton.__version__, "correctness": [], "decode": [], "crossover": [], "prefill": [],
-           "errors": []}
+    a, dev, res = start_run("correctness", "decode", "crossover", "prefill", "errors")
     copy_bw = copy_bandwidth(dev)
     A = torch.randn(8192, 8192, device=dev, dtype=BF16)
     res["copy_bandwidth_Bps"], res["bf16_gemm_flops"] = copy_bw, 2 * 8192 ** 3 / events_time(lambda: A @ A, reps=10)
     del A
-    print(f"# {props.name}: copy {copy_bw / 1e12:.2f} TB/s (read+write), bf16 GEMM "
+    print(f"# {res['gpu']}: copy {copy_bw / 1e12:.2f} TB/s (read+write), bf16 GEMM "
           f"{res['bf16_gemm_flops'] / 1e12:.0f} TFLOP/s", flush=True)
     try:
         for name, (H, E, I, k, Is) in MODELS.items():

@@ -105,14 +105,19 @@ def rel_err(a, b):
     return float((a.float() - b.float()).norm() / b.float().norm())
 
 
-def main():
+def start_run(*sections):
+    """(arguments (--json), the GPU, the result dict: the GPU's identity and an empty list per section)."""
     ap = argparse.ArgumentParser()
     ap.add_argument("--json", default=None)
-    a = ap.parse_args()
     dev = torch.device("cuda")
     props = torch.cuda.get_device_properties(dev)
     res = {"gpu": props.name, "sms": props.multi_processor_count, "torch": torch.__version__,
-           "triton": tq.triton.__version__, "correctness": [], "gemv": [], "gemm": [], "sweep": []}
+           "triton": tq.triton.__version__, **{name: [] for name in sections}}
+    return ap.parse_args(), dev, res
+
+
+def main():
+    a, dev, res = start_run("correctness", "gemv", "gemm", "sweep")
 
     # floors
     copy_bw = copy_bandwidth(dev)
@@ -120,7 +125,7 @@ def main():
     gemm_rate = 2 * 8192 ** 3 / events_time(lambda: A @ A, reps=10)
     del A
     res["copy_bandwidth_Bps"], res["bf16_gemm_flops"] = copy_bw, gemm_rate
-    print(f"# {props.name}: copy {copy_bw / 1e12:.2f} TB/s (read+write), bf16 GEMM {gemm_rate / 1e12:.0f} TFLOP/s",
+    print(f"# {res['gpu']}: copy {copy_bw / 1e12:.2f} TB/s (read+write), bf16 GEMM {gemm_rate / 1e12:.0f} TFLOP/s",
           flush=True)
 
     # correctness at real shapes, every bits/group combination, against the fp32 reference
@@ -203,7 +208,7 @@ def main():
         print(f"gemm {name}: fused {row['tflops']:.0f} TFLOP/s = {row['pct_cublas'] * 100:.0f}% of cuBLAS bf16 "
               f"({row['cublas_tflops']:.0f}); dequantize + cuBLAS {row['dequant_pct_cublas'] * 100:.0f}%", flush=True)
 
-    print(f"\n{props.name}; copy bandwidth {copy_bw / 1e12:.2f} TB/s; bf16 GEMM {gemm_rate / 1e12:.0f} TFLOP/s")
+    print(f"\n{res['gpu']}; copy bandwidth {copy_bw / 1e12:.2f} TB/s; bf16 GEMM {gemm_rate / 1e12:.0f} TFLOP/s")
     print(f"{'4-bit GEMV (g64, bf16)':36s} {'M':>3s} {'us':>8s} {'TB/s':>6s} {'%copy':>6s} {'cuBLAS us':>10s} "
           f"{'cuBLAS %copy':>12s} {'speedup':>8s}")
     for r in res["gemv"]:
