@@ -108,13 +108,11 @@ def time_decode(res, name, layers, k, copy_bw):
         rot = layers[kind]
         xs = [torch.randn(1, rot[0].gate_up.shape[2], device="cuda", dtype=BF16) for _ in rot]
         t_layer = graph_time([lambda m=m, x=x: m(x) for m, x in zip(rot, xs)])
-        E = rot[0].num_experts
-        route = lambda m, x: mt.route(*(lambda g: (g[:, :E], k, True, g[:, E]))(m.gates(x)))  # noqa: E731
-        t_router = graph_time([lambda m=m, x=x: route(m, x) for m, x in zip(rot, xs)])
-        routed = [route(m, x) for m, x in zip(rot, xs)]
-        assert rot[0]._shared_as_expert() is not None  # the decode path runs the shared expert as a slot
+        t_router = graph_time([lambda m=m, x=x: m._route_with_shared_slot(x, mt) for m, x in zip(rot, xs)])
+        routed = [m._route_with_shared_slot(x, mt) for m, x in zip(rot, xs)]
+        assert rot[0]._shared_as_expert(mt) is not None  # the decode path runs the shared expert as a slot
         t_experts = graph_time([lambda m=m, x=x, r=r: mt.moe_decode(x, *r, m.gate_up, m.down,
-                                                                       shared_expert=m._shared_as_expert())
+                                                                       shared_expert=m._shared_as_expert(mt))
                                 for m, x, r in zip(rot, xs, routed)])
         nbytes = decode_floor_bytes(rot[0], k)
         floor = nbytes / copy_bw

@@ -226,7 +226,7 @@ def sparse_moe(T, n_exp, hidden, inter, k, quantized_router=False):
 @pytest.mark.parametrize("T,quantized_router", [(1, False), (1, True), (37, False)])
 def test_sparse_moe_triton_path_matches_its_reference_path(T, quantized_router):
     layer, x = sparse_moe(T, E, H, I, 3, quantized_router)
-    assert layer._shared_as_expert() is not None  # decode (T = 1) runs the shared expert as an expert slot
+    assert layer._shared_as_expert(mt) is not None  # decode (T = 1) runs the shared expert as an expert slot
     out = layer._forward_triton(x, mt)  # called directly: forward picks it on CUDA only
     assert rel_err(out, layer._forward_reference(x)) <= 1e-2
 

@@ -65,34 +65,32 @@ class SparseMoE(nn.Module):
         out = self._forward_reference(x2) if kernels is None else self._forward_triton(x2, kernels)
         return out.view(x.shape)
 
-    def _shared_as_expert(self) -> tuple[QuantizedTensor, QuantizedTensor] | None:
+    def _shared_as_expert(self, kernels) -> tuple[QuantizedTensor, QuantizedTensor] | None:
         """The shared expert's (gate_up, down) when stored exactly like one routed expert: then decode runs it as
         one more expert slot of the routed launches."""
         sh = self.shared
         if sh is None or not (isinstance(sh.gate_up, Linear) and sh.gate_up.quantized and sh.down.quantized):
             return None
         pair = (sh.gate_up.qt, sh.down.qt)
-        for qt, stacked in zip(pair, (self.gate_up, self.down)):
-            if (qt.shape != stacked.shape[1:] or (qt.bits, qt.group_size) != (stacked.bits, stacked.group_size)
-                    or qt.scales.dtype != stacked.scales.dtype or qt.weight.stride() != stacked.weight.stride()[1:]
-                    or qt.scales.stride() != stacked.scales.stride()[1:]):
-                return None
-        return pair
+        return pair if kernels.shared_expert_fits(self.gate_up, self.down, *pair) else None
+
+    def _route_with_shared_slot(self, x2: torch.Tensor, kernels) -> tuple[torch.Tensor, torch.Tensor]:
+        """Decode routing: (ids, weights) [T, k + 1], slot k the shared expert weighted by its gate. A quantized
+        router's split-K partials go to the router kernel unsummed (two launches fewer)."""
+        E, g, tq = self.num_experts, self.gates, kernels.tq
+        if (isinstance(g, Linear) and g.quantized and g.bits in tq.SUPPORTED_BITS
+                and g.group_size in tq.SUPPORTED_GROUPS):
+            logits = tq.qgemv_partials(x2, g.qt)
+        else:
+            logits = g(x2)
+        return kernels.route(logits[..., :E], self.top_k, self.norm_topk_prob, logits[..., E])
 
     def _forward_triton(self, x2: torch.Tensor, kernels) -> torch.Tensor:
-        E = self.num_experts
-        shared_expert = self._shared_as_expert() if x2.shape[0] <= kernels.DECODE_MAX_TOKENS else None
+        shared_expert = self._shared_as_expert(kernels) if x2.shape[0] <= kernels.DECODE_MAX_TOKENS else None
         if shared_expert is not None:  # decode: the shared expert is slot k of every token
-            g = self.gates
-            tq = kernels.tq
-            if (isinstance(g, Linear) and g.quantized and x2.shape[0] == 1 and g.bits in tq.SUPPORTED_BITS
-                    and g.group_size in tq.SUPPORTED_GROUPS):  # the router kernel adds the split-K partials
-                logits = tq.qgemv_partials(x2, g.qt)
-                ids, weights = kernels.route(logits[..., :E], self.top_k, self.norm_topk_prob, logits[..., E])
-            else:
-                logits = g(x2)
-                ids, weights = kernels.route(logits[:, :E], self.top_k, self.norm_topk_prob, logits[:, E])
+            ids, weights = self._route_with_shared_slot(x2, kernels)
             return kernels.moe_decode(x2, ids, weights, self.gate_up, self.down, shared_expert=shared_expert)
+        E = self.num_experts
         logits = self.gates(x2)
         gate_logit = logits[:, E] if self.shared is not None else None
         ids, weights = kernels.route(logits[:, :E], self.top_k, self.norm_topk_prob)

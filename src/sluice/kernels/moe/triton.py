@@ -36,7 +36,9 @@ def _route_kernel(logits_ptr, ids_ptr, w_ptr, gate_ptr, E, S, stride_ls, stride_
                   SHARED: tl.constexpr):
     """One token per program: softmax over its E logits, then TOP_K rounds of argmax (lowest index on ties).
     Each round is a single max over int64 keys (probability bits << 32 | BLOCK_E - 1 - index): a probability is
-    >= 0, so its fp32 bits order like the value, and the low half breaks ties towards the lower index."""
+    >= 0, so its fp32 bits order like the value, and the low half breaks ties towards the lower index.
+    The logits (and gate logit) may come as S split-K partials, summed here. SHARED: one more slot, expert id E
+    (the shared expert), weighted sigmoid(gate logit)."""
     t = tl.program_id(0)
     offs = tl.arange(0, BLOCK_E)
     ok = offs < E
@@ -98,13 +100,12 @@ def route(logits: torch.Tensor, top_k: int, norm_topk_prob: bool,
     else:
         gate = logits3[:, :, 0]
         _check_device(logits)
-    if logits3.stride(-1) != 1:
-        raise ValueError("moe route: logits must have unit column stride")
+    logits3 = logits3 if logits3.stride(-1) == 1 else logits3.contiguous()
     ids = torch.empty((T, top_k + shared), dtype=torch.int32, device=logits.device)
     weights = torch.empty((T, top_k + shared), dtype=torch.float32, device=logits.device)
     _route_kernel[(T,)](logits3, ids, weights, gate, E, S, logits3.stride(0), logits3.stride(1), gate.stride(0),
-                        gate.stride(1), TOP_K=top_k, BLOCK_E=triton.next_power_of_2(E), KP=triton.next_power_of_2(top_k + shared),
-                        NORM=norm_topk_prob, SHARED=shared, num_warps=4)
+                        gate.stride(1), TOP_K=top_k, BLOCK_E=triton.next_power_of_2(E),
+                        KP=triton.next_power_of_2(top_k + shared), NORM=norm_topk_prob, SHARED=shared, num_warps=4)
     return ids, weights
 
 
@@ -131,7 +132,7 @@ def _expert_gemv(xp: torch.Tensor, qt: QuantizedTensor, ids: torch.Tensor, x_div
     N, K = qt.out_features, qt.in_features
     block_n = tq.gemv_block_n(N, rows, xp.device)
     # K is split only when the rows and N-blocks alone leave multiprocessors idle
-    split_k = tq.gemv_split_k(N, K, qt.bits, qt.group_size, rows, block_n, device=xp.device)
+    split_k = tq.gemv_split_k(N, K, qt.bits, rows, block_n, device=xp.device)
     used = tq.gemv_used_splits(K, qt.bits, split_k)[0]
     out = torch.empty((used, rows, N), dtype=torch.float32, device=xp.device)
     tq.gemv_launch(xp, qt.weight.view(torch.int32), qt.scales, qt.biases, out, ids, rows, N, K, qt.bits,
@@ -356,6 +357,16 @@ def supports(gate_up, down, top_k: int) -> bool:
     return quantized and gate_up.weight.shape[0] <= MAX_EXPERTS and top_k <= min(MAX_TOP_K, gate_up.weight.shape[0])
 
 
+def shared_expert_fits(gate_up: QuantizedTensor, down: QuantizedTensor, shared_gate_up, shared_down) -> bool:
+    """Whether the shared expert (2-D gate_up, down) is stored exactly like one of the stacked routed experts:
+    then the expert GEMVs can read it as expert id E with the routed experts' strides."""
+    return all(isinstance(qt, QuantizedTensor) and qt.weight.dim() == 2 and qt.shape == stacked.shape[1:]
+               and (qt.bits, qt.group_size) == (stacked.bits, stacked.group_size)
+               and qt.scales.dtype == stacked.scales.dtype and qt.weight.stride() == stacked.weight.stride()[1:]
+               and qt.scales.stride() == stacked.scales.stride()[1:] == qt.biases.stride()
+               for qt, stacked in ((shared_gate_up, gate_up), (shared_down, down)))
+
+
 def _check_device(*tensors) -> None:
     dev = tensors[0].device
     if any(t.device != dev for t in tensors):
@@ -405,14 +416,10 @@ def _check_moe(x, ids, weights, gate_up, down, shared_out, shared_gate_logit, sh
     if shared_expert is not None:
         if shared_out is not None:
             raise ValueError("moe: the shared expert comes either as an expert slot or as shared_out, not both")
-        for name, qt, stacked in zip(("gate_up", "down"), shared_expert, (gate_up, down)):
-            if not (isinstance(qt, QuantizedTensor) and qt.weight.dim() == 2 and qt.shape == stacked.shape[1:]
-                    and (qt.bits, qt.group_size) == (stacked.bits, stacked.group_size)
-                    and qt.weight.stride() == stacked.weight.stride()[1:]
-                    and qt.scales.stride() == stacked.scales.stride()[1:] == qt.biases.stride()
-                    and qt.scales.dtype == stacked.scales.dtype):
-                raise ValueError(f"moe: the shared expert's {name} must be stored like one routed expert "
-                                 f"({tuple(stacked.shape[1:])}, {stacked.bits}-bit, group {stacked.group_size})")
+        if not shared_expert_fits(gate_up, down, *shared_expert):
+            raise ValueError(f"moe: the shared expert's gate_up and down must be stored like one routed expert "
+                             f"({tuple(gate_up.shape[1:])}, {tuple(down.shape[1:])}, {gate_up.bits}-bit, group "
+                             f"{gate_up.group_size})")
     if weights.dtype != torch.float32 or weights.shape != ids.shape:
         raise ValueError(f"moe: weights must be fp32 {tuple(ids.shape)}, got {weights.dtype} {tuple(weights.shape)}")
     _check_shared(x.shape[0], H, shared_out, shared_gate_logit)

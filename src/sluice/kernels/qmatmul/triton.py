@@ -331,7 +331,7 @@ def gemv_step_words(K: int, bits: int, num_warps: int) -> int:
     return max(4, min(128 * num_warps, triton.next_power_of_2(K // (32 // bits))))
 
 
-def gemv_split_k(N, K, bits, gs, rows, block_n=4, num_warps=1, device=None) -> int:
+def gemv_split_k(N, K, bits, rows, block_n=4, num_warps=1, device=None) -> int:
     """Enough K splits for about eight warps per multiprocessor (1-warp programs, each waiting on its loads)."""
     steps = triton.cdiv(K // (32 // bits), gemv_step_words(K, bits, num_warps))
     programs = triton.cdiv(N, block_n) * rows * num_warps
@@ -384,7 +384,7 @@ def qgemv_partials(x: torch.Tensor, qt, block_n: int | None = None, split_k: int
     block_n = block_n or gemv_block_n(N, M, x.device)
     xp = prep_x(x, qt.bits, qt.group_size)
     if split_k is None:
-        split_k = gemv_split_k(N, K, qt.bits, qt.group_size, M, block_n, num_warps, x.device)
+        split_k = gemv_split_k(N, K, qt.bits, M, block_n, num_warps, x.device)
     split, _ = gemv_used_splits(K, qt.bits, split_k, num_warps)
     out = torch.empty((split, M, N), dtype=dtype if split == 1 else torch.float32, device=x.device)
     gemv_launch(xp, qt.weight.view(torch.int32), qt.scales, qt.biases, out, None, M, N, K, qt.bits, qt.group_size,
