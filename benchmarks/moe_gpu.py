@@ -6,7 +6,7 @@ One run, at Qwen3-Next-80B-A3B and Qwen3.5-397B-A17B shapes (4-bit g64 experts a
 shared-expert gate 8-bit g64 or bf16), random weights built directly in the packed layout:
 - correctness against the fp32 torch reference (kernels/moe/reference.py): router ids, decode (T = 1, 4) and
   prefill (T = 4096), the experts given the reference's ids (bf16 logits tie; the router is checked on its own);
-- decode, one token: the whole SparseMoE layer (router -> top-k -> expert GEMVs -> combine, shared expert and its
+- decode, one token: the whole SparseMoE layer (with and without programmatic dependent launch) (router -> top-k -> expert GEMVs -> combine, shared expert and its
   gate included) under CUDA-graph replay, rotating over enough layer copies to exceed L2 ~4x; the floor is the
   bytes that must be read (k experts, shared expert, router, shared gate) over the measured copy bandwidth;
   with a breakdown (router + top-k, routed experts, shared expert);
@@ -18,6 +18,7 @@ Each case runs in try/except: an error is printed and recorded and the run goes 
 
 from __future__ import annotations
 
+import itertools
 import json
 import sys
 import traceback
@@ -31,6 +32,7 @@ from qmatmul_gpu import (copies_for, copy_bandwidth, events_time, graph_time, qt
                          rel_err, start_run)
 from sluice.kernels.moe import reference  # noqa: E402
 from sluice.kernels.moe import triton as mt  # noqa: E402
+from sluice.kernels.qmatmul import triton as tq  # noqa: E402
 from sluice.layers.linear import Linear  # noqa: E402
 from sluice.layers.moe import SparseMoE, SwiGLU  # noqa: E402
 from sluice.quant.affine import QuantizedTensor  # noqa: E402
@@ -108,6 +110,11 @@ def time_decode(res, name, layers, k, copy_bw):
         rot = layers[kind]
         xs = [torch.randn(1, rot[0].gate_up.shape[2], device="cuda", dtype=BF16) for _ in rot]
         t_layer = graph_time([lambda m=m, x=x: m(x) for m, x in zip(rot, xs)])
+        tq.USE_PDL = False  # the same layer with every launch waiting for the previous one in full
+        try:
+            t_no_pdl = graph_time([lambda m=m, x=x: m(x) for m, x in zip(rot, xs)])
+        finally:
+            tq.USE_PDL = True
         t_router = graph_time([lambda m=m, x=x: m._route_with_shared_slot(x, mt) for m, x in zip(rot, xs)])
         routed = [m._route_with_shared_slot(x, mt) for m, x in zip(rot, xs)]
         assert rot[0]._shared_as_expert(mt) is not None  # the decode path runs the shared expert as a slot
@@ -117,12 +124,38 @@ def time_decode(res, name, layers, k, copy_bw):
         nbytes = decode_floor_bytes(rot[0], k)
         floor = nbytes / copy_bw
         row = {"model": name, "router": kind, "us": t_layer * 1e6, "floor_bytes": nbytes, "floor_us": floor * 1e6,
-               "pct_floor": floor / t_layer, "router_topk_us": t_router * 1e6, "experts_us": t_experts * 1e6,
+               "pct_floor": floor / t_layer, "no_pdl_us": t_no_pdl * 1e6, "router_topk_us": t_router * 1e6, "experts_us": t_experts * 1e6,
                "copies": len(rot)}
         res["decode"].append(row)
         print(f"decode {name} router {kind}: {row['us']:.1f} us, floor {row['floor_us']:.1f} us "
-              f"({row['pct_floor'] * 100:.0f}%); router+top-k {row['router_topk_us']:.1f}, experts "
+              f"({row['pct_floor'] * 100:.0f}%; without PDL {row['no_pdl_us']:.1f} us); router+top-k {row['router_topk_us']:.1f}, experts "
               f"{row['experts_us']:.1f} us (shared expert included)", flush=True)
+
+
+def sweep_decode_launches(res, name, layers, k):
+    """Launch options of the decode kernels at this model's shape (one token, k experts + the shared one):
+    the two expert GEMVs (rows per program x warps) and the router kernel (warps)."""
+    rot = layers["8-bit"]
+    xs = [torch.randn(1, rot[0].gate_up.shape[2], device="cuda", dtype=BF16) for _ in rot]
+    routed = [m._route_with_shared_slot(x, mt) for m, x in zip(rot, xs)]
+    extras = [m._shared_as_expert(mt) for m in rot]
+    xps = [tq.prep_x(x, m.gate_up.bits, m.gate_up.group_size) for m, x in zip(rot, xs)]
+    ys = [mt._expert_gemv(xp, m.gate_up, r[0].view(-1), k + 1, e[0]) for m, xp, r, e in zip(rot, xps, routed, extras)]
+    hps = [mt.swiglu_prep(y, m.down.bits, m.down.group_size) for m, y in zip(rot, ys)]
+    for proj, xin, x_div in (("gate_up", xps, k + 1), ("down", hps, 1)):
+        for bn, w in itertools.product((2, 4, 8, 16), (1, 2, 4)):
+            calls = [lambda m=m, xp=xp, r=r, e=e, bn=bn, w=w, proj=proj, x_div=x_div: mt._expert_gemv(
+                xp, getattr(m, proj), r[0].view(-1), x_div, e[0 if proj == "gate_up" else 1], block_n=bn, num_warps=w)
+                for m, xp, r, e in zip(rot, xin, routed, extras)]
+            row = {"model": name, "kernel": f"{proj} GEMV", "block_n": bn, "num_warps": w}
+            case(res, f"{name} sweep {row}", lambda: row.update(us=graph_time(calls) * 1e6))
+            res["sweep"].append(row)
+    logits = [torch.randn(1, rot[0].num_experts, device="cuda") for _ in rot]
+    for w in (1, 2, 4, 8):
+        calls = [lambda lg=lg, w=w: mt.route(lg, k, True, lg[:, 0], num_warps=w) for lg in logits]
+        row = {"model": name, "kernel": "route", "num_warps": w}
+        case(res, f"{name} sweep {row}", lambda: row.update(us=graph_time(calls) * 1e6))
+        res["sweep"].append(row)
 
 
 def time_crossover(res, name, layers, H, E, k):
@@ -171,10 +204,14 @@ def print_tables(res):
     print(f"\n{res['gpu']}; copy bandwidth {res['copy_bandwidth_Bps'] / 1e12:.2f} TB/s; "
           f"bf16 GEMM {res['bf16_gemm_flops'] / 1e12:.0f} TFLOP/s")
     print(f"{'MoE decode, 1 token (4-bit g64)':30s} {'router':>6s} {'us':>7s} {'floor':>7s} {'%floor':>7s} "
-          f"{'router+topk':>12s} {'experts+shared':>15s}")
+          f"{'no PDL':>7s} {'router+topk':>12s} {'experts+shared':>15s}")
     for r in res["decode"]:
         print(f"{r['model']:30s} {r['router']:>6s} {r['us']:7.1f} {r['floor_us']:7.1f} {r['pct_floor'] * 100:6.0f}% "
-              f"{r['router_topk_us']:12.1f} {r['experts_us']:15.1f}")
+              f"{r['no_pdl_us']:7.1f} {r['router_topk_us']:12.1f} {r['experts_us']:15.1f}")
+    print(f"\n{'decode launch sweep':30s} {'kernel':>14s} {'block_n':>7s} {'warps':>5s} {'us':>7s}")
+    for r in sorted(res["sweep"], key=lambda r: (r["model"], r["kernel"], r.get("us", 1e9))):
+        print(f"{r['model']:30s} {r['kernel']:>14s} {r.get('block_n', '-')!s:>7s} {r['num_warps']:5d} "
+              f"{r.get('us', float('nan')):7.1f}")
     print(f"\n{'routed experts':30s} {'T':>5s} {'GEMVs us':>9s} {'grouped us':>11s}")
     for r in res["crossover"]:
         print(f"{r['model']:30s} {r['T']:5d} {r['decode_us']:9.1f} {r['prefill_us']:11.1f}")
@@ -192,7 +229,7 @@ def print_tables(res):
 
 
 def main():
-    a, dev, res = start_run("correctness", "decode", "crossover", "prefill", "errors")
+    a, dev, res = start_run("correctness", "decode", "sweep", "crossover", "prefill", "errors")
     copy_bw = copy_bandwidth(dev)
     A = torch.randn(8192, 8192, device=dev, dtype=BF16)
     res["copy_bandwidth_Bps"], res["bf16_gemm_flops"] = copy_bw, 2 * 8192 ** 3 / events_time(lambda: A @ A, reps=10)
@@ -215,6 +252,7 @@ def main():
                 continue
             case(res, f"{name} correctness", lambda: check_correctness(res, name, layers["8-bit"][0], H, E, k))
             case(res, f"{name} decode", lambda: time_decode(res, name, layers, k, copy_bw))
+            case(res, f"{name} launch sweep", lambda: sweep_decode_launches(res, name, layers, k))
             case(res, f"{name} crossover", lambda: time_crossover(res, name, layers, H, E, k))
             case(res, f"{name} prefill", lambda: time_prefill(res, name, layers["8-bit"][0], H, E, I, k))
             del layers

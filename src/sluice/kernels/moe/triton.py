@@ -33,12 +33,13 @@ DECODE_MAX_TOKENS = 4  # up to this many tokens the indexed GEMVs; beyond, the g
 @triton.jit
 def _route_kernel(logits_ptr, ids_ptr, w_ptr, gate_ptr, E, S, stride_ls, stride_lt, stride_gs, stride_g,
                   TOP_K: tl.constexpr, BLOCK_E: tl.constexpr, KP: tl.constexpr, NORM: tl.constexpr,
-                  SHARED: tl.constexpr):
+                  SHARED: tl.constexpr, PDL: tl.constexpr):
     """One token per program: softmax over its E logits, then TOP_K rounds of argmax (lowest index on ties).
     Each round is a single max over int64 keys (probability bits << 32 | BLOCK_E - 1 - index): a probability is
     >= 0, so its fp32 bits order like the value, and the low half breaks ties towards the lower index.
     The logits (and gate logit) may come as S split-K partials, summed here. SHARED: one more slot, expert id E
     (the shared expert), weighted sigmoid(gate logit)."""
+    tq._pdl_start(PDL)
     t = tl.program_id(0)
     offs = tl.arange(0, BLOCK_E)
     ok = offs < E
@@ -73,8 +74,8 @@ def _route_kernel(logits_ptr, ids_ptr, w_ptr, gate_ptr, E, S, stride_ls, stride_
     tl.store(w_ptr + t * SLOTS + offs_k, top_w, mask=k_ok)
 
 
-def route(logits: torch.Tensor, top_k: int, norm_topk_prob: bool,
-          shared_gate_logit: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def route(logits: torch.Tensor, top_k: int, norm_topk_prob: bool, shared_gate_logit: torch.Tensor | None = None,
+          num_warps: int = 4) -> tuple[torch.Tensor, torch.Tensor]:
     """Router logits [T, E] (any float dtype), or fp32 split-K partials [S, T, E] of them -> (expert ids int32
     [T, k], weights fp32 [T, k]), best first. With the shared expert's gate logits [T] (or [T, 1]; [S, T]
     partials alongside partial logits): one more slot per token, id E weighted sigmoid(gate logit), so that
@@ -105,7 +106,8 @@ def route(logits: torch.Tensor, top_k: int, norm_topk_prob: bool,
     weights = torch.empty((T, top_k + shared), dtype=torch.float32, device=logits.device)
     _route_kernel[(T,)](logits3, ids, weights, gate, E, S, logits3.stride(0), logits3.stride(1), gate.stride(0),
                         gate.stride(1), TOP_K=top_k, BLOCK_E=triton.next_power_of_2(E),
-                        KP=triton.next_power_of_2(top_k + shared), NORM=norm_topk_prob, SHARED=shared, num_warps=4)
+                        KP=triton.next_power_of_2(top_k + shared), NORM=norm_topk_prob, SHARED=shared,
+                        PDL=tq.pdl(logits.device), launch_pdl=tq.pdl(logits.device), num_warps=num_warps)
     return ids, weights
 
 
@@ -125,18 +127,19 @@ def swiglu_prep(y: torch.Tensor, bits: int, group_size: int) -> torch.Tensor:
 
 
 def _expert_gemv(xp: torch.Tensor, qt: QuantizedTensor, ids: torch.Tensor, x_div: int,
-                 extra: QuantizedTensor | None = None) -> torch.Tensor:
-    """Partials [splits, rows, N] fp32 of row r = xp[r // x_div] @ W[ids[r]]^T: one indexed GEMV launch. Id E
-    (one past the stacked experts) stands for `extra`."""
+                 extra: QuantizedTensor | None = None, block_n: int | None = None, num_warps: int = 1) -> torch.Tensor:
+    """Partials [splits, rows, N] fp32 of row r = xp[r // x_div] @ W[ids[r]]^T: one indexed GEMV launch, right
+    after the launch that prepared xp (so the ids are ready before it: the GEMV may prefetch). Id E (one past
+    the stacked experts) stands for `extra`."""
     rows = ids.numel()
     N, K = qt.out_features, qt.in_features
-    block_n = tq.gemv_block_n(N, rows, xp.device)
+    block_n = block_n or tq.gemv_block_n(N, rows, xp.device)
     # K is split only when the rows and N-blocks alone leave multiprocessors idle
-    split_k = tq.gemv_split_k(N, K, qt.bits, rows, block_n, device=xp.device)
-    used = tq.gemv_used_splits(K, qt.bits, split_k)[0]
+    split_k = tq.gemv_split_k(N, K, qt.bits, rows, block_n, num_warps, device=xp.device)
+    used = tq.gemv_used_splits(K, qt.bits, split_k, num_warps)[0]
     out = torch.empty((used, rows, N), dtype=torch.float32, device=xp.device)
     tq.gemv_launch(xp, qt.weight.view(torch.int32), qt.scales, qt.biases, out, ids, rows, N, K, qt.bits,
-                   qt.group_size, split_k, x_div=x_div, block_n=block_n,
+                   qt.group_size, split_k, x_div=x_div, block_n=block_n, num_warps=num_warps, ids_ready=True,
                    extra=None if extra is None else (extra.weight.view(torch.int32), extra.scales, extra.biases))
     return out
 
@@ -294,9 +297,11 @@ def moe_prefill(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_
 
 @triton.jit
 def _combine_kernel(y_ptr, w_ptr, shared_ptr, gate_ptr, out_ptr, H, S, stride_ys, stride_ym, stride_sh, stride_g,
-                    TOP_K: tl.constexpr, KP: tl.constexpr, BLOCK_H: tl.constexpr, HAS_SHARED: tl.constexpr):
+                    TOP_K: tl.constexpr, KP: tl.constexpr, BLOCK_H: tl.constexpr, HAS_SHARED: tl.constexpr,
+                    PDL: tl.constexpr):
     """Program (token, column block): the token's TOP_K expert rows are loaded as one [KP, BLOCK_H] tile (one
     memory round trip, not TOP_K dependent ones: decode has only a few such programs)."""
+    tq._pdl_start(PDL)
     t = tl.program_id(0)
     offs = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     ok = offs < H
@@ -334,7 +339,7 @@ def combine(y: torch.Tensor, weights: torch.Tensor, dtype: torch.dtype, shared_o
     _combine_kernel[(T, triton.cdiv(H, block_h))](
         y, weights, shared_out if has_shared else y, gate, out, H, y.shape[0], y.stride(0), y.stride(1),
         shared_out.stride(0) if has_shared else 0, gate.stride(0), TOP_K=k, KP=triton.next_power_of_2(k),
-        BLOCK_H=block_h, HAS_SHARED=has_shared, num_warps=4)
+        BLOCK_H=block_h, HAS_SHARED=has_shared, PDL=tq.pdl(y.device), launch_pdl=tq.pdl(y.device), num_warps=4)
     return out
 
 

@@ -31,6 +31,26 @@ SUPPORTED_GROUPS = (32, 64, 128)
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 X_INT_MAX = 32767  # x is rounded to int16 per group: x ~= xq * amax / X_INT_MAX
 _X_INT_MAX = tl.constexpr(X_INT_MAX)
+USE_PDL = True  # programmatic dependent launch on sm_90+ (see `_pdl_start`); off: every launch waits in full
+
+
+@triton.jit
+def _pdl_start(PDL: tl.constexpr):
+    """Programmatic dependent launch (Hopper+): a kernel launched with `launch_pdl` may start while the previous
+    one still runs. It must not touch that kernel's outputs, nor write anything, before this wait; the wait also
+    lets the next launch start (its programs then wait here in turn). So before its own wait a kernel may read
+    what was written two launches back or earlier: the previous kernel had passed its wait, so those are done."""
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+
+
+@triton.jit
+def _prefetch_l2(ptrs, PDL: tl.constexpr):
+    """Ask L2 for the lines at `ptrs` without waiting (nothing is read into registers)."""
+    if PDL:
+        tl.inline_asm_elementwise("prefetch.global.L2 [$1]; // $0", "=r,l", [ptrs], dtype=tl.int32, is_pure=False,
+                                  pack=1)
 
 
 @triton.jit
@@ -50,7 +70,7 @@ def _load_x(x_row, offs, mask, K, S, stride_xs, SWIGLU: tl.constexpr):
 
 @triton.jit
 def _prep_x_kernel(x_ptr, xp_ptr, K, S, stride_xs, stride_xm, stride_pm, BITS: tl.constexpr, GS: tl.constexpr,
-                   GB: tl.constexpr, SWIGLU: tl.constexpr):
+                   GB: tl.constexpr, SWIGLU: tl.constexpr, PDL: tl.constexpr):
     """xp[m] (int32) = [EPW/2 planes of KW int16 pairs | K/GS x scales (fp32 bits) | K/GS group sums (fp32 bits)].
     Plane 2i+h pairs, for word w, the elements whose codes `dp2a` meets in the low (h=0) or high (h=1) bytes of
     (word >> i*BITS) & byte-mask: x[w*EPW + i + 2hD] (low half) and x[w*EPW + i + (2h+1)D] (high), D = 8/BITS."""
@@ -59,6 +79,7 @@ def _prep_x_kernel(x_ptr, xp_ptr, K, S, stride_xs, stride_xm, stride_pm, BITS: t
     WPG: tl.constexpr = GS // EPW
     KW = K // EPW
     NG = K // GS
+    _pdl_start(PDL)
     m = tl.program_id(0)
     offs_g = tl.program_id(1) * GB + tl.arange(0, GB)
     g_ok = offs_g < NG
@@ -101,14 +122,16 @@ def _gemv_kernel(xp_ptr, w_ptr, s_ptr, b_ptr, y_ptr, ids_ptr, wx_ptr, sx_ptr, bx
                  n_experts, stride_pm, stride_we, stride_wn, stride_se, stride_sn, stride_ys, stride_ym,
                  BITS: tl.constexpr, GS: tl.constexpr, BLOCK_N: tl.constexpr, KB: tl.constexpr,
                  EVEN_N: tl.constexpr, EVEN_K: tl.constexpr, INDEXED: tl.constexpr, EXTRA: tl.constexpr,
-                 ASM: tl.constexpr):
+                 ASM: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr):
     """y[split, row, n] = sum over this split's words of x[row] . W[n]. Program (n-block, split, row); each step
     reads a [BLOCK_N, KB words] tile of W.
     Layout: KB = 128 words per warp, so the threads lie along K (4 words, one 16-byte load, each) and every
     thread holds all BLOCK_N rows of its columns: x is loaded once per step and reused BLOCK_N times from
     registers. (x traffic through L1 is what capped earlier layouts at ~55% of the memory bandwidth.)
     INDEXED: W, scales and biases are stacked over experts and row r uses expert ids[r] and x row r // x_div;
-    with EXTRA, id n_experts means one more expert stored apart (wx, sx, bx: the shared expert, same shape)."""
+    with EXTRA, id n_experts means one more expert stored apart (wx, sx, bx: the shared expert, same shape).
+    PREFETCH (with PDL): the ids and weights were written two launches back or earlier (x was prepared by the
+    launch just before), so the first step's weights are asked of L2 while the previous kernel still runs."""
     EPW: tl.constexpr = 32 // BITS
     D: tl.constexpr = 8 // BITS
     WPG: tl.constexpr = GS // EPW
@@ -118,6 +141,8 @@ def _gemv_kernel(xp_ptr, w_ptr, s_ptr, b_ptr, y_ptr, ids_ptr, wx_ptr, sx_ptr, bx
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     row = tl.program_id(2)
+    if not PREFETCH:
+        _pdl_start(PDL)
     if INDEXED:
         e = tl.load(ids_ptr + row).to(tl.int64)
         w_ptr += e * stride_we
@@ -142,6 +167,13 @@ def _gemv_kernel(xp_ptr, w_ptr, s_ptr, b_ptr, y_ptr, ids_ptr, wx_ptr, sx_ptr, bx
     b_rows = b_ptr + rows[:, None] * stride_sn
     w_start = pid_k * w_per_split
     w_end = tl.minimum(w_start + w_per_split, KW)
+    if PREFETCH:
+        kk = tl.minimum(w_start + offs_k, w_end - 1)
+        grp = tl.minimum(w_start // WPG + offs_g, w_end // WPG - 1)
+        _prefetch_l2(w_rows + kk[None, :], PDL)
+        _prefetch_l2(s_rows + grp[None, :], PDL)
+        _prefetch_l2(b_rows + grp[None, :], PDL)
+        _pdl_start(PDL)
     acc = tl.zeros((BLOCK_N, G, WPG // V), dtype=tl.float32)
     accb = tl.zeros((BLOCK_N, G), dtype=tl.float32)
     for w0 in range(w_start, w_end, KB):
@@ -312,6 +344,17 @@ def _num_sms(device) -> int:
     return _sm_count(torch.device(device).index or 0)  # cached: this runs on every decode matmul
 
 
+@functools.lru_cache(maxsize=None)
+def _capability(index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index)
+
+
+def pdl(device) -> bool:
+    """Launch with programmatic dependent launch (`_pdl_start`): Hopper or newer, not the interpreter."""
+    device = torch.device(device)
+    return USE_PDL and not INTERPRET and device.type == "cuda" and _capability(device.index or 0)[0] >= 9
+
+
 def prep_x(x: torch.Tensor, bits: int, group_size: int, swiglu: bool = False) -> torch.Tensor:
     """x [M, K] -> the GEMV's prepared activations, int32 [M, K/2 + 2K/GS] (row stride padded to 16): x rounded
     per group to int16 pairs, then the per-group x scales and the exact group sums (fp32 bits). With `swiglu`,
@@ -322,7 +365,7 @@ def prep_x(x: torch.Tensor, bits: int, group_size: int, swiglu: bool = False) ->
     gb = max(1, 2048 // group_size)  # groups per program
     _prep_x_kernel[(M, triton.cdiv(K // group_size, gb))](
         x, xp, K, S, x.stride(0) if swiglu else 0, x.stride(-2), stride, BITS=bits, GS=group_size, GB=gb,
-        SWIGLU=swiglu, num_warps=4)
+        SWIGLU=swiglu, PDL=pdl(x.device), launch_pdl=pdl(x.device), num_warps=4)
     return xp
 
 
@@ -346,22 +389,26 @@ def gemv_used_splits(K, bits, split_k, num_warps=1) -> tuple[int, int]:
     return triton.cdiv(kw, w_per_split), w_per_split
 
 
-def gemv_launch(xp, w, s, b, out, ids, rows, N, K, bits, gs, split_k, x_div=1, block_n=4, num_warps=1, extra=None):
-    """Launch `_gemv_kernel` for `rows` output rows: xp from `prep_x`; W [E?, N, KW] int32, scales/biases
-    [E?, N, K/GS]; ids [rows] expert indices (INDEXED) or None; out [split_k', rows, N] (fp32 when split);
-    extra: (W, scales, biases) [N, ...] of the expert that id E stands for (row strides as the stacked ones').
+def gemv_launch(xp, w, s, b, out, ids, rows, N, K, bits, gs, split_k, x_div=1, block_n=4, num_warps=1, extra=None,
+                ids_ready=False):
+    """Launch `_gemv_kernel` for `rows` output rows: xp from `prep_x`, launched just before; W [E?, N, KW] int32,
+    scales/biases [E?, N, K/GS]; ids [rows] expert indices (INDEXED) or None; out [split_k', rows, N] (fp32 when
+    split); extra: (W, scales, biases) [N, ...] of the expert that id E stands for (row strides as the stacked
+    ones'); ids_ready: the ids were written before the launch of xp (so may be read before the dependency wait).
     Returns the split count actually used (<= split_k: every split covers whole steps)."""
     kw = K // (32 // bits)
     kb = gemv_step_words(K, bits, num_warps)
     used, w_per_split = gemv_used_splits(K, bits, split_k, num_warps)
     indexed = ids is not None
     wx, sx, bx = extra if extra is not None else (w, s, b)
+    use_pdl = pdl(xp.device)
     _gemv_kernel[(triton.cdiv(N, block_n), used, rows)](
         xp, w, s, b, out, ids if indexed else xp, wx, sx, bx, N, kw, w_per_split, x_div,
         w.shape[0] if indexed else 0, xp.stride(0), w.stride(0) if indexed else 0, w.stride(-2),
         s.stride(0) if indexed else 0, s.stride(-2), out.stride(0), out.stride(1), BITS=bits, GS=gs,
         BLOCK_N=block_n, KB=kb, EVEN_N=N % block_n == 0, EVEN_K=kw % kb == 0 and w_per_split % kb == 0,
-        INDEXED=indexed, EXTRA=extra is not None, ASM=not INTERPRET, num_warps=num_warps, num_stages=1)
+        INDEXED=indexed, EXTRA=extra is not None, ASM=not INTERPRET, PDL=use_pdl,
+        PREFETCH=use_pdl and (not indexed or ids_ready), launch_pdl=use_pdl, num_warps=num_warps, num_stages=1)
     return used
 
 
