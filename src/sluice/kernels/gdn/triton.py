@@ -1,0 +1,464 @@
+"""Triton kernels of the gated delta rule (Gated DeltaNet), checked against `reference.py`.
+
+`fused_recurrent_gated_delta_rule` (decode, and a few tokens): one program per (sequence, value head, block of BV
+value columns) holds its [K, BV] slice of the fp32 state in registers and walks the tokens:
+
+    g = -exp(A_log) * softplus(a + dt_bias),  beta = sigmoid(b)     (the gates, from the raw projections)
+    q, k = l2norm(q), l2norm(k);  q *= scale
+    S *= exp(g);  v' = beta * (v - S^T k);  S += k v'^T;  o = S^T q
+
+The state lives in the cache ([slots, Hv, K, V], fp32) and is updated in place; sequence i uses slot
+state_indices[i] (a negative index skips the sequence: a padded batch entry). Value head h reads key head
+h // (Hv / Hk) straight from q and k: nothing is repeated in memory. Every program recomputes the l2 norms of its
+q and k rows (K elements: cheaper than a launch), so a decode step is one launch whatever the batch.
+
+`chunk_gated_delta_rule` (prefill): the chunk-parallel WY form of `reference.chunk_gated_delta_rule`, chunks of
+C = 64 tokens, in three launches:
+1. `_chunk_prep_kernel`, program (chunk, value head): the gates, G = the in-chunk cumsum of g, the four 16-row
+   blocks of A = beta_i (k_i . k_j) exp(G_i - G_j) (i > j), (I + A)^-1 applied blockwise (forward substitution on
+   the 16x16 diagonal blocks, block products below), giving u = (I + A)^-1 (beta v) and
+   w = (I + A)^-1 (beta exp(G) k);
+2. `_chunk_state_kernel`, program (value block, value head, sequence): walks the sequence's chunks with the state
+   in registers, v_new = u - w S, S = exp(G_last) S + (k exp(G_last - G))^T v_new, saving S at each chunk start;
+3. `_chunk_out_kernel`, program (value block, chunk, value head): o = (q exp(G)) S + tril((q k^T) exp(G_i - G_j))
+   v_new, chunks independent.
+Exponents are always differences of cumsums that are <= 0 where used; rows past a sequence's end are masked to
+zero before any product (so exp of garbage can never make 0 * inf). Several sequences packed in one call
+(cu_seqlens) never share a chunk.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+MAX_HEAD_DIM = 256
+
+
+@triton.jit
+def _softplus(x):
+    """torch.nn.functional.softplus (beta 1, threshold 20)."""
+    return tl.where(x > 20.0, x, tl.log(1.0 + tl.exp(tl.minimum(x, 20.0))))
+
+
+@triton.jit
+def _recurrent_kernel(q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, alog_ptr, dtb_ptr, s_ptr, idx_ptr, o_ptr, T, scale,
+                      stride_qb, stride_qt, stride_qh, stride_kb, stride_kt, stride_kh,
+                      stride_vb, stride_vt, stride_vh, stride_ab, stride_at, stride_bb, stride_bt,
+                      stride_ss, stride_sh, stride_ob, stride_ot, stride_oh,
+                      RATIO: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+                      RAW_GATES: tl.constexpr, L2NORM: tl.constexpr, HAS_IDX: tl.constexpr):
+    """Program (value block, value head, sequence). RAW_GATES: a, b are the raw projections and the gates are
+    computed here; otherwise a is g (log decay) and b is beta."""
+    pid_v = tl.program_id(0)
+    h = tl.program_id(1)
+    n = tl.program_id(2)
+    slot = n
+    if HAS_IDX:
+        slot = tl.load(idx_ptr + n)
+    if slot >= 0:
+        offs_k = tl.arange(0, BK)
+        offs_v = pid_v * BV + tl.arange(0, BV)
+        k_ok, v_ok = offs_k < K, offs_v < V
+        kh = h // RATIO
+        s_tile = (s_ptr + slot.to(tl.int64) * stride_ss + h * stride_sh + offs_k[:, None] * V + offs_v[None, :])
+        s_mask = k_ok[:, None] & v_ok[None, :]
+        S = tl.load(s_tile, mask=s_mask, other=0.0)
+        if RAW_GATES:
+            neg_a = -tl.exp(tl.load(alog_ptr + h).to(tl.float32))
+            dt_bias = tl.load(dtb_ptr + h).to(tl.float32)
+        q_row = q_ptr + n.to(tl.int64) * stride_qb + kh * stride_qh
+        k_row = k_ptr + n.to(tl.int64) * stride_kb + kh * stride_kh
+        v_row = v_ptr + n.to(tl.int64) * stride_vb + h * stride_vh
+        o_row = o_ptr + n.to(tl.int64) * stride_ob + h * stride_oh
+        a_row = a_ptr + n.to(tl.int64) * stride_ab + h
+        b_row = b_ptr + n.to(tl.int64) * stride_bb + h
+        for t in range(T):
+            q = tl.load(q_row + t * stride_qt + offs_k, mask=k_ok, other=0.0).to(tl.float32)
+            k = tl.load(k_row + t * stride_kt + offs_k, mask=k_ok, other=0.0).to(tl.float32)
+            v = tl.load(v_row + t * stride_vt + offs_v, mask=v_ok, other=0.0).to(tl.float32)
+            a = tl.load(a_row + t * stride_at).to(tl.float32)
+            b = tl.load(b_row + t * stride_bt).to(tl.float32)
+            if RAW_GATES:
+                g = neg_a * _softplus(a + dt_bias)
+                beta = tl.sigmoid(b)
+            else:
+                g = a
+                beta = b
+            if L2NORM:
+                q = q * tl.rsqrt(tl.sum(q * q, axis=0) + 1e-6)
+                k = k * tl.rsqrt(tl.sum(k * k, axis=0) + 1e-6)
+            q = q * scale
+            S = S * tl.exp(g)
+            delta = (v - tl.sum(S * k[:, None], axis=0)) * beta
+            S = S + k[:, None] * delta[None, :]
+            o = tl.sum(S * q[:, None], axis=0)
+            tl.store(o_row + t * stride_ot + offs_v, o.to(o_ptr.dtype.element_ty), mask=v_ok)
+        tl.store(s_tile, S, mask=s_mask)
+
+
+# ---------------------------------------------------------------------------------------------------- prefill
+
+CHUNK = 64  # tokens per chunk; four 16-row blocks in the solve
+
+
+@triton.jit
+def _gates(a_ptr, b_ptr, alog_ptr, dtb_ptr, h, rows, ok, stride_at, stride_bt, RAW_GATES: tl.constexpr):
+    """(g, beta) of `rows` for value head h, zero on rows past the end (they then change nothing)."""
+    a = tl.load(a_ptr + rows * stride_at + h, mask=ok, other=0.0).to(tl.float32)
+    b = tl.load(b_ptr + rows * stride_bt + h, mask=ok, other=0.0).to(tl.float32)
+    if RAW_GATES:
+        g = -tl.exp(tl.load(alog_ptr + h).to(tl.float32)) * _softplus(a + tl.load(dtb_ptr + h).to(tl.float32))
+        beta = tl.sigmoid(b)
+    else:
+        g = a
+        beta = b
+    return tl.where(ok, g, 0.0), tl.where(ok, beta, 0.0)
+
+
+@triton.jit
+def _load_qk(ptr, rows, ok, head, stride_t, stride_h, offs_k, k_ok, L2NORM: tl.constexpr):
+    """[rows, BK] fp32 rows of q or k of one head, l2-normalised; zero rows past the end."""
+    x = tl.load(ptr + rows[:, None].to(tl.int64) * stride_t + head * stride_h + offs_k[None, :],
+                mask=ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
+    if L2NORM:
+        x = x * tl.rsqrt(tl.sum(x * x, axis=1) + 1e-6)[:, None]
+    return x
+
+
+@triton.jit
+def _a_block(ki, kj, Gi, Gj, beta_i, DIAG: tl.constexpr, PREC: tl.constexpr):
+    """A[i, j] = beta_i (k_i . k_j) exp(G_i - G_j) on a 16x16 block (strictly lower part on the diagonal)."""
+    r = tl.arange(0, 16)
+    diff = Gi[:, None] - Gj[None, :]
+    if DIAG:
+        diff = tl.where(r[:, None] > r[None, :], diff, -float("inf"))  # masked before exp: no overflow above
+    return beta_i[:, None] * tl.dot(ki, tl.trans(kj), input_precision=PREC) * tl.exp(diff)
+
+
+@triton.jit
+def _unit_lower_inverse(A):
+    """(I + A)^-1 for a strictly lower 16x16 A, by forward substitution: row i = e_i - sum_j A[i, j] row j."""
+    r = tl.arange(0, 16)
+    inv = tl.where(r[:, None] == r[None, :], 1.0, 0.0)
+    for i in tl.static_range(1, 16):
+        a_i = tl.sum(tl.where(r[:, None] == i, A, 0.0), axis=0)  # row i of A, indexed by column j
+        row = (r == i).to(tl.float32) - tl.sum(a_i[:, None] * inv, axis=0)
+        inv = tl.where(r[:, None] == i, row[None, :], inv)
+    return inv
+
+
+@triton.jit
+def _block_solve(T00, T11, T22, T33, A10, A20, A21, A30, A31, A32, x0, x1, x2, x3, PREC: tl.constexpr):
+    """(I + A)^-1 x for the block lower-triangular I + A of four 16-row blocks (T_ii = (I + A_ii)^-1)."""
+    y0 = tl.dot(T00, x0, input_precision=PREC)
+    y1 = tl.dot(T11, x1 - tl.dot(A10, y0, input_precision=PREC), input_precision=PREC)
+    y2 = tl.dot(T22, x2 - tl.dot(A20, y0, input_precision=PREC) - tl.dot(A21, y1, input_precision=PREC),
+                input_precision=PREC)
+    y3 = tl.dot(T33, x3 - tl.dot(A30, y0, input_precision=PREC) - tl.dot(A31, y1, input_precision=PREC)
+                - tl.dot(A32, y2, input_precision=PREC), input_precision=PREC)
+    return y0, y1, y2, y3
+
+
+@triton.jit
+def _store_rows(ptr, rows, ok, head, stride_t, stride_h, offs, offs_ok, x):
+    tl.store(ptr + rows[:, None].to(tl.int64) * stride_t + head * stride_h + offs[None, :],
+             x.to(ptr.dtype.element_ty), mask=ok[:, None] & offs_ok[None, :])
+
+
+@triton.jit
+def _chunk_prep_kernel(k_ptr, v_ptr, a_ptr, b_ptr, alog_ptr, dtb_ptr, cstart_ptr, cend_ptr, w_ptr, u_ptr, G_ptr,
+                       stride_kt, stride_kh, stride_vt, stride_vh, stride_at, stride_bt, stride_wt, stride_wh,
+                       stride_ut, stride_uh, stride_Gt,
+                       RATIO: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+                       RAW_GATES: tl.constexpr, L2NORM: tl.constexpr, PREC: tl.constexpr):
+    """Program (chunk, value head): G (in-chunk cumsum of g), u = (I + A)^-1 (beta v), w = (I + A)^-1 (beta exp(G) k)."""
+    c = tl.program_id(0)
+    h = tl.program_id(1)
+    kh = h // RATIO
+    start = tl.load(cstart_ptr + c)
+    end = tl.load(cend_ptr + c)
+    r = tl.arange(0, 16)
+    offs_k, offs_v = tl.arange(0, BK), tl.arange(0, BV)
+    k_ok, v_ok = offs_k < K, offs_v < V
+    rows0, rows1, rows2, rows3 = start + r, start + 16 + r, start + 32 + r, start + 48 + r
+    ok0, ok1, ok2, ok3 = rows0 < end, rows1 < end, rows2 < end, rows3 < end
+    k0 = _load_qk(k_ptr, rows0, ok0, kh, stride_kt, stride_kh, offs_k, k_ok, L2NORM)
+    k1 = _load_qk(k_ptr, rows1, ok1, kh, stride_kt, stride_kh, offs_k, k_ok, L2NORM)
+    k2 = _load_qk(k_ptr, rows2, ok2, kh, stride_kt, stride_kh, offs_k, k_ok, L2NORM)
+    k3 = _load_qk(k_ptr, rows3, ok3, kh, stride_kt, stride_kh, offs_k, k_ok, L2NORM)
+    g0, beta0 = _gates(a_ptr, b_ptr, alog_ptr, dtb_ptr, h, rows0, ok0, stride_at, stride_bt, RAW_GATES)
+    g1, beta1 = _gates(a_ptr, b_ptr, alog_ptr, dtb_ptr, h, rows1, ok1, stride_at, stride_bt, RAW_GATES)
+    g2, beta2 = _gates(a_ptr, b_ptr, alog_ptr, dtb_ptr, h, rows2, ok2, stride_at, stride_bt, RAW_GATES)
+    g3, beta3 = _gates(a_ptr, b_ptr, alog_ptr, dtb_ptr, h, rows3, ok3, stride_at, stride_bt, RAW_GATES)
+    G0 = tl.cumsum(g0, axis=0)
+    G1 = tl.cumsum(g1, axis=0) + tl.sum(g0, axis=0)
+    G2 = tl.cumsum(g2, axis=0) + (tl.sum(g0, axis=0) + tl.sum(g1, axis=0))
+    G3 = tl.cumsum(g3, axis=0) + (tl.sum(g0, axis=0) + tl.sum(g1, axis=0) + tl.sum(g2, axis=0))
+    tl.store(G_ptr + rows0 * stride_Gt + h, G0, mask=ok0)
+    tl.store(G_ptr + rows1 * stride_Gt + h, G1, mask=ok1)
+    tl.store(G_ptr + rows2 * stride_Gt + h, G2, mask=ok2)
+    tl.store(G_ptr + rows3 * stride_Gt + h, G3, mask=ok3)
+    T00 = _unit_lower_inverse(_a_block(k0, k0, G0, G0, beta0, True, PREC))
+    T11 = _unit_lower_inverse(_a_block(k1, k1, G1, G1, beta1, True, PREC))
+    T22 = _unit_lower_inverse(_a_block(k2, k2, G2, G2, beta2, True, PREC))
+    T33 = _unit_lower_inverse(_a_block(k3, k3, G3, G3, beta3, True, PREC))
+    A10 = _a_block(k1, k0, G1, G0, beta1, False, PREC)
+    A20 = _a_block(k2, k0, G2, G0, beta2, False, PREC)
+    A21 = _a_block(k2, k1, G2, G1, beta2, False, PREC)
+    A30 = _a_block(k3, k0, G3, G0, beta3, False, PREC)
+    A31 = _a_block(k3, k1, G3, G1, beta3, False, PREC)
+    A32 = _a_block(k3, k2, G3, G2, beta3, False, PREC)
+    v0 = tl.load(v_ptr + rows0[:, None].to(tl.int64) * stride_vt + h * stride_vh + offs_v[None, :],
+                 mask=ok0[:, None] & v_ok[None, :], other=0.0).to(tl.float32)
+    v1 = tl.load(v_ptr + rows1[:, None].to(tl.int64) * stride_vt + h * stride_vh + offs_v[None, :],
+                 mask=ok1[:, None] & v_ok[None, :], other=0.0).to(tl.float32)
+    v2 = tl.load(v_ptr + rows2[:, None].to(tl.int64) * stride_vt + h * stride_vh + offs_v[None, :],
+                 mask=ok2[:, None] & v_ok[None, :], other=0.0).to(tl.float32)
+    v3 = tl.load(v_ptr + rows3[:, None].to(tl.int64) * stride_vt + h * stride_vh + offs_v[None, :],
+                 mask=ok3[:, None] & v_ok[None, :], other=0.0).to(tl.float32)
+    u0, u1, u2, u3 = _block_solve(T00, T11, T22, T33, A10, A20, A21, A30, A31, A32, beta0[:, None] * v0,
+                                  beta1[:, None] * v1, beta2[:, None] * v2, beta3[:, None] * v3, PREC)
+    _store_rows(u_ptr, rows0, ok0, h, stride_ut, stride_uh, offs_v, v_ok, u0)
+    _store_rows(u_ptr, rows1, ok1, h, stride_ut, stride_uh, offs_v, v_ok, u1)
+    _store_rows(u_ptr, rows2, ok2, h, stride_ut, stride_uh, offs_v, v_ok, u2)
+    _store_rows(u_ptr, rows3, ok3, h, stride_ut, stride_uh, offs_v, v_ok, u3)
+    w0, w1, w2, w3 = _block_solve(T00, T11, T22, T33, A10, A20, A21, A30, A31, A32,
+                                  (beta0 * tl.exp(G0))[:, None] * k0, (beta1 * tl.exp(G1))[:, None] * k1,
+                                  (beta2 * tl.exp(G2))[:, None] * k2, (beta3 * tl.exp(G3))[:, None] * k3, PREC)
+    _store_rows(w_ptr, rows0, ok0, h, stride_wt, stride_wh, offs_k, k_ok, w0)
+    _store_rows(w_ptr, rows1, ok1, h, stride_wt, stride_wh, offs_k, k_ok, w1)
+    _store_rows(w_ptr, rows2, ok2, h, stride_wt, stride_wh, offs_k, k_ok, w2)
+    _store_rows(w_ptr, rows3, ok3, h, stride_wt, stride_wh, offs_k, k_ok, w3)
+
+
+@triton.jit
+def _chunk_state_kernel(k_ptr, w_ptr, u_ptr, G_ptr, s_ptr, idx_ptr, cu_ptr, first_ptr, hs_ptr, vn_ptr,
+                        stride_kt, stride_kh, stride_wt, stride_wh, stride_ut, stride_uh, stride_Gt,
+                        stride_ss, stride_sh, stride_hc, stride_hh, stride_vnt, stride_vnh,
+                        RATIO: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr,
+                        BV: tl.constexpr, C: tl.constexpr, L2NORM: tl.constexpr, HAS_IDX: tl.constexpr,
+                        PREC: tl.constexpr):
+    """Program (value block, value head, sequence): the state through the sequence's chunks, saved (in the
+    intermediates' dtype) at each chunk's start; v_new = u - w S of every chunk; the final state in place."""
+    pid_v = tl.program_id(0)
+    h = tl.program_id(1)
+    n = tl.program_id(2)
+    slot = n
+    if HAS_IDX:
+        slot = tl.load(idx_ptr + n)
+    if slot >= 0:
+        kh = h // RATIO
+        bos = tl.load(cu_ptr + n)
+        eos = tl.load(cu_ptr + n + 1)
+        first = tl.load(first_ptr + n)
+        offs_k = tl.arange(0, BK)
+        offs_v = pid_v * BV + tl.arange(0, BV)
+        k_ok, v_ok = offs_k < K, offs_v < V
+        s_tile = s_ptr + slot.to(tl.int64) * stride_ss + h * stride_sh + offs_k[:, None] * V + offs_v[None, :]
+        s_mask = k_ok[:, None] & v_ok[None, :]
+        S = tl.load(s_tile, mask=s_mask, other=0.0)
+        offs_c = tl.arange(0, C)
+        for j in range(tl.cdiv(eos - bos, C)):
+            hs = hs_ptr + (first + j).to(tl.int64) * stride_hc + h * stride_hh
+            tl.store(hs + offs_k[:, None] * V + offs_v[None, :], S.to(hs_ptr.dtype.element_ty), mask=s_mask)
+            rows = bos + j * C + offs_c
+            ok = rows < eos
+            w = tl.load(w_ptr + rows[:, None].to(tl.int64) * stride_wt + h * stride_wh + offs_k[None, :],
+                        mask=ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
+            u = tl.load(u_ptr + rows[:, None].to(tl.int64) * stride_ut + h * stride_uh + offs_v[None, :],
+                        mask=ok[:, None] & v_ok[None, :], other=0.0).to(tl.float32)
+            v_new = u - tl.dot(w, S, input_precision=PREC)
+            _store_rows(vn_ptr, rows, ok, h, stride_vnt, stride_vnh, offs_v, v_ok, v_new)
+            last = tl.minimum(bos + j * C + C, eos) - 1
+            G_last = tl.load(G_ptr + last * stride_Gt + h)
+            G = tl.load(G_ptr + rows * stride_Gt + h, mask=ok, other=0.0)
+            k = _load_qk(k_ptr, rows, ok, kh, stride_kt, stride_kh, offs_k, k_ok, L2NORM)
+            k = k * tl.where(ok, tl.exp(G_last - G), 0.0)[:, None]
+            S = S * tl.exp(G_last) + tl.dot(tl.trans(k), v_new, input_precision=PREC)
+        tl.store(s_tile, S, mask=s_mask)
+
+
+@triton.jit
+def _chunk_out_kernel(q_ptr, k_ptr, G_ptr, hs_ptr, vn_ptr, o_ptr, cstart_ptr, cend_ptr, scale,
+                      stride_qt, stride_qh, stride_kt, stride_kh, stride_Gt, stride_hc, stride_hh,
+                      stride_vnt, stride_vnh, stride_ot, stride_oh,
+                      RATIO: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+                      C: tl.constexpr, L2NORM: tl.constexpr, PREC: tl.constexpr):
+    """Program (value block, chunk, value head): o = (q exp(G)) S + tril_incl((q k^T) exp(G_i - G_j)) v_new."""
+    pid_v = tl.program_id(0)
+    c = tl.program_id(1)
+    h = tl.program_id(2)
+    kh = h // RATIO
+    start = tl.load(cstart_ptr + c)
+    end = tl.load(cend_ptr + c)
+    offs_c = tl.arange(0, C)
+    rows = start + offs_c
+    ok = rows < end
+    offs_k = tl.arange(0, BK)
+    offs_v = pid_v * BV + tl.arange(0, BV)
+    k_ok, v_ok = offs_k < K, offs_v < V
+    q = _load_qk(q_ptr, rows, ok, kh, stride_qt, stride_qh, offs_k, k_ok, L2NORM) * scale
+    k = _load_qk(k_ptr, rows, ok, kh, stride_kt, stride_kh, offs_k, k_ok, L2NORM)
+    G = tl.load(G_ptr + rows * stride_Gt + h, mask=ok, other=0.0)
+    S = tl.load(hs_ptr + c.to(tl.int64) * stride_hc + h * stride_hh + offs_k[:, None] * V + offs_v[None, :],
+                mask=k_ok[:, None] & v_ok[None, :], other=0.0).to(tl.float32)
+    v_new = tl.load(vn_ptr + rows[:, None].to(tl.int64) * stride_vnt + h * stride_vnh + offs_v[None, :],
+                    mask=ok[:, None] & v_ok[None, :], other=0.0).to(tl.float32)
+    o = tl.dot(q * tl.exp(G)[:, None], S, input_precision=PREC)
+    causal = (offs_c[:, None] >= offs_c[None, :]) & ok[:, None] & ok[None, :]
+    qk = tl.dot(q, tl.trans(k), input_precision=PREC) * tl.exp(tl.where(causal, G[:, None] - G[None, :], -float("inf")))
+    o += tl.dot(qk, v_new, input_precision=PREC)
+    _store_rows(o_ptr, rows, ok, h, stride_ot, stride_oh, offs_v, v_ok, o)
+
+
+def _tokens(x: torch.Tensor) -> torch.Tensor:
+    """[B, T, ...] -> [B*T, ...] (a view when the batch is laid out like time, as in a projection's output)."""
+    return x.reshape(x.shape[0] * x.shape[1], *x.shape[2:])
+
+
+def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
+                           state: torch.Tensor, A_log: torch.Tensor | None = None,
+                           dt_bias: torch.Tensor | None = None, state_indices: torch.Tensor | None = None,
+                           cu_seqlens=None, scale: float | None = None, use_qk_l2norm: bool = True,
+                           block_v: int | None = None) -> torch.Tensor:
+    """Prefill: the chunk-parallel form, same arguments and result as `fused_recurrent_gated_delta_rule` (the
+    state updated in place), plus `cu_seqlens` ([N + 1] offsets, host list or tensor; then B must be 1 and the
+    T tokens hold N sequences back to back, sequence i using state slot state_indices[i] or i)."""
+    B, T, Hk, K = q.shape
+    Hv, V = v.shape[-2:]
+    raw = A_log is not None
+    if cu_seqlens is not None:
+        cu = [int(c) for c in (cu_seqlens.tolist() if torch.is_tensor(cu_seqlens) else cu_seqlens)]
+        if B != 1 or len(cu) < 2 or cu[0] != 0 or cu[-1] != T or any(x > y for x, y in zip(cu, cu[1:])):
+            raise ValueError(f"gated delta rule: cu_seqlens must rise from 0 to T = {T} with B = 1, got B = {B}, "
+                             f"{cu[:4]}...{cu[-2:]}")
+    else:
+        cu = [i * T for i in range(B + 1)]
+    N = len(cu) - 1
+    _check(q, k, v, a, b, state, A_log, dt_bias, state_indices, sequences=N)
+    o = torch.empty((B, T, Hv, V), dtype=v.dtype, device=v.device)
+    if B * T == 0:
+        return o
+    C = CHUNK
+    starts = [s for i in range(N) for s in range(cu[i], cu[i + 1], C)]
+    ends = [min(s + C, cu[i + 1]) for i in range(N) for s in range(cu[i], cu[i + 1], C)]
+    first = [0]
+    for i in range(N):
+        first.append(first[-1] + -(-(cu[i + 1] - cu[i]) // C))
+    dev = v.device
+    table = torch.tensor([starts, ends], dtype=torch.int32).to(dev, non_blocking=True)
+    cu_t = torch.tensor(cu, dtype=torch.int32).to(dev, non_blocking=True)
+    first_t = torch.tensor(first, dtype=torch.int32).to(dev, non_blocking=True)
+    n_chunks = len(starts)
+    q2, k2, v2, a2, b2, o2 = (_tokens(x) for x in (q, k, v, a, b, o))
+    inter = torch.float32 if v.dtype == torch.float32 else v.dtype  # w, u, v_new and the chunk states, as FLA
+    w = torch.empty((B * T, Hv, K), dtype=inter, device=dev)
+    u = torch.empty((B * T, Hv, V), dtype=inter, device=dev)
+    v_new = torch.empty((B * T, Hv, V), dtype=inter, device=dev)
+    G = torch.empty((B * T, Hv), dtype=torch.float32, device=dev)
+    states = torch.empty((n_chunks, Hv, K, V), dtype=inter, device=dev)
+    BK, BVall = triton.next_power_of_2(K), triton.next_power_of_2(V)
+    prec = "ieee" if v.dtype == torch.float32 else "tf32"
+    warps = 8 if max(BK, BVall) > 128 else 4
+    _chunk_prep_kernel[(n_chunks, Hv)](
+        k2, v2, a2, b2, A_log if raw else a2, dt_bias if raw else a2, table[0], table[1], w, u, G,
+        k2.stride(0), k2.stride(1), v2.stride(0), v2.stride(1), a2.stride(0), b2.stride(0), w.stride(0),
+        w.stride(1), u.stride(0), u.stride(1), G.stride(0),
+        RATIO=Hv // Hk, K=K, V=V, BK=BK, BV=BVall, RAW_GATES=raw, L2NORM=use_qk_l2norm, PREC=prec, num_warps=warps)
+    bv = block_v or _value_block(V, N * Hv, dev)
+    idx = state_indices if state_indices is not None else cu_t
+    _chunk_state_kernel[(triton.cdiv(V, bv), Hv, N)](
+        k2, w, u, G, state, idx, cu_t, first_t, states, v_new,
+        k2.stride(0), k2.stride(1), w.stride(0), w.stride(1), u.stride(0), u.stride(1), G.stride(0),
+        state.stride(0), state.stride(1), states.stride(0), states.stride(1), v_new.stride(0), v_new.stride(1),
+        RATIO=Hv // Hk, K=K, V=V, BK=BK, BV=bv, C=C, L2NORM=use_qk_l2norm, HAS_IDX=state_indices is not None,
+        PREC=prec, num_warps=warps)
+    bvo = min(64, BVall)
+    _chunk_out_kernel[(triton.cdiv(V, bvo), n_chunks, Hv)](
+        q2, k2, G, states, v_new, o2, table[0], table[1], K ** -0.5 if scale is None else scale,
+        q2.stride(0), q2.stride(1), k2.stride(0), k2.stride(1), G.stride(0), states.stride(0), states.stride(1),
+        v_new.stride(0), v_new.stride(1), o2.stride(0), o2.stride(1),
+        RATIO=Hv // Hk, K=K, V=V, BK=BK, BV=bvo, C=C, L2NORM=use_qk_l2norm, PREC=prec, num_warps=warps)
+    return o
+
+
+def _value_block(V: int, programs_per_block: int, device) -> int:
+    """Value columns per program: 32, or fewer when that leaves most multiprocessors idle (decode at batch 1)."""
+    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
+    bv = min(32, triton.next_power_of_2(V))
+    while bv > 8 and programs_per_block * triton.cdiv(V, bv) < 2 * sms:
+        bv //= 2
+    return bv
+
+
+def fused_recurrent_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tensor,
+                                     b: torch.Tensor, state: torch.Tensor, A_log: torch.Tensor | None = None,
+                                     dt_bias: torch.Tensor | None = None, state_indices: torch.Tensor | None = None,
+                                     scale: float | None = None, use_qk_l2norm: bool = True,
+                                     block_v: int | None = None) -> torch.Tensor:
+    """Run T tokens of B sequences through the recurrence, the state updated in place; returns o [B, T, Hv, V]
+    in v's dtype.
+
+    q, k [B, T, Hk, K]; v [B, T, Hv, V] (any strides with a unit last one: views into the projection output);
+    with A_log and dt_bias [Hv]: a, b [B, T, Hv] are the raw gate projections (g = -exp(A_log) softplus(a +
+    dt_bias), beta = sigmoid(b)); without them a is g (log decay, <= 0) and b is beta. state: fp32 [slots, Hv, K,
+    V], sequence i using slot state_indices[i] (default i; negative: skipped, its output left unwritten)."""
+    B, T, Hk, K = q.shape
+    Hv, V = v.shape[-2:]
+    raw = A_log is not None
+    _check(q, k, v, a, b, state, A_log, dt_bias, state_indices)
+    o = torch.empty((B, T, Hv, V), dtype=v.dtype, device=v.device)
+    if B == 0 or T == 0:
+        return o
+    bv = block_v or _value_block(V, B * Hv, v.device)
+    idx = state_indices if state_indices is not None else q  # a placeholder pointer when unused
+    _recurrent_kernel[(triton.cdiv(V, bv), Hv, B)](
+        q, k, v, a, b, A_log if raw else a, dt_bias if raw else a, state, idx, o, T,
+        K ** -0.5 if scale is None else scale,
+        q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+        v.stride(0), v.stride(1), v.stride(2), a.stride(0), a.stride(1), b.stride(0), b.stride(1),
+        state.stride(0), state.stride(1), o.stride(0), o.stride(1), o.stride(2),
+        RATIO=Hv // Hk, K=K, V=V, BK=triton.next_power_of_2(K), BV=bv, RAW_GATES=raw, L2NORM=use_qk_l2norm,
+        HAS_IDX=state_indices is not None, num_warps=4 if bv * triton.next_power_of_2(K) >= 4096 else 2)
+    return o
+
+
+def _check(q, k, v, a, b, state, A_log, dt_bias, state_indices, sequences=None) -> None:
+    """Clear errors before any launch: a wrong state would be silently misread otherwise."""
+    if q.dim() != 4 or k.shape != q.shape or v.dim() != 4 or v.shape[:2] != q.shape[:2]:
+        raise ValueError(f"gated delta rule: q, k must be [B, T, Hk, K] and v [B, T, Hv, V], got q{tuple(q.shape)} "
+                         f"k{tuple(k.shape)} v{tuple(v.shape)}")
+    B, T, Hk, K = q.shape
+    Hv, V = v.shape[-2:]
+    N = B if sequences is None else sequences
+    if Hv % Hk:
+        raise ValueError(f"gated delta rule: {Hv} value heads is not a multiple of {Hk} key heads")
+    if not (1 <= K <= MAX_HEAD_DIM and 1 <= V <= MAX_HEAD_DIM):
+        raise ValueError(f"gated delta rule: head dims up to {MAX_HEAD_DIM} are supported, got K={K}, V={V}")
+    for name, x in (("a", a), ("b", b)):
+        if x.shape != (B, T, Hv) or x.stride(2) != 1:
+            raise ValueError(f"gated delta rule: {name} must be [B, T, Hv] = {(B, T, Hv)} with a unit last stride, "
+                             f"got {tuple(x.shape)}")
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if x.stride(3) != 1 or not x.is_floating_point():
+            raise ValueError(f"gated delta rule: {name} must be a float tensor with a unit last stride")
+    if (A_log is None) != (dt_bias is None):
+        raise ValueError("gated delta rule: pass A_log and dt_bias together (raw gates) or neither (g and beta)")
+    if A_log is not None and (A_log.shape != (Hv,) or dt_bias.shape != (Hv,)):
+        raise ValueError(f"gated delta rule: A_log and dt_bias must be [{Hv}], got {tuple(A_log.shape)} and "
+                         f"{tuple(dt_bias.shape)}")
+    if (state.dtype != torch.float32 or state.dim() != 4 or state.shape[1:] != (Hv, K, V)
+            or state.stride(3) != 1 or state.stride(2) != V):
+        raise ValueError(f"gated delta rule: the state must be a contiguous fp32 [slots, {Hv}, {K}, {V}] tensor, got "
+                         f"{state.dtype} {tuple(state.shape)}")
+    if state_indices is None:
+        if state.shape[0] < N:
+            raise ValueError(f"gated delta rule: {N} sequences but the state has {state.shape[0]} slots")
+    elif state_indices.shape != (N,) or state_indices.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"gated delta rule: state_indices must be int32/int64 [{N}], got {state_indices.dtype} "
+                         f"{tuple(state_indices.shape)}")
+    tensors = [q, k, v, a, b, state] + [x for x in (A_log, dt_bias, state_indices) if x is not None]
+    if any(x.device != v.device for x in tensors):
+        raise ValueError("gated delta rule: all tensors must be on the same device")
