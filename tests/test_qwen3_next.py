@@ -94,6 +94,31 @@ def test_chunked_prefill_and_decode_equal_full_forward(pair, monkeypatch):
     assert rel_err(torch.cat(parts), full) < 1e-5
 
 
+@pytest.mark.parametrize("name", ["next-gva2", "next-gva4-interval3-nonorm", "3.5-moe-gva4"])
+def test_gdn_triton_kernels_in_the_layer(name, tmp_path, monkeypatch):
+    """The GatedDeltaNet layer on the Triton kernels (interpreter on CPU): logits as HF's, and chunked prefill +
+    decode steps (the state updated in place in the cache) equal to the full forward."""
+    pytest.importorskip("triton")
+    if torch.cuda.is_available():
+        pytest.skip("on a GPU the layer takes the kernels by itself: tests/test_gpu_models.py")
+    from sluice.kernels.gdn import triton as gdn_triton
+    monkeypatch.setattr("sluice.layers.gated_deltanet.gdn_kernels", lambda x, dims: gdn_triton)
+    _, make, over = next(c for c in CASES if c[0] == name)
+    hf = make(seed=len(name), **over)
+    ours = sluice.load(save(hf, tmp_path), device="cpu")
+    ids = torch.randint(0, 300, (2, 70), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        ref = hf(ids).logits
+    assert rel_err(ours.logits(ids), ref) < 1e-4
+    full = ours.logits(ids[:1])[0]
+    monkeypatch.setattr("sluice.engine.model.PREFILL_CHUNK", 32)
+    cache = ours.new_cache(70)
+    parts = [ours._prefill(ids[:1, :66], cache, last_only=False)[0]]
+    for t in range(66, 70):
+        parts.append(ours._forward(ids[:1, t:t + 1], cache, t, last_only=False)[0])
+    assert rel_err(torch.cat(parts), full) < 1e-5
+
+
 def test_greedy_generation_matches_transformers(pair):
     hf, ours = pair
     prompt = [5, 17, 42, 99, 7, 250]

@@ -1,4 +1,5 @@
-"""Gated DeltaNet (Qwen3-Next / Qwen3.5 linear attention), on the torch references.
+"""Gated DeltaNet (Qwen3-Next / Qwen3.5 linear attention): the Triton kernels of `kernels.gdn` on CUDA (the state
+updated in place in the cache), the torch references elsewhere.
 
 Projections are held in Qwen3.5's separate, non-interleaved order, fused into one matmul:
 rows [q (nk*dk) | k (nk*dk) | v (nv*dv) | z (nv*dv) | b (nv) | a (nv)]. Qwen3-Next's interleaved
@@ -12,9 +13,12 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from sluice.kernels.conv1d.reference import causal_conv1d
+from sluice.kernels.gdn import triton_for as gdn_kernels
 from sluice.kernels.gdn.reference import chunk_gated_delta_rule, recurrent_gated_delta_rule
 from sluice.kernels.norm.reference import gated_rms_norm
 from sluice.layers.linear import Linear
+
+RECURRENT_MAX_TOKENS = 8  # on the GPU, up to this many tokens step through the recurrence; more, the chunked form
 
 
 def qkvz_rows(nk: int, dk: int, nv: int, dv: int) -> torch.Tensor:
@@ -59,13 +63,24 @@ class GatedDeltaNet(nn.Module):
         i = self.state_index
         conv_state = cache.conv[i] if cache is not None else None
         mixed, new_conv = causal_conv1d(mixed, self.conv_weight, conv_state, activation="silu")
+        kernels = gdn_kernels(x, (dk, dv))
+        if kernels is not None:
+            mixed = mixed.contiguous()  # the kernels read rows of q, k and v with unit stride
         q, k, v = mixed.split([kd, kd, vd], dim=-1)
         q, k, v = q.reshape(B, T, nk, dk), k.reshape(B, T, nk, dk), v.reshape(B, T, nv, dv)
-        beta = b.sigmoid()
-        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
         state = cache.recurrent[i] if cache is not None else None
-        rule = recurrent_gated_delta_rule if T == 1 and state is not None else chunk_gated_delta_rule
-        o, new_state = rule(q, k, v, g, beta, initial_state=state, use_qk_l2norm=True)
+        if kernels is not None:  # the state is updated in place, the gates computed in the kernels
+            if state is None:
+                state = torch.zeros(B, nv, dk, dv, dtype=torch.float32, device=x.device)
+            rule = (kernels.fused_recurrent_gated_delta_rule if T <= RECURRENT_MAX_TOKENS
+                    else kernels.chunk_gated_delta_rule)
+            o = rule(q, k, v, a, b, state, self.A_log, self.dt_bias, use_qk_l2norm=True)
+            new_state = state
+        else:
+            beta = b.sigmoid()
+            g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
+            rule = recurrent_gated_delta_rule if T == 1 and state is not None else chunk_gated_delta_rule
+            o, new_state = rule(q, k, v, g, beta, initial_state=state, use_qk_l2norm=True)
         if cache is not None:
             cache.conv[i], cache.recurrent[i] = new_conv, new_state.float()
         o = gated_rms_norm(o.to(x.dtype), z.reshape(B, T, nv, dv), self.norm_weight, self.eps)

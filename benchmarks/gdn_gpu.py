@@ -1,0 +1,208 @@
+"""Gated DeltaNet on the GPU: our Triton kernels vs FLA 0.6.0 (`fla-core`, carried as a wheel), same inputs.
+
+    python benchmarks/gdn_gpu.py [--json out.json]
+
+Qwen3-Next-80B-A3B's linear-attention shape: 16 key heads, 32 value heads, K = V = 128, bf16 inputs, fp32 state.
+- correctness: ours and FLA's against the fp32 torch reference (relative RMS of the output and final state);
+- prefill: T = 4096, 16384, 65536 (one sequence) and 8 x 4096 (packed, cu_seqlens): ours
+  (`chunk_gated_delta_rule`, gates computed from the raw projections in-kernel) vs FLA's `chunk_gated_delta_rule`
+  (handed g and beta precomputed, so FLA does slightly less), CUDA events, median;
+- decode, one token, B = 1 and 32, under CUDA-graph replay with the state rotated over enough copies to leave L2
+  cold: ours (`fused_recurrent_gated_delta_rule`, state updated in place) vs FLA's
+  `fused_recurrent_gated_delta_rule`; floor = state bytes read + written over the measured copy bandwidth;
+- a sweep of our value-block sizes.
+Table printed last.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import traceback
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from qmatmul_gpu import copy_bandwidth, events_time, graph_time, start_run  # noqa: E402
+from sluice.kernels.gdn import reference  # noqa: E402
+from sluice.kernels.gdn import triton as gt  # noqa: E402
+
+try:
+    from fla.ops.gated_delta_rule import chunk_gated_delta_rule as fla_chunk
+    from fla.ops.gated_delta_rule import fused_recurrent_gated_delta_rule as fla_recurrent
+    import fla
+    FLA = getattr(fla, "__version__", "?")
+except Exception as e:  # noqa: BLE001 - the run goes on without the peer
+    print(f"FLA not available: {type(e).__name__}: {e}", flush=True)
+    FLA = None
+
+HK, HV, D = 16, 32, 128
+BF16 = torch.bfloat16
+PREFILL = [("T=4096", [4096]), ("T=16384", [16384]), ("T=65536", [65536]), ("8 x 4096", [4096] * 8)]
+DECODE_B = [1, 32]
+
+
+def make(T, B=1, seed=0):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    r = lambda *s: torch.randn(*s, device="cuda", generator=g)  # noqa: E731
+    x = dict(q=r(B, T, HK, D).to(BF16), k=r(B, T, HK, D).to(BF16), v=r(B, T, HV, D).to(BF16),
+             a=r(B, T, HV).to(BF16), b=r(B, T, HV).to(BF16), A_log=r(HV) * 0.5, dt_bias=r(HV) * 0.5)
+    x["g"] = -x["A_log"].exp() * F.softplus(x["a"].float() + x["dt_bias"])
+    x["beta"] = x["b"].float().sigmoid().to(BF16)
+    return x
+
+
+def rel(a, b):
+    return float((a.double() - b.double()).norm() / b.double().norm())
+
+
+def ours_prefill(x, state, cu=None, block_v=None):
+    return gt.chunk_gated_delta_rule(x["q"], x["k"], x["v"], x["a"], x["b"], state, x["A_log"], x["dt_bias"],
+                                     cu_seqlens=cu, block_v=block_v)
+
+
+def fla_prefill(x, state, cu=None):
+    cu_t = None if cu is None else torch.tensor(cu, dtype=torch.long, device="cuda")
+    return fla_chunk(x["q"], x["k"], x["v"], x["g"], x["beta"], initial_state=state, output_final_state=True,
+                     use_qk_l2norm_in_kernel=True, cu_seqlens=cu_t)
+
+
+def case(res, what, fn):
+    try:
+        fn()
+    except Exception as e:  # noqa: BLE001 - a benchmark run must reach the end
+        msg = f"{what}: {type(e).__name__}: {e}"
+        print(f"ERROR {msg}\n{traceback.format_exc(limit=4)}", flush=True)
+        res["errors"].append(msg)
+
+
+def check(res):
+    for name, lens in (("T=1000", [1000]), ("packed 1+63+64+65+1000", [1, 63, 64, 65, 1000])):
+        T = sum(lens)
+        cu = [0]
+        for n in lens:
+            cu.append(cu[-1] + n)
+        x = make(T, seed=T)
+        state0 = torch.randn(len(lens), HV, D, D, device="cuda") * 0.1
+        row = {"case": name}
+        ref_o, ref_s = [], []
+        for i in range(len(lens)):
+            sl = slice(cu[i], cu[i + 1])
+            o, s = reference.chunk_gated_delta_rule(x["q"][:, sl], x["k"][:, sl], x["v"][:, sl], x["g"][:, sl],
+                                                    x["b"][:, sl].float().sigmoid(), initial_state=state0[i:i + 1],
+                                                    use_qk_l2norm=True)
+            ref_o.append(o)
+            ref_s.append(s)
+        ref_o, ref_s = torch.cat(ref_o, 1), torch.cat(ref_s, 0)
+        st = state0.clone()
+        o = ours_prefill(x, st, cu)
+        row.update(ours_o=rel(o, ref_o), ours_state=rel(st, ref_s))
+        # decode chained after a prefill equals the whole sequence (first sequence only)
+        if FLA:
+            o_f, s_f = fla_prefill(x, state0.clone(), cu)
+            row.update(fla_o=rel(o_f, ref_o), fla_state=rel(s_f, ref_s))
+        row["ok"] = row["ours_o"] <= 5e-3 and row["ours_state"] <= 5e-3
+        res["correctness"].append(row)
+        print(f"check {name}: {row}", flush=True)
+    # decode: one step, B = 32, vs the reference
+    x = make(1, B=32, seed=5)
+    state0 = torch.randn(32, HV, D, D, device="cuda") * 0.1
+    ref_o, ref_s = reference.recurrent_gated_delta_rule(x["q"], x["k"], x["v"], x["g"], x["b"].float().sigmoid(),
+                                                        initial_state=state0, use_qk_l2norm=True)
+    st = state0.clone()
+    o = gt.fused_recurrent_gated_delta_rule(x["q"], x["k"], x["v"], x["a"], x["b"], st, x["A_log"], x["dt_bias"])
+    row = {"case": "decode B=32", "ours_o": rel(o, ref_o), "ours_state": rel(st, ref_s)}
+    row["ok"] = row["ours_o"] <= 5e-3 and row["ours_state"] <= 5e-3
+    res["correctness"].append(row)
+    print(f"check decode: {row}", flush=True)
+
+
+def time_prefill(res):
+    for name, lens in PREFILL:
+        T = sum(lens)
+        cu = None
+        if len(lens) > 1:
+            cu = [0]
+            for n in lens:
+                cu.append(cu[-1] + n)
+        x = make(T, seed=1)
+        state = torch.zeros(len(lens), HV, D, D, device="cuda")
+        row = {"case": name, "T": T}
+        res["prefill"].append(row)
+        case(res, f"prefill ours {name}", lambda: row.update(ours_ms=events_time(lambda: ours_prefill(x, state, cu),
+                                                                                  reps=10) * 1e3))
+        if FLA:
+            case(res, f"prefill fla {name}", lambda: row.update(fla_ms=events_time(lambda: fla_prefill(x, state, cu),
+                                                                                    reps=10) * 1e3))
+        for bv in (16, 32, 64):
+            case(res, f"prefill ours {name} bv{bv}", lambda: row.update(
+                {f"ours_bv{bv}_ms": events_time(lambda: ours_prefill(x, state, cu, bv), reps=5) * 1e3}))
+        if "fla_ms" in row and "ours_ms" in row:
+            row["speedup"] = row["fla_ms"] / row["ours_ms"]
+        print(f"prefill {row}", flush=True)
+        del x
+
+
+def time_decode(res, copy_bw):
+    for B in DECODE_B:
+        state_bytes = B * HV * D * D * 4
+        n = max(2, min(64, (4 * 60 << 20) // state_bytes))
+        xs = [make(1, B=B, seed=10 + i) for i in range(min(n, 8))]
+        states = [torch.randn(B, HV, D, D, device="cuda") * 0.1 for _ in range(n)]
+        row = {"B": B, "floor_us": 2 * state_bytes / copy_bw * 1e6, "copies": n}
+        res["decode"].append(row)
+
+        def ours(bv=None):
+            return [lambda s=s, x=xs[i % len(xs)]: gt.fused_recurrent_gated_delta_rule(
+                x["q"], x["k"], x["v"], x["a"], x["b"], s, x["A_log"], x["dt_bias"], block_v=bv)
+                for i, s in enumerate(states)]
+
+        case(res, f"decode ours B={B}", lambda: row.update(ours_us=graph_time(ours()) * 1e6))
+        for bv in (8, 16, 32, 64):
+            case(res, f"decode ours B={B} bv{bv}", lambda: row.update({f"ours_bv{bv}_us": graph_time(ours(bv)) * 1e6}))
+        if FLA:
+            calls = [lambda s=s, x=xs[i % len(xs)]: fla_recurrent(
+                x["q"], x["k"], x["v"], x["g"], x["beta"], initial_state=s, output_final_state=True,
+                use_qk_l2norm_in_kernel=True) for i, s in enumerate(states)]
+            case(res, f"decode fla B={B}", lambda: row.update(fla_us=graph_time(calls) * 1e6))
+        if "fla_us" in row and "ours_us" in row:
+            row["speedup"] = row["fla_us"] / row["ours_us"]
+        print(f"decode {row}", flush=True)
+        del states
+
+
+def main():
+    a, dev, res = start_run("correctness", "prefill", "decode", "errors")
+    res["fla"] = FLA
+    copy_bw = copy_bandwidth(dev)
+    res["copy_bandwidth_Bps"] = copy_bw
+    print(f"# {res['gpu']}, FLA {FLA}, copy {copy_bw / 1e12:.2f} TB/s", flush=True)
+    try:
+        case(res, "correctness", lambda: check(res))
+        case(res, "decode", lambda: time_decode(res, copy_bw))
+        case(res, "prefill", lambda: time_prefill(res))
+    finally:
+        print(f"\n{res['gpu']}; FLA {FLA}; copy {copy_bw / 1e12:.2f} TB/s; Hk={HK} Hv={HV} K=V={D}, bf16")
+        print(f"{'prefill':12s} {'ours ms':>8s} {'FLA ms':>8s} {'speedup':>8s}   block_v sweep (ms)")
+        for r in res["prefill"]:
+            sweep = " ".join(f"{k[5:-3]}={v:.3f}" for k, v in r.items() if k.startswith("ours_bv"))
+            print(f"{r['case']:12s} {r.get('ours_ms', float('nan')):8.3f} {r.get('fla_ms', float('nan')):8.3f} "
+                  f"{r.get('speedup', float('nan')):7.2f}x   {sweep}")
+        print(f"\n{'decode':12s} {'ours us':>8s} {'FLA us':>8s} {'speedup':>8s} {'floor us':>9s}   block_v sweep (us)")
+        for r in res["decode"]:
+            sweep = " ".join(f"{k[5:-3]}={v:.1f}" for k, v in r.items() if k.startswith("ours_bv"))
+            print(f"{'B=' + str(r['B']):12s} {r.get('ours_us', float('nan')):8.1f} {r.get('fla_us', float('nan')):8.1f} "
+                  f"{r.get('speedup', float('nan')):7.2f}x {r['floor_us']:9.1f}   {sweep}")
+        for c in res["correctness"]:
+            print(f"check {c}")
+        for msg in res["errors"]:
+            print(f"ERROR {msg}")
+        if a.json:
+            Path(a.json).write_text(json.dumps(res, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,105 @@
+"""Triton kernel of Gated DeltaNet's output norm (HF Qwen3NextRMSNormGated), the oracle `reference.gated_rms_norm`:
+out = (w * rmsnorm(x)) * silu(z) per row of D (the head dim), rounded where the reference rounds:
+rmsnorm in fp32 -> x's dtype; times w in the promoted dtype of (w, x) (exact in fp32 for bf16/fp16 operands,
+then rounded once, like torch); times silu(z) in fp32 -> x's dtype.
+
+One program normalises BLOCK_R rows x D (about 4K elements), so a [T * heads, 128] input is T * heads / 32
+programs rather than one per row. x and z are addressed as [outer, heads, D] with two row strides each: z is
+typically a slice of the fused in-projection's output reshaped to [B, T, heads, D], whose (B, T) rows are not a
+multiple of heads * D apart, and copying it would cost a pass over memory.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+MAX_D = 8192  # a row lives in registers
+_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+_TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
+
+
+@triton.jit
+def _round(v, dtype: tl.constexpr, RNE_BF16: tl.constexpr):
+    """fp32 v rounded to `dtype`, returned in fp32. RNE_BF16: round to nearest even by hand, since the Triton
+    interpreter truncates fp32 -> bf16 casts (a GPU rounds to nearest even; so the tests see its rounding)."""
+    if RNE_BF16:
+        if dtype == tl.bfloat16:
+            u = v.to(tl.uint32, bitcast=True)
+            u = ((u + 0x7FFF + ((u >> 16) & 1)) >> 16) << 16
+            v = u.to(tl.float32, bitcast=True)  # now exact in bf16
+    return v.to(dtype).to(tl.float32)
+
+
+@triton.jit
+def _gated_rms_norm_kernel(x_ptr, z_ptr, w_ptr, y_ptr, R, H, D, stride_xo, stride_xh, stride_zo, stride_zh, eps,
+                           H_DTYPE: tl.constexpr, RNE_BF16: tl.constexpr, BLOCK_R: tl.constexpr,
+                           BLOCK_D: tl.constexpr):
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    outer = rows // H
+    head = rows - outer * H
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d < D
+    mask = (rows < R)[:, None] & d_ok[None, :]
+    x_rows = outer.to(tl.int64) * stride_xo + head.to(tl.int64) * stride_xh
+    x = tl.load(x_ptr + x_rows[:, None] + offs_d[None, :], mask=mask, other=0.0).to(tl.float32)
+    inv = tl.math.rsqrt(tl.sum(x * x, axis=1) / D + eps)
+    n = _round(x * inv[:, None], x_ptr.dtype.element_ty, RNE_BF16)
+    w = tl.load(w_ptr + offs_d, mask=d_ok, other=0.0).to(tl.float32)
+    h = _round(w[None, :] * n, H_DTYPE, RNE_BF16)
+    z_rows = outer.to(tl.int64) * stride_zo + head.to(tl.int64) * stride_zh
+    z = tl.load(z_ptr + z_rows[:, None] + offs_d[None, :], mask=mask, other=0.0).to(tl.float32)
+    out = _round(h * (z * tl.sigmoid(z)), y_ptr.dtype.element_ty, RNE_BF16)
+    tl.store(y_ptr + rows.to(tl.int64)[:, None] * D + offs_d[None, :], out.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+def _as_rows(t: torch.Tensor, outer: int, heads: int, D: int) -> torch.Tensor:
+    """t [..., D] as an [outer, heads, D] view with unit last stride (a copy only if no such view exists)."""
+    if t.stride(-1) == 1:
+        try:
+            return t.view(outer, heads, D)
+        except RuntimeError:
+            pass
+    return t.contiguous().view(outer, heads, D)
+
+
+def gated_rms_norm(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float,
+                   block_elems: int = 4096, num_warps: int = 4) -> torch.Tensor:
+    """x, z [..., D] (bf16/fp16/fp32; views with unit last stride are read in place), weight [D]
+    -> w * rmsnorm(x) * silu(z), [..., D] in x's dtype (contiguous), as `reference.gated_rms_norm`."""
+    what = "gated_rms_norm"
+    if x.dim() < 1 or x.dtype not in _DTYPES or z.dtype not in _DTYPES:
+        raise ValueError(f"{what}: x and z must be bf16, fp16 or fp32 [..., D], got {x.dtype} {tuple(x.shape)} and "
+                         f"{z.dtype}")
+    if z.shape != x.shape:
+        raise ValueError(f"{what}: z {tuple(z.shape)} must have x's shape {tuple(x.shape)}")
+    D = x.shape[-1]
+    if weight.dim() != 1 or weight.shape[0] != D or weight.dtype not in _DTYPES:
+        raise ValueError(f"{what}: weight must be a bf16/fp16/fp32 [{D}] tensor, got {weight.dtype} "
+                         f"{tuple(weight.shape)}")
+    if not 1 <= D <= MAX_D:
+        raise ValueError(f"{what}: D must be in [1, {MAX_D}], got {D}")
+    if x.device != z.device or x.device != weight.device:
+        raise ValueError(f"{what}: all tensors must be on the same device")
+    if not (x.is_cuda or INTERPRET):
+        raise ValueError(f"{what}: tensors must be on a CUDA device (or set TRITON_INTERPRET=1)")
+
+    y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    R = x.numel() // D
+    if R == 0:
+        return y
+    heads = x.shape[-2] if x.dim() >= 2 else 1
+    outer = R // heads
+    x3, z3 = _as_rows(x, outer, heads, D), _as_rows(z, outer, heads, D)
+    weight = weight if weight.stride(0) == 1 else weight.contiguous()
+    block_d = triton.next_power_of_2(D)
+    block_r = min(max(1, block_elems // block_d), triton.next_power_of_2(R))
+    h_dtype = _TL_DTYPES[torch.promote_types(weight.dtype, x.dtype)]  # the dtype of `weight * normed` in torch
+    _gated_rms_norm_kernel[(triton.cdiv(R, block_r),)](
+        x3, z3, weight, y, R, heads, D, x3.stride(0), x3.stride(1), z3.stride(0), z3.stride(1), eps,
+        H_DTYPE=h_dtype, RNE_BF16=INTERPRET, BLOCK_R=block_r, BLOCK_D=block_d, num_warps=num_warps)
+    return y
