@@ -155,14 +155,15 @@ def time_decode(res, copy_bw):
         row = {"B": B, "floor_us": 2 * state_bytes / copy_bw * 1e6, "copies": n}
         res["decode"].append(row)
 
-        def ours(bv=None):
+        def ours(bv=None, warps=None):
             return [lambda s=s, x=xs[i % len(xs)]: gt.fused_recurrent_gated_delta_rule(
-                x["q"], x["k"], x["v"], x["a"], x["b"], s, x["A_log"], x["dt_bias"], block_v=bv)
+                x["q"], x["k"], x["v"], x["a"], x["b"], s, x["A_log"], x["dt_bias"], block_v=bv, num_warps=warps)
                 for i, s in enumerate(states)]
 
         case(res, f"decode ours B={B}", lambda: row.update(ours_us=graph_time(ours()) * 1e6))
-        for bv in (8, 16, 32, 64):
-            case(res, f"decode ours B={B} bv{bv}", lambda: row.update({f"ours_bv{bv}_us": graph_time(ours(bv)) * 1e6}))
+        for bv, warps in ((16, 2), (16, 4), (32, 4), (64, 4), (64, 8), (128, 8)):
+            case(res, f"decode ours B={B} bv{bv}", lambda: row.update(
+                {f"ours_bv{bv}w{warps}_us": graph_time(ours(bv, warps)) * 1e6}))
         if FLA:
             calls = [lambda s=s, x=xs[i % len(xs)]: fla_recurrent(
                 x["q"], x["k"], x["v"], x["g"], x["beta"], initial_state=s, output_final_state=True,
@@ -174,8 +175,34 @@ def time_decode(res, copy_bw):
         del states
 
 
+def kernel_breakdown(res, name, fn):
+    """Per-kernel GPU time of one call (torch profiler), largest first."""
+    from torch.profiler import ProfilerActivity, profile
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    rows = []
+    for e in prof.key_averages():
+        us = getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0)
+        if us:
+            rows.append({"kernel": e.key[:60], "us": us, "calls": e.count})
+    rows.sort(key=lambda r: -r["us"])
+    res["breakdown"].append({"case": name, "kernels": rows[:12]})
+    print(f"breakdown {name}: " + "; ".join(f"{r['kernel']} {r['us']:.0f} us" for r in rows[:8]), flush=True)
+
+
+def profile_prefill(res):
+    x = make(16384, seed=2)
+    state = torch.zeros(1, HV, D, D, device="cuda")
+    case(res, "breakdown ours", lambda: kernel_breakdown(res, "ours T=16384", lambda: ours_prefill(x, state)))
+    if FLA:
+        case(res, "breakdown fla", lambda: kernel_breakdown(res, "FLA T=16384", lambda: fla_prefill(x, state)))
+
+
 def main():
-    a, dev, res = start_run("correctness", "prefill", "decode", "errors")
+    a, dev, res = start_run("correctness", "prefill", "decode", "breakdown", "errors")
     res["fla"] = FLA
     copy_bw = copy_bandwidth(dev)
     res["copy_bandwidth_Bps"] = copy_bw
@@ -184,6 +211,7 @@ def main():
         case(res, "correctness", lambda: check(res))
         case(res, "decode", lambda: time_decode(res, copy_bw))
         case(res, "prefill", lambda: time_prefill(res))
+        case(res, "breakdown", lambda: profile_prefill(res))
     finally:
         print(f"\n{res['gpu']}; FLA {FLA}; copy {copy_bw / 1e12:.2f} TB/s; Hk={HK} Hv={HV} K=V={D}, bf16")
         print(f"{'prefill':12s} {'ours ms':>8s} {'FLA ms':>8s} {'speedup':>8s}   block_v sweep (ms)")
@@ -196,6 +224,8 @@ def main():
             sweep = " ".join(f"{k[5:-3]}={v:.1f}" for k, v in r.items() if k.startswith("ours_bv"))
             print(f"{'B=' + str(r['B']):12s} {r.get('ours_us', float('nan')):8.1f} {r.get('fla_us', float('nan')):8.1f} "
                   f"{r.get('speedup', float('nan')):7.2f}x {r['floor_us']:9.1f}   {sweep}")
+        for bd in res["breakdown"]:
+            print(f"{bd['case']}: " + "; ".join(f"{r['kernel']} {r['us']:.0f} us" for r in bd["kernels"][:6]))
         for c in res["correctness"]:
             print(f"check {c}")
         for msg in res["errors"]:

@@ -17,7 +17,7 @@ C = 64 tokens, in three launches:
 1. `_chunk_prep_kernel`, program (chunk, value head): the gates, G = the in-chunk cumsum of g, the four 16-row
    blocks of A = beta_i (k_i . k_j) exp(G_i - G_j) (i > j), (I + A)^-1 applied blockwise (forward substitution on
    the 16x16 diagonal blocks, block products below), giving u = (I + A)^-1 (beta v) and
-   w = (I + A)^-1 (beta exp(G) k);
+   w = (I + A)^-1 (beta exp(G) k), and the l2-normalised k once per key head;
 2. `_chunk_state_kernel`, program (value block, value head, sequence): walks the sequence's chunks with the state
    in registers, v_new = u - w S, S = exp(G_last) S + (k exp(G_last - G))^T v_new, saving S at each chunk start;
 3. `_chunk_out_kernel`, program (value block, chunk, value head): o = (q exp(G)) S + tril((q k^T) exp(G_i - G_j))
@@ -29,11 +29,14 @@ zero before any product (so exp of garbage can never make 0 * inf). Several sequ
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
 
 MAX_HEAD_DIM = 256
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"  # its bf16 tl.dot is wrong (Triton 3.9): fp32 operands there
 
 
 @triton.jit
@@ -162,6 +165,14 @@ def _block_solve(T00, T11, T22, T33, A10, A20, A21, A30, A31, A32, x0, x1, x2, x
 
 
 @triton.jit
+def _dot(a, b, PREC: tl.constexpr, BF16: tl.constexpr):
+    """a @ b, fp32 accumulation; BF16: bf16 operands (half the shared memory, full tensor-core rate)."""
+    if BF16:
+        return tl.dot(a.to(tl.bfloat16), b.to(tl.bfloat16))
+    return tl.dot(a, b, input_precision=PREC)
+
+
+@triton.jit
 def _store_rows(ptr, rows, ok, head, stride_t, stride_h, offs, offs_ok, x):
     tl.store(ptr + rows[:, None].to(tl.int64) * stride_t + head * stride_h + offs[None, :],
              x.to(ptr.dtype.element_ty), mask=ok[:, None] & offs_ok[None, :])
@@ -169,11 +180,12 @@ def _store_rows(ptr, rows, ok, head, stride_t, stride_h, offs, offs_ok, x):
 
 @triton.jit
 def _chunk_prep_kernel(k_ptr, v_ptr, a_ptr, b_ptr, alog_ptr, dtb_ptr, cstart_ptr, cend_ptr, w_ptr, u_ptr, G_ptr,
-                       stride_kt, stride_kh, stride_vt, stride_vh, stride_at, stride_bt, stride_wt, stride_wh,
-                       stride_ut, stride_uh, stride_Gt,
+                       kn_ptr, stride_kt, stride_kh, stride_vt, stride_vh, stride_at, stride_bt, stride_wt, stride_wh,
+                       stride_ut, stride_uh, stride_Gt, stride_knt, stride_knh,
                        RATIO: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                        RAW_GATES: tl.constexpr, L2NORM: tl.constexpr, PREC: tl.constexpr):
-    """Program (chunk, value head): G (in-chunk cumsum of g), u = (I + A)^-1 (beta v), w = (I + A)^-1 (beta exp(G) k)."""
+    """Program (chunk, value head): G (in-chunk cumsum of g), u = (I + A)^-1 (beta v), w = (I + A)^-1 (beta exp(G) k);
+    the first value head of each key head also stores the normalised k for the later kernels (kn)."""
     c = tl.program_id(0)
     h = tl.program_id(1)
     kh = h // RATIO
@@ -188,6 +200,11 @@ def _chunk_prep_kernel(k_ptr, v_ptr, a_ptr, b_ptr, alog_ptr, dtb_ptr, cstart_ptr
     k1 = _load_qk(k_ptr, rows1, ok1, kh, stride_kt, stride_kh, offs_k, k_ok, L2NORM)
     k2 = _load_qk(k_ptr, rows2, ok2, kh, stride_kt, stride_kh, offs_k, k_ok, L2NORM)
     k3 = _load_qk(k_ptr, rows3, ok3, kh, stride_kt, stride_kh, offs_k, k_ok, L2NORM)
+    if h % RATIO == 0:
+        _store_rows(kn_ptr, rows0, ok0, kh, stride_knt, stride_knh, offs_k, k_ok, k0)
+        _store_rows(kn_ptr, rows1, ok1, kh, stride_knt, stride_knh, offs_k, k_ok, k1)
+        _store_rows(kn_ptr, rows2, ok2, kh, stride_knt, stride_knh, offs_k, k_ok, k2)
+        _store_rows(kn_ptr, rows3, ok3, kh, stride_knt, stride_knh, offs_k, k_ok, k3)
     g0, beta0 = _gates(a_ptr, b_ptr, alog_ptr, dtb_ptr, h, rows0, ok0, stride_at, stride_bt, RAW_GATES)
     g1, beta1 = _gates(a_ptr, b_ptr, alog_ptr, dtb_ptr, h, rows1, ok1, stride_at, stride_bt, RAW_GATES)
     g2, beta2 = _gates(a_ptr, b_ptr, alog_ptr, dtb_ptr, h, rows2, ok2, stride_at, stride_bt, RAW_GATES)
@@ -238,7 +255,7 @@ def _chunk_state_kernel(k_ptr, w_ptr, u_ptr, G_ptr, s_ptr, idx_ptr, cu_ptr, firs
                         stride_kt, stride_kh, stride_wt, stride_wh, stride_ut, stride_uh, stride_Gt,
                         stride_ss, stride_sh, stride_hc, stride_hh, stride_vnt, stride_vnh,
                         RATIO: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr,
-                        BV: tl.constexpr, C: tl.constexpr, L2NORM: tl.constexpr, HAS_IDX: tl.constexpr,
+                        BV: tl.constexpr, C: tl.constexpr, HAS_IDX: tl.constexpr,
                         PREC: tl.constexpr):
     """Program (value block, value head, sequence): the state through the sequence's chunks, saved (in the
     intermediates' dtype) at each chunk's start; v_new = u - w S of every chunk; the final state in place."""
@@ -274,7 +291,7 @@ def _chunk_state_kernel(k_ptr, w_ptr, u_ptr, G_ptr, s_ptr, idx_ptr, cu_ptr, firs
             last = tl.minimum(bos + j * C + C, eos) - 1
             G_last = tl.load(G_ptr + last * stride_Gt + h)
             G = tl.load(G_ptr + rows * stride_Gt + h, mask=ok, other=0.0)
-            k = _load_qk(k_ptr, rows, ok, kh, stride_kt, stride_kh, offs_k, k_ok, L2NORM)
+            k = _load_qk(k_ptr, rows, ok, kh, stride_kt, stride_kh, offs_k, k_ok, False)  # kn: normalised already
             k = k * tl.where(ok, tl.exp(G_last - G), 0.0)[:, None]
             S = S * tl.exp(G_last) + tl.dot(tl.trans(k), v_new, input_precision=PREC)
         tl.store(s_tile, S, mask=s_mask)
@@ -284,9 +301,12 @@ def _chunk_state_kernel(k_ptr, w_ptr, u_ptr, G_ptr, s_ptr, idx_ptr, cu_ptr, firs
 def _chunk_out_kernel(q_ptr, k_ptr, G_ptr, hs_ptr, vn_ptr, o_ptr, cstart_ptr, cend_ptr, scale,
                       stride_qt, stride_qh, stride_kt, stride_kh, stride_Gt, stride_hc, stride_hh,
                       stride_vnt, stride_vnh, stride_ot, stride_oh,
-                      RATIO: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-                      C: tl.constexpr, L2NORM: tl.constexpr, PREC: tl.constexpr):
-    """Program (value block, chunk, value head): o = (q exp(G)) S + tril_incl((q k^T) exp(G_i - G_j)) v_new."""
+                      RATIO: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, NKB: tl.constexpr,
+                      BV: tl.constexpr, C: tl.constexpr, L2NORM: tl.constexpr, PREC: tl.constexpr,
+                      BF16: tl.constexpr):
+    """Program (value block, chunk, value head): o = (q exp(G)) S + tril_incl((q k^T) exp(G_i - G_j)) v_new.
+    K is walked in NKB blocks of BK (two [64, 256] fp32 dot operands would not fit in shared memory); k is the
+    normalised kn. BF16 (bf16 inputs): bf16 dot operands, as kn, S and v_new already are."""
     pid_v = tl.program_id(0)
     c = tl.program_id(1)
     h = tl.program_id(2)
@@ -296,20 +316,33 @@ def _chunk_out_kernel(q_ptr, k_ptr, G_ptr, hs_ptr, vn_ptr, o_ptr, cstart_ptr, ce
     offs_c = tl.arange(0, C)
     rows = start + offs_c
     ok = rows < end
-    offs_k = tl.arange(0, BK)
     offs_v = pid_v * BV + tl.arange(0, BV)
-    k_ok, v_ok = offs_k < K, offs_v < V
-    q = _load_qk(q_ptr, rows, ok, kh, stride_qt, stride_qh, offs_k, k_ok, L2NORM) * scale
-    k = _load_qk(k_ptr, rows, ok, kh, stride_kt, stride_kh, offs_k, k_ok, L2NORM)
+    v_ok = offs_v < V
+    q_scale = tl.full((C,), scale, dtype=tl.float32)
+    if L2NORM:
+        sumsq = tl.zeros((C,), dtype=tl.float32)
+        for kb in tl.static_range(NKB):
+            offs_k = kb * BK + tl.arange(0, BK)
+            qb = _load_qk(q_ptr, rows, ok, kh, stride_qt, stride_qh, offs_k, offs_k < K, False)
+            sumsq += tl.sum(qb * qb, axis=1)
+        q_scale = q_scale * tl.rsqrt(sumsq + 1e-6)
     G = tl.load(G_ptr + rows * stride_Gt + h, mask=ok, other=0.0)
-    S = tl.load(hs_ptr + c.to(tl.int64) * stride_hc + h * stride_hh + offs_k[:, None] * V + offs_v[None, :],
-                mask=k_ok[:, None] & v_ok[None, :], other=0.0).to(tl.float32)
+    o = tl.zeros((C, BV), dtype=tl.float32)
+    qk = tl.zeros((C, C), dtype=tl.float32)
+    for kb in tl.static_range(NKB):
+        offs_k = kb * BK + tl.arange(0, BK)
+        k_ok = offs_k < K
+        qb = _load_qk(q_ptr, rows, ok, kh, stride_qt, stride_qh, offs_k, k_ok, False) * q_scale[:, None]
+        kb_n = _load_qk(k_ptr, rows, ok, kh, stride_kt, stride_kh, offs_k, k_ok, False)
+        S = tl.load(hs_ptr + c.to(tl.int64) * stride_hc + h * stride_hh + offs_k[:, None] * V + offs_v[None, :],
+                    mask=k_ok[:, None] & v_ok[None, :], other=0.0).to(tl.float32)
+        o += _dot(qb * tl.exp(G)[:, None], S, PREC, BF16)
+        qk += _dot(qb, tl.trans(kb_n), PREC, BF16)
     v_new = tl.load(vn_ptr + rows[:, None].to(tl.int64) * stride_vnt + h * stride_vnh + offs_v[None, :],
                     mask=ok[:, None] & v_ok[None, :], other=0.0).to(tl.float32)
-    o = tl.dot(q * tl.exp(G)[:, None], S, input_precision=PREC)
     causal = (offs_c[:, None] >= offs_c[None, :]) & ok[:, None] & ok[None, :]
-    qk = tl.dot(q, tl.trans(k), input_precision=PREC) * tl.exp(tl.where(causal, G[:, None] - G[None, :], -float("inf")))
-    o += tl.dot(qk, v_new, input_precision=PREC)
+    qk = qk * tl.exp(tl.where(causal, G[:, None] - G[None, :], -float("inf")))
+    o += _dot(qk, v_new, PREC, BF16)
     _store_rows(o_ptr, rows, ok, h, stride_ot, stride_oh, offs_v, v_ok, o)
 
 
@@ -358,37 +391,40 @@ def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a:
     u = torch.empty((B * T, Hv, V), dtype=inter, device=dev)
     v_new = torch.empty((B * T, Hv, V), dtype=inter, device=dev)
     G = torch.empty((B * T, Hv), dtype=torch.float32, device=dev)
+    kn = torch.empty((B * T, Hk, K), dtype=inter, device=dev)
     states = torch.empty((n_chunks, Hv, K, V), dtype=inter, device=dev)
     BK, BVall = triton.next_power_of_2(K), triton.next_power_of_2(V)
     prec = "ieee" if v.dtype == torch.float32 else "tf32"
     warps = 8 if max(BK, BVall) > 128 else 4
     _chunk_prep_kernel[(n_chunks, Hv)](
-        k2, v2, a2, b2, A_log if raw else a2, dt_bias if raw else a2, table[0], table[1], w, u, G,
+        k2, v2, a2, b2, A_log if raw else a2, dt_bias if raw else a2, table[0], table[1], w, u, G, kn,
         k2.stride(0), k2.stride(1), v2.stride(0), v2.stride(1), a2.stride(0), b2.stride(0), w.stride(0),
-        w.stride(1), u.stride(0), u.stride(1), G.stride(0),
+        w.stride(1), u.stride(0), u.stride(1), G.stride(0), kn.stride(0), kn.stride(1),
         RATIO=Hv // Hk, K=K, V=V, BK=BK, BV=BVall, RAW_GATES=raw, L2NORM=use_qk_l2norm, PREC=prec, num_warps=warps)
-    bv = block_v or _value_block(V, N * Hv, dev)
+    bv = block_v or min(32, BVall)  # measured best on the H200 (16: more programs, but each chunk step costs more)
     idx = state_indices if state_indices is not None else cu_t
     _chunk_state_kernel[(triton.cdiv(V, bv), Hv, N)](
-        k2, w, u, G, state, idx, cu_t, first_t, states, v_new,
-        k2.stride(0), k2.stride(1), w.stride(0), w.stride(1), u.stride(0), u.stride(1), G.stride(0),
+        kn, w, u, G, state, idx, cu_t, first_t, states, v_new,
+        kn.stride(0), kn.stride(1), w.stride(0), w.stride(1), u.stride(0), u.stride(1), G.stride(0),
         state.stride(0), state.stride(1), states.stride(0), states.stride(1), v_new.stride(0), v_new.stride(1),
-        RATIO=Hv // Hk, K=K, V=V, BK=BK, BV=bv, C=C, L2NORM=use_qk_l2norm, HAS_IDX=state_indices is not None,
-        PREC=prec, num_warps=warps)
+        RATIO=Hv // Hk, K=K, V=V, BK=BK, BV=bv, C=C, HAS_IDX=state_indices is not None,
+        PREC=prec, num_warps=warps, num_stages=1 if inter == torch.float32 and BK > 128 else 3)  # shared memory
     bvo = min(64, BVall)
     _chunk_out_kernel[(triton.cdiv(V, bvo), n_chunks, Hv)](
-        q2, k2, G, states, v_new, o2, table[0], table[1], K ** -0.5 if scale is None else scale,
-        q2.stride(0), q2.stride(1), k2.stride(0), k2.stride(1), G.stride(0), states.stride(0), states.stride(1),
+        q2, kn, G, states, v_new, o2, table[0], table[1], K ** -0.5 if scale is None else scale,
+        q2.stride(0), q2.stride(1), kn.stride(0), kn.stride(1), G.stride(0), states.stride(0), states.stride(1),
         v_new.stride(0), v_new.stride(1), o2.stride(0), o2.stride(1),
-        RATIO=Hv // Hk, K=K, V=V, BK=BK, BV=bvo, C=C, L2NORM=use_qk_l2norm, PREC=prec, num_warps=warps)
+        RATIO=Hv // Hk, K=K, V=V, BK=min(BK, 128), NKB=triton.cdiv(BK, 128), BV=bvo, C=C, L2NORM=use_qk_l2norm,
+        PREC=prec, BF16=inter == torch.bfloat16 and not INTERPRET, num_warps=warps)
     return o
 
 
 def _value_block(V: int, programs_per_block: int, device) -> int:
-    """Value columns per program: 32, or fewer when that leaves most multiprocessors idle (decode at batch 1)."""
+    """Value columns per decode program: 64, halved (down to 16) while that leaves most multiprocessors idle
+    (measured on the H200: 64 is best at batch 32, 16 at batch 1)."""
     sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
-    bv = min(32, triton.next_power_of_2(V))
-    while bv > 8 and programs_per_block * triton.cdiv(V, bv) < 2 * sms:
+    bv = min(64, triton.next_power_of_2(V))
+    while bv > 16 and programs_per_block * triton.cdiv(V, bv) < 2 * sms:
         bv //= 2
     return bv
 
@@ -397,7 +433,7 @@ def fused_recurrent_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.
                                      b: torch.Tensor, state: torch.Tensor, A_log: torch.Tensor | None = None,
                                      dt_bias: torch.Tensor | None = None, state_indices: torch.Tensor | None = None,
                                      scale: float | None = None, use_qk_l2norm: bool = True,
-                                     block_v: int | None = None) -> torch.Tensor:
+                                     block_v: int | None = None, num_warps: int | None = None) -> torch.Tensor:
     """Run T tokens of B sequences through the recurrence, the state updated in place; returns o [B, T, Hv, V]
     in v's dtype.
 
@@ -421,7 +457,7 @@ def fused_recurrent_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.
         v.stride(0), v.stride(1), v.stride(2), a.stride(0), a.stride(1), b.stride(0), b.stride(1),
         state.stride(0), state.stride(1), o.stride(0), o.stride(1), o.stride(2),
         RATIO=Hv // Hk, K=K, V=V, BK=triton.next_power_of_2(K), BV=bv, RAW_GATES=raw, L2NORM=use_qk_l2norm,
-        HAS_IDX=state_indices is not None, num_warps=4 if bv * triton.next_power_of_2(K) >= 4096 else 2)
+        HAS_IDX=state_indices is not None, num_warps=num_warps or (4 if bv * triton.next_power_of_2(K) >= 4096 else 2))
     return o
 
 

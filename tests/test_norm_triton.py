@@ -1,0 +1,98 @@
+"""Triton gated RMSNorm (GDN output norm) against `norm.reference.gated_rms_norm` on fresh random data: under
+the Triton interpreter on CPU, the same tests on a GPU.
+
+The kernel rounds where the reference rounds, so in bf16/fp16 nearly every element is bit-identical (the rest
+differ by one ulp, where fp32 rsqrt/sigmoid last-bit differences straddle a rounding boundary)."""
+
+import pytest
+import torch
+
+triton = pytest.importorskip("triton")
+
+from sluice.kernels.norm import reference  # noqa: E402
+from sluice.kernels.norm import triton as nt  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+EPS = 1e-6
+
+
+def rel_err(a, b):
+    return float((a.float() - b.float()).norm() / b.float().norm())
+
+
+def rand(g, *shape, dtype=torch.float32, scale=1.0):
+    return (scale * torch.randn(*shape, generator=g)).to(dtype)
+
+
+def check(y, x, z, w):
+    y_ref = reference.gated_rms_norm(x, z, w, EPS)
+    assert y.dtype == y_ref.dtype and y.shape == y_ref.shape and y.is_contiguous()
+    y = y.cpu()
+    if x.dtype == torch.float32:
+        assert rel_err(y, y_ref) <= 1e-5
+    else:
+        assert rel_err(y, y_ref) <= 1e-2
+        assert (y == y_ref).float().mean() >= 0.99  # same rounding points
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("D", [64, 96, 128, 256])
+def test_matches_reference_with_strided_z(D, dtype):
+    """x [B, T, heads, D]; z a slice of a wider projection output reshaped to heads, as in the GDN layer."""
+    g = torch.Generator().manual_seed(D)
+    B, T, H = 2, 7, 5  # 70 rows: not a multiple of the row block
+    x = rand(g, B, T, H, D, dtype=dtype)
+    proj = rand(g, B, T, 2 * H * D + 24, dtype=dtype)
+    z = proj[..., 24 + H * D:].reshape(B, T, H, D)
+    w = rand(g, D, dtype=dtype, scale=0.2) + 1
+    xd, projd, wd = (t.to(DEVICE) for t in (x, proj, w))
+    zd = projd[..., 24 + H * D:].reshape(B, T, H, D)
+    assert not zd.is_contiguous() and zd.data_ptr() == projd.data_ptr() + (24 + H * D) * proj.element_size()
+    check(nt.gated_rms_norm(xd, zd, wd, EPS), x, z, w)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fp32_weight_and_other_layouts(dtype):
+    """An fp32 weight (w * norm is then fp32, not x's dtype), 2-D and 1-D inputs, a non-contiguous x."""
+    g = torch.Generator().manual_seed(1)
+    D = 128
+    w = rand(g, D, scale=0.2) + 1
+    x2 = rand(g, 37, D, dtype=dtype)
+    z2 = rand(g, 37, D, dtype=dtype)
+    check(nt.gated_rms_norm(x2.to(DEVICE), z2.to(DEVICE), w.to(DEVICE), EPS), x2, z2, w)
+    x1, z1 = x2[3], z2[4]
+    check(nt.gated_rms_norm(x1.to(DEVICE), z1.to(DEVICE), w.to(DEVICE), EPS), x1, z1, w)
+    big = rand(g, 3, 40, 6, D, dtype=dtype)  # x = every other head, rows of two strides
+    x4, z4 = big[:, :, ::2], big[:, :, 1::2]
+    bigd = big.to(DEVICE)
+    check(nt.gated_rms_norm(bigd[:, :, ::2], bigd[:, :, 1::2], w.to(dtype).to(DEVICE), EPS), x4, z4, w.to(dtype))
+
+
+def test_large_rows_and_eps():
+    """Rows of very different scales (the eps matters for the small ones)."""
+    g = torch.Generator().manual_seed(2)
+    x = rand(g, 50, 4, 128) * torch.logspace(-4, 3, 50)[:, None, None]
+    z = rand(g, 50, 4, 128)
+    w = rand(g, 128, scale=0.2) + 1
+    y = nt.gated_rms_norm(x.to(DEVICE), z.to(DEVICE), w.to(DEVICE), 1e-5)
+    assert rel_err(y.cpu(), reference.gated_rms_norm(x, z, w, 1e-5)) <= 1e-5
+
+
+def test_bad_inputs_raise():
+    x = torch.randn(4, 3, 64, device=DEVICE)
+    w = torch.ones(64, device=DEVICE)
+    bad = [
+        (x, x[..., :32], w),                              # z shape
+        (x, x, torch.ones(63, device=DEVICE)),            # weight length
+        (x, x, torch.ones(1, 64, device=DEVICE)),         # weight not 1-D
+        (x.to(torch.int32), x, w),                        # x dtype
+        (x, x.to(torch.float64), w),                      # z dtype
+        (x, x, w.to(torch.int32)),                        # weight dtype
+        (torch.randn(2, 9000, device=DEVICE), torch.randn(2, 9000, device=DEVICE), torch.ones(9000, device=DEVICE)),
+    ]
+    for args in bad:
+        with pytest.raises(ValueError):
+            nt.gated_rms_norm(*args, EPS)
+    if DEVICE == "cuda":
+        with pytest.raises(ValueError):
+            nt.gated_rms_norm(x, x, w.cpu(), EPS)
