@@ -60,6 +60,15 @@ def test_prefill_matches_reference(B, T, C, W, with_state, dtype):
         assert torch.equal(sd.cpu(), state)  # no state_indices: the new state is a new tensor
 
 
+@pytest.mark.parametrize("block_t,block_c", [(16, 32), (32, 64)])
+def test_prefill_several_channel_blocks(block_t, block_c):
+    """C = 200 over blocks of 32 / 64 channels (the last one ragged), and several body tiles per sequence."""
+    x, w, state = make(77, 2, 65, 200, 4, torch.float32)
+    y_ref, state_ref = reference.causal_conv1d(x, w, state)
+    y, new_state = ct.causal_conv1d(*dev(x, w, state), block_t=block_t, block_c=block_c)
+    check(y, new_state, y_ref, state_ref, torch.float32)
+
+
 def test_prefill_no_activation_strided_inputs():
     """x a column slice of a wider projection output, state a transposed view: read through their strides."""
     g = torch.Generator().manual_seed(7)
@@ -112,7 +121,7 @@ def test_packed_sequences_match_separate_runs(with_state, dtype, cu_dtype):
     state = rand(g, len(lens), C, W - 1, dtype=dtype) if with_state else None
     y_ref, state_ref = _split_reference(x, w, state, lens)
     cu = torch.tensor([0] + lens, dtype=cu_dtype).cumsum(0).to(cu_dtype)
-    y, new_state = ct.causal_conv1d(*dev(x, w, state), cu_seqlens=cu.to(DEVICE))
+    y, new_state = ct.causal_conv1d(*dev(x, w, state), cu_seqlens=cu.to(DEVICE), block_c=32)
     check(y, new_state, y_ref, state_ref, dtype)
 
 
@@ -167,7 +176,7 @@ def test_decode_after_prefill_equals_whole_prefill(W, dtype):
     y0, conv_state = ct.causal_conv1d(xd[:, :T0], wd, sd)
     ys = [y0]
     for t in range(T0, T0 + steps):
-        ys.append(ct.causal_conv1d_update(xd[:, t], wd, conv_state)[:, None])
+        ys.append(ct.causal_conv1d_update(xd[:, t], wd, conv_state, block_c=32)[:, None])
     check(torch.cat(ys, dim=1), conv_state, y_ref, state_ref, dtype)
 
 

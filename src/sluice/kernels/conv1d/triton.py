@@ -255,12 +255,11 @@ def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor | N
     n_tiles = triton.cdiv(R, block_t)
     if C == 0 or n_tiles + N == 0:
         return y, new_state
-    s = state if state is not None else new_state  # a placeholder pointer when there is no state
-    dummy = torch.empty(1, dtype=torch.int32, device=x.device)
+    s = state if state is not None else new_state  # placeholder pointers for what is not given
     grid = (n_tiles + N, triton.cdiv(C, block_c))
     _conv1d_fwd_kernel[grid](
-        x, weight, y, s, new_state, cu_seqlens if cu_seqlens is not None else dummy,
-        state_indices if state_indices is not None else dummy, R, T, C, N, n_tiles,
+        x, weight, y, s, new_state, cu_seqlens if cu_seqlens is not None else y,
+        state_indices if state_indices is not None else y, R, T, C, N, n_tiles,
         x.stride(0), x.stride(1), weight.stride(0), weight.stride(1), s.stride(0), s.stride(1), s.stride(2),
         new_state.stride(0), new_state.stride(1), new_state.stride(2),
         W=W, VARLEN=cu_seqlens is not None, HAS_STATE=state is not None, HAS_IDX=state_indices is not None,
