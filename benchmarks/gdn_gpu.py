@@ -59,9 +59,9 @@ def rel(a, b):
     return float((a.double() - b.double()).norm() / b.double().norm())
 
 
-def ours_prefill(x, state, cu=None, block_v=None):
+def ours_prefill(x, state, cu=None, block_v=None, warps=None):
     return gt.chunk_gated_delta_rule(x["q"], x["k"], x["v"], x["a"], x["b"], state, x["A_log"], x["dt_bias"],
-                                     cu_seqlens=cu, block_v=block_v)
+                                     cu_seqlens=cu, block_v=block_v, num_warps=warps)
 
 
 def fla_prefill(x, state, cu=None):
@@ -197,6 +197,9 @@ def profile_prefill(res):
     x = make(16384, seed=2)
     state = torch.zeros(1, HV, D, D, device="cuda")
     case(res, "breakdown ours", lambda: kernel_breakdown(res, "ours T=16384", lambda: ours_prefill(x, state)))
+    for warps in ((4, 4, 4, 4), (8, 8, 8, 8), (4, 8, 8, 4), (8, 4, 4, 8), (2, 4, 2, 4)):
+        case(res, f"breakdown ours {warps}", lambda: kernel_breakdown(
+            res, f"ours T=16384 warps {warps}", lambda: ours_prefill(x, state, warps=warps)))
     if FLA:
         case(res, "breakdown fla", lambda: kernel_breakdown(res, "FLA T=16384", lambda: fla_prefill(x, state)))
 
@@ -225,7 +228,8 @@ def main():
             print(f"{'B=' + str(r['B']):12s} {r.get('ours_us', float('nan')):8.1f} {r.get('fla_us', float('nan')):8.1f} "
                   f"{r.get('speedup', float('nan')):7.2f}x {r['floor_us']:9.1f}   {sweep}")
         for bd in res["breakdown"]:
-            print(f"{bd['case']}: " + "; ".join(f"{r['kernel']} {r['us']:.0f} us" for r in bd["kernels"][:6]))
+            print(f"{bd['case']}: " + "; ".join(f"{r['kernel'].replace('_chunk_', '')} {r['us']:.0f}"
+                                                for r in bd["kernels"][:6]))
         for c in res["correctness"]:
             print(f"check {c}")
         for msg in res["errors"]:

@@ -13,11 +13,12 @@ h // (Hv / Hk) straight from q and k: nothing is repeated in memory. Every progr
 q and k rows (K elements: cheaper than a launch), so a decode step is one launch whatever the batch.
 
 `chunk_gated_delta_rule` (prefill): the chunk-parallel WY form of `reference.chunk_gated_delta_rule`, chunks of
-C = 64 tokens, in three launches:
-1. `_chunk_prep_kernel`, program (chunk, value head): the gates, G = the in-chunk cumsum of g, the four 16-row
-   blocks of A = beta_i (k_i . k_j) exp(G_i - G_j) (i > j), (I + A)^-1 applied blockwise (forward substitution on
-   the 16x16 diagonal blocks, block products below), giving u = (I + A)^-1 (beta v) and
-   w = (I + A)^-1 (beta exp(G) k), and the l2-normalised k once per key head;
+C = 64 tokens, in four launches:
+1. `_chunk_solve_kernel`, program (chunk, value head): the gates, G = the in-chunk cumsum of g, the four 16-row
+   blocks of A = beta_i (k_i . k_j) exp(G_i - G_j) (i > j) and (I + A)^-1 [64, 64] (forward substitution on the
+   16x16 diagonal blocks, block products below), and the l2-normalised k once per key head;
+   `_chunk_wu_kernel`: u = (I + A)^-1 (beta v) and w = (I + A)^-1 (beta exp(G) k) (two launches: one holding
+   k, v, u and w beside the solve spilled registers);
 2. `_chunk_state_kernel`, program (value block, value head, sequence): walks the sequence's chunks with the state
    in registers, v_new = u - w S, S = exp(G_last) S + (k exp(G_last - G))^T v_new, saving S at each chunk start;
 3. `_chunk_out_kernel`, program (value block, chunk, value head): o = (q exp(G)) S + tril((q k^T) exp(G_i - G_j))
@@ -122,8 +123,9 @@ def _gates(a_ptr, b_ptr, alog_ptr, dtb_ptr, h, rows, ok, stride_at, stride_bt, R
 
 @triton.jit
 def _load_qk(ptr, rows, ok, head, stride_t, stride_h, offs_k, k_ok, L2NORM: tl.constexpr):
-    """[rows, BK] fp32 rows of q or k of one head, l2-normalised; zero rows past the end."""
-    x = tl.load(ptr + rows[:, None].to(tl.int64) * stride_t + head * stride_h + offs_k[None, :],
+    """[rows, BK] fp32 rows of q or k of one head, l2-normalised; zero rows past the end. `ptr` already points at
+    the chunk's first token and `rows` are int32 offsets from it (64-bit offsets per element cost registers)."""
+    x = tl.load(ptr + rows[:, None] * stride_t + head * stride_h + offs_k[None, :],
                 mask=ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
     if L2NORM:
         x = x * tl.rsqrt(tl.sum(x * x, axis=1) + 1e-6)[:, None]
@@ -153,18 +155,6 @@ def _unit_lower_inverse(A):
 
 
 @triton.jit
-def _block_solve(T00, T11, T22, T33, A10, A20, A21, A30, A31, A32, x0, x1, x2, x3, PREC: tl.constexpr):
-    """(I + A)^-1 x for the block lower-triangular I + A of four 16-row blocks (T_ii = (I + A_ii)^-1)."""
-    y0 = tl.dot(T00, x0, input_precision=PREC)
-    y1 = tl.dot(T11, x1 - tl.dot(A10, y0, input_precision=PREC), input_precision=PREC)
-    y2 = tl.dot(T22, x2 - tl.dot(A20, y0, input_precision=PREC) - tl.dot(A21, y1, input_precision=PREC),
-                input_precision=PREC)
-    y3 = tl.dot(T33, x3 - tl.dot(A30, y0, input_precision=PREC) - tl.dot(A31, y1, input_precision=PREC)
-                - tl.dot(A32, y2, input_precision=PREC), input_precision=PREC)
-    return y0, y1, y2, y3
-
-
-@triton.jit
 def _dot(a, b, PREC: tl.constexpr, BF16: tl.constexpr):
     """a @ b, fp32 accumulation; BF16: bf16 operands (half the shared memory, full tensor-core rate)."""
     if BF16:
@@ -174,28 +164,36 @@ def _dot(a, b, PREC: tl.constexpr, BF16: tl.constexpr):
 
 @triton.jit
 def _store_rows(ptr, rows, ok, head, stride_t, stride_h, offs, offs_ok, x):
-    tl.store(ptr + rows[:, None].to(tl.int64) * stride_t + head * stride_h + offs[None, :],
+    tl.store(ptr + rows[:, None] * stride_t + head * stride_h + offs[None, :],
              x.to(ptr.dtype.element_ty), mask=ok[:, None] & offs_ok[None, :])
 
 
 @triton.jit
-def _chunk_prep_kernel(k_ptr, v_ptr, a_ptr, b_ptr, alog_ptr, dtb_ptr, cstart_ptr, cend_ptr, w_ptr, u_ptr, G_ptr,
-                       kn_ptr, stride_kt, stride_kh, stride_vt, stride_vh, stride_at, stride_bt, stride_wt, stride_wh,
-                       stride_ut, stride_uh, stride_Gt, stride_knt, stride_knh,
-                       RATIO: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-                       RAW_GATES: tl.constexpr, L2NORM: tl.constexpr, PREC: tl.constexpr):
-    """Program (chunk, value head): G (in-chunk cumsum of g), u = (I + A)^-1 (beta v), w = (I + A)^-1 (beta exp(G) k);
-    the first value head of each key head also stores the normalised k for the later kernels (kn)."""
+def _chunk_solve_kernel(k_ptr, a_ptr, b_ptr, alog_ptr, dtb_ptr, cstart_ptr, cend_ptr, G_ptr, kn_ptr, ai_ptr,
+                        stride_kt, stride_kh, stride_at, stride_bt, stride_Gt, stride_knt, stride_knh, stride_ait,
+                        stride_aih, RATIO: tl.constexpr, K: tl.constexpr, BK: tl.constexpr,
+                        RAW_GATES: tl.constexpr, L2NORM: tl.constexpr, PREC: tl.constexpr):
+    """Program (chunk, value head): G (the in-chunk cumsum of g) and (I + A)^-1 [64, 64] (fp32, zero above the
+    diagonal), A[i, j] = beta_i (k_i . k_j) exp(G_i - G_j) for i > j: the 16x16 diagonal blocks inverted by
+    forward substitution, the blocks below from X_ij = -T_ii sum_{j<=m<i} A_im X_mj. The first value head of each
+    key head also stores the normalised k (kn) for the later kernels."""
     c = tl.program_id(0)
     h = tl.program_id(1)
     kh = h // RATIO
     start = tl.load(cstart_ptr + c)
-    end = tl.load(cend_ptr + c)
+    n = tl.load(cend_ptr + c) - start
+    t0 = start.to(tl.int64)
+    k_ptr += t0 * stride_kt
+    kn_ptr += t0 * stride_knt
+    a_ptr += t0 * stride_at
+    b_ptr += t0 * stride_bt
+    G_ptr += t0 * stride_Gt
+    ai_ptr += t0 * stride_ait
     r = tl.arange(0, 16)
-    offs_k, offs_v = tl.arange(0, BK), tl.arange(0, BV)
-    k_ok, v_ok = offs_k < K, offs_v < V
-    rows0, rows1, rows2, rows3 = start + r, start + 16 + r, start + 32 + r, start + 48 + r
-    ok0, ok1, ok2, ok3 = rows0 < end, rows1 < end, rows2 < end, rows3 < end
+    offs_k = tl.arange(0, BK)
+    k_ok = offs_k < K
+    rows0, rows1, rows2, rows3 = r, 16 + r, 32 + r, 48 + r
+    ok0, ok1, ok2, ok3 = rows0 < n, rows1 < n, rows2 < n, rows3 < n
     k0 = _load_qk(k_ptr, rows0, ok0, kh, stride_kt, stride_kh, offs_k, k_ok, L2NORM)
     k1 = _load_qk(k_ptr, rows1, ok1, kh, stride_kt, stride_kh, offs_k, k_ok, L2NORM)
     k2 = _load_qk(k_ptr, rows2, ok2, kh, stride_kt, stride_kh, offs_k, k_ok, L2NORM)
@@ -217,37 +215,76 @@ def _chunk_prep_kernel(k_ptr, v_ptr, a_ptr, b_ptr, alog_ptr, dtb_ptr, cstart_ptr
     tl.store(G_ptr + rows1 * stride_Gt + h, G1, mask=ok1)
     tl.store(G_ptr + rows2 * stride_Gt + h, G2, mask=ok2)
     tl.store(G_ptr + rows3 * stride_Gt + h, G3, mask=ok3)
-    T00 = _unit_lower_inverse(_a_block(k0, k0, G0, G0, beta0, True, PREC))
-    T11 = _unit_lower_inverse(_a_block(k1, k1, G1, G1, beta1, True, PREC))
-    T22 = _unit_lower_inverse(_a_block(k2, k2, G2, G2, beta2, True, PREC))
-    T33 = _unit_lower_inverse(_a_block(k3, k3, G3, G3, beta3, True, PREC))
+    X00 = _unit_lower_inverse(_a_block(k0, k0, G0, G0, beta0, True, PREC))
+    X11 = _unit_lower_inverse(_a_block(k1, k1, G1, G1, beta1, True, PREC))
+    X22 = _unit_lower_inverse(_a_block(k2, k2, G2, G2, beta2, True, PREC))
+    X33 = _unit_lower_inverse(_a_block(k3, k3, G3, G3, beta3, True, PREC))
     A10 = _a_block(k1, k0, G1, G0, beta1, False, PREC)
     A20 = _a_block(k2, k0, G2, G0, beta2, False, PREC)
     A21 = _a_block(k2, k1, G2, G1, beta2, False, PREC)
     A30 = _a_block(k3, k0, G3, G0, beta3, False, PREC)
     A31 = _a_block(k3, k1, G3, G1, beta3, False, PREC)
     A32 = _a_block(k3, k2, G3, G2, beta3, False, PREC)
-    v0 = tl.load(v_ptr + rows0[:, None].to(tl.int64) * stride_vt + h * stride_vh + offs_v[None, :],
-                 mask=ok0[:, None] & v_ok[None, :], other=0.0).to(tl.float32)
-    v1 = tl.load(v_ptr + rows1[:, None].to(tl.int64) * stride_vt + h * stride_vh + offs_v[None, :],
-                 mask=ok1[:, None] & v_ok[None, :], other=0.0).to(tl.float32)
-    v2 = tl.load(v_ptr + rows2[:, None].to(tl.int64) * stride_vt + h * stride_vh + offs_v[None, :],
-                 mask=ok2[:, None] & v_ok[None, :], other=0.0).to(tl.float32)
-    v3 = tl.load(v_ptr + rows3[:, None].to(tl.int64) * stride_vt + h * stride_vh + offs_v[None, :],
-                 mask=ok3[:, None] & v_ok[None, :], other=0.0).to(tl.float32)
-    u0, u1, u2, u3 = _block_solve(T00, T11, T22, T33, A10, A20, A21, A30, A31, A32, beta0[:, None] * v0,
-                                  beta1[:, None] * v1, beta2[:, None] * v2, beta3[:, None] * v3, PREC)
-    _store_rows(u_ptr, rows0, ok0, h, stride_ut, stride_uh, offs_v, v_ok, u0)
-    _store_rows(u_ptr, rows1, ok1, h, stride_ut, stride_uh, offs_v, v_ok, u1)
-    _store_rows(u_ptr, rows2, ok2, h, stride_ut, stride_uh, offs_v, v_ok, u2)
-    _store_rows(u_ptr, rows3, ok3, h, stride_ut, stride_uh, offs_v, v_ok, u3)
-    w0, w1, w2, w3 = _block_solve(T00, T11, T22, T33, A10, A20, A21, A30, A31, A32,
-                                  (beta0 * tl.exp(G0))[:, None] * k0, (beta1 * tl.exp(G1))[:, None] * k1,
-                                  (beta2 * tl.exp(G2))[:, None] * k2, (beta3 * tl.exp(G3))[:, None] * k3, PREC)
-    _store_rows(w_ptr, rows0, ok0, h, stride_wt, stride_wh, offs_k, k_ok, w0)
-    _store_rows(w_ptr, rows1, ok1, h, stride_wt, stride_wh, offs_k, k_ok, w1)
-    _store_rows(w_ptr, rows2, ok2, h, stride_wt, stride_wh, offs_k, k_ok, w2)
-    _store_rows(w_ptr, rows3, ok3, h, stride_wt, stride_wh, offs_k, k_ok, w3)
+    X10 = -_dot(X11, _dot(A10, X00, PREC, False), PREC, False)
+    X21 = -_dot(X22, _dot(A21, X11, PREC, False), PREC, False)
+    X20 = -_dot(X22, _dot(A20, X00, PREC, False) + _dot(A21, X10, PREC, False), PREC, False)
+    X32 = -_dot(X33, _dot(A32, X22, PREC, False), PREC, False)
+    X31 = -_dot(X33, _dot(A31, X11, PREC, False) + _dot(A32, X21, PREC, False), PREC, False)
+    X30 = -_dot(X33, _dot(A30, X00, PREC, False) + _dot(A31, X10, PREC, False) + _dot(A32, X20, PREC, False),
+                PREC, False)
+    zero = tl.zeros((16, 16), dtype=tl.float32)
+    _store_ai_row(ai_ptr, rows0, ok0, h, stride_ait, stride_aih, X00, zero, zero, zero)
+    _store_ai_row(ai_ptr, rows1, ok1, h, stride_ait, stride_aih, X10, X11, zero, zero)
+    _store_ai_row(ai_ptr, rows2, ok2, h, stride_ait, stride_aih, X20, X21, X22, zero)
+    _store_ai_row(ai_ptr, rows3, ok3, h, stride_ait, stride_aih, X30, X31, X32, X33)
+
+
+@triton.jit
+def _store_ai_row(ai_ptr, rows, ok, h, stride_ait, stride_aih, B0, B1, B2, B3):
+    """16 rows of (I + A)^-1: the four 16-column blocks side by side."""
+    r = tl.arange(0, 16)
+    base = ai_ptr + rows[:, None] * stride_ait + h * stride_aih + r[None, :]
+    tl.store(base, B0, mask=ok[:, None])
+    tl.store(base + 16, B1, mask=ok[:, None])
+    tl.store(base + 32, B2, mask=ok[:, None])
+    tl.store(base + 48, B3, mask=ok[:, None])
+
+
+@triton.jit
+def _chunk_wu_kernel(kn_ptr, v_ptr, b_ptr, G_ptr, ai_ptr, cstart_ptr, cend_ptr, w_ptr, u_ptr,
+                     stride_knt, stride_knh, stride_vt, stride_vh, stride_bt, stride_Gt, stride_ait, stride_aih,
+                     stride_wt, stride_wh, stride_ut, stride_uh,
+                     RATIO: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+                     C: tl.constexpr, RAW_GATES: tl.constexpr, PREC: tl.constexpr):
+    """Program (chunk, value head): u = (I + A)^-1 (beta v), w = (I + A)^-1 (beta exp(G) kn)."""
+    c = tl.program_id(0)
+    h = tl.program_id(1)
+    kh = h // RATIO
+    start = tl.load(cstart_ptr + c)
+    t0 = start.to(tl.int64)
+    kn_ptr += t0 * stride_knt
+    v_ptr += t0 * stride_vt
+    b_ptr += t0 * stride_bt
+    G_ptr += t0 * stride_Gt
+    ai_ptr += t0 * stride_ait
+    w_ptr += t0 * stride_wt
+    u_ptr += t0 * stride_ut
+    rows = tl.arange(0, C)
+    ok = rows < tl.load(cend_ptr + c) - start
+    b = tl.load(b_ptr + rows * stride_bt + h, mask=ok, other=0.0).to(tl.float32)
+    beta = tl.where(ok, tl.sigmoid(b) if RAW_GATES else b, 0.0)
+    G = tl.load(G_ptr + rows * stride_Gt + h, mask=ok, other=0.0)
+    ai = tl.load(ai_ptr + rows[:, None] * stride_ait + h * stride_aih + rows[None, :], mask=ok[:, None], other=0.0)
+    offs_v = tl.arange(0, BV)
+    v_ok = offs_v < V
+    v = tl.load(v_ptr + rows[:, None] * stride_vt + h * stride_vh + offs_v[None, :],
+                mask=ok[:, None] & v_ok[None, :], other=0.0).to(tl.float32)
+    _store_rows(u_ptr, rows, ok, h, stride_ut, stride_uh, offs_v, v_ok, _dot(ai, beta[:, None] * v, PREC, False))
+    offs_k = tl.arange(0, BK)
+    k_ok = offs_k < K
+    kn = _load_qk(kn_ptr, rows, ok, kh, stride_knt, stride_knh, offs_k, k_ok, False)
+    _store_rows(w_ptr, rows, ok, h, stride_wt, stride_wh, offs_k, k_ok,
+                _dot(ai, (beta * tl.exp(G))[:, None] * kn, PREC, False))
 
 
 @triton.jit
@@ -256,7 +293,7 @@ def _chunk_state_kernel(k_ptr, w_ptr, u_ptr, G_ptr, s_ptr, idx_ptr, cu_ptr, firs
                         stride_ss, stride_sh, stride_hc, stride_hh, stride_vnt, stride_vnh,
                         RATIO: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr,
                         BV: tl.constexpr, C: tl.constexpr, HAS_IDX: tl.constexpr,
-                        PREC: tl.constexpr):
+                        PREC: tl.constexpr, BF16: tl.constexpr):
     """Program (value block, value head, sequence): the state through the sequence's chunks, saved (in the
     intermediates' dtype) at each chunk's start; v_new = u - w S of every chunk; the final state in place."""
     pid_v = tl.program_id(0)
@@ -280,20 +317,21 @@ def _chunk_state_kernel(k_ptr, w_ptr, u_ptr, G_ptr, s_ptr, idx_ptr, cu_ptr, firs
         for j in range(tl.cdiv(eos - bos, C)):
             hs = hs_ptr + (first + j).to(tl.int64) * stride_hc + h * stride_hh
             tl.store(hs + offs_k[:, None] * V + offs_v[None, :], S.to(hs_ptr.dtype.element_ty), mask=s_mask)
-            rows = bos + j * C + offs_c
-            ok = rows < eos
-            w = tl.load(w_ptr + rows[:, None].to(tl.int64) * stride_wt + h * stride_wh + offs_k[None, :],
+            t0 = (bos + j * C).to(tl.int64)
+            n_rows = tl.minimum(eos - bos - j * C, C)
+            ok = offs_c < n_rows
+            w = tl.load(w_ptr + t0 * stride_wt + offs_c[:, None] * stride_wt + h * stride_wh + offs_k[None, :],
                         mask=ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
-            u = tl.load(u_ptr + rows[:, None].to(tl.int64) * stride_ut + h * stride_uh + offs_v[None, :],
+            u = tl.load(u_ptr + t0 * stride_ut + offs_c[:, None] * stride_ut + h * stride_uh + offs_v[None, :],
                         mask=ok[:, None] & v_ok[None, :], other=0.0).to(tl.float32)
             v_new = u - tl.dot(w, S, input_precision=PREC)
-            _store_rows(vn_ptr, rows, ok, h, stride_vnt, stride_vnh, offs_v, v_ok, v_new)
-            last = tl.minimum(bos + j * C + C, eos) - 1
-            G_last = tl.load(G_ptr + last * stride_Gt + h)
-            G = tl.load(G_ptr + rows * stride_Gt + h, mask=ok, other=0.0)
-            k = _load_qk(k_ptr, rows, ok, kh, stride_kt, stride_kh, offs_k, k_ok, False)  # kn: normalised already
+            _store_rows(vn_ptr + t0 * stride_vnt, offs_c, ok, h, stride_vnt, stride_vnh, offs_v, v_ok, v_new)
+            G_last = tl.load(G_ptr + (t0 + n_rows - 1) * stride_Gt + h)
+            G = tl.load(G_ptr + t0 * stride_Gt + offs_c * stride_Gt + h, mask=ok, other=0.0)
+            k = _load_qk(k_ptr + t0 * stride_kt, offs_c, ok, kh, stride_kt, stride_kh, offs_k, k_ok, False)  # kn
             k = k * tl.where(ok, tl.exp(G_last - G), 0.0)[:, None]
-            S = S * tl.exp(G_last) + tl.dot(tl.trans(k), v_new, input_precision=PREC)
+            # BF16: v_new is stored in bf16 anyway; only k exp(G_last - G) is rounded beyond what is kept
+            S = S * tl.exp(G_last) + _dot(tl.trans(k), v_new, PREC, BF16)
         tl.store(s_tile, S, mask=s_mask)
 
 
@@ -312,10 +350,15 @@ def _chunk_out_kernel(q_ptr, k_ptr, G_ptr, hs_ptr, vn_ptr, o_ptr, cstart_ptr, ce
     h = tl.program_id(2)
     kh = h // RATIO
     start = tl.load(cstart_ptr + c)
-    end = tl.load(cend_ptr + c)
+    t0 = start.to(tl.int64)
+    q_ptr += t0 * stride_qt
+    k_ptr += t0 * stride_kt
+    G_ptr += t0 * stride_Gt
+    vn_ptr += t0 * stride_vnt
+    o_ptr += t0 * stride_ot
     offs_c = tl.arange(0, C)
-    rows = start + offs_c
-    ok = rows < end
+    rows = offs_c
+    ok = rows < tl.load(cend_ptr + c) - start
     offs_v = pid_v * BV + tl.arange(0, BV)
     v_ok = offs_v < V
     q_scale = tl.full((C,), scale, dtype=tl.float32)
@@ -338,7 +381,7 @@ def _chunk_out_kernel(q_ptr, k_ptr, G_ptr, hs_ptr, vn_ptr, o_ptr, cstart_ptr, ce
                     mask=k_ok[:, None] & v_ok[None, :], other=0.0).to(tl.float32)
         o += _dot(qb * tl.exp(G)[:, None], S, PREC, BF16)
         qk += _dot(qb, tl.trans(kb_n), PREC, BF16)
-    v_new = tl.load(vn_ptr + rows[:, None].to(tl.int64) * stride_vnt + h * stride_vnh + offs_v[None, :],
+    v_new = tl.load(vn_ptr + rows[:, None] * stride_vnt + h * stride_vnh + offs_v[None, :],
                     mask=ok[:, None] & v_ok[None, :], other=0.0).to(tl.float32)
     causal = (offs_c[:, None] >= offs_c[None, :]) & ok[:, None] & ok[None, :]
     qk = qk * tl.exp(tl.where(causal, G[:, None] - G[None, :], -float("inf")))
@@ -355,7 +398,8 @@ def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a:
                            state: torch.Tensor, A_log: torch.Tensor | None = None,
                            dt_bias: torch.Tensor | None = None, state_indices: torch.Tensor | None = None,
                            cu_seqlens=None, scale: float | None = None, use_qk_l2norm: bool = True,
-                           block_v: int | None = None) -> torch.Tensor:
+                           block_v: int | None = None, num_warps: tuple[int, int, int, int] | None = None
+                           ) -> torch.Tensor:
     """Prefill: the chunk-parallel form, same arguments and result as `fused_recurrent_gated_delta_rule` (the
     state updated in place), plus `cu_seqlens` ([N + 1] offsets, host list or tensor; then B must be 1 and the
     T tokens hold N sequences back to back, sequence i using state slot state_indices[i] or i)."""
@@ -396,11 +440,18 @@ def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a:
     BK, BVall = triton.next_power_of_2(K), triton.next_power_of_2(V)
     prec = "ieee" if v.dtype == torch.float32 else "tf32"
     warps = 8 if max(BK, BVall) > 128 else 4
-    _chunk_prep_kernel[(n_chunks, Hv)](
-        k2, v2, a2, b2, A_log if raw else a2, dt_bias if raw else a2, table[0], table[1], w, u, G, kn,
-        k2.stride(0), k2.stride(1), v2.stride(0), v2.stride(1), a2.stride(0), b2.stride(0), w.stride(0),
-        w.stride(1), u.stride(0), u.stride(1), G.stride(0), kn.stride(0), kn.stride(1),
-        RATIO=Hv // Hk, K=K, V=V, BK=BK, BV=BVall, RAW_GATES=raw, L2NORM=use_qk_l2norm, PREC=prec, num_warps=warps)
+    w_solve, w_wu, w_state, w_out = num_warps or (warps, 8, warps, warps)
+    ainv = torch.empty((B * T, Hv, C), dtype=torch.float32, device=dev)  # fp32: it multiplies twice
+    _chunk_solve_kernel[(n_chunks, Hv)](
+        k2, a2, b2, A_log if raw else a2, dt_bias if raw else a2, table[0], table[1], G, kn, ainv,
+        k2.stride(0), k2.stride(1), a2.stride(0), b2.stride(0), G.stride(0), kn.stride(0), kn.stride(1),
+        ainv.stride(0), ainv.stride(1),
+        RATIO=Hv // Hk, K=K, BK=BK, RAW_GATES=raw, L2NORM=use_qk_l2norm, PREC=prec, num_warps=w_solve)
+    _chunk_wu_kernel[(n_chunks, Hv)](
+        kn, v2, b2, G, ainv, table[0], table[1], w, u,
+        kn.stride(0), kn.stride(1), v2.stride(0), v2.stride(1), b2.stride(0), G.stride(0), ainv.stride(0),
+        ainv.stride(1), w.stride(0), w.stride(1), u.stride(0), u.stride(1),
+        RATIO=Hv // Hk, K=K, V=V, BK=BK, BV=BVall, C=C, RAW_GATES=raw, PREC=prec, num_warps=w_wu)
     bv = block_v or min(32, BVall)  # measured best on the H200 (16: more programs, but each chunk step costs more)
     idx = state_indices if state_indices is not None else cu_t
     _chunk_state_kernel[(triton.cdiv(V, bv), Hv, N)](
@@ -408,14 +459,14 @@ def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a:
         kn.stride(0), kn.stride(1), w.stride(0), w.stride(1), u.stride(0), u.stride(1), G.stride(0),
         state.stride(0), state.stride(1), states.stride(0), states.stride(1), v_new.stride(0), v_new.stride(1),
         RATIO=Hv // Hk, K=K, V=V, BK=BK, BV=bv, C=C, HAS_IDX=state_indices is not None,
-        PREC=prec, num_warps=warps, num_stages=1 if inter == torch.float32 and BK > 128 else 3)  # shared memory
+        PREC=prec, BF16=inter == torch.bfloat16 and not INTERPRET, num_warps=w_state, num_stages=1 if inter == torch.float32 and BK > 128 else 3)  # shared memory
     bvo = min(64, BVall)
     _chunk_out_kernel[(triton.cdiv(V, bvo), n_chunks, Hv)](
         q2, kn, G, states, v_new, o2, table[0], table[1], K ** -0.5 if scale is None else scale,
         q2.stride(0), q2.stride(1), kn.stride(0), kn.stride(1), G.stride(0), states.stride(0), states.stride(1),
         v_new.stride(0), v_new.stride(1), o2.stride(0), o2.stride(1),
         RATIO=Hv // Hk, K=K, V=V, BK=min(BK, 128), NKB=triton.cdiv(BK, 128), BV=bvo, C=C, L2NORM=use_qk_l2norm,
-        PREC=prec, BF16=inter == torch.bfloat16 and not INTERPRET, num_warps=warps)
+        PREC=prec, BF16=inter == torch.bfloat16 and not INTERPRET, num_warps=w_out)
     return o
 
 
