@@ -62,10 +62,14 @@ class GatedDeltaNet(nn.Module):
         mixed, z, b, a = proj.split([2 * kd + vd, vd, nv, nv], dim=-1)
         i = self.state_index
         conv_state = cache.conv[i] if cache is not None else None
-        mixed, new_conv = causal_conv1d(mixed, self.conv_weight, conv_state, activation="silu")
         kernels = gdn_kernels(x, (dk, dv))
-        if kernels is not None:
-            mixed = mixed.contiguous()  # the kernels read rows of q, k and v with unit stride
+        if kernels is None:
+            mixed, new_conv = causal_conv1d(mixed, self.conv_weight, conv_state, activation="silu")
+        elif T == 1 and conv_state is not None:  # decode: the conv state shifted in place
+            mixed = kernels.causal_conv1d_update(mixed[:, 0], self.conv_weight, conv_state)[:, None]
+            new_conv = conv_state
+        else:
+            mixed, new_conv = kernels.causal_conv1d(mixed, self.conv_weight, conv_state, activation="silu")
         q, k, v = mixed.split([kd, kd, vd], dim=-1)
         q, k, v = q.reshape(B, T, nk, dk), k.reshape(B, T, nk, dk), v.reshape(B, T, nv, dv)
         state = cache.recurrent[i] if cache is not None else None
@@ -83,5 +87,6 @@ class GatedDeltaNet(nn.Module):
             o, new_state = rule(q, k, v, g, beta, initial_state=state, use_qk_l2norm=True)
         if cache is not None:
             cache.conv[i], cache.recurrent[i] = new_conv, new_state.float()
-        o = gated_rms_norm(o.to(x.dtype), z.reshape(B, T, nv, dv), self.norm_weight, self.eps)
+        norm = gated_rms_norm if kernels is None else kernels.gated_rms_norm
+        o = norm(o.to(x.dtype), z.reshape(B, T, nv, dv), self.norm_weight, self.eps)
         return self.out_proj(o.reshape(B, T, vd))

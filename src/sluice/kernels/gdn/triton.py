@@ -36,6 +36,10 @@ import torch
 import triton
 import triton.language as tl
 
+# the rest of a GDN layer's kernels, so that the layer finds them all here
+from sluice.kernels.conv1d.triton import causal_conv1d, causal_conv1d_update  # noqa: F401
+from sluice.kernels.norm.triton import gated_rms_norm  # noqa: F401
+
 MAX_HEAD_DIM = 256
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"  # its bf16 tl.dot is wrong (Triton 3.9): fp32 operands there
 
