@@ -197,7 +197,7 @@ def profile_prefill(res):
     x = make(16384, seed=2)
     state = torch.zeros(1, HV, D, D, device="cuda")
     case(res, "breakdown ours", lambda: kernel_breakdown(res, "ours T=16384", lambda: ours_prefill(x, state)))
-    for warps in ((4, 4, 4, 4), (8, 8, 8, 8), (4, 8, 8, 4), (8, 4, 4, 8), (2, 4, 2, 4)):
+    for warps in ((1, 4, 4, 4), (4, 4, 4, 4), (2, 8, 4, 8), (2, 4, 8, 4)):
         case(res, f"breakdown ours {warps}", lambda: kernel_breakdown(
             res, f"ours T=16384 warps {warps}", lambda: ours_prefill(x, state, warps=warps)))
     if FLA:

@@ -147,12 +147,14 @@ def _a_block(ki, kj, Gi, Gj, beta_i, DIAG: tl.constexpr, PREC: tl.constexpr):
 
 
 @triton.jit
-def _unit_lower_inverse(A):
-    """(I + A)^-1 for a strictly lower 16x16 A, by forward substitution: row i = e_i - sum_j A[i, j] row j."""
+def _unit_lower_inverse(a_ptr, stride_row, n):
+    """(I + A)^-1 for a strictly lower 16x16 A whose rows lie at a_ptr (row stride `stride_row`; rows >= n read
+    as zero), by forward substitution: row i = e_i - sum_j A[i, j] row j. Row i is read from memory, where the
+    caller wrote A just before behind a barrier: one reduction across threads per step, not two."""
     r = tl.arange(0, 16)
     inv = tl.where(r[:, None] == r[None, :], 1.0, 0.0)
     for i in tl.static_range(1, 16):
-        a_i = tl.sum(tl.where(r[:, None] == i, A, 0.0), axis=0)  # row i of A, indexed by column j
+        a_i = tl.load(a_ptr + i * stride_row + r, mask=r < tl.where(i < n, i, 0), other=0.0)
         row = (r == i).to(tl.float32) - tl.sum(a_i[:, None] * inv, axis=0)
         inv = tl.where(r[:, None] == i, row[None, :], inv)
     return inv
@@ -219,10 +221,23 @@ def _chunk_solve_kernel(k_ptr, a_ptr, b_ptr, alog_ptr, dtb_ptr, cstart_ptr, cend
     tl.store(G_ptr + rows1 * stride_Gt + h, G1, mask=ok1)
     tl.store(G_ptr + rows2 * stride_Gt + h, G2, mask=ok2)
     tl.store(G_ptr + rows3 * stride_Gt + h, G3, mask=ok3)
-    X00 = _unit_lower_inverse(_a_block(k0, k0, G0, G0, beta0, True, PREC))
-    X11 = _unit_lower_inverse(_a_block(k1, k1, G1, G1, beta1, True, PREC))
-    X22 = _unit_lower_inverse(_a_block(k2, k2, G2, G2, beta2, True, PREC))
-    X33 = _unit_lower_inverse(_a_block(k3, k3, G3, G3, beta3, True, PREC))
+    # the diagonal blocks of A go through memory (this chunk's rows of the output, overwritten below), so that
+    # the substitutions read their rows with plain loads
+    ai_h = ai_ptr + h * stride_aih
+    r2 = tl.arange(0, 16)[None, :]
+    tl.store(ai_h + rows0[:, None] * stride_ait + r2, _a_block(k0, k0, G0, G0, beta0, True, PREC), mask=ok0[:, None])
+    tl.store(ai_h + rows1[:, None] * stride_ait + 16 + r2, _a_block(k1, k1, G1, G1, beta1, True, PREC),
+             mask=ok1[:, None])
+    tl.store(ai_h + rows2[:, None] * stride_ait + 32 + r2, _a_block(k2, k2, G2, G2, beta2, True, PREC),
+             mask=ok2[:, None])
+    tl.store(ai_h + rows3[:, None] * stride_ait + 48 + r2, _a_block(k3, k3, G3, G3, beta3, True, PREC),
+             mask=ok3[:, None])
+    tl.debug_barrier()
+    X00 = _unit_lower_inverse(ai_h, stride_ait, n)
+    X11 = _unit_lower_inverse(ai_h + 16 * stride_ait + 16, stride_ait, n - 16)
+    X22 = _unit_lower_inverse(ai_h + 32 * stride_ait + 32, stride_ait, n - 32)
+    X33 = _unit_lower_inverse(ai_h + 48 * stride_ait + 48, stride_ait, n - 48)
+    tl.debug_barrier()  # every thread has read A before the inverse overwrites it
     A10 = _a_block(k1, k0, G1, G0, beta1, False, PREC)
     A20 = _a_block(k2, k0, G2, G0, beta2, False, PREC)
     A21 = _a_block(k2, k1, G2, G1, beta2, False, PREC)
