@@ -17,6 +17,7 @@ Table printed last.
 from __future__ import annotations
 
 import json
+import os
 import sys
 import traceback
 from pathlib import Path
@@ -59,9 +60,13 @@ def rel(a, b):
     return float((a.double() - b.double()).norm() / b.double().norm())
 
 
-def ours_prefill(x, state, cu=None, block_v=None, warps=None):
-    return gt.chunk_gated_delta_rule(x["q"], x["k"], x["v"], x["a"], x["b"], state, x["A_log"], x["dt_bias"],
-                                     cu_seqlens=cu, block_v=block_v, num_warps=warps)
+def ours_prefill(x, state, cu=None, block_v=None, warps=None, stages=None, wu_bf16=False):
+    gt.WU_DOTS_BF16 = wu_bf16
+    try:
+        return gt.chunk_gated_delta_rule(x["q"], x["k"], x["v"], x["a"], x["b"], state, x["A_log"], x["dt_bias"],
+                                         cu_seqlens=cu, block_v=block_v, num_warps=warps, num_stages=stages)
+    finally:
+        gt.WU_DOTS_BF16 = False
 
 
 def fla_prefill(x, state, cu=None):
@@ -80,7 +85,7 @@ def case(res, what, fn):
 
 
 def check(res):
-    for name, lens in (("T=1000", [1000]), ("packed 1+63+64+65+1000", [1, 63, 64, 65, 1000])):
+    for name, lens in (("T=1000", [1000]), ("packed 1+63+64+65+1000", [1, 63, 64, 65, 1000]), ("T=16384", [16384])):
         T = sum(lens)
         cu = [0]
         for n in lens:
@@ -100,6 +105,9 @@ def check(res):
         st = state0.clone()
         o = ours_prefill(x, st, cu)
         row.update(ours_o=rel(o, ref_o), ours_state=rel(st, ref_s))
+        st = state0.clone()
+        o = ours_prefill(x, st, cu, wu_bf16=True)
+        row.update(ours_wu_bf16_o=rel(o, ref_o), ours_wu_bf16_state=rel(st, ref_s))
         # decode chained after a prefill equals the whole sequence (first sequence only)
         if FLA:
             o_f, s_f = fla_prefill(x, state0.clone(), cu)
@@ -120,29 +128,73 @@ def check(res):
     print(f"check decode: {row}", flush=True)
 
 
-def time_prefill(res):
+def check_head_dim_256(res):
+    """bf16 inputs at K = V = 256 (the largest head dim; its own launch defaults), against the fp32 reference."""
+    g = torch.Generator(device="cuda").manual_seed(7)
+    r = lambda *s: torch.randn(*s, device="cuda", generator=g)  # noqa: E731
+    T, Hk, Hv, K = 300, 2, 4, 256
+    q, k, v = r(1, T, Hk, K).to(BF16), r(1, T, Hk, K).to(BF16), r(1, T, Hv, K).to(BF16)
+    a, b, A_log, dt_bias = r(1, T, Hv).to(BF16), r(1, T, Hv).to(BF16), r(Hv) * 0.5, r(Hv) * 0.5
+    state0 = r(1, Hv, K, K) * 0.1
+    g_ = -A_log.exp() * F.softplus(a.float() + dt_bias)
+    ref_o, ref_s = reference.chunk_gated_delta_rule(q, k, v, g_, b.float().sigmoid(), initial_state=state0,
+                                                    use_qk_l2norm=True)
+    st = state0.clone()
+    o = gt.chunk_gated_delta_rule(q, k, v, a, b, st, A_log, dt_bias)
+    row = {"case": "K=V=256 T=300", "ours_o": rel(o, ref_o), "ours_state": rel(st, ref_s)}
+    row["ok"] = row["ours_o"] <= 5e-3 and row["ours_state"] <= 5e-3
+    res["correctness"].append(row)
+    print(f"check {row}", flush=True)
+
+
+def prefill_cases():
     for name, lens in PREFILL:
-        T = sum(lens)
         cu = None
         if len(lens) > 1:
             cu = [0]
             for n in lens:
                 cu.append(cu[-1] + n)
+        yield name, lens, cu
+
+
+def time_prefill(res):
+    """Our default launch and FLA on each shape (wall time of a call, CUDA events, median); ours also replayed
+    from a CUDA graph (GPU time alone, as in a captured model forward)."""
+    for name, lens, cu in prefill_cases():
+        T = sum(lens)
         x = make(T, seed=1)
         state = torch.zeros(len(lens), HV, D, D, device="cuda")
         row = {"case": name, "T": T}
         res["prefill"].append(row)
         case(res, f"prefill ours {name}", lambda: row.update(ours_ms=events_time(lambda: ours_prefill(x, state, cu),
                                                                                   reps=10) * 1e3))
+        if cu is None:
+            case(res, f"prefill ours graph {name}", lambda: row.update(
+                ours_graph_ms=graph_time([lambda: ours_prefill(x, state)], reps=10) * 1e3))
         if FLA:
             case(res, f"prefill fla {name}", lambda: row.update(fla_ms=events_time(lambda: fla_prefill(x, state, cu),
                                                                                     reps=10) * 1e3))
-        for bv in (16, 32, 64):
-            case(res, f"prefill ours {name} bv{bv}", lambda: row.update(
-                {f"ours_bv{bv}_ms": events_time(lambda: ours_prefill(x, state, cu, bv), reps=5) * 1e3}))
         if "fla_ms" in row and "ours_ms" in row:
             row["speedup"] = row["fla_ms"] / row["ours_ms"]
         print(f"prefill {row}", flush=True)
+        del x
+
+
+SWEEP = [("w24", dict(warps=(2, 4))), ("w84", dict(warps=(8, 4))), ("s3", dict(stages=3)),
+         ("wu_bf16", dict(wu_bf16=True)), ("bv16", dict(block_v=16)), ("bv64", dict(block_v=64))]
+# run last: block_v 16 with stages 1 once broke the CUDA context (illegal address; H100, Triton 3.6)
+SWEEP_LAST = [("s1", dict(stages=1)), ("bv16s1", dict(block_v=16, stages=1))]
+
+
+def sweep_prefill(res, variants):
+    for name, lens, cu in prefill_cases():
+        x = make(sum(lens), seed=1)
+        state = torch.zeros(len(lens), HV, D, D, device="cuda")
+        row = next(r for r in res["prefill"] if r["case"] == name)
+        for label, kw in variants:
+            case(res, f"prefill ours {name} {label}", lambda: row.update(
+                {f"ours_{label}_ms": events_time(lambda: ours_prefill(x, state, cu, **kw), reps=5) * 1e3}))
+        print(f"sweep {row}", flush=True)
         del x
 
 
@@ -197,9 +249,9 @@ def profile_prefill(res):
     x = make(16384, seed=2)
     state = torch.zeros(1, HV, D, D, device="cuda")
     case(res, "breakdown ours", lambda: kernel_breakdown(res, "ours T=16384", lambda: ours_prefill(x, state)))
-    for warps in ((1, 4, 4, 4), (4, 4, 4, 4), (2, 8, 4, 8), (2, 4, 8, 4)):
-        case(res, f"breakdown ours {warps}", lambda: kernel_breakdown(
-            res, f"ours T=16384 warps {warps}", lambda: ours_prefill(x, state, warps=warps)))
+    for label, kw in (("warps (2, 4)", dict(warps=(2, 4))), ("wu_bf16", dict(wu_bf16=True))):
+        case(res, f"breakdown ours {label}", lambda: kernel_breakdown(
+            res, f"ours T=16384 {label}", lambda: ours_prefill(x, state, **kw)))
     if FLA:
         case(res, "breakdown fla", lambda: kernel_breakdown(res, "FLA T=16384", lambda: fla_prefill(x, state)))
 
@@ -212,16 +264,22 @@ def main():
     print(f"# {res['gpu']}, FLA {FLA}, copy {copy_bw / 1e12:.2f} TB/s", flush=True)
     try:
         case(res, "correctness", lambda: check(res))
-        case(res, "decode", lambda: time_decode(res, copy_bw))
+        if not os.environ.get("GDN_BENCH_SKIP_DECODE"):  # the decode sweep, when only prefill changed
+            case(res, "decode", lambda: time_decode(res, copy_bw))
         case(res, "prefill", lambda: time_prefill(res))
         case(res, "breakdown", lambda: profile_prefill(res))
+        case(res, "sweep", lambda: sweep_prefill(res, SWEEP))
+        case(res, "head dim 256", lambda: check_head_dim_256(res))
+        if os.environ.get("GDN_BENCH_STAGES_1"):  # known to break the CUDA context: nothing runs after it
+            case(res, "sweep", lambda: sweep_prefill(res, SWEEP_LAST))
     finally:
         print(f"\n{res['gpu']}; FLA {FLA}; copy {copy_bw / 1e12:.2f} TB/s; Hk={HK} Hv={HV} K=V={D}, bf16")
-        print(f"{'prefill':12s} {'ours ms':>8s} {'FLA ms':>8s} {'speedup':>8s}   block_v sweep (ms)")
+        print(f"{'prefill':12s} {'ours ms':>8s} {'FLA ms':>8s} {'speedup':>8s} {'graph ms':>8s}   sweep (ms)")
         for r in res["prefill"]:
-            sweep = " ".join(f"{k[5:-3]}={v:.3f}" for k, v in r.items() if k.startswith("ours_bv"))
+            sweep = " ".join(f"{k[5:-3]}={v:.3f}" for k, v in r.items()
+                             if k.startswith("ours_") and k not in ("ours_ms", "ours_graph_ms"))
             print(f"{r['case']:12s} {r.get('ours_ms', float('nan')):8.3f} {r.get('fla_ms', float('nan')):8.3f} "
-                  f"{r.get('speedup', float('nan')):7.2f}x   {sweep}")
+                  f"{r.get('speedup', float('nan')):7.2f}x {r.get('ours_graph_ms', float('nan')):8.3f}   {sweep}")
         print(f"\n{'decode':12s} {'ours us':>8s} {'FLA us':>8s} {'speedup':>8s} {'floor us':>9s}   block_v sweep (us)")
         for r in res["decode"]:
             sweep = " ".join(f"{k[5:-3]}={v:.1f}" for k, v in r.items() if k.startswith("ours_bv"))

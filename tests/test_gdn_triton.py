@@ -195,7 +195,9 @@ def test_chunk_half_inputs(dtype):
     assert rel_rms(o, ref_o) < bound and rel_rms(state, ref_state) < bound
 
 
-def test_packed_sequences_equal_separate_runs():
+@pytest.mark.parametrize("cu_on_device", [False, True])
+def test_packed_sequences_equal_separate_runs(cu_on_device):
+    """cu_seqlens from the host (checked, copied once) or already on the device (chunks found in-kernel)."""
     lens = [1, 70, 0, 64, 5]
     Hk, Hv, K, V = 1, 2, 32, 32
     parts = [inputs(1, n, Hk, Hv, K, V, seed=40 + i) for i, n in enumerate(lens)]
@@ -212,7 +214,7 @@ def test_packed_sequences_equal_separate_runs():
         cu.append(cu[-1] + n)
     o = gt.chunk_gated_delta_rule(d["q"], d["k"], d["v"], d["a"], d["b"], cache_d, d["A_log"], d["dt_bias"],
                                   state_indices=torch.tensor(slots, dtype=torch.int32, device=DEVICE),
-                                  cu_seqlens=torch.tensor(cu)).cpu()
+                                  cu_seqlens=torch.tensor(cu, device=DEVICE) if cu_on_device else cu).cpu()
     for i, p in enumerate(parts):
         ref_o, ref_state = run_reference(p)
         if lens[i]:

@@ -42,6 +42,9 @@ from sluice.kernels.norm.triton import gated_rms_norm  # noqa: F401
 
 MAX_HEAD_DIM = 256
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"  # its bf16 tl.dot is wrong (Triton 3.9): fp32 operands there
+# prefill: (I + A)^-1 and the right-hand sides of w and u rounded to bf16 for their products (as FLA does) instead
+# of tf32; an experiment of benchmarks/gdn_gpu.py (about 3.3e-3 output error instead of 2.9e-3, emulated)
+WU_DOTS_BF16 = False
 
 
 @triton.jit
@@ -126,46 +129,11 @@ def _gates(a_ptr, b_ptr, alog_ptr, dtb_ptr, h, rows, ok, stride_at, stride_bt, R
 
 
 @triton.jit
-def _load_qk(ptr, rows, ok, head, stride_t, stride_h, offs_k, k_ok, L2NORM: tl.constexpr):
-    """[rows, BK] fp32 rows of q or k of one head, l2-normalised; zero rows past the end. `ptr` already points at
-    the chunk's first token and `rows` are int32 offsets from it (64-bit offsets per element cost registers)."""
-    x = tl.load(ptr + rows[:, None] * stride_t + head * stride_h + offs_k[None, :],
-                mask=ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
-    if L2NORM:
-        x = x * tl.rsqrt(tl.sum(x * x, axis=1) + 1e-6)[:, None]
-    return x
-
-
-@triton.jit
-def _a_block(ki, kj, Gi, Gj, beta_i, DIAG: tl.constexpr, PREC: tl.constexpr):
-    """A[i, j] = beta_i (k_i . k_j) exp(G_i - G_j) on a 16x16 block (strictly lower part on the diagonal)."""
-    r = tl.arange(0, 16)
-    diff = Gi[:, None] - Gj[None, :]
-    if DIAG:
-        diff = tl.where(r[:, None] > r[None, :], diff, -float("inf"))  # masked before exp: no overflow above
-    return beta_i[:, None] * tl.dot(ki, tl.trans(kj), input_precision=PREC) * tl.exp(diff)
-
-
-@triton.jit
-def _unit_lower_inverse(a_ptr, stride_row, n):
-    """(I + A)^-1 for a strictly lower 16x16 A whose rows lie at a_ptr (row stride `stride_row`; rows >= n read
-    as zero), by forward substitution: row i = e_i - sum_j A[i, j] row j. Row i is read from memory, where the
-    caller wrote A just before behind a barrier: one reduction across threads per step, not two."""
-    r = tl.arange(0, 16)
-    inv = tl.where(r[:, None] == r[None, :], 1.0, 0.0)
-    for i in tl.static_range(1, 16):
-        a_i = tl.load(a_ptr + i * stride_row + r, mask=r < tl.where(i < n, i, 0), other=0.0)
-        row = (r == i).to(tl.float32) - tl.sum(a_i[:, None] * inv, axis=0)
-        inv = tl.where(r[:, None] == i, row[None, :], inv)
-    return inv
-
-
-@triton.jit
-def _dot(a, b, PREC: tl.constexpr, BF16: tl.constexpr):
-    """a @ b, fp32 accumulation; BF16: bf16 operands (half the shared memory, full tensor-core rate)."""
-    if BF16:
-        return tl.dot(a.to(tl.bfloat16), b.to(tl.bfloat16))
-    return tl.dot(a, b, input_precision=PREC)
+def _load_rows(ptr, rows, ok, head, stride_t, stride_h, offs, offs_ok):
+    """[rows, offs] of one head in the stored dtype, zero past the end. `ptr` already points at the chunk's first
+    token and `rows` are int32 offsets from it (64-bit offsets per element cost registers)."""
+    return tl.load(ptr + rows[:, None] * stride_t + head * stride_h + offs[None, :],
+                   mask=ok[:, None] & offs_ok[None, :], other=0.0)
 
 
 @triton.jit
@@ -175,146 +143,169 @@ def _store_rows(ptr, rows, ok, head, stride_t, stride_h, offs, offs_ok, x):
 
 
 @triton.jit
-def _chunk_solve_kernel(k_ptr, a_ptr, b_ptr, alog_ptr, dtb_ptr, cstart_ptr, cend_ptr, G_ptr, kn_ptr, ai_ptr,
-                        stride_kt, stride_kh, stride_at, stride_bt, stride_Gt, stride_knt, stride_knh, stride_ait,
-                        stride_aih, RATIO: tl.constexpr, K: tl.constexpr, BK: tl.constexpr,
-                        RAW_GATES: tl.constexpr, L2NORM: tl.constexpr, PREC: tl.constexpr):
-    """Program (chunk, value head): G (the in-chunk cumsum of g) and (I + A)^-1 [64, 64] (fp32, zero above the
-    diagonal), A[i, j] = beta_i (k_i . k_j) exp(G_i - G_j) for i > j: the 16x16 diagonal blocks inverted by
-    forward substitution, the blocks below from X_ij = -T_ii sum_{j<=m<i} A_im X_mj. The first value head of each
-    key head also stores the normalised k (kn) for the later kernels."""
+def _rnorm(x, L2NORM: tl.constexpr):
+    """1 / ||row|| of a [rows, K] tile (eps 1e-6 on the sum of squares, as HF and FLA); 1 without L2NORM."""
+    if L2NORM:
+        xf = x.to(tl.float32)
+        return tl.rsqrt(tl.sum(xf * xf, axis=1) + 1e-6)
+    return tl.full((x.shape[0],), 1.0, dtype=tl.float32)
+
+
+@triton.jit
+def _dot(a, b, PREC: tl.constexpr, BF16: tl.constexpr):
+    """a @ b with fp32 accumulation. BF16: bf16 operands (exact for operands that are bf16 already: the raw q, k
+    and the stored w, u); otherwise fp32 operands at PREC (the interpreter's bf16 dot is wrong)."""
+    if BF16:
+        return tl.dot(a.to(tl.bfloat16), b.to(tl.bfloat16))
+    return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision=PREC)
+
+
+@triton.jit
+def _chunk_bounds(c, cu_ptr, first_ptr, N, T, NC, C: tl.constexpr, VARLEN: tl.constexpr, NP2: tl.constexpr):
+    """(first token, rows) of chunk c. VARLEN: sequence i spans cu[i]..cu[i+1] and owns the chunks from first[i]
+    on (found by counting the first[1..N] <= c); the grid may hold more programs than chunks (rows <= 0 then).
+    Otherwise the B sequences are T tokens each, NC chunks per sequence."""
+    if VARLEN:
+        i = tl.arange(0, NP2)
+        seq = tl.sum((tl.load(first_ptr + 1 + i, mask=i < N, other=2 ** 30) <= c).to(tl.int32), axis=0)
+        valid = seq < N
+        start = tl.load(cu_ptr + seq, mask=valid, other=0) + (c - tl.load(first_ptr + seq, mask=valid, other=0)) * C
+        end = tl.load(cu_ptr + seq + 1, mask=valid, other=0)
+        return start, tl.minimum(end - start, C)
+    seq = c // NC
+    start = seq * T + (c % NC) * C
+    return start, tl.minimum(T - (c % NC) * C, C)
+
+
+@triton.jit
+def _block(scr, bi: tl.constexpr, bj: tl.constexpr):
+    """The [16, 16] block (bi, bj) of a [64, 64] fp32 matrix in scratch memory."""
+    r = tl.arange(0, 16)
+    return tl.load(scr + (16 * bi + r[:, None]) * 64 + 16 * bj + r[None, :])
+
+
+@triton.jit
+def _put_block(scr, bi: tl.constexpr, bj: tl.constexpr, x):
+    r = tl.arange(0, 16)
+    tl.store(scr + (16 * bi + r[:, None]) * 64 + 16 * bj + r[None, :], x)
+
+
+@triton.jit
+def _chunk_prep_kernel(q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, alog_ptr, dtb_ptr, cu_ptr, first_ptr,
+                       G_ptr, rq_ptr, rk_ptr, w_ptr, u_ptr, p_ptr, scr_ptr, N, T, NC, scale,
+                       stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_at, stride_bt,
+                       stride_Gt, stride_rt, stride_wt, stride_wh, stride_ut, stride_uh, stride_pt, stride_ph,
+                       RATIO: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+                       VARLEN: tl.constexpr, NP2: tl.constexpr, RAW_GATES: tl.constexpr, L2NORM: tl.constexpr,
+                       PREC: tl.constexpr, BF16: tl.constexpr, WU_BF16: tl.constexpr):
+    """Program (chunk, value head): everything of a chunk that does not depend on the state, with
+    kn = k / |k|, qn = q / |q| (raw q, k are read; their norms enter as factors, so the bf16 products are exact):
+        G = the in-chunk cumsum of the gates g,  A[i, j] = beta_i (kn_i . kn_j) exp(G_i - G_j)  (i > j)
+        w = (I + A)^-1 (beta exp(G) kn),  u = (I + A)^-1 (beta v)           (the WY vectors)
+        P = scale tril_incl((qn kn^T) exp(G_i - G_j))                       (the intra-chunk attention)
+    (I + A)^-1 goes through scratch memory: A there (one dot for all of it), the four 16x16 diagonal blocks
+    inverted at once by forward substitution (a row read back per step), the blocks below from
+    X_ij = -X_ii sum_{j<=m<i} A_im X_mj, then read back whole for the w and u products. The first value head of
+    each key head stores 1/|q| and 1/|k| for the scan."""
     c = tl.program_id(0)
     h = tl.program_id(1)
     kh = h // RATIO
-    start = tl.load(cstart_ptr + c)
-    n = tl.load(cend_ptr + c) - start
-    t0 = start.to(tl.int64)
-    k_ptr += t0 * stride_kt
-    kn_ptr += t0 * stride_knt
-    a_ptr += t0 * stride_at
-    b_ptr += t0 * stride_bt
-    G_ptr += t0 * stride_Gt
-    ai_ptr += t0 * stride_ait
-    r = tl.arange(0, 16)
-    offs_k = tl.arange(0, BK)
-    k_ok = offs_k < K
-    rows0, rows1, rows2, rows3 = r, 16 + r, 32 + r, 48 + r
-    ok0, ok1, ok2, ok3 = rows0 < n, rows1 < n, rows2 < n, rows3 < n
-    k0 = _load_qk(k_ptr, rows0, ok0, kh, stride_kt, stride_kh, offs_k, k_ok, L2NORM)
-    k1 = _load_qk(k_ptr, rows1, ok1, kh, stride_kt, stride_kh, offs_k, k_ok, L2NORM)
-    k2 = _load_qk(k_ptr, rows2, ok2, kh, stride_kt, stride_kh, offs_k, k_ok, L2NORM)
-    k3 = _load_qk(k_ptr, rows3, ok3, kh, stride_kt, stride_kh, offs_k, k_ok, L2NORM)
-    if h % RATIO == 0:
-        _store_rows(kn_ptr, rows0, ok0, kh, stride_knt, stride_knh, offs_k, k_ok, k0)
-        _store_rows(kn_ptr, rows1, ok1, kh, stride_knt, stride_knh, offs_k, k_ok, k1)
-        _store_rows(kn_ptr, rows2, ok2, kh, stride_knt, stride_knh, offs_k, k_ok, k2)
-        _store_rows(kn_ptr, rows3, ok3, kh, stride_knt, stride_knh, offs_k, k_ok, k3)
-    g0, beta0 = _gates(a_ptr, b_ptr, alog_ptr, dtb_ptr, h, rows0, ok0, stride_at, stride_bt, RAW_GATES)
-    g1, beta1 = _gates(a_ptr, b_ptr, alog_ptr, dtb_ptr, h, rows1, ok1, stride_at, stride_bt, RAW_GATES)
-    g2, beta2 = _gates(a_ptr, b_ptr, alog_ptr, dtb_ptr, h, rows2, ok2, stride_at, stride_bt, RAW_GATES)
-    g3, beta3 = _gates(a_ptr, b_ptr, alog_ptr, dtb_ptr, h, rows3, ok3, stride_at, stride_bt, RAW_GATES)
-    G0 = tl.cumsum(g0, axis=0)
-    G1 = tl.cumsum(g1, axis=0) + tl.sum(g0, axis=0)
-    G2 = tl.cumsum(g2, axis=0) + (tl.sum(g0, axis=0) + tl.sum(g1, axis=0))
-    G3 = tl.cumsum(g3, axis=0) + (tl.sum(g0, axis=0) + tl.sum(g1, axis=0) + tl.sum(g2, axis=0))
-    tl.store(G_ptr + rows0 * stride_Gt + h, G0, mask=ok0)
-    tl.store(G_ptr + rows1 * stride_Gt + h, G1, mask=ok1)
-    tl.store(G_ptr + rows2 * stride_Gt + h, G2, mask=ok2)
-    tl.store(G_ptr + rows3 * stride_Gt + h, G3, mask=ok3)
-    # the diagonal blocks of A go through memory (this chunk's rows of the output, overwritten below), so that
-    # the substitutions read their rows with plain loads
-    ai_h = ai_ptr + h * stride_aih
-    r2 = tl.arange(0, 16)[None, :]
-    tl.store(ai_h + rows0[:, None] * stride_ait + r2, _a_block(k0, k0, G0, G0, beta0, True, PREC), mask=ok0[:, None])
-    tl.store(ai_h + rows1[:, None] * stride_ait + 16 + r2, _a_block(k1, k1, G1, G1, beta1, True, PREC),
-             mask=ok1[:, None])
-    tl.store(ai_h + rows2[:, None] * stride_ait + 32 + r2, _a_block(k2, k2, G2, G2, beta2, True, PREC),
-             mask=ok2[:, None])
-    tl.store(ai_h + rows3[:, None] * stride_ait + 48 + r2, _a_block(k3, k3, G3, G3, beta3, True, PREC),
-             mask=ok3[:, None])
-    tl.debug_barrier()
-    X00 = _unit_lower_inverse(ai_h, stride_ait, n)
-    X11 = _unit_lower_inverse(ai_h + 16 * stride_ait + 16, stride_ait, n - 16)
-    X22 = _unit_lower_inverse(ai_h + 32 * stride_ait + 32, stride_ait, n - 32)
-    X33 = _unit_lower_inverse(ai_h + 48 * stride_ait + 48, stride_ait, n - 48)
-    tl.debug_barrier()  # every thread has read A before the inverse overwrites it
-    A10 = _a_block(k1, k0, G1, G0, beta1, False, PREC)
-    A20 = _a_block(k2, k0, G2, G0, beta2, False, PREC)
-    A21 = _a_block(k2, k1, G2, G1, beta2, False, PREC)
-    A30 = _a_block(k3, k0, G3, G0, beta3, False, PREC)
-    A31 = _a_block(k3, k1, G3, G1, beta3, False, PREC)
-    A32 = _a_block(k3, k2, G3, G2, beta3, False, PREC)
-    X10 = -_dot(X11, _dot(A10, X00, PREC, False), PREC, False)
-    X21 = -_dot(X22, _dot(A21, X11, PREC, False), PREC, False)
-    X20 = -_dot(X22, _dot(A20, X00, PREC, False) + _dot(A21, X10, PREC, False), PREC, False)
-    X32 = -_dot(X33, _dot(A32, X22, PREC, False), PREC, False)
-    X31 = -_dot(X33, _dot(A31, X11, PREC, False) + _dot(A32, X21, PREC, False), PREC, False)
-    X30 = -_dot(X33, _dot(A30, X00, PREC, False) + _dot(A31, X10, PREC, False) + _dot(A32, X20, PREC, False),
-                PREC, False)
-    zero = tl.zeros((16, 16), dtype=tl.float32)
-    _store_ai_row(ai_ptr, rows0, ok0, h, stride_ait, stride_aih, X00, zero, zero, zero)
-    _store_ai_row(ai_ptr, rows1, ok1, h, stride_ait, stride_aih, X10, X11, zero, zero)
-    _store_ai_row(ai_ptr, rows2, ok2, h, stride_ait, stride_aih, X20, X21, X22, zero)
-    _store_ai_row(ai_ptr, rows3, ok3, h, stride_ait, stride_aih, X30, X31, X32, X33)
+    start, n = _chunk_bounds(c, cu_ptr, first_ptr, N, T, NC, 64, VARLEN, NP2)
+    if n > 0:
+        t0 = start.to(tl.int64)
+        q_ptr += t0 * stride_qt
+        k_ptr += t0 * stride_kt
+        v_ptr += t0 * stride_vt
+        a_ptr += t0 * stride_at
+        b_ptr += t0 * stride_bt
+        G_ptr += t0 * stride_Gt
+        rq_ptr += t0 * stride_rt
+        rk_ptr += t0 * stride_rt
+        w_ptr += t0 * stride_wt
+        u_ptr += t0 * stride_ut
+        p_ptr += t0 * stride_pt
+        scr = scr_ptr + (c.to(tl.int64) * tl.num_programs(1) + h) * 4096
+        rows = tl.arange(0, 64)
+        ok = rows < n
+        offs_k = tl.arange(0, BK)
+        k_ok = offs_k < K
+        k = _load_rows(k_ptr, rows, ok, kh, stride_kt, stride_kh, offs_k, k_ok)
+        q = _load_rows(q_ptr, rows, ok, kh, stride_qt, stride_qh, offs_k, k_ok)
+        rk, rq = _rnorm(k, L2NORM), _rnorm(q, L2NORM)
+        if L2NORM and h % RATIO == 0:
+            tl.store(rk_ptr + rows * stride_rt + kh, rk, mask=ok)
+            tl.store(rq_ptr + rows * stride_rt + kh, rq, mask=ok)
+        g, beta = _gates(a_ptr, b_ptr, alog_ptr, dtb_ptr, h, rows, ok, stride_at, stride_bt, RAW_GATES)
+        G = tl.cumsum(g, axis=0)  # rows past the end have g = 0: their G is the last row's, every exp below <= 1
+        tl.store(G_ptr + rows * stride_Gt + h, G, mask=ok)
+        diff = G[:, None] - G[None, :]
+        kk = _dot(k, tl.trans(k), "ieee", BF16)
+        A = (beta * rk)[:, None] * kk * rk[None, :] * tl.exp(tl.where(rows[:, None] > rows[None, :], diff, -float("inf")))
+        tl.store(scr + rows[:, None] * 64 + rows[None, :], A)
+        # P now, so that q and the gate differences are dead before the solve (registers)
+        qk = _dot(q, tl.trans(k), "ieee", BF16)
+        decay = tl.exp(tl.where(rows[:, None] >= rows[None, :], diff, -float("inf")))
+        _store_rows(p_ptr, rows, ok, h, stride_pt, stride_ph, rows, rows < 64,
+                    (rq * scale)[:, None] * qk * rk[None, :] * decay)
+        tl.debug_barrier()
+        # (I + A_bb)^-1 of the four diagonal blocks at once, [row, col, block]: row i = e_i - sum_{j<i} A[i, j] row j
+        r = tl.arange(0, 16)
+        blk = tl.arange(0, 4)
+        diag_rows = scr + blk[None, :] * (16 * 64 + 16) + r[:, None]  # [col j, block b] of row 0 of block b
+        inv = tl.where((r[:, None, None] == r[None, :, None]) & (blk[None, None, :] >= 0), 1.0, 0.0)
+        for i in tl.static_range(1, 16):
+            a_i = tl.load(diag_rows + i * 64, mask=(r[:, None] < i) & (blk[None, :] * 16 + i < n), other=0.0)
+            new = (r[:, None] == i).to(tl.float32) - tl.sum(a_i[:, None, :] * inv, axis=0)
+            inv = tl.where(r[:, None, None] == i, new[None, :, :], inv)
+        even, odd = tl.split(tl.reshape(inv, (16, 16, 2, 2)))  # block 2 * b1 + b0: split takes b0 apart
+        X00, X22 = tl.split(even)
+        X11, X33 = tl.split(odd)
+        A10, A20, A21 = _block(scr, 1, 0), _block(scr, 2, 0), _block(scr, 2, 1)
+        A30, A31, A32 = _block(scr, 3, 0), _block(scr, 3, 1), _block(scr, 3, 2)
+        X10 = -_dot(X11, _dot(A10, X00, PREC, False), PREC, False)
+        X21 = -_dot(X22, _dot(A21, X11, PREC, False), PREC, False)
+        X20 = -_dot(X22, _dot(A20, X00, PREC, False) + _dot(A21, X10, PREC, False), PREC, False)
+        X32 = -_dot(X33, _dot(A32, X22, PREC, False), PREC, False)
+        X31 = -_dot(X33, _dot(A31, X11, PREC, False) + _dot(A32, X21, PREC, False), PREC, False)
+        X30 = -_dot(X33, _dot(A30, X00, PREC, False) + _dot(A31, X10, PREC, False) + _dot(A32, X20, PREC, False),
+                    PREC, False)
+        tl.debug_barrier()  # every thread has read A before (I + A)^-1 overwrites it
+        _put_block(scr, 0, 0, X00)
+        _put_block(scr, 1, 0, X10)
+        _put_block(scr, 1, 1, X11)
+        _put_block(scr, 2, 0, X20)
+        _put_block(scr, 2, 1, X21)
+        _put_block(scr, 2, 2, X22)
+        _put_block(scr, 3, 0, X30)
+        _put_block(scr, 3, 1, X31)
+        _put_block(scr, 3, 2, X32)
+        _put_block(scr, 3, 3, X33)
+        tl.debug_barrier()
+        ai = tl.load(scr + rows[:, None] * 64 + rows[None, :], mask=rows[:, None] // 16 >= rows[None, :] // 16,
+                     other=0.0)
+        w = _dot(ai, k.to(tl.float32) * (beta * tl.exp(G) * rk)[:, None], PREC, WU_BF16)
+        _store_rows(w_ptr, rows, ok, h, stride_wt, stride_wh, offs_k, k_ok, w)
+        offs_v = tl.arange(0, BV)
+        v_ok = offs_v < V
+        v = _load_rows(v_ptr, rows, ok, h, stride_vt, stride_vh, offs_v, v_ok)
+        u = _dot(ai, v.to(tl.float32) * beta[:, None], PREC, WU_BF16)
+        _store_rows(u_ptr, rows, ok, h, stride_ut, stride_uh, offs_v, v_ok, u)
 
 
 @triton.jit
-def _store_ai_row(ai_ptr, rows, ok, h, stride_ait, stride_aih, B0, B1, B2, B3):
-    """16 rows of (I + A)^-1: the four 16-column blocks side by side."""
-    r = tl.arange(0, 16)
-    base = ai_ptr + rows[:, None] * stride_ait + h * stride_aih + r[None, :]
-    tl.store(base, B0, mask=ok[:, None])
-    tl.store(base + 16, B1, mask=ok[:, None])
-    tl.store(base + 32, B2, mask=ok[:, None])
-    tl.store(base + 48, B3, mask=ok[:, None])
-
-
-@triton.jit
-def _chunk_wu_kernel(kn_ptr, v_ptr, b_ptr, G_ptr, ai_ptr, cstart_ptr, cend_ptr, w_ptr, u_ptr,
-                     stride_knt, stride_knh, stride_vt, stride_vh, stride_bt, stride_Gt, stride_ait, stride_aih,
-                     stride_wt, stride_wh, stride_ut, stride_uh,
-                     RATIO: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-                     C: tl.constexpr, RAW_GATES: tl.constexpr, PREC: tl.constexpr):
-    """Program (chunk, value head): u = (I + A)^-1 (beta v), w = (I + A)^-1 (beta exp(G) kn)."""
-    c = tl.program_id(0)
-    h = tl.program_id(1)
-    kh = h // RATIO
-    start = tl.load(cstart_ptr + c)
-    t0 = start.to(tl.int64)
-    kn_ptr += t0 * stride_knt
-    v_ptr += t0 * stride_vt
-    b_ptr += t0 * stride_bt
-    G_ptr += t0 * stride_Gt
-    ai_ptr += t0 * stride_ait
-    w_ptr += t0 * stride_wt
-    u_ptr += t0 * stride_ut
-    rows = tl.arange(0, C)
-    ok = rows < tl.load(cend_ptr + c) - start
-    b = tl.load(b_ptr + rows * stride_bt + h, mask=ok, other=0.0).to(tl.float32)
-    beta = tl.where(ok, tl.sigmoid(b) if RAW_GATES else b, 0.0)
-    G = tl.load(G_ptr + rows * stride_Gt + h, mask=ok, other=0.0)
-    ai = tl.load(ai_ptr + rows[:, None] * stride_ait + h * stride_aih + rows[None, :], mask=ok[:, None], other=0.0)
-    offs_v = tl.arange(0, BV)
-    v_ok = offs_v < V
-    v = tl.load(v_ptr + rows[:, None] * stride_vt + h * stride_vh + offs_v[None, :],
-                mask=ok[:, None] & v_ok[None, :], other=0.0).to(tl.float32)
-    _store_rows(u_ptr, rows, ok, h, stride_ut, stride_uh, offs_v, v_ok, _dot(ai, beta[:, None] * v, PREC, False))
-    offs_k = tl.arange(0, BK)
-    k_ok = offs_k < K
-    kn = _load_qk(kn_ptr, rows, ok, kh, stride_knt, stride_knh, offs_k, k_ok, False)
-    _store_rows(w_ptr, rows, ok, h, stride_wt, stride_wh, offs_k, k_ok,
-                _dot(ai, (beta * tl.exp(G))[:, None] * kn, PREC, False))
-
-
-@triton.jit
-def _chunk_state_kernel(k_ptr, w_ptr, u_ptr, G_ptr, s_ptr, idx_ptr, cu_ptr, first_ptr, hs_ptr, vn_ptr,
-                        stride_kt, stride_kh, stride_wt, stride_wh, stride_ut, stride_uh, stride_Gt,
-                        stride_ss, stride_sh, stride_hc, stride_hh, stride_vnt, stride_vnh,
-                        RATIO: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr,
-                        BV: tl.constexpr, C: tl.constexpr, HAS_IDX: tl.constexpr,
-                        PREC: tl.constexpr, BF16: tl.constexpr):
-    """Program (value block, value head, sequence): the state through the sequence's chunks, saved (in the
-    intermediates' dtype) at each chunk's start; v_new = u - w S of every chunk; the final state in place."""
+def _chunk_scan_kernel(q_ptr, k_ptr, w_ptr, u_ptr, p_ptr, G_ptr, rq_ptr, rk_ptr, s_ptr, idx_ptr, cu_ptr, o_ptr, T,
+                       scale, stride_qt, stride_qh, stride_kt, stride_kh, stride_wt, stride_wh, stride_ut, stride_uh,
+                       stride_pt, stride_ph, stride_Gt, stride_rt, stride_ss, stride_sh, stride_ot, stride_oh,
+                       RATIO: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+                       C: tl.constexpr, VARLEN: tl.constexpr, HAS_IDX: tl.constexpr, L2NORM: tl.constexpr,
+                       PREC: tl.constexpr, BF16: tl.constexpr):
+    """Program (value block, value head, sequence): walks the sequence's chunks with its [K, BV] slice of the
+    state in fp32 registers; per chunk (S the state at its start; w, u, P from the prep kernel):
+        v_new = u - w S
+        o = scale (qn exp(G)) S + P v_new
+        S = exp(G_last) S + (kn exp(G_last - G))^T v_new
+    q and k are read raw and their norms applied as row factors. Neither v_new nor the chunk states ever reach
+    memory. The final state is written in place."""
     pid_v = tl.program_id(0)
     h = tl.program_id(1)
     n = tl.program_id(2)
@@ -323,89 +314,43 @@ def _chunk_state_kernel(k_ptr, w_ptr, u_ptr, G_ptr, s_ptr, idx_ptr, cu_ptr, firs
         slot = tl.load(idx_ptr + n)
     if slot >= 0:
         kh = h // RATIO
-        bos = tl.load(cu_ptr + n)
-        eos = tl.load(cu_ptr + n + 1)
-        first = tl.load(first_ptr + n)
+        if VARLEN:
+            bos = tl.load(cu_ptr + n)
+            eos = tl.load(cu_ptr + n + 1)
+        else:
+            bos = n * T
+            eos = bos + T
         offs_k = tl.arange(0, BK)
         offs_v = pid_v * BV + tl.arange(0, BV)
         k_ok, v_ok = offs_k < K, offs_v < V
         s_tile = s_ptr + slot.to(tl.int64) * stride_ss + h * stride_sh + offs_k[:, None] * V + offs_v[None, :]
         s_mask = k_ok[:, None] & v_ok[None, :]
         S = tl.load(s_tile, mask=s_mask, other=0.0)
-        offs_c = tl.arange(0, C)
+        rows = tl.arange(0, C)
         for j in range(tl.cdiv(eos - bos, C)):
-            hs = hs_ptr + (first + j).to(tl.int64) * stride_hc + h * stride_hh
-            tl.store(hs + offs_k[:, None] * V + offs_v[None, :], S.to(hs_ptr.dtype.element_ty), mask=s_mask)
             t0 = (bos + j * C).to(tl.int64)
             n_rows = tl.minimum(eos - bos - j * C, C)
-            ok = offs_c < n_rows
-            w = tl.load(w_ptr + t0 * stride_wt + offs_c[:, None] * stride_wt + h * stride_wh + offs_k[None, :],
-                        mask=ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
-            u = tl.load(u_ptr + t0 * stride_ut + offs_c[:, None] * stride_ut + h * stride_uh + offs_v[None, :],
-                        mask=ok[:, None] & v_ok[None, :], other=0.0).to(tl.float32)
-            v_new = u - tl.dot(w, S, input_precision=PREC)
-            _store_rows(vn_ptr + t0 * stride_vnt, offs_c, ok, h, stride_vnt, stride_vnh, offs_v, v_ok, v_new)
+            ok = rows < n_rows
+            q = _load_rows(q_ptr + t0 * stride_qt, rows, ok, kh, stride_qt, stride_qh, offs_k, k_ok)
+            k = _load_rows(k_ptr + t0 * stride_kt, rows, ok, kh, stride_kt, stride_kh, offs_k, k_ok)
+            w = _load_rows(w_ptr + t0 * stride_wt, rows, ok, h, stride_wt, stride_wh, offs_k, k_ok)
+            u = _load_rows(u_ptr + t0 * stride_ut, rows, ok, h, stride_ut, stride_uh, offs_v, v_ok)
+            p = _load_rows(p_ptr + t0 * stride_pt, rows, ok, h, stride_pt, stride_ph, rows, rows < C)
             G_last = tl.load(G_ptr + (t0 + n_rows - 1) * stride_Gt + h)
-            G = tl.load(G_ptr + t0 * stride_Gt + offs_c * stride_Gt + h, mask=ok, other=0.0)
-            k = _load_qk(k_ptr + t0 * stride_kt, offs_c, ok, kh, stride_kt, stride_kh, offs_k, k_ok, False)  # kn
-            k = k * tl.where(ok, tl.exp(G_last - G), 0.0)[:, None]
-            # BF16: v_new is stored in bf16 anyway; only k exp(G_last - G) is rounded beyond what is kept
+            G = tl.load(G_ptr + (t0 + rows) * stride_Gt + h, mask=ok, other=0.0)
+            G = tl.where(ok, G, G_last)
+            if L2NORM:
+                rq = tl.load(rq_ptr + (t0 + rows) * stride_rt + kh, mask=ok, other=0.0)
+                rk = tl.load(rk_ptr + (t0 + rows) * stride_rt + kh, mask=ok, other=0.0)
+            else:
+                rq = tl.full((C,), 1.0, dtype=tl.float32)
+                rk = tl.full((C,), 1.0, dtype=tl.float32)
+            v_new = u.to(tl.float32) - _dot(w, S, PREC, BF16)
+            o = _dot(q, S, PREC, BF16) * (tl.exp(G) * rq * scale)[:, None] + _dot(p, v_new, PREC, BF16)
+            _store_rows(o_ptr + t0 * stride_ot, rows, ok, h, stride_ot, stride_oh, offs_v, v_ok, o)
+            v_new = v_new * tl.where(ok, rk * tl.exp(G_last - G), 0.0)[:, None]
             S = S * tl.exp(G_last) + _dot(tl.trans(k), v_new, PREC, BF16)
         tl.store(s_tile, S, mask=s_mask)
-
-
-@triton.jit
-def _chunk_out_kernel(q_ptr, k_ptr, G_ptr, hs_ptr, vn_ptr, o_ptr, cstart_ptr, cend_ptr, scale,
-                      stride_qt, stride_qh, stride_kt, stride_kh, stride_Gt, stride_hc, stride_hh,
-                      stride_vnt, stride_vnh, stride_ot, stride_oh,
-                      RATIO: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, NKB: tl.constexpr,
-                      BV: tl.constexpr, C: tl.constexpr, L2NORM: tl.constexpr, PREC: tl.constexpr,
-                      BF16: tl.constexpr):
-    """Program (value block, chunk, value head): o = (q exp(G)) S + tril_incl((q k^T) exp(G_i - G_j)) v_new.
-    K is walked in NKB blocks of BK (two [64, 256] fp32 dot operands would not fit in shared memory); k is the
-    normalised kn. BF16 (bf16 inputs): bf16 dot operands, as kn, S and v_new already are."""
-    pid_v = tl.program_id(0)
-    c = tl.program_id(1)
-    h = tl.program_id(2)
-    kh = h // RATIO
-    start = tl.load(cstart_ptr + c)
-    t0 = start.to(tl.int64)
-    q_ptr += t0 * stride_qt
-    k_ptr += t0 * stride_kt
-    G_ptr += t0 * stride_Gt
-    vn_ptr += t0 * stride_vnt
-    o_ptr += t0 * stride_ot
-    offs_c = tl.arange(0, C)
-    rows = offs_c
-    ok = rows < tl.load(cend_ptr + c) - start
-    offs_v = pid_v * BV + tl.arange(0, BV)
-    v_ok = offs_v < V
-    q_scale = tl.full((C,), scale, dtype=tl.float32)
-    if L2NORM:
-        sumsq = tl.zeros((C,), dtype=tl.float32)
-        for kb in tl.static_range(NKB):
-            offs_k = kb * BK + tl.arange(0, BK)
-            qb = _load_qk(q_ptr, rows, ok, kh, stride_qt, stride_qh, offs_k, offs_k < K, False)
-            sumsq += tl.sum(qb * qb, axis=1)
-        q_scale = q_scale * tl.rsqrt(sumsq + 1e-6)
-    G = tl.load(G_ptr + rows * stride_Gt + h, mask=ok, other=0.0)
-    o = tl.zeros((C, BV), dtype=tl.float32)
-    qk = tl.zeros((C, C), dtype=tl.float32)
-    for kb in tl.static_range(NKB):
-        offs_k = kb * BK + tl.arange(0, BK)
-        k_ok = offs_k < K
-        qb = _load_qk(q_ptr, rows, ok, kh, stride_qt, stride_qh, offs_k, k_ok, False) * q_scale[:, None]
-        kb_n = _load_qk(k_ptr, rows, ok, kh, stride_kt, stride_kh, offs_k, k_ok, False)
-        S = tl.load(hs_ptr + c.to(tl.int64) * stride_hc + h * stride_hh + offs_k[:, None] * V + offs_v[None, :],
-                    mask=k_ok[:, None] & v_ok[None, :], other=0.0).to(tl.float32)
-        o += _dot(qb * tl.exp(G)[:, None], S, PREC, BF16)
-        qk += _dot(qb, tl.trans(kb_n), PREC, BF16)
-    v_new = tl.load(vn_ptr + rows[:, None] * stride_vnt + h * stride_vnh + offs_v[None, :],
-                    mask=ok[:, None] & v_ok[None, :], other=0.0).to(tl.float32)
-    causal = (offs_c[:, None] >= offs_c[None, :]) & ok[:, None] & ok[None, :]
-    qk = qk * tl.exp(tl.where(causal, G[:, None] - G[None, :], -float("inf")))
-    o += _dot(qk, v_new, PREC, BF16)
-    _store_rows(o_ptr, rows, ok, h, stride_ot, stride_oh, offs_v, v_ok, o)
 
 
 def _tokens(x: torch.Tensor) -> torch.Tensor:
@@ -413,81 +358,94 @@ def _tokens(x: torch.Tensor) -> torch.Tensor:
     return x.reshape(x.shape[0] * x.shape[1], *x.shape[2:])
 
 
+def _sequence_tables(cu_seqlens, T: int, device):
+    """cu_seqlens -> (N, cu [N+1], first [N+1] chunk offsets, chunk-grid size), on the device without a host sync:
+    a tensor already on the device is taken as it is (checking it would need a sync), `first` computed there and
+    the grid sized for the worst case; a host list (or a tensor elsewhere) is checked and copied once, from
+    pinned memory."""
+    C = CHUNK
+    if torch.is_tensor(cu_seqlens) and cu_seqlens.device == device:
+        if cu_seqlens.dim() != 1 or cu_seqlens.shape[0] < 2 or cu_seqlens.dtype not in (torch.int32, torch.int64):
+            raise ValueError(f"gated delta rule: cu_seqlens must be int32/int64 [N+1], got {cu_seqlens.dtype} "
+                             f"{tuple(cu_seqlens.shape)}")
+        cu = cu_seqlens.to(device=device, dtype=torch.int32)
+        counts = torch.div(cu[1:] - cu[:-1] + (C - 1), C, rounding_mode="floor")
+        first = torch.cat([counts.new_zeros(1), counts.cumsum(0, dtype=torch.int32)])
+        N = cu.shape[0] - 1
+        return N, cu, first, triton.cdiv(T, C) + N
+    cu = [int(c) for c in (cu_seqlens.tolist() if torch.is_tensor(cu_seqlens) else cu_seqlens)]
+    if len(cu) < 2 or cu[0] != 0 or cu[-1] != T or any(x > y for x, y in zip(cu, cu[1:])):
+        raise ValueError(f"gated delta rule: cu_seqlens must rise from 0 to T = {T} with B = 1, got "
+                         f"{cu[:4]}...{cu[-2:]}")
+    first = [0]
+    for i in range(len(cu) - 1):
+        first.append(first[-1] + -(-(cu[i + 1] - cu[i]) // C))
+    host = torch.tensor(cu + first, dtype=torch.int32, pin_memory=device.type == "cuda")
+    both = host.to(device, non_blocking=True)
+    N = len(cu) - 1
+    return N, both[:N + 1], both[N + 1:], first[-1]
+
+
 def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
                            state: torch.Tensor, A_log: torch.Tensor | None = None,
                            dt_bias: torch.Tensor | None = None, state_indices: torch.Tensor | None = None,
                            cu_seqlens=None, scale: float | None = None, use_qk_l2norm: bool = True,
-                           block_v: int | None = None, num_warps: tuple[int, int, int, int] | None = None
-                           ) -> torch.Tensor:
+                           block_v: int | None = None, num_warps: tuple[int, int] | None = None,
+                           num_stages: int | None = None) -> torch.Tensor:
     """Prefill: the chunk-parallel form, same arguments and result as `fused_recurrent_gated_delta_rule` (the
-    state updated in place), plus `cu_seqlens` ([N + 1] offsets, host list or tensor; then B must be 1 and the
-    T tokens hold N sequences back to back, sequence i using state slot state_indices[i] or i)."""
+    state updated in place), plus `cu_seqlens` ([N + 1] offsets: a host list or CPU tensor, checked, or a CUDA
+    tensor, taken as it is; then B must be 1 and the T tokens hold N sequences back to back, sequence i using
+    state slot state_indices[i] or i). Two launches, no host synchronisation."""
     B, T, Hk, K = q.shape
     Hv, V = v.shape[-2:]
     raw = A_log is not None
+    dev = v.device
+    C = CHUNK
     if cu_seqlens is not None:
-        cu = [int(c) for c in (cu_seqlens.tolist() if torch.is_tensor(cu_seqlens) else cu_seqlens)]
-        if B != 1 or len(cu) < 2 or cu[0] != 0 or cu[-1] != T or any(x > y for x, y in zip(cu, cu[1:])):
-            raise ValueError(f"gated delta rule: cu_seqlens must rise from 0 to T = {T} with B = 1, got B = {B}, "
-                             f"{cu[:4]}...{cu[-2:]}")
+        if B != 1:
+            raise ValueError(f"gated delta rule: cu_seqlens needs B = 1, got B = {B}")
+        N, cu_t, first_t, n_chunks = _sequence_tables(cu_seqlens, T, dev)
     else:
-        cu = [i * T for i in range(B + 1)]
-    N = len(cu) - 1
+        N, n_chunks = B, B * triton.cdiv(T, C)
+        cu_t = first_t = torch.empty(1, dtype=torch.int32, device=dev)  # placeholders
     _check(q, k, v, a, b, state, A_log, dt_bias, state_indices, sequences=N)
-    o = torch.empty((B, T, Hv, V), dtype=v.dtype, device=v.device)
+    o = torch.empty((B, T, Hv, V), dtype=v.dtype, device=dev)
     if B * T == 0:
         return o
-    C = CHUNK
-    starts = [s for i in range(N) for s in range(cu[i], cu[i + 1], C)]
-    ends = [min(s + C, cu[i + 1]) for i in range(N) for s in range(cu[i], cu[i + 1], C)]
-    first = [0]
-    for i in range(N):
-        first.append(first[-1] + -(-(cu[i + 1] - cu[i]) // C))
-    dev = v.device
-    table = torch.tensor([starts, ends], dtype=torch.int32).to(dev, non_blocking=True)
-    cu_t = torch.tensor(cu, dtype=torch.int32).to(dev, non_blocking=True)
-    first_t = torch.tensor(first, dtype=torch.int32).to(dev, non_blocking=True)
-    n_chunks = len(starts)
     q2, k2, v2, a2, b2, o2 = (_tokens(x) for x in (q, k, v, a, b, o))
-    inter = torch.float32 if v.dtype == torch.float32 else v.dtype  # w, u, v_new and the chunk states, as FLA
+    bf16 = q.dtype == k.dtype == v.dtype == torch.bfloat16
+    inter = torch.bfloat16 if bf16 else torch.float32  # w and u (FLA keeps them in the inputs' dtype too)
+    dot16 = bf16 and not INTERPRET
+    prec = "ieee" if v.dtype == torch.float32 else "tf32"
     w = torch.empty((B * T, Hv, K), dtype=inter, device=dev)
     u = torch.empty((B * T, Hv, V), dtype=inter, device=dev)
-    v_new = torch.empty((B * T, Hv, V), dtype=inter, device=dev)
+    p = torch.empty((B * T, Hv, C), dtype=inter, device=dev)  # the intra-chunk attention, row t of its chunk
     G = torch.empty((B * T, Hv), dtype=torch.float32, device=dev)
-    kn = torch.empty((B * T, Hk, K), dtype=inter, device=dev)
-    states = torch.empty((n_chunks, Hv, K, V), dtype=inter, device=dev)
-    BK, BVall = triton.next_power_of_2(K), triton.next_power_of_2(V)
-    prec = "ieee" if v.dtype == torch.float32 else "tf32"
-    warps = 8 if max(BK, BVall) > 128 else 4
-    # measured on the H200 at T = 16384: the solve's 16-step substitutions are reductions across threads,
-    # cheapest with 2 warps (0.75 ms; 1.1 ms with 4, 2.4 ms with 8); the others best with 4
-    w_solve, w_wu, w_state, w_out = num_warps or (warps // 2, warps, warps, warps)
-    ainv = torch.empty((B * T, Hv, C), dtype=torch.float32, device=dev)  # fp32: it multiplies twice
-    _chunk_solve_kernel[(n_chunks, Hv)](
-        k2, a2, b2, A_log if raw else a2, dt_bias if raw else a2, table[0], table[1], G, kn, ainv,
-        k2.stride(0), k2.stride(1), a2.stride(0), b2.stride(0), G.stride(0), kn.stride(0), kn.stride(1),
-        ainv.stride(0), ainv.stride(1),
-        RATIO=Hv // Hk, K=K, BK=BK, RAW_GATES=raw, L2NORM=use_qk_l2norm, PREC=prec, num_warps=w_solve)
-    _chunk_wu_kernel[(n_chunks, Hv)](
-        kn, v2, b2, G, ainv, table[0], table[1], w, u,
-        kn.stride(0), kn.stride(1), v2.stride(0), v2.stride(1), b2.stride(0), G.stride(0), ainv.stride(0),
-        ainv.stride(1), w.stride(0), w.stride(1), u.stride(0), u.stride(1),
-        RATIO=Hv // Hk, K=K, V=V, BK=BK, BV=BVall, C=C, RAW_GATES=raw, PREC=prec, num_warps=w_wu)
-    bv = block_v or min(32, BVall)  # measured best on the H200 (16: more programs, but each chunk step costs more)
+    rqk = torch.empty((2, B * T, Hk), dtype=torch.float32, device=dev)  # 1/|q|, 1/|k| per token and key head
+    scratch = torch.empty((n_chunks, Hv, C * C), dtype=torch.float32, device=dev)  # A, then (I + A)^-1
+    BK, BV = triton.next_power_of_2(K), triton.next_power_of_2(V)
+    varlen = cu_seqlens is not None
+    scale = K ** -0.5 if scale is None else scale
+    w_prep, w_scan = num_warps or (4, 4)  # measured on the H100 (prep with 8 warps: 1.8x slower)
+    _chunk_prep_kernel[(n_chunks, Hv)](
+        q2, k2, v2, a2, b2, A_log if raw else a2, dt_bias if raw else a2, cu_t, first_t,
+        G, rqk[0], rqk[1], w, u, p, scratch, N, T, triton.cdiv(T, C), scale,
+        q2.stride(0), q2.stride(1), k2.stride(0), k2.stride(1), v2.stride(0), v2.stride(1), a2.stride(0),
+        b2.stride(0), G.stride(0), rqk.stride(1), w.stride(0), w.stride(1), u.stride(0), u.stride(1),
+        p.stride(0), p.stride(1),
+        RATIO=Hv // Hk, K=K, V=V, BK=BK, BV=BV, VARLEN=varlen, NP2=triton.next_power_of_2(N),
+        RAW_GATES=raw, L2NORM=use_qk_l2norm, PREC=prec, BF16=dot16, WU_BF16=dot16 and WU_DOTS_BF16,
+        num_warps=w_prep)
+    bv = block_v or min(32 if BK <= 128 else 16, BV)  # K = 256: shared memory
     idx = state_indices if state_indices is not None else cu_t
-    _chunk_state_kernel[(triton.cdiv(V, bv), Hv, N)](
-        kn, w, u, G, state, idx, cu_t, first_t, states, v_new,
-        kn.stride(0), kn.stride(1), w.stride(0), w.stride(1), u.stride(0), u.stride(1), G.stride(0),
-        state.stride(0), state.stride(1), states.stride(0), states.stride(1), v_new.stride(0), v_new.stride(1),
-        RATIO=Hv // Hk, K=K, V=V, BK=BK, BV=bv, C=C, HAS_IDX=state_indices is not None,
-        PREC=prec, BF16=inter == torch.bfloat16 and not INTERPRET, num_warps=w_state, num_stages=1 if inter == torch.float32 and BK > 128 else 3)  # shared memory
-    bvo = min(64, BVall)
-    _chunk_out_kernel[(triton.cdiv(V, bvo), n_chunks, Hv)](
-        q2, kn, G, states, v_new, o2, table[0], table[1], K ** -0.5 if scale is None else scale,
-        q2.stride(0), q2.stride(1), kn.stride(0), kn.stride(1), G.stride(0), states.stride(0), states.stride(1),
-        v_new.stride(0), v_new.stride(1), o2.stride(0), o2.stride(1),
-        RATIO=Hv // Hk, K=K, V=V, BK=min(BK, 128), NKB=triton.cdiv(BK, 128), BV=bvo, C=C, L2NORM=use_qk_l2norm,
-        PREC=prec, BF16=inter == torch.bfloat16 and not INTERPRET, num_warps=w_out)
+    _chunk_scan_kernel[(triton.cdiv(V, bv), Hv, N)](
+        q2, k2, w, u, p, G, rqk[0], rqk[1], state, idx, cu_t, o2, T, scale,
+        q2.stride(0), q2.stride(1), k2.stride(0), k2.stride(1), w.stride(0), w.stride(1), u.stride(0), u.stride(1),
+        p.stride(0), p.stride(1), G.stride(0), rqk.stride(1), state.stride(0), state.stride(1), o2.stride(0),
+        o2.stride(1),
+        RATIO=Hv // Hk, K=K, V=V, BK=BK, BV=bv, C=C, VARLEN=varlen, HAS_IDX=state_indices is not None,
+        L2NORM=use_qk_l2norm, PREC=prec, BF16=dot16, num_warps=w_scan,
+        num_stages=num_stages or (2 if dot16 else 1))
     return o
 
 

@@ -1,0 +1,111 @@
+"""Compile our Triton kernels for sm_90 (H100/H200) on a machine without a GPU and print what ptxas reports:
+registers, spill bytes, shared memory. Costs no device time; run it before a device run.
+
+    PYTHONPATH=/path/to/triton-3.6 python benchmarks/sm90_resources.py [gdn]
+
+Use the Triton version the device has (3.6 there: unpack its wheel and put it first on PYTHONPATH); 3.9 picks
+other layouts. A kernel is compiled with the exact arguments the wrapper would launch it with: the launches are
+captured (CPU tensors stand in for CUDA ones), not run.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+os.environ.pop("TRITON_INTERPRET", None)
+import torch  # noqa: E402
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+
+TARGET = GPUTarget("cuda", 90, 32)
+_TYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.int32: "i32",
+          torch.int64: "i64", torch.uint8: "u8", torch.int16: "i16"}
+
+
+class Capture:
+    """Stands in for a @triton.jit kernel: `kernel[grid](*args, **kw)` records the launch instead."""
+
+    def __init__(self, fn):
+        self.fn, self.launches = fn, []
+
+    def __getitem__(self, grid):
+        return lambda *args, **kw: self.launches.append((grid, args, kw))
+
+
+def compile_launch(fn, args, kw):
+    """ptxas's report for one captured launch: (registers, spill bytes, shared bytes)."""
+    kw = dict(kw)
+    opts = {k: kw.pop(k) for k in ("num_warps", "num_stages") if k in kw}
+    names = [n for n in fn.arg_names if n not in kw]
+    signature, attrs = {}, {}
+    for i, (name, a) in enumerate(zip(names, args)):
+        idx = fn.arg_names.index(name)
+        if torch.is_tensor(a):
+            signature[name] = "*" + _TYPES[a.dtype]
+            attrs[(idx,)] = [["tt.divisibility", 16]]
+        elif isinstance(a, bool) or isinstance(a, int):
+            signature[name] = "i32" if abs(a) < 2 ** 31 else "i64"
+            if a % 16 == 0 and a:
+                attrs[(idx,)] = [["tt.divisibility", 16]]
+        else:
+            signature[name] = "fp32"
+    for name in kw:
+        signature[name] = "constexpr"
+    src = triton.compiler.ASTSource(fn=fn, signature=signature, constexprs=kw, attrs=attrs)
+    backend = triton.compiler.make_backend(TARGET)
+    ck = triton.compile(src, target=TARGET, options=backend.parse_options(opts).__dict__)
+    ptxas = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
+    with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
+        f.write(ck.asm["ptx"])
+    out = subprocess.run([str(ptxas), "-v", "--gpu-name", "sm_90a", f.name, "-o", os.devnull],
+                         capture_output=True, text=True).stderr
+    regs = int(re.search(r"Used (\d+) registers", out).group(1))
+    spills = sum(int(x) for x in re.findall(r"(\d+) bytes spill (?:stores|loads)", out))
+    return regs, spills, ck.metadata.shared
+
+
+def gdn():
+    from sluice.kernels.gdn import triton as gt
+
+    gt.INTERPRET = False
+    rows = []
+    for dtype, K, configs in ((torch.bfloat16, 128, [(32, (4, 4), 2), (32, (4, 4), 1), (16, (4, 4), 2),
+                                                     (16, (8, 4), 1), (64, (4, 4), 2), (32, (4, 8), 2)]),
+                              (torch.bfloat16, 256, [(32, (4, 4), 2), (16, (4, 4), 2)]),
+                              (torch.float32, 128, [(32, (4, 4), 1)]), (torch.float32, 256, [(32, (4, 4), 1)]),
+                              (torch.float16, 256, [(32, (8, 4), 1)])):
+        T, Hk, Hv = 256, 2, 4
+        for bv, warps, stages in configs:
+            prep, scan = Capture(gt._chunk_prep_kernel), Capture(gt._chunk_scan_kernel)
+            real = gt._chunk_prep_kernel, gt._chunk_scan_kernel
+            gt._chunk_prep_kernel, gt._chunk_scan_kernel = prep, scan
+            try:
+                x = lambda *s: torch.randn(*s).to(dtype)  # noqa: E731
+                gt.chunk_gated_delta_rule(x(1, T, Hk, K), x(1, T, Hk, K), x(1, T, Hv, K), torch.randn(1, T, Hv),
+                                          torch.randn(1, T, Hv), torch.zeros(1, Hv, K, K), torch.randn(Hv),
+                                          torch.randn(Hv), block_v=bv, num_warps=warps, num_stages=stages)
+            finally:
+                gt._chunk_prep_kernel, gt._chunk_scan_kernel = real
+            for cap in (prep, scan):
+                (grid, args, kw), = cap.launches
+                try:
+                    r = compile_launch(cap.fn, args, kw)
+                except Exception as e:  # noqa: BLE001 - report and go on
+                    r = f"{type(e).__name__}: {str(e)[:200]}"
+                rows.append((cap.fn.__name__, str(dtype)[6:], K, bv, kw.get("num_warps"), kw.get("num_stages"), r))
+                print(*rows[-1], flush=True)
+    print(f"\n{'kernel':22s} {'dtype':9s} {'K':>4s} {'BV':>3s} {'warps':>5s} {'stages':>6s}  regs spill shared")
+    for name, dt, K, bv, w, s, r in rows:
+        res = f"{r[0]:4d} {r[1]:5d} {r[2]:6d}" if isinstance(r, tuple) else r
+        print(f"{name:22s} {dt:9s} {K:4d} {bv:3d} {w!s:>5s} {s!s:>6s}  {res}")
+
+
+if __name__ == "__main__":
+    {"gdn": gdn}[sys.argv[1] if len(sys.argv) > 1 else "gdn"]()
