@@ -13,19 +13,21 @@ h // (Hv / Hk) straight from q and k: nothing is repeated in memory. Every progr
 q and k rows (K elements: cheaper than a launch), so a decode step is one launch whatever the batch.
 
 `chunk_gated_delta_rule` (prefill): the chunk-parallel WY form of `reference.chunk_gated_delta_rule`, chunks of
-C = 64 tokens, in four launches:
-1. `_chunk_solve_kernel`, program (chunk, value head): the gates, G = the in-chunk cumsum of g, the four 16-row
-   blocks of A = beta_i (k_i . k_j) exp(G_i - G_j) (i > j) and (I + A)^-1 [64, 64] (forward substitution on the
-   16x16 diagonal blocks, block products below), and the l2-normalised k once per key head;
-   `_chunk_wu_kernel`: u = (I + A)^-1 (beta v) and w = (I + A)^-1 (beta exp(G) k) (two launches: one holding
-   k, v, u and w beside the solve spilled registers);
-2. `_chunk_state_kernel`, program (value block, value head, sequence): walks the sequence's chunks with the state
-   in registers, v_new = u - w S, S = exp(G_last) S + (k exp(G_last - G))^T v_new, saving S at each chunk start;
-3. `_chunk_out_kernel`, program (value block, chunk, value head): o = (q exp(G)) S + tril((q k^T) exp(G_i - G_j))
-   v_new, chunks independent.
-Exponents are always differences of cumsums that are <= 0 where used; rows past a sequence's end are masked to
-zero before any product (so exp of garbage can never make 0 * inf). Several sequences packed in one call
-(cu_seqlens) never share a chunk.
+C = 64 tokens, in two launches and without a host synchronisation:
+1. `_chunk_prep_kernel`, program (chunk, value head), everything that does not depend on the state: the gates,
+   G = the in-chunk cumsum of g, 1/|q| and 1/|k|, A = beta_i (kn_i . kn_j) exp(G_i - G_j) by one dot, (I + A)^-1
+   (the four 16x16 diagonal blocks by forward substitution all at once, the blocks below by block products,
+   through scratch memory), w = (I + A)^-1 (beta exp(G) kn), u = (I + A)^-1 (beta v), and the intra-chunk
+   attention P = scale tril((qn kn^T) exp(G_i - G_j));
+2. `_chunk_scan_kernel`, program (value block, value head, sequence): walks the sequence's chunks with its slice
+   of the state in fp32 registers: v_new = u - w S, o = scale (qn exp(G)) S + P v_new, S = exp(G_last) S +
+   (kn exp(G_last - G))^T v_new. Neither v_new nor the per-chunk states reach memory (FLA writes both and reads
+   them back in a third pass).
+q and k are read raw (bf16) and their norms applied as factors, so q k^T and k k^T are exact bf16 products; w, u
+and P are stored in bf16 and the dots take bf16 operands (fp32 accumulation), as FLA's. Exponents are always
+differences of cumsums that are <= 0 where used; rows past a sequence's end have g = 0 and are masked to zero
+before any product (so exp of garbage can never make 0 * inf). Several sequences packed in one call (cu_seqlens)
+never share a chunk.
 """
 
 from __future__ import annotations
@@ -42,9 +44,6 @@ from sluice.kernels.norm.triton import gated_rms_norm  # noqa: F401
 
 MAX_HEAD_DIM = 256
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"  # its bf16 tl.dot is wrong (Triton 3.9): fp32 operands there
-# prefill: (I + A)^-1 and the right-hand sides of w and u rounded to bf16 for their products (as FLA does) instead
-# of tf32; an experiment of benchmarks/gdn_gpu.py (about 3.3e-3 output error instead of 2.9e-3, emulated)
-WU_DOTS_BF16 = False
 
 
 @triton.jit
@@ -197,7 +196,7 @@ def _chunk_prep_kernel(q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, alog_ptr, dtb_ptr, cu_
                        stride_Gt, stride_rt, stride_wt, stride_wh, stride_ut, stride_uh, stride_pt, stride_ph,
                        RATIO: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                        VARLEN: tl.constexpr, NP2: tl.constexpr, RAW_GATES: tl.constexpr, L2NORM: tl.constexpr,
-                       PREC: tl.constexpr, BF16: tl.constexpr, WU_BF16: tl.constexpr):
+                       PREC: tl.constexpr, BF16: tl.constexpr):
     """Program (chunk, value head): everything of a chunk that does not depend on the state, with
     kn = k / |k|, qn = q / |q| (raw q, k are read; their norms enter as factors, so the bf16 products are exact):
         G = the in-chunk cumsum of the gates g,  A[i, j] = beta_i (kn_i . kn_j) exp(G_i - G_j)  (i > j)
@@ -283,12 +282,13 @@ def _chunk_prep_kernel(q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, alog_ptr, dtb_ptr, cu_
         tl.debug_barrier()
         ai = tl.load(scr + rows[:, None] * 64 + rows[None, :], mask=rows[:, None] // 16 >= rows[None, :] // 16,
                      other=0.0)
-        w = _dot(ai, k.to(tl.float32) * (beta * tl.exp(G) * rk)[:, None], PREC, WU_BF16)
+        # bf16 operands, as FLA: tf32 here was 1.5x slower for the kernel on the H100, output error 2.9e-3 vs 3.3e-3
+        w = _dot(ai, k.to(tl.float32) * (beta * tl.exp(G) * rk)[:, None], PREC, BF16)
         _store_rows(w_ptr, rows, ok, h, stride_wt, stride_wh, offs_k, k_ok, w)
         offs_v = tl.arange(0, BV)
         v_ok = offs_v < V
         v = _load_rows(v_ptr, rows, ok, h, stride_vt, stride_vh, offs_v, v_ok)
-        u = _dot(ai, v.to(tl.float32) * beta[:, None], PREC, WU_BF16)
+        u = _dot(ai, v.to(tl.float32) * beta[:, None], PREC, BF16)
         _store_rows(u_ptr, rows, ok, h, stride_ut, stride_uh, offs_v, v_ok, u)
 
 
@@ -434,8 +434,7 @@ def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a:
         b2.stride(0), G.stride(0), rqk.stride(1), w.stride(0), w.stride(1), u.stride(0), u.stride(1),
         p.stride(0), p.stride(1),
         RATIO=Hv // Hk, K=K, V=V, BK=BK, BV=BV, VARLEN=varlen, NP2=triton.next_power_of_2(N),
-        RAW_GATES=raw, L2NORM=use_qk_l2norm, PREC=prec, BF16=dot16, WU_BF16=dot16 and WU_DOTS_BF16,
-        num_warps=w_prep)
+        RAW_GATES=raw, L2NORM=use_qk_l2norm, PREC=prec, BF16=dot16, num_warps=w_prep)
     bv = block_v or min(32 if BK <= 128 else 16, BV)  # K = 256: shared memory
     idx = state_indices if state_indices is not None else cu_t
     _chunk_scan_kernel[(triton.cdiv(V, bv), Hv, N)](
@@ -445,7 +444,9 @@ def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a:
         o2.stride(1),
         RATIO=Hv // Hk, K=K, V=V, BK=BK, BV=bv, C=C, VARLEN=varlen, HAS_IDX=state_indices is not None,
         L2NORM=use_qk_l2norm, PREC=prec, BF16=dot16, num_warps=w_scan,
-        num_stages=num_stages or (2 if dot16 else 1))
+        # 3 stages measured best on the H100 (scan 569 vs 705 us at T = 16384); K = 256 fits only 2 in shared
+        # memory. Stages 1 with bf16 dots gave illegal addresses there (Triton 3.6): not used
+        num_stages=num_stages or ((3 if BK <= 128 else 2) if dot16 else 1))
     return o
 
 
