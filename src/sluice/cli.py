@@ -14,6 +14,7 @@ def _add_model_args(p: argparse.ArgumentParser):
     p.add_argument("--model", "-m", default=None, help="GGUF file or model directory (default: the demo model)")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
     p.add_argument("--dtype", default=None, help="float32, bfloat16 or float16 (default: float32 on CPU)")
+    _add_kv_cache_arg(p)
     p.add_argument("--dequantize", action="store_true",
                    help="hold quantized weights dense in memory (more memory; dense matmuls)")
 
@@ -36,7 +37,8 @@ def _sampling(args) -> dict:
 def _load(args):
     import sluice
 
-    return sluice.load(args.model, device=args.device, dtype=args.dtype, keep_quantized=not args.dequantize)
+    return sluice.load(args.model, device=args.device, dtype=args.dtype, keep_quantized=not args.dequantize,
+                       kv_cache=args.kv_cache)
 
 
 def cmd_run(args) -> int:
@@ -93,10 +95,15 @@ def _human(n: float) -> str:
     return f"{n:.1f} PiB"
 
 
+def _add_kv_cache_arg(p):
+    p.add_argument("--kv-cache", default="dense", choices=["dense", "turboquant4"],
+                   help="dense (the model's dtype) or turboquant4 (4-bit codes + a scale per vector, ~3.8x smaller)")
+
+
 def cmd_info(args) -> int:
     import sluice
 
-    model = sluice.load(args.model, device="cpu")
+    model = sluice.load(args.model, device="cpu", kv_cache=args.kv_cache)
     info = model.info()
     if args.json:
         print(json.dumps(info, indent=2))
@@ -110,8 +117,9 @@ def cmd_info(args) -> int:
     for kind, n in sorted(info["weights_by_kind"].items(), key=lambda kv: -kv[1]):
         print(f"  {kind:28s} {n / 1e6:8.1f} M params")
     kv = info["kv_cache_bytes_per_token"]
-    print(f"KV cache:     {_human(kv)} per token ({info['dtype']}); full context "
-          f"{_human(kv * c['context_length'])}")
+    kind = info["dtype"] if info["kv_cache"] == "dense" else info["kv_cache"]
+    print(f"KV cache:     {_human(kv)} per token ({kind}; {info['kv_cache_bytes_per_token_layer']} B per token in "
+          f"each of {info['kv_cache_layers']} attention layers); full context {_human(kv * c['context_length'])}")
     print(f"memory:       ~{_human(info['weight_bytes'] + kv * c['context_length'])} at full context")
     return 0
 
@@ -143,6 +151,7 @@ def build_parser() -> argparse.ArgumentParser:
     info = sub.add_parser("info", help="architecture, sizes, quantization, memory estimate")
     info.add_argument("model", nargs="?", default=None)
     info.add_argument("--json", action="store_true")
+    _add_kv_cache_arg(info)
     info.set_defaults(func=cmd_info)
     conv = sub.add_parser("convert", help="HF checkpoint directory -> MLX-format quantized directory")
     conv.add_argument("src")

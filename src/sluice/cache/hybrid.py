@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import torch
 
-from sluice.cache.kv import DenseKVCache
+from sluice.cache.kv import KVCache
 
 
 class HybridCache:
-    def __init__(self, kv: DenseKVCache | None, num_gdn_layers: int):
+    def __init__(self, kv: KVCache | None, num_gdn_layers: int):
         self.kv = kv
         self.conv: list[torch.Tensor | None] = [None] * num_gdn_layers  # [B, C, W-1], model dtype
         self.recurrent: list[torch.Tensor | None] = [None] * num_gdn_layers  # [B, Hv, K, V], fp32
@@ -19,8 +19,8 @@ class HybridCache:
         return self.kv.bytes_per_token()
 
     # the attention layers see the KV cache's interface
-    def update(self, layer: int, k, v, start: int):
-        return self.kv.update(layer, k, v, start)
+    def attend(self, layer: int, q, k, v, start: int, scale: float):
+        return self.kv.attend(layer, q, k, v, start, scale)
 
-    def layer(self, layer: int):
-        return self.kv.layer(layer)
+    def dense_buffers(self, layer: int):
+        return self.kv.dense_buffers(layer)

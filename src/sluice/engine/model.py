@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 
 from sluice.engine.sampling import Sampler, SamplingParams
-from sluice.errors import ContextLengthError, InvalidOptionError, ModelFileError
+from sluice.errors import ContextLengthError, InvalidOptionError, ModelFileError, UnsupportedError
 from sluice.layers.linear import RMSNorm, _WeightHolder
 from sluice.quant.affine import QuantizedTensor
 
@@ -18,10 +18,12 @@ PREFILL_CHUNK = 512  # prompt tokens per forward: bounds activation memory for l
 
 
 class Model:
-    def __init__(self, module, tokenizer, path: Path, fmt: str, device: torch.device, dtype: torch.dtype):
+    def __init__(self, module, tokenizer, path: Path, fmt: str, device: torch.device, dtype: torch.dtype,
+                 kv_cache: str = "dense"):
         self.module, self.tokenizer, self.path, self.format = module, tokenizer, path, fmt
         self.config = module.cfg
         self.device, self.dtype = device, dtype
+        self.kv_cache = kv_cache
 
     # -- pieces -------------------------------------------------------------------------------------------
     @property
@@ -30,7 +32,7 @@ class Model:
 
     def new_cache(self, capacity: int, batch: int = 1):
         """Empty caches for `batch` sequences of up to `capacity` positions (the architecture decides the kind)."""
-        return self.module.new_cache(batch, capacity, self.dtype, self.device)
+        return self.module.new_cache(batch, capacity, self.dtype, self.device, self.kv_cache)
 
     @torch.inference_mode()
     def _forward(self, ids: torch.Tensor, cache, start: int, last_only: bool) -> torch.Tensor:
@@ -139,10 +141,13 @@ class Model:
             if mod is getattr(self.module, "lm_head", None) and self.config.tie_word_embeddings:
                 continue
             count(n, kind, nb)
-        kv_per_token = self.module.new_cache(1, 1, self.dtype, "cpu").bytes_per_token()
+        kv = self.module.new_cache(1, 1, self.dtype, "cpu", self.kv_cache)
+        kv = getattr(kv, "kv", kv)  # a hybrid model's attention part
         return {"path": str(self.path), "format": self.format, "architecture": self.config.architecture,
                 "config": dict(vars(self.config)), "parameters": params, "weight_bytes": nbytes,
-                "weights_by_kind": kinds, "kv_cache_bytes_per_token": kv_per_token,
+                "weights_by_kind": kinds, "kv_cache": self.kv_cache, "kv_cache_layers": kv.num_layers,
+                "kv_cache_bytes_per_token": kv.bytes_per_token(),
+                "kv_cache_bytes_per_token_layer": kv.bytes_per_token() // max(kv.num_layers, 1),
                 "device": str(self.device), "dtype": str(self.dtype).removeprefix("torch.")}
 
 
@@ -210,14 +215,19 @@ class _LoadProgress:
             print("\r" + " " * 40 + "\r", end="", file=sys.stderr, flush=True)
 
 
-def load(path=None, device=None, dtype=None, keep_quantized: bool = True, **options) -> Model:
+def load(path=None, device=None, dtype=None, keep_quantized: bool = True, kv_cache: str = "dense",
+         **options) -> Model:
     """Load a GGUF file or an HF/MLX directory (None: the demo model). Quantized weights stay packed unless
-    keep_quantized=False, which dequantizes them once to `dtype` (more memory; dense matmuls)."""
+    keep_quantized=False, which dequantizes them once to `dtype` (more memory; dense matmuls). kv_cache:
+    "dense" (K/V in `dtype`) or "turboquant4" (4-bit codes of the rotated vectors + a scale each: ~3.8x smaller)."""
+    from sluice.cache.kv import KV_CACHE_KINDS
     from sluice.formats.tokenizer import Tokenizer
     from sluice.models import architecture_module
 
     if options:
         raise InvalidOptionError(f"unknown load option(s): {', '.join(sorted(options))}.")
+    if kv_cache not in KV_CACHE_KINDS:
+        raise InvalidOptionError(f"kv_cache={kv_cache!r}: use one of {', '.join(KV_CACHE_KINDS)}.")
     if path is None:
         from sluice.formats.demo import demo_model_path
 
@@ -242,5 +252,9 @@ def load(path=None, device=None, dtype=None, keep_quantized: bool = True, **opti
                 mod.dequantize_(dt)
         if module.cfg.tie_word_embeddings:  # share the one dense copy again
             module.lm_head = module.embed.as_linear()
+    try:  # a cache kind the model cannot use is the user's error, said before any generation
+        module.new_cache(1, 1, dt, "cpu", kv_cache)
+    except ValueError as e:
+        raise UnsupportedError(f"kv_cache={kv_cache!r}: {e}; use kv_cache='dense'.") from e
     module.eval().to(dev)
-    return Model(module, tokenizer, Path(path), src.format, dev, dt)
+    return Model(module, tokenizer, Path(path), src.format, dev, dt, kv_cache)

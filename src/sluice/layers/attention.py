@@ -7,7 +7,6 @@ import torch.nn as nn
 
 from sluice.kernels import cpu as native
 from sluice.kernels.attention import cpu as attention_cpu
-from sluice.kernels.attention.reference import attention
 from sluice.kernels.rope.reference import apply_rope
 from sluice.kernels.norm.reference import rms_norm_fp32_scale
 from sluice.layers.linear import Linear, fuse_linears
@@ -26,8 +25,10 @@ class Attention(nn.Module):
         B, T, _ = x.shape
         H, Hkv, D = self.num_heads, self.num_kv_heads, self.head_dim
         qkv = self.qkv(x)
-        if T == 1 and B == 1 and qkv.dtype == torch.float32 and not qkv.is_cuda and native.available():
-            k_cache, v_cache = cache.layer(self.layer_index)
+        buffers = cache.dense_buffers(self.layer_index)
+        if (T == 1 and B == 1 and buffers is not None and qkv.dtype == torch.float32 and not qkv.is_cuda
+                and native.available()):
+            k_cache, v_cache = buffers
             o = attention_cpu.decode_step(qkv.view(H + 2 * Hkv, D), cos[0], sin[0], k_cache[0], v_cache[0], start,
                                           self.scale)
             return self.o(o.view(1, 1, H * D))
@@ -35,8 +36,7 @@ class Attention(nn.Module):
         qk = apply_rope(qkv[..., :(H + Hkv) * D].view(B, T, H + Hkv, D), cos[:, None], sin[:, None]).transpose(1, 2)
         q, k = qk[:, :H], qk[:, H:]
         v = qkv[..., (H + Hkv) * D:].view(B, T, Hkv, D).transpose(1, 2)
-        k, v = cache.update(self.layer_index, k, v, start)
-        o = attention(q, k, v, self.scale)
+        o = cache.attend(self.layer_index, q, k, v, start, self.scale)
         return self.o(o.transpose(1, 2).reshape(B, T, H * D))
 
 
@@ -64,6 +64,5 @@ class GatedAttention(nn.Module):
         k = apply_rope(rms_norm_fp32_scale(k.view(B, T, Hkv, D), self.k_norm, self.eps), cos[:, None],
                        sin[:, None]).transpose(1, 2)
         v = v.view(B, T, Hkv, D).transpose(1, 2)
-        k, v = cache.update(self.cache_index, k, v, start)
-        o = attention(q, k, v, self.scale).transpose(1, 2).reshape(B, T, H * D)
+        o = cache.attend(self.cache_index, q, k, v, start, self.scale).transpose(1, 2).reshape(B, T, H * D)
         return self.o(o * torch.sigmoid(gate.reshape(B, T, H * D)))

@@ -5,6 +5,7 @@ from sluice.errors import UnsupportedError
 # name -> module path; each module has build_from_gguf(gguf_file, dtype) and build_from_hf(hf_dir, dtype).
 ARCHITECTURES = {
     "llama": "sluice.models.llama",
+    "mistral": "sluice.models.llama",  # Llama math with a sliding window
     "qwen3_next": "sluice.models.qwen3_next",
     "qwen3_5_moe": "sluice.models.qwen3_next",
     "qwen3_5_moe_text": "sluice.models.qwen3_next",

@@ -8,7 +8,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from sluice.cache.kv import DenseKVCache
+from sluice.cache.kv import KVCache, make_kv_cache
 from sluice.errors import UnsupportedError
 from sluice.kernels.rope.reference import rope_cos_sin, rope_inv_freq
 from sluice.layers.attention import Attention
@@ -29,6 +29,7 @@ class LlamaConfig:
     context_length: int
     tie_word_embeddings: bool
     architecture: str = "llama"
+    sliding_window: int | None = None  # Mistral-style: each query sees the last `sliding_window` positions
 
     @classmethod
     def from_gguf(cls, g) -> LlamaConfig:
@@ -48,7 +49,8 @@ class LlamaConfig:
                    rope_theta=float(g.meta(f"{a}.rope.freq_base", 10000.0)),
                    rms_norm_eps=float(g.meta(f"{a}.attention.layer_norm_rms_epsilon")),
                    context_length=int(g.meta(f"{a}.context_length", 2048)),
-                   tie_word_embeddings=not g.has("output.weight"))
+                   tie_word_embeddings=not g.has("output.weight"),
+                   sliding_window=_window(g.meta(f"{a}.attention.sliding_window", None)))
 
     @classmethod
     def from_hf(cls, c: dict) -> LlamaConfig:
@@ -66,7 +68,13 @@ class LlamaConfig:
                    head_dim=c.get("head_dim") or c["hidden_size"] // heads, rope_theta=float(theta),
                    rms_norm_eps=float(c.get("rms_norm_eps", 1e-6)),
                    context_length=int(c.get("max_position_embeddings", 2048)),
-                   tie_word_embeddings=bool(c.get("tie_word_embeddings", False)))
+                   tie_word_embeddings=bool(c.get("tie_word_embeddings", False)),
+                   architecture=c.get("model_type", "llama"),
+                   sliding_window=_window(c.get("sliding_window") if c.get("use_sliding_window", True) else None))
+
+
+def _window(w) -> int | None:
+    return int(w) if w else None
 
 
 # HF parameter name -> GGUF tensor name (llama.cpp's convert_hf_to_gguf naming).
@@ -138,9 +146,10 @@ class LlamaModel(nn.Module):
         self.lm_head = self.embed.as_linear() if cfg.tie_word_embeddings else Linear(get("lm_head.weight"))
         self.register_buffer("inv_freq", rope_inv_freq(cfg.head_dim, cfg.rope_theta), persistent=False)
 
-    def new_cache(self, batch: int, capacity: int, dtype: torch.dtype, device) -> DenseKVCache:
+    def new_cache(self, batch: int, capacity: int, dtype: torch.dtype, device, kind: str = "dense") -> KVCache:
         c = self.cfg
-        return DenseKVCache(c.num_layers, batch, c.num_kv_heads, c.head_dim, capacity, dtype, device)
+        return make_kv_cache(kind, c.num_layers, batch, c.num_kv_heads, c.head_dim, capacity, dtype, device,
+                             window=c.sliding_window)
 
     def forward(self, ids: torch.Tensor, cache, start: int, dtype: torch.dtype, last_only: bool = False):
         """Logits (float32) for ids [B, T] at positions start..start+T, updating the cache."""

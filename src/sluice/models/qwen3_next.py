@@ -14,7 +14,7 @@ import torch
 import torch.nn as nn
 
 from sluice.cache.hybrid import HybridCache
-from sluice.cache.kv import DenseKVCache
+from sluice.cache.kv import make_kv_cache
 from sluice.errors import ModelFileError, UnsupportedError
 from sluice.kernels.norm.reference import rms_norm_fp32_scale
 from sluice.kernels.rope.reference import rope_cos_sin, rope_inv_freq
@@ -152,9 +152,9 @@ class Qwen3NextModel(nn.Module):
             Linear(w.get(w.head_name, (cfg.vocab_size, cfg.hidden_size)))
         self.register_buffer("inv_freq", rope_inv_freq(cfg.rotary_dim, cfg.rope_theta), persistent=False)
 
-    def new_cache(self, batch: int, capacity: int, dtype: torch.dtype, device) -> HybridCache:
+    def new_cache(self, batch: int, capacity: int, dtype: torch.dtype, device, kind: str = "dense") -> HybridCache:
         c = self.cfg
-        kv = DenseKVCache(c.num_kv_layers, batch, c.num_kv_heads, c.head_dim, capacity, dtype, device)
+        kv = make_kv_cache(kind, c.num_kv_layers, batch, c.num_kv_heads, c.head_dim, capacity, dtype, device)
         return HybridCache(kv, c.layer_types.count("linear_attention"))
 
     def forward(self, ids: torch.Tensor, cache, start: int, dtype: torch.dtype, last_only: bool = False):
