@@ -63,6 +63,16 @@ class KVCache:
         self._store(layer, k[:, :, T - keep:], v[:, :, T - keep:], self.slots(end - keep, end))
         return self._from_domain(o).to(q.dtype)
 
+    def use_decode_kernel(self, q: torch.Tensor) -> bool:
+        """One new query per sequence on a GPU: the split-K Triton kernel (`kernels/attention/triton.py`)."""
+        return q.is_cuda and q.shape[2] == 1
+
+    def positions(self, start: int, q: torch.Tensor) -> torch.Tensor:
+        return torch.full((q.shape[0],), start, dtype=torch.int32, device=q.device)
+
+    def visible(self, start: int) -> int:
+        return start + 1 if self.window is None else min(start + 1, self.window)
+
     def dense_buffers(self, layer: int):
         """(k, v) [B, Hkv, capacity, D] buffers that position p's vectors sit in at slot p, for kernels that
         write in place; None where the cache is not laid out so."""
@@ -88,6 +98,20 @@ class DenseKVCache(KVCache):
         shape = (batch, num_kv_heads, self.capacity, head_dim)
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+
+    def attend(self, layer, q, k, v, start, scale):
+        if not self.use_decode_kernel(q):
+            return super().attend(layer, q, k, v, start, scale)
+        from sluice.kernels.attention.triton import decode_attention
+
+        if start + 1 > self.max_positions:
+            raise IndexError(f"KV cache holds {self.max_positions} positions, asked to write up to {start + 1}")
+        slot = start if self.window is None else start % self.capacity
+        self.k[layer][:, :, slot] = k[:, :, 0]
+        self.v[layer][:, :, slot] = v[:, :, 0]
+        o = decode_attention(q[:, :, 0], self.k[layer], self.v[layer], self.positions(start, q), scale,
+                             self.visible(start), self.window)
+        return o[:, :, None]
 
     def _store(self, layer, k, v, slots):
         if self.window is None:  # contiguous: a slice, not an index_copy

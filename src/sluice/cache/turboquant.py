@@ -4,7 +4,7 @@ fewer at D = 128). Attention runs in the rotated domain: q is rotated once, the 
 
 The most recent RECENT positions are also kept exact (rotated, in the model's dtype, a ring of RECENT slots): a
 query at position p reads key/value j exactly when p - j < RECENT, from the codes otherwise. This is KIVI's
-"residual window": measured on the demo model (SmolLM2-135M, 3 KV heads of 64), 4-bit K and V cost +5.6%
+"residual window": measured on the demo model (SmolLM2-135M, 3 KV heads of 64), 4-bit K and V cost +7.2%
 perplexity and 88% top-1 agreement; with the 16 / 32 / 64 / 128 most recent positions exact, +1.3 / +1.0 / +0.5 /
 +0.3% and 94 / 96 / 97 / 97% (docs/ACCURACY.md). The rule depends on the query's position only, so prefill in
 chunks and token-by-token decode give the same result. The fixed cost: 64 positions in the model's dtype.
@@ -38,6 +38,8 @@ class TurboQuantKVCache(KVCache):
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int,
                scale: float) -> torch.Tensor:
+        if self.use_decode_kernel(q):
+            return self._decode(layer, q, k, v, start, scale)
         B, Hq, T, D = q.shape
         Hkv = k.shape[1]
         end = start + T
@@ -83,6 +85,25 @@ class TurboQuantKVCache(KVCache):
         self.k_recent[layer].index_copy_(2, ring, ke[:, :, -r:].to(self.k_recent[layer].dtype))
         self.v_recent[layer].index_copy_(2, ring, ve[:, :, -r:].to(self.v_recent[layer].dtype))
         return tq.unrotate(o.reshape(B, Hq, T, D)).to(q.dtype)
+
+    def _decode(self, layer, q, k, v, start, scale):
+        """One query per sequence: quantize-on-append, then the split-K kernel on the codes and the ring."""
+        from sluice.kernels.attention.triton import decode_attention
+
+        if start + 1 > self.max_positions:
+            raise IndexError(f"KV cache holds {self.max_positions} positions, asked to write up to {start + 1}")
+        slot = start if self.window is None else start % self.capacity
+        for x, codes, scales, ring in ((k, self.k_codes, self.k_scale, self.k_recent),
+                                       (v, self.v_codes, self.v_scale, self.v_recent)):
+            c, sc = tq.quantize(x[:, :, 0])
+            codes[layer][:, :, slot] = c
+            scales[layer][:, :, slot] = sc
+            ring[layer][:, :, start % self.recent] = tq.rotate(x[:, :, 0]).to(ring[layer].dtype)
+        o = decode_attention(tq.rotate(q[:, :, 0]), self.k_codes[layer], self.v_codes[layer],
+                             self.positions(start, q), scale, self.visible(start), self.window,
+                             k_scale=self.k_scale[layer], v_scale=self.v_scale[layer], k_recent=self.k_recent[layer],
+                             v_recent=self.v_recent[layer], levels=tq.codebook(q.device), out_dtype=torch.float32)
+        return tq.unrotate(o)[:, :, None].to(q.dtype)
 
     def bytes_per_token(self) -> int:
         """Bytes per position across layers (the `recent` exact positions are a fixed cost, `fixed_bytes`)."""

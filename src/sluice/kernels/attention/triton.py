@@ -1,0 +1,179 @@
+"""Split-K decode attention (flash-decoding) on CUDA, for the dense and the TurboQuant KV caches.
+
+One new query per sequence (position p, keys 0..p, or p-W+1..p with a sliding window W). Program (sequence and KV
+head, split): all G = Hq / Hkv query heads of the KV head at once (each K/V byte read once), over the split's
+positions in blocks, with an online softmax; it writes its partial output and (max, sum) per head. A second
+kernel merges the splits (a split that saw no key, max = -inf, weighs 0; no NaN). Positions map to slots p, or
+p % capacity in a ring.
+
+TurboQuant (QUANT): keys and values of positions p - j >= RECENT come from the 4-bit codes (two per byte, low
+nibble = even coordinate; value = level[code] * scale), the RECENT newest from the exact ring (slot j % RECENT);
+all in the rotated domain: the caller rotates q and rotates the output back (`cache/turboquant.py`).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _decode_split_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, kr_ptr, vr_ptr, cb_ptr, pos_ptr, op_ptr, ml_ptr,
+                         scale, Hkv, cap, per_split, n_splits,
+                         stride_qb, stride_qh, stride_kb, stride_kh, stride_kt, stride_sb, stride_sh,
+                         stride_rb, stride_rh, stride_rt,
+                         G: tl.constexpr, BG: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
+                         QUANT: tl.constexpr, RING: tl.constexpr, WINDOW: tl.constexpr, RECENT: tl.constexpr):
+    bh = tl.program_id(0)
+    split = tl.program_id(1)
+    b = bh // Hkv
+    h = bh % Hkv
+    p = tl.load(pos_ptr + b)
+    first = 0
+    if WINDOW > 0:
+        first = tl.maximum(p - WINDOW + 1, 0)
+    start = first + split * per_split
+    stop = tl.minimum(start + per_split, p + 1)
+    g = tl.arange(0, BG)
+    d = tl.arange(0, D)
+    q = tl.load(q_ptr + b.to(tl.int64) * stride_qb + (h * G + g[:, None]) * stride_qh + d[None, :],
+                mask=g[:, None] < G, other=0.0).to(tl.float32)
+    m = tl.full((BG,), float("-inf"), dtype=tl.float32)
+    l = tl.zeros((BG,), dtype=tl.float32)
+    acc = tl.zeros((BG, D), dtype=tl.float32)
+    kv_base = b.to(tl.int64) * stride_kb + h * stride_kh
+    for n0 in range(start, stop, BLOCK_N):
+        j = n0 + tl.arange(0, BLOCK_N)
+        valid = j < stop
+        slot = j % cap if RING else j
+        if QUANT:
+            exact = j > p - RECENT
+            coded = valid & ~exact
+            dh = tl.arange(0, D // 2)
+            c_off = kv_base + slot[:, None] * stride_kt + dh[None, :]
+            s_off = b.to(tl.int64) * stride_sb + h * stride_sh + slot
+            r_off = b.to(tl.int64) * stride_rb + h * stride_rh + (j % RECENT)[:, None] * stride_rt + d[None, :]
+            k = _dequant(k_ptr + c_off, ks_ptr + s_off, cb_ptr, coded, BLOCK_N, D)
+            k = tl.where(exact[:, None], tl.load(kr_ptr + r_off, mask=(valid & exact)[:, None], other=0.0).to(tl.float32), k)
+            v = _dequant(v_ptr + c_off, vs_ptr + s_off, cb_ptr, coded, BLOCK_N, D)
+            v = tl.where(exact[:, None], tl.load(vr_ptr + r_off, mask=(valid & exact)[:, None], other=0.0).to(tl.float32), v)
+        else:
+            off = kv_base + slot[:, None] * stride_kt + d[None, :]
+            k = tl.load(k_ptr + off, mask=valid[:, None], other=0.0).to(tl.float32)
+            v = tl.load(v_ptr + off, mask=valid[:, None], other=0.0).to(tl.float32)
+        s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale
+        s = tl.where(valid[None, :], s, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, axis=1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row that has seen nothing yet stays at 0
+        alpha = tl.exp(m - m_safe)
+        pr = tl.exp(s - m_safe[:, None])
+        l = l * alpha + tl.sum(pr, axis=1)
+        acc = acc * alpha[:, None] + tl.dot(pr, v, input_precision="ieee")
+        m = m_new
+    part = bh * n_splits + split
+    tl.store(op_ptr + (part * BG + g[:, None]) * D + d[None, :], acc)
+    tl.store(ml_ptr + (part * 2) * BG + g, m)
+    tl.store(ml_ptr + (part * 2 + 1) * BG + g, l)
+
+
+@triton.jit
+def _dequant(codes_ptr, scale_ptr, cb_ptr, mask, BLOCK_N: tl.constexpr, D: tl.constexpr):
+    """[BLOCK_N, D] fp32 from [BLOCK_N, D/2] packed codes (low nibble = even coordinate) and a scale per row."""
+    c = tl.load(codes_ptr, mask=mask[:, None], other=0).to(tl.int32)
+    lo = tl.load(cb_ptr + (c & 15))
+    hi = tl.load(cb_ptr + (c >> 4))
+    scale = tl.load(scale_ptr, mask=mask, other=0.0)
+    return tl.reshape(tl.join(lo, hi), (BLOCK_N, D)) * scale[:, None]
+
+
+@triton.jit
+def _merge_splits_kernel(op_ptr, ml_ptr, o_ptr, Hkv, n_splits, stride_ob, stride_oh,
+                         G: tl.constexpr, BG: tl.constexpr, D: tl.constexpr, NSP: tl.constexpr):
+    bh = tl.program_id(0)
+    b = bh // Hkv
+    h = bh % Hkv
+    g = tl.arange(0, BG)
+    d = tl.arange(0, D)
+    sp = tl.arange(0, NSP)
+    base = bh * n_splits + sp[:, None]
+    ok = sp[:, None] < n_splits
+    m = tl.load(ml_ptr + (base * 2) * BG + g[None, :], mask=ok, other=float("-inf"))
+    l = tl.load(ml_ptr + (base * 2 + 1) * BG + g[None, :], mask=ok, other=0.0)
+    M = tl.max(m, axis=0)
+    w = tl.where(m == float("-inf"), 0.0, tl.exp(m - M[None, :]))  # splits that saw no key weigh nothing
+    denom = tl.sum(w * l, axis=0)
+    acc = tl.zeros((BG, D), dtype=tl.float32)
+    for s in range(n_splits):
+        ws = tl.sum(tl.where(sp[:, None] == s, w, 0.0), axis=0)
+        acc += ws[:, None] * tl.load(op_ptr + ((bh * n_splits + s) * BG + g[:, None]) * D + d[None, :])
+    o = acc / denom[:, None]
+    tl.store(o_ptr + b.to(tl.int64) * stride_ob + (h * G + g[:, None]) * stride_oh + d[None, :],
+             o.to(o_ptr.dtype.element_ty), mask=g[:, None] < G)
+
+
+_SM_COUNT: dict = {}
+
+
+def num_splits(batch_heads: int, visible: int, device, block_n: int = 64, min_per_split: int = 256) -> int:
+    """Enough splits for about two programs per multiprocessor, each with >= `min_per_split` positions."""
+    if device.type == "cuda":
+        if device.index not in _SM_COUNT:
+            _SM_COUNT[device.index] = torch.cuda.get_device_properties(device).multi_processor_count
+        sms = _SM_COUNT[device.index]
+    else:
+        sms = 4
+    want = triton.cdiv(2 * sms, batch_heads)
+    return max(1, min(want, triton.cdiv(visible, min_per_split)))
+
+
+def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, scale: float,
+                     visible: int, window: int | None = None, splits: int | None = None, block_n: int = 64,
+                     k_scale=None, v_scale=None, k_recent=None, v_recent=None, levels=None,
+                     out_dtype=None) -> torch.Tensor:
+    """q [B, Hq, D] (one query per sequence, at positions[b]); dense k, v [B, Hkv, capacity, D], or with k_scale
+    etc. the TurboQuant layout: k, v codes [B, Hkv, capacity, D/2] uint8, k_scale, v_scale [B, Hkv, capacity]
+    fp32, k_recent, v_recent [B, Hkv, RECENT, D] exact (rotated) and the 16 levels. A ring (slot = position %
+    capacity) when window is set. `visible`: the most keys any query sees (a host int: sizes the splits without
+    a sync). Returns [B, Hq, D] in out_dtype (default q's)."""
+    B, Hq, D = q.shape
+    Hkv, cap = k.shape[1], k.shape[2]
+    quant = k_scale is not None
+    G = Hq // Hkv
+    if Hq % Hkv or D & (D - 1) or D < 16 or D > 256:
+        raise ValueError(f"decode attention: Hq={Hq} must be a multiple of Hkv={Hkv}, D={D} a power of two in 16..256")
+    if positions.shape != (B,) or positions.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"decode attention: positions must be int [B={B}], got {positions.dtype} "
+                         f"{tuple(positions.shape)}")
+    if quant:
+        if k.dtype != torch.uint8 or k.shape[-1] != D // 2 or k_recent is None or levels is None:
+            raise ValueError("decode attention: TurboQuant needs uint8 codes [B, Hkv, cap, D/2], scales, the "
+                             "recent ring and the levels")
+        if k_scale.stride() != v_scale.stride() or k_recent.stride() != v_recent.stride():
+            raise ValueError("decode attention: K and V tensors must share their layout")
+    elif k.shape[-1] != D:
+        raise ValueError(f"decode attention: k, v must be [B, Hkv, cap, {D}], got {tuple(k.shape)}")
+    if k.stride() != v.stride() or k.stride(-1) != 1 or q.stride(-1) != 1:
+        raise ValueError("decode attention: k and v must share a layout with unit last strides")
+    ns = splits or num_splits(B * Hkv, visible, q.device, block_n)
+    per_split = triton.cdiv(visible, ns)
+    per_split = triton.cdiv(per_split, block_n) * block_n
+    ns = triton.cdiv(visible, per_split)
+    BG = max(16, triton.next_power_of_2(G))
+    op = torch.empty((B * Hkv, ns, BG, D), dtype=torch.float32, device=q.device)
+    ml = torch.empty((B * Hkv, ns, 2, BG), dtype=torch.float32, device=q.device)
+    dummy = op
+    ks, vs = (k_scale, v_scale) if quant else (dummy, dummy)
+    kr, vr = (k_recent, v_recent) if quant else (dummy, dummy)
+    recent = k_recent.shape[2] if quant else 1
+    _decode_split_kernel[(B * Hkv, ns)](
+        q, k, v, ks, vs, kr, vr, levels if quant else dummy, positions, op, ml, scale, Hkv, cap, per_split, ns,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2),
+        ks.stride(0) if quant else 0, ks.stride(1) if quant else 0,
+        kr.stride(0) if quant else 0, kr.stride(1) if quant else 0, kr.stride(2) if quant else 0,
+        G=G, BG=BG, D=D, BLOCK_N=block_n, QUANT=quant, RING=window is not None, WINDOW=window or 0,
+        RECENT=recent, num_warps=4)
+    o = torch.empty((B, Hq, D), dtype=out_dtype or q.dtype, device=q.device)
+    _merge_splits_kernel[(B * Hkv,)](op, ml, o, Hkv, ns, o.stride(0), o.stride(1), G=G, BG=BG, D=D,
+                                     NSP=triton.next_power_of_2(ns), num_warps=4)
+    return o

@@ -1,0 +1,129 @@
+"""Split-K decode attention (Triton) against explicit fp64 attention on fresh random data: any split count,
+sequences at different positions (splits that see no key), the ring buffer's wrap-around, and the TurboQuant
+layout against attention over the dequantized cache. Under the interpreter on CPU; on a GPU at once."""
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from sluice.kernels.attention import triton as at  # noqa: E402
+from sluice.kernels.turboquant import reference as tq  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def rel(a, b):
+    return float((a.double() - b.double()).norm() / b.double().norm())
+
+
+def reference(q, keys, values, scale):
+    """q [Hq, D]; keys, values [Hkv, S, D] (the visible ones): fp64 softmax attention, GQA."""
+    G = q.shape[0] // keys.shape[0]
+    k, v = keys.repeat_interleave(G, 0).double(), values.repeat_interleave(G, 0).double()
+    p = torch.softmax((q.double()[:, None, :] * k).sum(-1) * scale, dim=-1)
+    return (p[..., None] * v).sum(1)
+
+
+@pytest.mark.parametrize("splits", [1, 2, 7, None])
+@pytest.mark.parametrize("Hq,Hkv,D", [(4, 2, 64), (9, 3, 64), (16, 2, 128)])
+def test_dense_decode(splits, Hq, Hkv, D):
+    g = torch.Generator().manual_seed(Hq * 10 + D)
+    B, cap = 3, 150
+    q = torch.randn(B, Hq, D, generator=g)
+    k, v = torch.randn(B, Hkv, cap, D, generator=g), torch.randn(B, Hkv, cap, D, generator=g)
+    pos = torch.tensor([149, 4, 77])  # entry 1 sees 5 keys: most of its splits see none
+    o = at.decode_attention(q.to(DEVICE), k.to(DEVICE), v.to(DEVICE), pos.to(DEVICE), 0.125, visible=150,
+                            splits=splits, block_n=16).cpu()
+    assert not o.isnan().any()
+    for b in range(B):
+        n = int(pos[b]) + 1
+        assert rel(o[b], reference(q[b], k[b, :, :n], v[b, :, :n], 0.125)) < 1e-5
+
+
+@pytest.mark.parametrize("pos", [3, 15, 16, 40, 101])
+def test_dense_decode_ring_wraps(pos):
+    """Window 16 in a ring of 16 slots: position j lives in slot j % 16; the query sees j in (pos-16, pos]."""
+    g = torch.Generator().manual_seed(pos)
+    Hq, Hkv, D, W = 4, 2, 64, 16
+    hist_k, hist_v = torch.randn(Hkv, pos + 1, D, generator=g), torch.randn(Hkv, pos + 1, D, generator=g)
+    k, v = torch.zeros(1, Hkv, W, D), torch.zeros(1, Hkv, W, D)
+    for j in range(pos + 1):
+        k[0, :, j % W], v[0, :, j % W] = hist_k[:, j], hist_v[:, j]
+    q = torch.randn(1, Hq, D, generator=g)
+    lo = max(0, pos - W + 1)
+    ref = reference(q[0], hist_k[:, lo:], hist_v[:, lo:], 0.1)
+    for splits in (1, 3):
+        o = at.decode_attention(q.to(DEVICE), k.to(DEVICE), v.to(DEVICE), torch.tensor([pos]).to(DEVICE), 0.1,
+                                visible=min(pos + 1, W), window=W, splits=splits, block_n=16).cpu()
+        assert rel(o[0], ref) < 1e-5
+
+
+@pytest.mark.parametrize("splits", [1, 4])
+@pytest.mark.parametrize("window", [None, 24])
+def test_turboquant_decode_equals_attention_over_the_dequantized_cache(splits, window):
+    """Codes for positions p - j >= RECENT, the exact rotated ring for the newest RECENT; rotated domain."""
+    g = torch.Generator().manual_seed(splits + (window or 0))
+    B, Hq, Hkv, D, recent = 2, 8, 2, 64, 8
+    cap = window or 96
+    hist = 96
+    k, v = torch.randn(B, Hkv, hist, D, generator=g) + 0.3, torch.randn(B, Hkv, hist, D, generator=g)
+    kc, ks = tq.quantize(k)
+    vc, vs = tq.quantize(v)
+    slot = torch.arange(hist) % cap
+    codes_k = torch.zeros(B, Hkv, cap, D // 2, dtype=torch.uint8)
+    codes_v, scale_k, scale_v = codes_k.clone(), torch.zeros(B, Hkv, cap), torch.zeros(B, Hkv, cap)
+    ring_k, ring_v = torch.zeros(B, Hkv, recent, D), torch.zeros(B, Hkv, recent, D)
+    pos = torch.tensor([95, 60])
+    for b in range(B):
+        for j in range(int(pos[b]) + 1):  # what the cache holds after position pos[b]
+            codes_k[b, :, slot[j]], codes_v[b, :, slot[j]] = kc[b, :, j], vc[b, :, j]
+            scale_k[b, :, slot[j]], scale_v[b, :, slot[j]] = ks[b, :, j], vs[b, :, j]
+            ring_k[b, :, j % recent], ring_v[b, :, j % recent] = tq.rotate(k[b, :, j]), tq.rotate(v[b, :, j])
+    q = torch.randn(B, Hq, D, generator=g)
+    qr = tq.rotate(q)
+    kq, vq = tq.dequantize_rotated(kc, ks), tq.dequantize_rotated(vc, vs)
+    d = lambda x: x.to(DEVICE)  # noqa: E731
+    o = at.decode_attention(d(qr), d(codes_k), d(codes_v), d(pos), 0.125, visible=cap, window=window,
+                            splits=splits, block_n=16, k_scale=d(scale_k), v_scale=d(scale_v), k_recent=d(ring_k),
+                            v_recent=d(ring_v), levels=d(tq.codebook())).cpu()
+    for b in range(B):
+        p = int(pos[b])
+        lo = 0 if window is None else max(0, p - window + 1)
+        j = torch.arange(lo, p + 1)
+        exact = (p - j < recent)[None, :, None]
+        keys = torch.where(exact, tq.rotate(k[b][:, lo:p + 1]), kq[b][:, lo:p + 1])
+        vals = torch.where(exact, tq.rotate(v[b][:, lo:p + 1]), vq[b][:, lo:p + 1])
+        assert rel(o[b], reference(qr[b], keys, vals, 0.125)) < 1e-5
+
+
+def test_bad_shapes_raise():
+    q = torch.randn(1, 4, 64, device=DEVICE)
+    k = torch.randn(1, 3, 8, 64, device=DEVICE)
+    with pytest.raises(ValueError, match="multiple"):
+        at.decode_attention(q, k, k, torch.tensor([0], device=DEVICE), 1.0, visible=1)
+    with pytest.raises(ValueError, match="positions"):
+        at.decode_attention(q, k[:, :2], k[:, :2], torch.tensor([0.0], device=DEVICE), 1.0, visible=1)
+
+
+@pytest.mark.parametrize("kind,window", [("dense", None), ("dense", 6), ("turboquant4", None), ("turboquant4", 20)])
+def test_caches_decode_through_the_kernel(monkeypatch, kind, window):
+    """The caches' decode path (the kernel, as on a GPU) equals their reference path, step by step."""
+    from sluice.cache.kv import KVCache, make_kv_cache
+
+    g = torch.Generator().manual_seed(3)
+    B, Hq, Hkv, D, T = 2, 4, 2, 64, 40
+    q, k, v = (torch.randn(B, h, T, D, generator=g) for h in (Hq, Hkv, Hkv))
+    outs = {}
+    for kernel in (False, True):
+        monkeypatch.setattr(KVCache, "use_decode_kernel", lambda self, q, on=kernel: on and q.shape[2] == 1)
+        cache = make_kv_cache(kind, 1, B, Hkv, D, T, torch.float32, DEVICE, window=window)
+        if kind == "turboquant4":
+            cache.recent = 8
+            cache.k_recent[0], cache.v_recent[0] = cache.k_recent[0][:, :, :8], cache.v_recent[0][:, :, :8]
+        d = lambda x: x.to(DEVICE)  # noqa: E731
+        o = [cache.attend(0, d(q[:, :, :10]), d(k[:, :, :10]), d(v[:, :, :10]), 0, 0.125)]
+        for t in range(10, T):
+            o.append(cache.attend(0, d(q[:, :, t:t + 1]), d(k[:, :, t:t + 1]), d(v[:, :, t:t + 1]), t, 0.125))
+        outs[kernel] = torch.cat(o, 2).cpu()
+    assert rel(outs[True], outs[False]) < 1e-5
