@@ -1,7 +1,7 @@
 """Compile our Triton kernels for sm_90 (H100/H200) on a machine without a GPU and print what ptxas reports:
 registers, spill bytes, shared memory. Costs no device time; run it before a device run.
 
-    PYTHONPATH=/path/to/triton-3.6 python benchmarks/sm90_resources.py [gdn]
+    PYTHONPATH=/path/to/triton-3.6 python benchmarks/sm90_resources.py [gdn | attention]
 
 Use the Triton version the device has (3.6 there: unpack its wheel and put it first on PYTHONPATH); 3.9 picks
 other layouts. A kernel is compiled with the exact arguments the wrapper would launch it with: the launches are
@@ -107,5 +107,54 @@ def gdn():
         print(f"{name:22s} {dt:9s} {K:4d} {bv:3d} {w!s:>5s} {s!s:>6s}  {res}")
 
 
+def _capture_all(module, names, call):
+    """Run `call` with the named kernels of `module` captured; [(name, launch)]."""
+    caps = {n: Capture(getattr(module, n)) for n in names}
+    real = {n: getattr(module, n) for n in names}
+    for n, c in caps.items():
+        setattr(module, n, c)
+    try:
+        call()
+    finally:
+        for n, f in real.items():
+            setattr(module, n, f)
+    return [(n, c.fn, launch) for n, c in caps.items() for launch in c.launches]
+
+
+def attention():
+    """The decode-attention kernels (dense bf16 and TurboQuant) and the quantize-on-append kernel."""
+    from sluice.kernels.attention import triton as at
+    from sluice.kernels.turboquant import reference as tq
+    from sluice.kernels.turboquant import triton as tqt
+
+    at_names = ["_decode_split_kernel", "_merge_splits_kernel"]
+    tqt.INTERPRET = False
+    rows = []
+    for Hq, Hkv, D in ((16, 2, 256), (32, 8, 128), (9, 3, 64)):
+        B, S = 1, 512
+        q = torch.randn(B, Hq, D).to(torch.bfloat16)
+        pos = torch.tensor([S - 1], dtype=torch.int32)
+        kv = torch.randn(B, Hkv, S, D).to(torch.bfloat16)
+        codes = torch.zeros(B, Hkv, S, D // 2, dtype=torch.uint8)
+        sc, ring = torch.zeros(B, Hkv, S), torch.zeros(B, Hkv, 64, D, dtype=torch.bfloat16)
+        launches = _capture_all(at, at_names, lambda: at.decode_attention(q, kv, kv, pos, 0.1, S, splits=4))
+        launches += _capture_all(at, at_names, lambda: at.decode_attention(
+            q.float(), codes, codes, pos, 0.1, S, splits=4, k_scale=sc, v_scale=sc, k_recent=ring, v_recent=ring,
+            levels=tq.codebook()))
+        launches += _capture_all(tqt, ["_append_kernel"],
+                                 lambda: tqt.quantize_append(kv[:, :, 0], codes, sc, ring, 3, 3))
+        for name, fn, (grid, args, kw) in launches:
+            try:
+                r = compile_launch(fn, args, kw)
+            except Exception as e:  # noqa: BLE001 - report and go on
+                r = f"{type(e).__name__}: {str(e)[:200]}"
+            rows.append((f"{name} QUANT={kw.get('QUANT', '-')}", f"{Hq}/{Hkv}", D, r))
+            print(*rows[-1], flush=True)
+    print(f"\n{'kernel':36s} {'heads':>6s} {'D':>4s}  regs spill shared")
+    for name, heads, D, r in rows:
+        res = f"{r[0]:4d} {r[1]:5d} {r[2]:6d}" if isinstance(r, tuple) else r
+        print(f"{name:36s} {heads:>6s} {D:4d}  {res}")
+
+
 if __name__ == "__main__":
-    {"gdn": gdn}[sys.argv[1] if len(sys.argv) > 1 else "gdn"]()
+    {"gdn": gdn, "attention": attention}[sys.argv[1] if len(sys.argv) > 1 else "gdn"]()

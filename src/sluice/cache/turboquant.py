@@ -89,16 +89,15 @@ class TurboQuantKVCache(KVCache):
     def _decode(self, layer, q, k, v, start, scale):
         """One query per sequence: quantize-on-append, then the split-K kernel on the codes and the ring."""
         from sluice.kernels.attention.triton import decode_attention
+        from sluice.kernels.turboquant.triton import quantize_append
 
         if start + 1 > self.max_positions:
             raise IndexError(f"KV cache holds {self.max_positions} positions, asked to write up to {start + 1}")
         slot = start if self.window is None else start % self.capacity
-        for x, codes, scales, ring in ((k, self.k_codes, self.k_scale, self.k_recent),
-                                       (v, self.v_codes, self.v_scale, self.v_recent)):
-            c, sc = tq.quantize(x[:, :, 0])
-            codes[layer][:, :, slot] = c
-            scales[layer][:, :, slot] = sc
-            ring[layer][:, :, start % self.recent] = tq.rotate(x[:, :, 0]).to(ring[layer].dtype)
+        quantize_append(k[:, :, 0], self.k_codes[layer], self.k_scale[layer], self.k_recent[layer], slot,
+                        start % self.recent)
+        quantize_append(v[:, :, 0], self.v_codes[layer], self.v_scale[layer], self.v_recent[layer], slot,
+                        start % self.recent)
         o = decode_attention(tq.rotate(q[:, :, 0]), self.k_codes[layer], self.v_codes[layer],
                              self.positions(start, q), scale, self.visible(start), self.window,
                              k_scale=self.k_scale[layer], v_scale=self.v_scale[layer], k_recent=self.k_recent[layer],

@@ -13,9 +13,13 @@ all in the rotated domain: the caller rotates q and rotates the output back (`ca
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
+
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
 
 @triton.jit
@@ -24,7 +28,8 @@ def _decode_split_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, kr_ptr, vr_ptr, cb
                          stride_qb, stride_qh, stride_kb, stride_kh, stride_kt, stride_sb, stride_sh,
                          stride_rb, stride_rh, stride_rt,
                          G: tl.constexpr, BG: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
-                         QUANT: tl.constexpr, RING: tl.constexpr, WINDOW: tl.constexpr, RECENT: tl.constexpr):
+                         QUANT: tl.constexpr, RING: tl.constexpr, WINDOW: tl.constexpr, RECENT: tl.constexpr,
+                         BF16: tl.constexpr):
     bh = tl.program_id(0)
     split = tl.program_id(1)
     b = bh // Hkv
@@ -62,19 +67,28 @@ def _decode_split_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, kr_ptr, vr_ptr, cb
             off = kv_base + slot[:, None] * stride_kt + d[None, :]
             k = tl.load(k_ptr + off, mask=valid[:, None], other=0.0).to(tl.float32)
             v = tl.load(v_ptr + off, mask=valid[:, None], other=0.0).to(tl.float32)
-        s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale
+        s = _dot(q, tl.trans(k), BF16) * scale
         s = tl.where(valid[None, :], s, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, axis=1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row that has seen nothing yet stays at 0
         alpha = tl.exp(m - m_safe)
         pr = tl.exp(s - m_safe[:, None])
         l = l * alpha + tl.sum(pr, axis=1)
-        acc = acc * alpha[:, None] + tl.dot(pr, v, input_precision="ieee")
+        acc = acc * alpha[:, None] + _dot(pr, v, BF16)
         m = m_new
     part = bh * n_splits + split
     tl.store(op_ptr + (part * BG + g[:, None]) * D + d[None, :], acc)
     tl.store(ml_ptr + (part * 2) * BG + g, m)
     tl.store(ml_ptr + (part * 2 + 1) * BG + g, l)
+
+
+@triton.jit
+def _dot(a, b, BF16: tl.constexpr):
+    """Tensor cores on bf16 operands (fp32 accumulation; the probabilities rounded to bf16 as FlashAttention
+    does); fp32 under the interpreter, whose bf16 dot is wrong."""
+    if BF16:
+        return tl.dot(a.to(tl.bfloat16), b.to(tl.bfloat16))
+    return tl.dot(a, b, input_precision="ieee")
 
 
 @triton.jit
@@ -128,7 +142,7 @@ def num_splits(batch_heads: int, visible: int, device, block_n: int = 64, min_pe
 
 
 def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, scale: float,
-                     visible: int, window: int | None = None, splits: int | None = None, block_n: int = 64,
+                     visible: int, window: int | None = None, splits: int | None = None, block_n: int | None = None,
                      k_scale=None, v_scale=None, k_recent=None, v_recent=None, levels=None,
                      out_dtype=None) -> torch.Tensor:
     """q [B, Hq, D] (one query per sequence, at positions[b]); dense k, v [B, Hkv, capacity, D], or with k_scale
@@ -155,6 +169,7 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, position
         raise ValueError(f"decode attention: k, v must be [B, Hkv, cap, {D}], got {tuple(k.shape)}")
     if k.stride() != v.stride() or k.stride(-1) != 1 or q.stride(-1) != 1:
         raise ValueError("decode attention: k and v must share a layout with unit last strides")
+    block_n = block_n or (64 if D <= 128 else 32)  # K and V tiles of D = 256 rows: shared memory
     ns = splits or num_splits(B * Hkv, visible, q.device, block_n)
     per_split = triton.cdiv(visible, ns)
     per_split = triton.cdiv(per_split, block_n) * block_n
@@ -172,7 +187,7 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, position
         ks.stride(0) if quant else 0, ks.stride(1) if quant else 0,
         kr.stride(0) if quant else 0, kr.stride(1) if quant else 0, kr.stride(2) if quant else 0,
         G=G, BG=BG, D=D, BLOCK_N=block_n, QUANT=quant, RING=window is not None, WINDOW=window or 0,
-        RECENT=recent, num_warps=4)
+        RECENT=recent, BF16=not INTERPRET, num_warps=4, num_stages=2)
     o = torch.empty((B, Hq, D), dtype=out_dtype or q.dtype, device=q.device)
     _merge_splits_kernel[(B * Hkv,)](op, ml, o, Hkv, ns, o.stride(0), o.stride(1), G=G, BG=BG, D=D,
                                      NSP=triton.next_power_of_2(ns), num_warps=4)

@@ -1,0 +1,90 @@
+"""Quantize-on-append for the TurboQuant KV cache on CUDA: one launch per K or V of a decode step, checked against
+`reference.quantize`.
+
+Program: up to 16 vectors (sequence, KV head) of the new position. y = (x * signs) @ H / sqrt(d) (H the +-1
+Hadamard matrix in bf16; bf16 inputs multiply exactly, fp32 ones as a bf16 hi + lo pair; fp32 accumulation); the code of each coordinate of
+sqrt(d) y / |y| by a 4-step binary search over the 15 cell boundaries; scale = |x| / |levels[codes]|; codes
+packed two per byte (low nibble = even coordinate) into the cache slot, the scale beside them, and the exact
+rotated vector into the recent ring.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from sluice.kernels.turboquant import reference
+
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"  # its bf16 tl.dot is wrong (Triton 3.9): fp32 operands there
+
+
+@triton.jit
+def _append_kernel(x_ptr, sign_ptr, h_ptr, lv_ptr, bd_ptr, codes_ptr, scale_ptr, ring_ptr, n_rows, Hkv, slot, rslot,
+                   stride_xr, stride_cb, stride_ch, stride_ct, stride_sb, stride_sh, stride_rb, stride_rh, stride_rt,
+                   D: tl.constexpr, BF16: tl.constexpr, INTERPRET: tl.constexpr):
+    rows = tl.program_id(0) * 16 + tl.arange(0, 16)
+    ok = rows < n_rows
+    d = tl.arange(0, D)
+    x = tl.load(x_ptr + rows[:, None] * stride_xr + d[None, :], mask=ok[:, None], other=0.0).to(tl.float32)
+    xs = x * tl.load(sign_ptr + d)[None, :]  # a sign flip: still exactly the input's bf16 values
+    h = tl.load(h_ptr + d[:, None] * D + d[None, :])  # +-1 in bf16: exact
+    if INTERPRET:
+        y = tl.dot(xs, h.to(tl.float32), input_precision="ieee")
+    else:  # x = hi + lo in bf16 (lo = 0 for bf16 inputs): ~16 significant bits on bf16 tensor cores
+        hi = xs.to(tl.bfloat16)
+        y = tl.dot(hi, h)
+        if not BF16:
+            y += tl.dot((xs - hi.to(tl.float32)).to(tl.bfloat16), h)
+    y = y * (1.0 / tl.sqrt(D * 1.0))
+    norm = tl.sqrt(tl.sum(y * y, axis=1))
+    yn = y * (tl.sqrt(D * 1.0) / tl.maximum(norm, 1e-30))[:, None]
+    code = tl.zeros((16, D), dtype=tl.int32)
+    for step in tl.static_range(4):  # binary search: code = number of boundaries below yn
+        half = 8 >> step
+        code += tl.where(yn > tl.load(bd_ptr + code + (half - 1)), half, 0)
+    lv = tl.load(lv_ptr + code)
+    scale = norm / tl.maximum(tl.sqrt(tl.sum(lv * lv, axis=1)), 1e-30)
+    lo, hi = tl.split(tl.reshape(code, (16, D // 2, 2)))
+    packed = (lo | (hi << 4)).to(tl.uint8)
+    b = rows // Hkv
+    hh = rows % Hkv
+    dh = tl.arange(0, D // 2)
+    tl.store(codes_ptr + b[:, None].to(tl.int64) * stride_cb + hh[:, None] * stride_ch + slot * stride_ct + dh[None, :],
+             packed, mask=ok[:, None])
+    tl.store(scale_ptr + b.to(tl.int64) * stride_sb + hh * stride_sh + slot, scale, mask=ok)
+    tl.store(ring_ptr + b[:, None].to(tl.int64) * stride_rb + hh[:, None] * stride_rh + rslot * stride_rt + d[None, :],
+             y.to(ring_ptr.dtype.element_ty), mask=ok[:, None])
+
+
+_TABLES: dict = {}
+
+
+def _tables(D: int, device):
+    key = (D, device)
+    if key not in _TABLES:
+        _TABLES[key] = (reference.signs(D, device), reference.hadamard(D, device).to(torch.bfloat16).contiguous(),
+                        reference.codebook(device), reference.boundaries(device))
+    return _TABLES[key]
+
+
+def quantize_append(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, ring: torch.Tensor, slot: int,
+                    ring_slot: int) -> None:
+    """x [B, Hkv, D] (the new position's keys or values) -> codes[:, :, slot] (uint8 [B, Hkv, cap, D/2]),
+    scales[:, :, slot] (fp32 [B, Hkv, cap]) and ring[:, :, ring_slot] (the rotated x, [B, Hkv, R, D])."""
+    B, Hkv, D = x.shape
+    if D & (D - 1) or D < 16 or D > 256 or codes.shape[-1] != D // 2 or codes.dtype != torch.uint8:
+        raise ValueError(f"quantize_append: D = {D} must be a power of two in 16..256 and codes uint8 [..., D/2]")
+    if scales.stride(-1) != 1 or codes.stride(-1) != 1 or ring.stride(-1) != 1:
+        raise ValueError("quantize_append: cache tensors need a unit last stride")
+    rows = x.reshape(B * Hkv, D)
+    if rows.stride(-1) != 1:
+        rows = rows.contiguous()
+    signs, hadamard, levels, bounds = _tables(D, x.device)
+    _append_kernel[(triton.cdiv(B * Hkv, 16),)](
+        rows, signs, hadamard, levels, bounds, codes, scales, ring, B * Hkv, Hkv, slot, ring_slot,
+        rows.stride(0), codes.stride(0), codes.stride(1), codes.stride(2), scales.stride(0), scales.stride(1),
+        ring.stride(0), ring.stride(1), ring.stride(2),
+        D=D, BF16=x.dtype == torch.bfloat16, INTERPRET=INTERPRET, num_warps=4)
