@@ -182,3 +182,14 @@ def test_mistral_sliding_window_matches_hf(tmp_path):
     assert rel(torch.stack(last), ref[0, 20:]) < 1e-4
     tq_model = sluice.load(path, device="cpu", kv_cache="turboquant4")
     assert rel(tq_model.logits(ids), ref) < 1e-4  # window 8 < 64 recent positions: every visible one exact
+
+
+def test_turboquant_needs_a_power_of_two_head_dim(tmp_path):
+    import sluice
+    from helpers import save_hf_dir, tiny_llama
+
+    path = save_hf_dir(tiny_llama(seed=2, hidden_size=96, num_attention_heads=4, num_key_value_heads=2),
+                       tmp_path / "d24")  # head dim 24
+    with pytest.raises(sluice.SluiceError, match="power-of-two head dim"):
+        sluice.load(path, device="cpu", kv_cache="turboquant4")
+    assert sluice.load(path, device="cpu").generate([1, 2, 3], max_tokens=2, temperature=0) is not None
