@@ -13,7 +13,6 @@ Correctness first, at real shapes, against fp32 attention over the same (dequant
 
 from __future__ import annotations
 
-import json
 import math
 import sys
 import traceback
@@ -24,7 +23,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from qmatmul_gpu import L2_BYTES, copy_bandwidth, graph_time, start_run  # noqa: E402
+from qmatmul_gpu import end_run, L2_BYTES, copy_bandwidth, graph_time, start_run  # noqa: E402
 from sluice.cache.turboquant import RECENT  # noqa: E402
 from sluice.kernels.attention.triton import decode_attention  # noqa: E402
 from sluice.kernels.turboquant import reference as tq  # noqa: E402
@@ -155,12 +154,7 @@ def main():
                   f"{100 * r['bf16_pct_copy']:5.0f}% {r.get('sdpa_bf16_us', float('nan')):8.1f} "
                   f"{r['ours_turboquant4_us']:8.1f} {100 * r['turboquant_pct_copy']:5.0f}% "
                   f"{r['turboquant_vs_ours_bf16']:6.2f}x {r.get('turboquant_vs_sdpa', float('nan')):6.2f}x")
-        for c in res["correctness"]:
-            print(f"check {c}")
-        for e in res["errors"]:
-            print(f"ERROR {e}")
-        if a.json:
-            Path(a.json).write_text(json.dumps(res, indent=2))
+        end_run(a, res)
 
 
 if __name__ == "__main__":

@@ -19,7 +19,6 @@ CUDA context on the H100 (so it runs last). Table printed last.
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 import traceback
@@ -30,7 +29,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from qmatmul_gpu import copy_bandwidth, events_time, graph_time, start_run  # noqa: E402
+from qmatmul_gpu import end_run, copy_bandwidth, events_time, graph_time, start_run  # noqa: E402
 from sluice.kernels.gdn import reference  # noqa: E402
 from sluice.kernels.gdn import triton as gt  # noqa: E402
 
@@ -283,12 +282,7 @@ def main():
         for bd in res["breakdown"]:
             print(f"{bd['case']}: " + "; ".join(f"{r['kernel'].replace('_chunk_', '')} {r['us']:.0f}"
                                                 for r in bd["kernels"][:6]))
-        for c in res["correctness"]:
-            print(f"check {c}")
-        for msg in res["errors"]:
-            print(f"ERROR {msg}")
-        if a.json:
-            Path(a.json).write_text(json.dumps(res, indent=2))
+        end_run(a, res)
 
 
 if __name__ == "__main__":

@@ -116,6 +116,16 @@ def start_run(*sections):
     return ap.parse_args(), dev, res
 
 
+def end_run(a, res):
+    """The run's checks and errors printed last, and the JSON written (the counterpart of start_run)."""
+    for c in res.get("correctness", []):
+        print(f"check {c}")
+    for msg in res.get("errors", []):
+        print(f"ERROR {msg}")
+    if a.json:
+        Path(a.json).write_text(json.dumps(res, indent=2))
+
+
 def main():
     a, dev, res = start_run("correctness", "gemv", "gemm", "sweep")
 

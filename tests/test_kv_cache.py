@@ -1,8 +1,6 @@
 """KV caches: the TurboQuant codec, the dense and TurboQuant caches (whole and sliding-window rings) against
 explicit attention, chunked prefill against token-by-token decode, and a sliding-window model against HF."""
 
-import math
-
 import pytest
 import torch
 import torch.nn.functional as F
