@@ -191,3 +191,14 @@ def test_turboquant_needs_a_power_of_two_head_dim(tmp_path):
     with pytest.raises(sluice.SluiceError, match="power-of-two head dim"):
         sluice.load(path, device="cpu", kv_cache="turboquant4")
     assert sluice.load(path, device="cpu").generate([1, 2, 3], max_tokens=2, temperature=0) is not None
+
+
+def test_turboquant_prefill_in_query_blocks(monkeypatch):
+    """A small score budget splits the chunk's queries into blocks: the same result."""
+    import sluice.cache.turboquant as tqc
+
+    q, k, v = qkv(T=30, seed=4)
+    ref = turboquant_reference(q, k, v, 0.125, 8)
+    monkeypatch.setattr(tqc, "SCORE_ELEMENTS", 2 * 4 * 30 * 7)  # 7 queries per block
+    out = run_chunks(TurboQuantKVCache(1, 2, 2, 64, 30, recent=8), q, k, v, [30], 0.125)
+    assert rel(out, ref) < 1e-5

@@ -18,6 +18,7 @@ from sluice.cache.kv import KVCache
 from sluice.kernels.turboquant import reference as tq
 
 RECENT = 64
+SCORE_ELEMENTS = 1 << 26  # prefill attention: fp32 scores held at once (256 MB)
 
 
 class TurboQuantKVCache(KVCache):
@@ -60,20 +61,27 @@ class TurboQuantKVCache(KVCache):
         ring = (torch.arange(e0, start) % self.recent).to(q.device)
         ke = torch.cat([self.k_recent[layer].index_select(2, ring).float(), tq.rotate(k)], dim=2)
         ve = torch.cat([self.v_recent[layer].index_select(2, ring).float(), tq.rotate(v)], dim=2)
-        # grouped queries: [B, Hkv, G*T, D] against [B, Hkv, S, D]
+        # grouped queries, [B, Hkv, G*t, D] against [B, Hkv, S, D], in blocks of queries that keep the score
+        # matrix under SCORE_ELEMENTS (a long context would otherwise want gigabytes)
         G = Hq // Hkv
-        qr = tq.rotate(q).reshape(B, Hkv, G * T, D)
-        qpos = torch.arange(start, end, device=q.device).repeat(G)[:, None]
         kpos = torch.arange(first, end, device=q.device)[None, :]
-        s = qr @ kq.transpose(-1, -2)
         tail = e0 - first
-        exact = kpos[:, tail:] > qpos - self.recent  # key j exact for query p when p - j < recent
-        s[..., tail:] = torch.where(exact, qr @ ke.transpose(-1, -2), s[..., tail:])
-        visible = kpos <= qpos
-        if self.window is not None:
-            visible &= kpos > qpos - self.window
-        p = torch.softmax((s * scale).masked_fill(~visible, float("-inf")), dim=-1)
-        o = p @ vq + (p[..., tail:] * exact) @ (ve - vq[:, :, tail:])
+        step = max(1, SCORE_ELEMENTS // (B * Hq * kq.shape[2]))
+        outs = []
+        for t0 in range(0, T, step):
+            t1 = min(T, t0 + step)
+            qr = tq.rotate(q[:, :, t0:t1]).reshape(B, Hkv, G * (t1 - t0), D)
+            qpos = torch.arange(start + t0, start + t1, device=q.device).repeat(G)[:, None]
+            s = qr @ kq.transpose(-1, -2)
+            exact = kpos[:, tail:] > qpos - self.recent  # key j exact for query p when p - j < recent
+            s[..., tail:] = torch.where(exact, qr @ ke.transpose(-1, -2), s[..., tail:])
+            visible = kpos <= qpos
+            if self.window is not None:
+                visible &= kpos > qpos - self.window
+            p = torch.softmax((s * scale).masked_fill(~visible, float("-inf")), dim=-1)
+            o = p @ vq + (p[..., tail:] * exact) @ (ve - vq[:, :, tail:])
+            outs.append(o.reshape(B, Hq, t1 - t0, D))
+        o = torch.cat(outs, dim=2)
         # store: codes of the chunk (its last `capacity` positions), exact rotated copies of its last `recent`
         keep = min(T, self.capacity)
         slots = self.slots(end - keep, end).to(q.device)
@@ -84,7 +92,7 @@ class TurboQuantKVCache(KVCache):
         ring = (torch.arange(end - r, end) % self.recent).to(q.device)
         self.k_recent[layer].index_copy_(2, ring, ke[:, :, -r:].to(self.k_recent[layer].dtype))
         self.v_recent[layer].index_copy_(2, ring, ve[:, :, -r:].to(self.v_recent[layer].dtype))
-        return tq.unrotate(o.reshape(B, Hq, T, D)).to(q.dtype)
+        return tq.unrotate(o).to(q.dtype)
 
     def _decode(self, layer, q, k, v, start, scale):
         """One query per sequence: quantize-on-append, then the split-K kernel on the codes and the ring."""
