@@ -38,3 +38,16 @@ def test_run_reads_stdin(demo_gguf_path):
                            "0", "--max-tokens", "8"], input="The capital of France is", capture_output=True,
                           text=True, timeout=300)
     assert proc.returncode == 0 and "Paris" in proc.stdout
+
+
+def test_bench_and_kv_cache_option(tmp_path, capsys):
+    d = save_hf_dir(tiny_llama(seed=5), tmp_path / "m")
+    assert main(["bench", "--model", str(d), "--prompt-tokens", "20", "--gen-tokens", "3", "--repeats", "1",
+                 "--compare-kv-caches", "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert [r["kv_cache"] for r in rows] == ["dense", "turboquant4"]
+    assert all(r["prefill_tok_s"] > 0 and r["decode_tok_s"] > 0 for r in rows)
+    assert rows[0]["kv_bytes_per_token_layer"] == 2 * 2 * 16 * 4 and rows[1]["kv_bytes_per_token_layer"] == 2 * 2 * 12
+    assert main(["bench", "--model", str(d), "--prompt-tokens", "0"]) == 2
+    assert main(["info", str(d), "--kv-cache", "turboquant4"]) == 0
+    assert "turboquant4; 48 B per token in each of 2 attention layers" in capsys.readouterr().out

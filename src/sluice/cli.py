@@ -124,6 +124,24 @@ def cmd_info(args) -> int:
     return 0
 
 
+def cmd_bench(args) -> int:
+    model = _load(args)
+    rows = []
+    for kind in args.kv_cache_kinds or [args.kv_cache]:
+        model.kv_cache = kind
+        rows.append(model.bench(args.prompt_tokens, args.gen_tokens, args.repeats))
+    if args.json:
+        print(json.dumps(rows, indent=2))
+        return 0
+    print(f"{model.path.name} on {rows[0]['device']} ({rows[0]['dtype']}): {args.prompt_tokens}-token prompt, "
+          f"{args.gen_tokens} generated tokens, best of {args.repeats}")
+    print(f"{'KV cache':12s} {'prefill tok/s':>14s} {'decode tok/s':>13s} {'KV B/token':>11s} {'per layer':>10s}")
+    for r in rows:
+        print(f"{r['kv_cache']:12s} {r['prefill_tok_s']:14.1f} {r['decode_tok_s']:13.1f} "
+              f"{r['kv_bytes_per_token']:11d} {r['kv_bytes_per_token_layer']:10d}")
+    return 0
+
+
 def cmd_convert(args) -> int:
     from sluice.formats.convert import convert
 
@@ -153,6 +171,15 @@ def build_parser() -> argparse.ArgumentParser:
     info.add_argument("--json", action="store_true")
     _add_kv_cache_arg(info)
     info.set_defaults(func=cmd_info)
+    bench = sub.add_parser("bench", help="prefill and decode speed, and KV-cache bytes per token")
+    _add_model_args(bench)
+    bench.add_argument("--prompt-tokens", type=int, default=512)
+    bench.add_argument("--gen-tokens", type=int, default=64)
+    bench.add_argument("--repeats", type=int, default=2)
+    bench.add_argument("--compare-kv-caches", dest="kv_cache_kinds", action="store_const",
+                       const=["dense", "turboquant4"], help="one row per KV cache kind")
+    bench.add_argument("--json", action="store_true")
+    bench.set_defaults(func=cmd_bench)
     conv = sub.add_parser("convert", help="HF checkpoint directory -> MLX-format quantized directory")
     conv.add_argument("src")
     conv.add_argument("dst")

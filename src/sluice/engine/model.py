@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -115,6 +116,36 @@ class Model:
 
     def generate(self, prompt, max_tokens: int = 256, **kwargs) -> str:
         return "".join(self.stream(prompt, max_tokens=max_tokens, **kwargs))
+
+    def bench(self, prompt_tokens: int = 512, gen_tokens: int = 64, repeats: int = 2) -> dict:
+        """Prefill and decode speed on `prompt_tokens` random ids (fixed seed), then `gen_tokens` greedy steps;
+        the best of `repeats` runs (the first also warms up kernels)."""
+        if prompt_tokens < 1 or gen_tokens < 1 or repeats < 1:
+            raise InvalidOptionError("bench: prompt and generated token counts and repeats must be >= 1.")
+        if prompt_tokens + gen_tokens > self.context_length:
+            raise ContextLengthError(f"bench: {prompt_tokens} + {gen_tokens} tokens exceed the model's context "
+                                     f"window of {self.context_length}.")
+        ids = torch.randint(0, self.config.vocab_size, (1, prompt_tokens), generator=torch.Generator().manual_seed(0))
+        sync = torch.cuda.synchronize if self.device.type == "cuda" else (lambda: None)
+        best_p = best_d = float("inf")
+        for _ in range(repeats):
+            cache = self.new_cache(prompt_tokens + gen_tokens)
+            sync()
+            t0 = time.perf_counter()
+            logits = self._prefill(ids, cache, last_only=True)
+            sync()
+            t1 = time.perf_counter()
+            for i in range(gen_tokens):
+                tok = int(logits[0, -1].argmax())
+                logits = self._forward(torch.tensor([[tok]]), cache, prompt_tokens + i, last_only=True)
+            sync()
+            best_p, best_d = min(best_p, t1 - t0), min(best_d, time.perf_counter() - t1)
+        kv = self.new_cache(1)
+        kv = getattr(kv, "kv", kv)
+        return {"device": str(self.device), "dtype": str(self.dtype).removeprefix("torch."), "kv_cache": self.kv_cache,
+                "prompt_tokens": prompt_tokens, "gen_tokens": gen_tokens, "prefill_tok_s": prompt_tokens / best_p,
+                "decode_tok_s": gen_tokens / best_d, "kv_bytes_per_token": kv.bytes_per_token(),
+                "kv_bytes_per_token_layer": kv.bytes_per_token() // max(kv.num_layers, 1)}
 
     def info(self) -> dict:
         params, nbytes, kinds = 0, 0, {}
