@@ -110,6 +110,7 @@ def test_bad_shapes_raise():
 def test_caches_decode_through_the_kernel(monkeypatch, kind, window):
     """The caches' decode path (the kernel, as on a GPU) equals their reference path, step by step."""
     from sluice.cache.kv import KVCache, make_kv_cache
+    from sluice.cache.turboquant import TurboQuantKVCache
 
     g = torch.Generator().manual_seed(3)
     B, Hq, Hkv, D, T = 2, 4, 2, 64, 40
@@ -117,10 +118,8 @@ def test_caches_decode_through_the_kernel(monkeypatch, kind, window):
     outs = {}
     for kernel in (False, True):
         monkeypatch.setattr(KVCache, "use_decode_kernel", lambda self, q, on=kernel: on and q.shape[2] == 1)
-        cache = make_kv_cache(kind, 1, B, Hkv, D, T, torch.float32, DEVICE, window=window)
-        if kind == "turboquant4":
-            cache.recent = 8
-            cache.k_recent[0], cache.v_recent[0] = cache.k_recent[0][:, :, :8], cache.v_recent[0][:, :, :8]
+        cache = (make_kv_cache("dense", 1, B, Hkv, D, T, torch.float32, DEVICE, window=window) if kind == "dense"
+                 else TurboQuantKVCache(1, B, Hkv, D, T, torch.float32, DEVICE, window=window, recent=8))
         d = lambda x: x.to(DEVICE)  # noqa: E731
         o = [cache.attend(0, d(q[:, :, :10]), d(k[:, :, :10]), d(v[:, :, :10]), 0, 0.125)]
         for t in range(10, T):

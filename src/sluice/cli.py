@@ -118,8 +118,10 @@ def cmd_info(args) -> int:
         print(f"  {kind:28s} {n / 1e6:8.1f} M params")
     kv = info["kv_cache_bytes_per_token"]
     kind = info["dtype"] if info["kv_cache"] == "dense" else info["kv_cache"]
+    fixed = info["kv_cache_fixed_bytes"]
     print(f"KV cache:     {_human(kv)} per token ({kind}; {info['kv_cache_bytes_per_token_layer']} B per token in "
-          f"each of {info['kv_cache_layers']} attention layers); full context {_human(kv * c['context_length'])}")
+          f"each of {info['kv_cache_layers']} attention layers){f' + {_human(fixed)} fixed' if fixed else ''}; "
+          f"full context {_human(kv * c['context_length'] + fixed)}")
     print(f"memory:       ~{_human(info['weight_bytes'] + kv * c['context_length'])} at full context")
     return 0
 
@@ -138,7 +140,7 @@ def cmd_bench(args) -> int:
     print(f"{'KV cache':12s} {'prefill tok/s':>14s} {'decode tok/s':>13s} {'KV B/token':>11s} {'per layer':>10s}")
     for r in rows:
         print(f"{r['kv_cache']:12s} {r['prefill_tok_s']:14.1f} {r['decode_tok_s']:13.1f} "
-              f"{r['kv_bytes_per_token']:11d} {r['kv_bytes_per_token_layer']:10d}")
+              f"{r['kv_cache_bytes_per_token']:11d} {r['kv_cache_bytes_per_token_layer']:10d}")
     return 0
 
 

@@ -44,9 +44,8 @@ class TurboQuantKVCache(KVCache):
         B, Hq, T, D = q.shape
         Hkv = k.shape[1]
         end = start + T
-        if end > self.max_positions:
-            raise IndexError(f"KV cache holds {self.max_positions} positions, asked to write up to {end}")
-        first = 0 if self.window is None else max(0, start - self.window + 1)  # oldest position any query sees
+        slots = self.slots(end - min(T, self.capacity), end)  # the chunk's positions the cache will hold
+        first = self.first_visible(start)
         kc, ks = tq.quantize(k)
         vc, vs = tq.quantize(v)
         # every visible position as the codes give it, then the recent ones exact
@@ -83,8 +82,8 @@ class TurboQuantKVCache(KVCache):
             outs.append(o.reshape(B, Hq, t1 - t0, D))
         o = torch.cat(outs, dim=2)
         # store: codes of the chunk (its last `capacity` positions), exact rotated copies of its last `recent`
-        keep = min(T, self.capacity)
-        slots = self.slots(end - keep, end).to(q.device)
+        keep = len(slots)
+        slots = slots.to(q.device)
         for codes, scales, c, sc in ((self.k_codes, self.k_scale, kc, ks), (self.v_codes, self.v_scale, vc, vs)):
             codes[layer].index_copy_(2, slots, c[:, :, T - keep:])
             scales[layer].index_copy_(2, slots, sc[:, :, T - keep:])
@@ -99,9 +98,7 @@ class TurboQuantKVCache(KVCache):
         from sluice.kernels.attention.triton import decode_attention
         from sluice.kernels.turboquant.triton import quantize_append
 
-        if start + 1 > self.max_positions:
-            raise IndexError(f"KV cache holds {self.max_positions} positions, asked to write up to {start + 1}")
-        slot = start if self.window is None else start % self.capacity
+        slot = self.decode_slot(start)
         quantize_append(k[:, :, 0], self.k_codes[layer], self.k_scale[layer], self.k_recent[layer], slot,
                         start % self.recent)
         quantize_append(v[:, :, 0], self.v_codes[layer], self.v_scale[layer], self.v_recent[layer], slot,
@@ -113,7 +110,7 @@ class TurboQuantKVCache(KVCache):
         return tq.unrotate(o)[:, :, None].to(q.dtype)
 
     def bytes_per_token(self) -> int:
-        """Bytes per position across layers (the `recent` exact positions are a fixed cost, `fixed_bytes`)."""
+        """Bytes per position across layers (the `recent` exact positions are `fixed_bytes`)."""
         return 2 * self.num_layers * self.batch * self.num_kv_heads * tq.bytes_per_vector(self.head_dim)
 
     def fixed_bytes(self) -> int:

@@ -140,12 +140,17 @@ class Model:
                 logits = self._forward(torch.tensor([[tok]]), cache, prompt_tokens + i, last_only=True)
             sync()
             best_p, best_d = min(best_p, t1 - t0), min(best_d, time.perf_counter() - t1)
-        kv = self.new_cache(1)
-        kv = getattr(kv, "kv", kv)
         return {"device": str(self.device), "dtype": str(self.dtype).removeprefix("torch."), "kv_cache": self.kv_cache,
                 "prompt_tokens": prompt_tokens, "gen_tokens": gen_tokens, "prefill_tok_s": prompt_tokens / best_p,
-                "decode_tok_s": gen_tokens / best_d, "kv_bytes_per_token": kv.bytes_per_token(),
-                "kv_bytes_per_token_layer": kv.bytes_per_token() // max(kv.num_layers, 1)}
+                "decode_tok_s": gen_tokens / best_d, **self._kv_layout()}
+
+    def _kv_layout(self) -> dict:
+        """What the KV cache costs: bytes per token (all attention layers, and one), the fixed part."""
+        kv = self.module.new_cache(1, 1, self.dtype, "cpu", self.kv_cache)
+        kv = getattr(kv, "kv", kv)  # a hybrid model's attention part
+        return {"kv_cache_layers": kv.num_layers, "kv_cache_bytes_per_token": kv.bytes_per_token(),
+                "kv_cache_bytes_per_token_layer": kv.bytes_per_token() // max(kv.num_layers, 1),
+                "kv_cache_fixed_bytes": kv.fixed_bytes()}
 
     def info(self) -> dict:
         params, nbytes, kinds = 0, 0, {}
@@ -172,13 +177,9 @@ class Model:
             if mod is getattr(self.module, "lm_head", None) and self.config.tie_word_embeddings:
                 continue
             count(n, kind, nb)
-        kv = self.module.new_cache(1, 1, self.dtype, "cpu", self.kv_cache)
-        kv = getattr(kv, "kv", kv)  # a hybrid model's attention part
         return {"path": str(self.path), "format": self.format, "architecture": self.config.architecture,
                 "config": dict(vars(self.config)), "parameters": params, "weight_bytes": nbytes,
-                "weights_by_kind": kinds, "kv_cache": self.kv_cache, "kv_cache_layers": kv.num_layers,
-                "kv_cache_bytes_per_token": kv.bytes_per_token(),
-                "kv_cache_bytes_per_token_layer": kv.bytes_per_token() // max(kv.num_layers, 1),
+                "weights_by_kind": kinds, "kv_cache": self.kv_cache, **self._kv_layout(),
                 "device": str(self.device), "dtype": str(self.dtype).removeprefix("torch.")}
 
 

@@ -53,14 +53,29 @@ def lloyd_max_distortion(levels: int = LEVELS) -> float:
     return total
 
 
-def codebook(device=None) -> torch.Tensor:
+# The tables below are made once per device: the decode step of every layer uses them, and building them anew
+# would copy them from the host each time.
+
+
+@lru_cache(maxsize=None)
+def _codebook(device: torch.device) -> torch.Tensor:
     return torch.tensor(lloyd_max_gaussian(), dtype=torch.float32, device=device)
+
+
+def codebook(device=None) -> torch.Tensor:
+    """The 16 levels, fp32 (a shared tensor: do not write to it)."""
+    return _codebook(torch.device(device or "cpu"))
+
+
+@lru_cache(maxsize=None)
+def _boundaries(device: torch.device) -> torch.Tensor:
+    c = _codebook(device)
+    return (c[1:] + c[:-1]) / 2
 
 
 def boundaries(device=None) -> torch.Tensor:
     """The 15 cell boundaries between consecutive levels (a code is the number of boundaries below y)."""
-    c = codebook(device)
-    return (c[1:] + c[:-1]) / 2
+    return _boundaries(torch.device(device or "cpu"))
 
 
 def hadamard(d: int, device=None) -> torch.Tensor:
@@ -79,13 +94,14 @@ def signs(d: int, device=None) -> torch.Tensor:
 
 
 @lru_cache(maxsize=None)
-def _rotation_cpu(d: int) -> torch.Tensor:
-    return hadamard(d) * signs(d)[None, :] / math.sqrt(d)
+def _rotation(d: int, device: torch.device) -> torch.Tensor:
+    return (hadamard(d) * signs(d)[None, :] / math.sqrt(d)).to(device)
 
 
 def rotation(d: int, device=None) -> torch.Tensor:
-    """R = H diag(s) / sqrt(d) [d, d], orthonormal: y = x @ R^T rotates, x = y @ R rotates back."""
-    return _rotation_cpu(d).to(device)
+    """R = H diag(s) / sqrt(d) [d, d], orthonormal: y = x @ R^T rotates, x = y @ R rotates back (a shared
+    tensor: do not write to it)."""
+    return _rotation(d, torch.device(device or "cpu"))
 
 
 def rotate(x: torch.Tensor) -> torch.Tensor:
