@@ -1,7 +1,7 @@
 """Decode attention on the GPU: our split-K Triton kernel on the dense bf16 cache and on the TurboQuant 4-bit cache,
 against PyTorch SDPA (bf16, GQA) and against the bandwidth floor.
 
-    python benchmarks/attention_gpu.py [--json out.json]
+    python benchmarks/attention_gpu.py [--json out.json] [--sweep]
 
 Shapes: Qwen3-Next's full attention (16 query heads, 2 KV heads, D = 256) and an 8-KV-head D = 128 layer (32
 query heads); contexts 4k, 32k, 128k; batch 1 and 16. One query per sequence at the last position. Cold L2: the
@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from qmatmul_gpu import end_run, L2_BYTES, copy_bandwidth, graph_time, start_run  # noqa: E402
 from sluice.cache.turboquant import RECENT  # noqa: E402
-from sluice.kernels.attention.triton import decode_attention  # noqa: E402
+from sluice.kernels.attention.triton import decode_attention, num_splits  # noqa: E402
 from sluice.kernels.turboquant import reference as tq  # noqa: E402
 
 SHAPES = {"qwen3-next 16q/2kv D256": (16, 2, 256), "8kv D128 (32q)": (32, 8, 128)}
@@ -49,13 +49,13 @@ def cache_bytes(c):
     return sum(t.numel() * t.element_size() for t in c.values())
 
 
-def ours(q, c, pos, scale, S, quant, splits=None):
+def ours(q, c, pos, scale, S, quant, splits=None, **launch):
     if not quant:
-        return decode_attention(q, c["k"], c["v"], pos, scale, S, splits=splits)
+        return decode_attention(q, c["k"], c["v"], pos, scale, S, splits=splits, **launch)
     qr = q.float() @ ROT[q.shape[-1]].T
     o = decode_attention(qr, c["k"], c["v"], pos, scale, S, splits=splits, k_scale=c["k_scale"],
                          v_scale=c["v_scale"], k_recent=c["k_recent"], v_recent=c["v_recent"], levels=LEVELS,
-                         out_dtype=torch.float32)
+                         out_dtype=torch.float32, **launch)
     return (o @ ROT[q.shape[-1]]).to(BF16)
 
 
@@ -126,9 +126,58 @@ def time_case(res, copy_bw, name, Hq, Hkv, D, S, B):
     print(f"time {row}", flush=True)
 
 
+SWEEP_DENSE = [dict(block_n=bn, num_warps=w, num_stages=st) for bn in (32, 64, 128) for w in (4, 8)
+               for st in (2, 3, 4)]
+SWEEP_TQ = [dict(block_n=bn, num_warps=w, num_stages=st, lookup=lk) for bn in (32, 64, 128) for w in (4, 8)
+            for st in (2, 3) for lk in (0, 1)]
+
+
+def sweep(res, copy_bw):
+    """Launch options and split counts at 32k context: the time of each, so the defaults can be checked."""
+    for name, (Hq, Hkv, D) in SHAPES.items():
+        for B in BATCHES:
+            S = 32768
+            g = torch.Generator(device="cuda").manual_seed(7)
+            q = torch.randn(B, Hq, D, device="cuda", generator=g, dtype=BF16)
+            pos = torch.full((B,), S - 1, dtype=torch.int32, device="cuda")
+            for quant, configs in ((False, SWEEP_DENSE), (True, SWEEP_TQ)):
+                one = make_cache(B, Hkv, S, D, quant, g)
+                n = max(1, math.ceil(4 * L2_BYTES / cache_bytes(one)))
+                caches = [one] + [make_cache(B, Hkv, S, D, quant, g) for _ in range(n - 1)]
+                auto = num_splits(B * Hkv, S, q.device)
+                runs = [(launch, auto) for launch in configs] + [({}, max(1, auto // 2)), ({}, 2 * auto)]
+                for launch, ns in runs:
+                    try:
+                        t = graph_time([lambda c=c: ours(q, c, pos, D ** -0.5, S, quant, ns, **launch)
+                                        for c in caches]) * 1e6
+                    except Exception as e:  # noqa: BLE001 - a launch that does not fit is reported
+                        res["errors"].append(f"sweep {name} B={B} {launch} splits={ns}: {type(e).__name__}: {e}")
+                        continue
+                    row = dict(shape=name, batch=B, quant=quant, splits=ns, us=t, **launch)
+                    res["sweep"].append(row)
+                    print(f"sweep {row}", flush=True)
+                del caches, one
+                torch.cuda.empty_cache()
+
+
+def append_time(res):
+    """Quantize-on-append of one decode step's K (or V): [B, Hkv, D] into the cache, per launch."""
+    from sluice.kernels.turboquant.triton import quantize_append
+
+    for name, (Hq, Hkv, D) in SHAPES.items():
+        for B in BATCHES:
+            x = torch.randn(B, Hkv, D, device="cuda", dtype=BF16)
+            codes = torch.zeros(B, Hkv, 4096, D // 2, dtype=torch.uint8, device="cuda")
+            sc = torch.zeros(B, Hkv, 4096, device="cuda")
+            ring = torch.zeros(B, Hkv, RECENT, D, device="cuda", dtype=BF16)
+            t = graph_time([lambda: quantize_append(x, codes, sc, ring, 100, 36)]) * 1e6
+            res["append"].append(dict(shape=name, batch=B, us=t))
+            print(f"append {res['append'][-1]}", flush=True)
+
+
 def main():
     global ROT, LEVELS
-    a, dev, res = start_run("correctness", "timings", "errors")
+    a, dev, res = start_run("correctness", "timings", "errors", "sweep", "append", flags=("--sweep",))
     ROT = {d: tq.rotation(d, "cuda") for d in (128, 256)}
     LEVELS = tq.codebook("cuda")
     copy_bw = copy_bandwidth(dev)
@@ -136,6 +185,7 @@ def main():
     print(f"# {res['gpu']}, copy {copy_bw / 1e12:.2f} TB/s", flush=True)
     try:
         check(res)
+        append_time(res)
         for name, (Hq, Hkv, D) in SHAPES.items():
             for S in CONTEXTS:
                 for B in BATCHES:
@@ -145,7 +195,16 @@ def main():
                         res["errors"].append(f"{name} S={S} B={B}: {type(e).__name__}: {e}")
                         print(traceback.format_exc(limit=3), flush=True)
                         torch.cuda.empty_cache()
+        if a.sweep:
+            sweep(res, copy_bw)
     finally:
+        best = {}
+        for r in res["sweep"]:
+            key = (r["shape"], r["batch"], r["quant"])
+            if key not in best or r["us"] < best[key]["us"]:
+                best[key] = r
+        for r in best.values():
+            print(f"best {r}")
         print(f"\n{res['gpu']}; copy {copy_bw / 1e12:.2f} TB/s; CUDA-graph replay, cold L2; times in us")
         print(f"{'shape':24s} {'ctx':>6s} {'B':>3s} {'ours bf16':>9s} {'%copy':>6s} {'SDPA':>8s} {'TQ4':>8s} "
               f"{'%copy':>6s} {'TQ/bf16':>7s} {'TQ/SDPA':>7s}")

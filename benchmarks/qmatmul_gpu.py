@@ -105,10 +105,13 @@ def rel_err(a, b):
     return float((a.float() - b.float()).norm() / b.float().norm())
 
 
-def start_run(*sections):
-    """(arguments (--json), the GPU, the result dict: the GPU's identity and an empty list per section)."""
+def start_run(*sections, flags=()):
+    """(arguments (--json and the on/off `flags`), the GPU, the result dict: the GPU's identity and an empty
+    list per section)."""
     ap = argparse.ArgumentParser()
     ap.add_argument("--json", default=None)
+    for flag in flags:
+        ap.add_argument(flag, action="store_true")
     dev = torch.device("cuda")
     props = torch.cuda.get_device_properties(dev)
     res = {"gpu": props.name, "sms": props.multi_processor_count, "torch": torch.__version__,

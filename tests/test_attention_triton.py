@@ -11,6 +11,7 @@ from sluice.kernels.attention import triton as at  # noqa: E402
 from sluice.kernels.turboquant import reference as tq  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+TOL = 1e-2 if DEVICE == "cuda" else 1e-5  # the GPU multiplies on bf16 tensor cores, the interpreter in fp32
 
 
 def rel(a, b):
@@ -38,7 +39,7 @@ def test_dense_decode(splits, Hq, Hkv, D):
     assert not o.isnan().any()
     for b in range(B):
         n = int(pos[b]) + 1
-        assert rel(o[b], reference(q[b], k[b, :, :n], v[b, :, :n], 0.125)) < 1e-5
+        assert rel(o[b], reference(q[b], k[b, :, :n], v[b, :, :n], 0.125)) < TOL
 
 
 @pytest.mark.parametrize("pos", [3, 15, 16, 40, 101])
@@ -56,7 +57,7 @@ def test_dense_decode_ring_wraps(pos):
     for splits in (1, 3):
         o = at.decode_attention(q.to(DEVICE), k.to(DEVICE), v.to(DEVICE), torch.tensor([pos]).to(DEVICE), 0.1,
                                 visible=min(pos + 1, W), window=W, splits=splits, block_n=16).cpu()
-        assert rel(o[0], ref) < 1e-5
+        assert rel(o[0], ref) < TOL
 
 
 @pytest.mark.parametrize("splits", [1, 4])
@@ -94,7 +95,7 @@ def test_turboquant_decode_equals_attention_over_the_dequantized_cache(splits, w
         exact = (p - j < recent)[None, :, None]
         keys = torch.where(exact, tq.rotate(k[b][:, lo:p + 1]), kq[b][:, lo:p + 1])
         vals = torch.where(exact, tq.rotate(v[b][:, lo:p + 1]), vq[b][:, lo:p + 1])
-        assert rel(o[b], reference(qr[b], keys, vals, 0.125)) < 1e-5
+        assert rel(o[b], reference(qr[b], keys, vals, 0.125)) < TOL
 
 
 def test_bad_shapes_raise():
@@ -125,7 +126,7 @@ def test_caches_decode_through_the_kernel(monkeypatch, kind, window):
         for t in range(10, T):
             o.append(cache.attend(0, d(q[:, :, t:t + 1]), d(k[:, :, t:t + 1]), d(v[:, :, t:t + 1]), t, 0.125))
         outs[kernel] = torch.cat(o, 2).cpu()
-    assert rel(outs[True], outs[False]) < 1e-5
+    assert rel(outs[True], outs[False]) < TOL
 
 
 @pytest.mark.parametrize("D,dtype", [(64, torch.float32), (128, torch.float32), (256, torch.bfloat16)])

@@ -43,7 +43,7 @@ def test_rotation_is_orthonormal_and_packing_order():
         assert torch.allclose(r @ r.T, torch.eye(d), atol=1e-5)
     codes = torch.tensor([[1, 2, 15, 0]])
     packed = tq.pack(codes)
-    assert packed.tolist() == [[0x21, 0x0F]]  # low nibble = even coordinate
+    assert packed.tolist() == [[0xF1, 0x02]]  # byte i: coordinate i in the low nibble, i + d/2 in the high one
     assert torch.equal(tq.unpack(packed), codes)
 
 

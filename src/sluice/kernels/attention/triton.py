@@ -6,9 +6,11 @@ positions in blocks, with an online softmax; it writes its partial output and (m
 kernel merges the splits (a split that saw no key, max = -inf, weighs 0; no NaN). Positions map to slots p, or
 p % capacity in a ring.
 
-TurboQuant (QUANT): keys and values of positions p - j >= RECENT come from the 4-bit codes (two per byte, low
-nibble = even coordinate; value = level[code] * scale), the RECENT newest from the exact ring (slot j % RECENT);
-all in the rotated domain: the caller rotates q and rotates the output back (`cache/turboquant.py`).
+TurboQuant (QUANT): keys and values of positions p - j >= RECENT come from the 4-bit codes (byte i of a vector
+holds coordinates i and i + D/2, so the two halves of q and of the output meet the low and the high nibbles with
+no shuffling; value = level[code] * scale, the scale applied to the scores and to the probabilities rather than
+to every coordinate), the RECENT newest from the exact ring (slot j % RECENT); all in the rotated domain: the
+caller rotates q and rotates the output back (`cache/turboquant.py`). The 16 levels sit in registers.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ def _decode_split_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, kr_ptr, vr_ptr, cb
                          stride_rb, stride_rh, stride_rt,
                          G: tl.constexpr, BG: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
                          QUANT: tl.constexpr, RING: tl.constexpr, WINDOW: tl.constexpr, RECENT: tl.constexpr,
-                         BF16: tl.constexpr):
+                         BF16: tl.constexpr, LOOKUP: tl.constexpr):
     bh = tl.program_id(0)
     split = tl.program_id(1)
     b = bh // Hkv
@@ -41,45 +43,78 @@ def _decode_split_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, kr_ptr, vr_ptr, cb
     start = first + split * per_split
     stop = tl.minimum(start + per_split, p + 1)
     g = tl.arange(0, BG)
-    d = tl.arange(0, D)
-    q = tl.load(q_ptr + b.to(tl.int64) * stride_qb + (h * G + g[:, None]) * stride_qh + d[None, :],
-                mask=g[:, None] < G, other=0.0).to(tl.float32)
+    kv_base = b.to(tl.int64) * stride_kb + h * stride_kh
+    q_row = q_ptr + b.to(tl.int64) * stride_qb + (h * G + g[:, None]) * stride_qh
     m = tl.full((BG,), float("-inf"), dtype=tl.float32)
     l = tl.zeros((BG,), dtype=tl.float32)
-    acc = tl.zeros((BG, D), dtype=tl.float32)
-    kv_base = b.to(tl.int64) * stride_kb + h * stride_kh
-    for n0 in range(start, stop, BLOCK_N):
-        j = n0 + tl.arange(0, BLOCK_N)
-        valid = j < stop
-        slot = j % cap if RING else j
-        if QUANT:
-            exact = j > p - RECENT
-            coded = valid & ~exact
-            dh = tl.arange(0, D // 2)
-            c_off = kv_base + slot[:, None] * stride_kt + dh[None, :]
-            s_off = b.to(tl.int64) * stride_sb + h * stride_sh + slot
-            r_off = b.to(tl.int64) * stride_rb + h * stride_rh + (j % RECENT)[:, None] * stride_rt + d[None, :]
-            k = _dequant(k_ptr + c_off, ks_ptr + s_off, cb_ptr, coded, BLOCK_N, D)
-            k = tl.where(exact[:, None], tl.load(kr_ptr + r_off, mask=(valid & exact)[:, None], other=0.0).to(tl.float32), k)
-            v = _dequant(v_ptr + c_off, vs_ptr + s_off, cb_ptr, coded, BLOCK_N, D)
-            v = tl.where(exact[:, None], tl.load(vr_ptr + r_off, mask=(valid & exact)[:, None], other=0.0).to(tl.float32), v)
-        else:
-            off = kv_base + slot[:, None] * stride_kt + d[None, :]
-            k = tl.load(k_ptr + off, mask=valid[:, None], other=0.0).to(tl.float32)
-            v = tl.load(v_ptr + off, mask=valid[:, None], other=0.0).to(tl.float32)
-        s = _dot(q, tl.trans(k), BF16) * scale
-        s = tl.where(valid[None, :], s, float("-inf"))
-        m_new = tl.maximum(m, tl.max(s, axis=1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row that has seen nothing yet stays at 0
-        alpha = tl.exp(m - m_safe)
-        pr = tl.exp(s - m_safe[:, None])
-        l = l * alpha + tl.sum(pr, axis=1)
-        acc = acc * alpha[:, None] + _dot(pr, v, BF16)
-        m = m_new
     part = bh * n_splits + split
-    tl.store(op_ptr + (part * BG + g[:, None]) * D + d[None, :], acc)
+    if QUANT:
+        # coordinates in two halves: byte i of a row holds coordinate i (low nibble) and i + D/2 (high nibble)
+        dh = tl.arange(0, D // 2)
+        q_lo = tl.load(q_row + dh[None, :], mask=g[:, None] < G, other=0.0)
+        q_hi = tl.load(q_row + D // 2 + dh[None, :], mask=g[:, None] < G, other=0.0)
+        acc_lo = tl.zeros((BG, D // 2), dtype=tl.float32)
+        acc_hi = tl.zeros((BG, D // 2), dtype=tl.float32)
+        levels = tl.load(cb_ptr + tl.arange(0, 16))
+        s_base = b.to(tl.int64) * stride_sb + h * stride_sh
+        coded_stop = tl.minimum(stop, p - RECENT + 1)  # older positions: from the codes
+        for n0 in range(start, coded_stop, BLOCK_N):
+            j = n0 + tl.arange(0, BLOCK_N)
+            valid = j < coded_stop
+            slot = j % cap if RING else j
+            c_off = kv_base + slot[:, None] * stride_kt + dh[None, :]
+            kc = tl.load(k_ptr + c_off, mask=valid[:, None], other=0).to(tl.int32)
+            k_sc = tl.load(ks_ptr + s_base + slot, mask=valid, other=0.0)
+            s = _dot(q_lo, tl.trans(_lookup(levels, cb_ptr, kc & 15, LOOKUP)), BF16)
+            s += _dot(q_hi, tl.trans(_lookup(levels, cb_ptr, kc >> 4, LOOKUP)), BF16)
+            s = tl.where(valid[None, :], s * (k_sc * scale)[None, :], float("-inf"))
+            pr, alpha, m, l = _online_softmax(s, m, l)
+            vc = tl.load(v_ptr + c_off, mask=valid[:, None], other=0).to(tl.int32)
+            pv = pr * tl.load(vs_ptr + s_base + slot, mask=valid, other=0.0)[None, :]  # the values' scales
+            acc_lo = acc_lo * alpha[:, None] + _dot(pv, _lookup(levels, cb_ptr, vc & 15, LOOKUP), BF16)
+            acc_hi = acc_hi * alpha[:, None] + _dot(pv, _lookup(levels, cb_ptr, vc >> 4, LOOKUP), BF16)
+        r_base = b.to(tl.int64) * stride_rb + h * stride_rh
+        for n0 in range(tl.maximum(start, p - RECENT + 1), stop, BLOCK_N):  # the newest: exact, from the ring
+            j = n0 + tl.arange(0, BLOCK_N)
+            valid = j < stop
+            r_off = r_base + (j % RECENT)[:, None] * stride_rt + dh[None, :]
+            s = _dot(q_lo, tl.trans(tl.load(kr_ptr + r_off, mask=valid[:, None], other=0.0)), BF16)
+            s += _dot(q_hi, tl.trans(tl.load(kr_ptr + r_off + D // 2, mask=valid[:, None], other=0.0)), BF16)
+            s = tl.where(valid[None, :], s * scale, float("-inf"))
+            pr, alpha, m, l = _online_softmax(s, m, l)
+            acc_lo = acc_lo * alpha[:, None] + _dot(pr, tl.load(vr_ptr + r_off, mask=valid[:, None], other=0.0), BF16)
+            acc_hi = acc_hi * alpha[:, None] + _dot(pr, tl.load(vr_ptr + r_off + D // 2, mask=valid[:, None],
+                                                               other=0.0), BF16)
+        o_row = op_ptr + (part * BG + g[:, None]) * D
+        tl.store(o_row + dh[None, :], acc_lo, mask=g[:, None] < G)
+        tl.store(o_row + D // 2 + dh[None, :], acc_hi, mask=g[:, None] < G)
+    else:
+        d = tl.arange(0, D)
+        q = tl.load(q_row + d[None, :], mask=g[:, None] < G, other=0.0)
+        acc = tl.zeros((BG, D), dtype=tl.float32)
+        for n0 in range(start, stop, BLOCK_N):
+            j = n0 + tl.arange(0, BLOCK_N)
+            valid = j < stop
+            slot = j % cap if RING else j
+            off = kv_base + slot[:, None] * stride_kt + d[None, :]
+            s = _dot(q, tl.trans(tl.load(k_ptr + off, mask=valid[:, None], other=0.0)), BF16)
+            s = tl.where(valid[None, :], s * scale, float("-inf"))
+            pr, alpha, m, l = _online_softmax(s, m, l)
+            acc = acc * alpha[:, None] + _dot(pr, tl.load(v_ptr + off, mask=valid[:, None], other=0.0), BF16)
+        tl.store(op_ptr + (part * BG + g[:, None]) * D + d[None, :], acc, mask=g[:, None] < G)
     tl.store(ml_ptr + (part * 2) * BG + g, m)
     tl.store(ml_ptr + (part * 2 + 1) * BG + g, l)
+
+
+@triton.jit
+def _online_softmax(s, m, l):
+    """One block of scores [BG, BLOCK_N] into the running (max, sum): the block's probabilities, the factor that
+    rescales what came before, and the new (max, sum)."""
+    m_new = tl.maximum(m, tl.max(s, axis=1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row that has seen nothing yet stays at 0
+    alpha = tl.exp(m - m_safe)
+    pr = tl.exp(s - m_safe[:, None])
+    return pr, alpha, m_new, l * alpha + tl.sum(pr, axis=1)
 
 
 @triton.jit
@@ -88,42 +123,46 @@ def _dot(a, b, BF16: tl.constexpr):
     does); fp32 under the interpreter, whose bf16 dot is wrong."""
     if BF16:
         return tl.dot(a.to(tl.bfloat16), b.to(tl.bfloat16))
-    return tl.dot(a, b, input_precision="ieee")
+    return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
 
 
 @triton.jit
-def _dequant(codes_ptr, scale_ptr, cb_ptr, mask, BLOCK_N: tl.constexpr, D: tl.constexpr):
-    """[BLOCK_N, D] fp32 from [BLOCK_N, D/2] packed codes (low nibble = even coordinate) and a scale per row."""
-    c = tl.load(codes_ptr, mask=mask[:, None], other=0).to(tl.int32)
-    lo = tl.load(cb_ptr + (c & 15))
-    hi = tl.load(cb_ptr + (c >> 4))
-    scale = tl.load(scale_ptr, mask=mask, other=0.0)
-    return tl.reshape(tl.join(lo, hi), (BLOCK_N, D)) * scale[:, None]
+def _lookup(levels, cb_ptr, codes, LOOKUP: tl.constexpr):
+    """levels[codes]: from the 16 levels held in registers (a gather, not a memory load: the loop's software
+    pipelining would turn a per-element load into per-element asynchronous copies)."""
+    if LOOKUP == 0:
+        flat = tl.reshape(codes, (codes.shape[0] * codes.shape[1],))
+        return tl.reshape(tl.gather(levels, flat, 0), codes.shape)
+    return tl.load(cb_ptr + codes)
 
 
 @triton.jit
 def _merge_splits_kernel(op_ptr, ml_ptr, o_ptr, Hkv, n_splits, stride_ob, stride_oh,
-                         G: tl.constexpr, BG: tl.constexpr, D: tl.constexpr, NSP: tl.constexpr):
-    bh = tl.program_id(0)
+                         G: tl.constexpr, BG: tl.constexpr, D: tl.constexpr, NSP: tl.constexpr, SB: tl.constexpr):
+    """One program per query head: the splits' weights exp(m_s - M) from all (max, sum) at once, then the
+    weighted partial outputs SB splits at a time (independent loads, many in flight)."""
+    row = tl.program_id(0)
+    bh = row // G
+    g = row % G
     b = bh // Hkv
     h = bh % Hkv
-    g = tl.arange(0, BG)
-    d = tl.arange(0, D)
     sp = tl.arange(0, NSP)
-    base = bh * n_splits + sp[:, None]
-    ok = sp[:, None] < n_splits
-    m = tl.load(ml_ptr + (base * 2) * BG + g[None, :], mask=ok, other=float("-inf"))
-    l = tl.load(ml_ptr + (base * 2 + 1) * BG + g[None, :], mask=ok, other=0.0)
+    ml = ml_ptr + (bh * n_splits) * 2 * BG + g
+    m = tl.load(ml + sp * 2 * BG, mask=sp < n_splits, other=float("-inf"))
     M = tl.max(m, axis=0)
-    w = tl.where(m == float("-inf"), 0.0, tl.exp(m - M[None, :]))  # splits that saw no key weigh nothing
-    denom = tl.sum(w * l, axis=0)
-    acc = tl.zeros((BG, D), dtype=tl.float32)
-    for s in range(n_splits):
-        ws = tl.sum(tl.where(sp[:, None] == s, w, 0.0), axis=0)
-        acc += ws[:, None] * tl.load(op_ptr + ((bh * n_splits + s) * BG + g[:, None]) * D + d[None, :])
-    o = acc / denom[:, None]
-    tl.store(o_ptr + b.to(tl.int64) * stride_ob + (h * G + g[:, None]) * stride_oh + d[None, :],
-             o.to(o_ptr.dtype.element_ty), mask=g[:, None] < G)
+    w = tl.where(m == float("-inf"), 0.0, tl.exp(m - M))  # splits that saw no key weigh nothing
+    denom = tl.sum(w * tl.load(ml + sp * 2 * BG + BG, mask=sp < n_splits, other=0.0), axis=0)
+    d = tl.arange(0, D)
+    acc = tl.zeros((D,), dtype=tl.float32)
+    for s0 in range(0, n_splits, SB):
+        s = s0 + tl.arange(0, SB)
+        ms = tl.load(ml + s * 2 * BG, mask=s < n_splits, other=float("-inf"))
+        ws = tl.where(ms == float("-inf"), 0.0, tl.exp(ms - M))
+        part = tl.load(op_ptr + ((bh * n_splits + s[:, None]) * BG + g) * D + d[None, :],
+                       mask=(s < n_splits)[:, None], other=0.0)
+        acc += tl.sum(ws[:, None] * part, axis=0)
+    tl.store(o_ptr + b.to(tl.int64) * stride_ob + (h * G + g) * stride_oh + d,
+             (acc / denom).to(o_ptr.dtype.element_ty))
 
 
 _SM_COUNT: dict = {}
@@ -144,7 +183,7 @@ def num_splits(batch_heads: int, visible: int, device, block_n: int = 64, min_pe
 def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, scale: float,
                      visible: int, window: int | None = None, splits: int | None = None, block_n: int | None = None,
                      k_scale=None, v_scale=None, k_recent=None, v_recent=None, levels=None,
-                     out_dtype=None) -> torch.Tensor:
+                     out_dtype=None, num_warps: int = 4, num_stages: int = 2, lookup: int = 0) -> torch.Tensor:
     """q [B, Hq, D] (one query per sequence, at positions[b]); dense k, v [B, Hkv, capacity, D], or with k_scale
     etc. the TurboQuant layout: k, v codes [B, Hkv, capacity, D/2] uint8, k_scale, v_scale [B, Hkv, capacity]
     fp32, k_recent, v_recent [B, Hkv, RECENT, D] exact (rotated) and the 16 levels. A ring (slot = position %
@@ -187,8 +226,8 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, position
         ks.stride(0) if quant else 0, ks.stride(1) if quant else 0,
         kr.stride(0) if quant else 0, kr.stride(1) if quant else 0, kr.stride(2) if quant else 0,
         G=G, BG=BG, D=D, BLOCK_N=block_n, QUANT=quant, RING=window is not None, WINDOW=window or 0,
-        RECENT=recent, BF16=not INTERPRET, num_warps=4, num_stages=2)
+        RECENT=recent, BF16=not INTERPRET, LOOKUP=lookup, num_warps=num_warps, num_stages=num_stages)
     o = torch.empty((B, Hq, D), dtype=out_dtype or q.dtype, device=q.device)
-    _merge_splits_kernel[(B * Hkv,)](op, ml, o, Hkv, ns, o.stride(0), o.stride(1), G=G, BG=BG, D=D,
-                                     NSP=triton.next_power_of_2(ns), num_warps=4)
+    _merge_splits_kernel[(B * Hq,)](op, ml, o, Hkv, ns, o.stride(0), o.stride(1), G=G, BG=BG, D=D,
+                                    NSP=triton.next_power_of_2(ns), SB=max(1, min(16, 4096 // D)), num_warps=4)
     return o

@@ -3,8 +3,9 @@
 A vector x [d] (d a power of two) is rotated, y = R x with R = H diag(s) / sqrt(d) (H the Sylvester Hadamard
 matrix, s fixed pseudo-random signs: a randomised Hadamard transform, orthonormal), so that the coordinates of
 y / |x| are close to N(0, 1/d) whatever x was. Each coordinate of sqrt(d) y / |x| is then replaced by the
-nearest of the 16 Lloyd-Max levels c[0..15] for N(0, 1) and stored as a 4-bit code, two per byte (low nibble =
-even coordinate). One fp32 scale per vector, |x| / |c[codes]|, makes the reconstruction
+nearest of the 16 Lloyd-Max levels c[0..15] for N(0, 1) and stored as a 4-bit code, two per byte: byte i holds
+coordinate i (low nibble) and coordinate i + d/2 (high nibble), so a kernel meets each half of the vector in one
+nibble without shuffling coordinates. One fp32 scale per vector, |x| / |c[codes]|, makes the reconstruction
 
     y_hat = scale * c[codes]        (in the rotated domain; x_hat = R^T y_hat)
 
@@ -115,15 +116,15 @@ def unrotate(y: torch.Tensor) -> torch.Tensor:
 
 
 def pack(codes: torch.Tensor) -> torch.Tensor:
-    """[..., d] codes 0..15 -> [..., d/2] uint8, low nibble = even coordinate."""
+    """[..., d] codes 0..15 -> [..., d/2] uint8: byte i = code i | code (i + d/2) << 4."""
     c = codes.to(torch.uint8)
-    return c[..., 0::2] | (c[..., 1::2] << 4)
+    h = c.shape[-1] // 2
+    return c[..., :h] | (c[..., h:] << 4)
 
 
 def unpack(packed: torch.Tensor) -> torch.Tensor:
     """[..., d/2] uint8 -> [..., d] codes (int64)."""
-    lo, hi = (packed & 0xF).long(), (packed >> 4).long()
-    return torch.stack([lo, hi], dim=-1).flatten(-2)
+    return torch.cat([(packed & 0xF).long(), (packed >> 4).long()], dim=-1)
 
 
 def quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -2,10 +2,10 @@
 `reference.quantize`.
 
 Program: up to 16 vectors (sequence, KV head) of the new position. y = (x * signs) @ H / sqrt(d) (H the +-1
-Hadamard matrix in bf16; bf16 inputs multiply exactly, fp32 ones as a bf16 hi + lo pair; fp32 accumulation); the code of each coordinate of
-sqrt(d) y / |y| by a 4-step binary search over the 15 cell boundaries; scale = |x| / |levels[codes]|; codes
-packed two per byte (low nibble = even coordinate) into the cache slot, the scale beside them, and the exact
-rotated vector into the recent ring.
+Hadamard matrix in bf16; bf16 inputs multiply exactly, fp32 ones as a bf16 hi + lo pair; fp32 accumulation), in
+two halves; the code of each coordinate of sqrt(d) y / |y| by a 4-step binary search over the 15 cell boundaries;
+scale = |x| / |levels[codes]|; codes packed two per byte (byte i: coordinate i low, i + d/2 high) into the cache
+slot, the scale beside them, and the exact rotated vector into the recent ring.
 """
 
 from __future__ import annotations
@@ -28,35 +28,52 @@ def _append_kernel(x_ptr, sign_ptr, h_ptr, lv_ptr, bd_ptr, codes_ptr, scale_ptr,
     rows = tl.program_id(0) * 16 + tl.arange(0, 16)
     ok = rows < n_rows
     d = tl.arange(0, D)
+    dh = tl.arange(0, D // 2)
     x = tl.load(x_ptr + rows[:, None] * stride_xr + d[None, :], mask=ok[:, None], other=0.0).to(tl.float32)
     xs = x * tl.load(sign_ptr + d)[None, :]  # a sign flip: still exactly the input's bf16 values
-    h = tl.load(h_ptr + d[:, None] * D + d[None, :])  # +-1 in bf16: exact
-    if INTERPRET:
-        y = tl.dot(xs, h.to(tl.float32), input_precision="ieee")
-    else:  # x = hi + lo in bf16 (lo = 0 for bf16 inputs): ~16 significant bits on bf16 tensor cores
-        hi = xs.to(tl.bfloat16)
-        y = tl.dot(hi, h)
-        if not BF16:
-            y += tl.dot((xs - hi.to(tl.float32)).to(tl.bfloat16), h)
-    y = y * (1.0 / tl.sqrt(D * 1.0))
-    norm = tl.sqrt(tl.sum(y * y, axis=1))
-    yn = y * (tl.sqrt(D * 1.0) / tl.maximum(norm, 1e-30))[:, None]
-    code = tl.zeros((16, D), dtype=tl.int32)
-    for step in tl.static_range(4):  # binary search: code = number of boundaries below yn
-        half = 8 >> step
-        code += tl.where(yn > tl.load(bd_ptr + code + (half - 1)), half, 0)
-    lv = tl.load(lv_ptr + code)
-    scale = norm / tl.maximum(tl.sqrt(tl.sum(lv * lv, axis=1)), 1e-30)
-    lo, hi = tl.split(tl.reshape(code, (16, D // 2, 2)))
-    packed = (lo | (hi << 4)).to(tl.uint8)
+    # the two halves of y = xs H / sqrt(d) (H's columns 0..d/2-1 and d/2..d-1): they go to the low and the high
+    # nibbles
+    y_lo = _times_h(xs, tl.load(h_ptr + d[:, None] * D + dh[None, :]), BF16, INTERPRET) * (1.0 / tl.sqrt(D * 1.0))
+    y_hi = _times_h(xs, tl.load(h_ptr + d[:, None] * D + D // 2 + dh[None, :]), BF16, INTERPRET) * (
+        1.0 / tl.sqrt(D * 1.0))
+    norm = tl.sqrt(tl.sum(y_lo * y_lo, axis=1) + tl.sum(y_hi * y_hi, axis=1))
+    unit = tl.sqrt(D * 1.0) / tl.maximum(norm, 1e-30)
+    c_lo = _nearest_code(y_lo * unit[:, None], bd_ptr)
+    c_hi = _nearest_code(y_hi * unit[:, None], bd_ptr)
+    lv_lo = tl.load(lv_ptr + c_lo)
+    lv_hi = tl.load(lv_ptr + c_hi)
+    scale = norm / tl.maximum(tl.sqrt(tl.sum(lv_lo * lv_lo, axis=1) + tl.sum(lv_hi * lv_hi, axis=1)), 1e-30)
     b = rows // Hkv
     hh = rows % Hkv
-    dh = tl.arange(0, D // 2)
     tl.store(codes_ptr + b[:, None].to(tl.int64) * stride_cb + hh[:, None] * stride_ch + slot * stride_ct + dh[None, :],
-             packed, mask=ok[:, None])
+             (c_lo | (c_hi << 4)).to(tl.uint8), mask=ok[:, None])
     tl.store(scale_ptr + b.to(tl.int64) * stride_sb + hh * stride_sh + slot, scale, mask=ok)
-    tl.store(ring_ptr + b[:, None].to(tl.int64) * stride_rb + hh[:, None] * stride_rh + rslot * stride_rt + d[None, :],
-             y.to(ring_ptr.dtype.element_ty), mask=ok[:, None])
+    ring = ring_ptr + b[:, None].to(tl.int64) * stride_rb + hh[:, None] * stride_rh + rslot * stride_rt + dh[None, :]
+    tl.store(ring, y_lo.to(ring_ptr.dtype.element_ty), mask=ok[:, None])
+    tl.store(ring + D // 2, y_hi.to(ring_ptr.dtype.element_ty), mask=ok[:, None])
+
+
+@triton.jit
+def _times_h(xs, h, BF16: tl.constexpr, INTERPRET: tl.constexpr):
+    """xs @ h for h of +-1 in bf16 (exact): fp32 under the interpreter; else x = hi + lo in bf16 (lo = 0 for bf16
+    inputs), ~16 significant bits on bf16 tensor cores."""
+    if INTERPRET:
+        return tl.dot(xs, h.to(tl.float32), input_precision="ieee")
+    hi = xs.to(tl.bfloat16)
+    y = tl.dot(hi, h)
+    if not BF16:
+        y += tl.dot((xs - hi.to(tl.float32)).to(tl.bfloat16), h)
+    return y
+
+
+@triton.jit
+def _nearest_code(yn, bd_ptr):
+    """The number of cell boundaries below each coordinate, by a 4-step binary search over the 15 boundaries."""
+    code = tl.zeros(yn.shape, dtype=tl.int32)
+    for step in tl.static_range(4):
+        half = 8 >> step
+        code += tl.where(yn > tl.load(bd_ptr + code + (half - 1)), half, 0)
+    return code
 
 
 _TABLES: dict = {}
