@@ -54,7 +54,7 @@ def ours(q, c, pos, scale, S, quant, splits=None, **launch):
         return decode_attention(q, c["k"], c["v"], pos, scale, S, splits=splits, **launch)
     qr = q.float() @ ROT[q.shape[-1]].T
     o = decode_attention(qr, c["k"], c["v"], pos, scale, S, splits=splits, k_scale=c["k_scale"],
-                         v_scale=c["v_scale"], k_recent=c["k_recent"], v_recent=c["v_recent"], levels=LEVELS,
+                         v_scale=c["v_scale"], k_recent=c["k_recent"], v_recent=c["v_recent"],
                          out_dtype=torch.float32, **launch)
     return (o @ ROT[q.shape[-1]]).to(BF16)
 
@@ -128,8 +128,7 @@ def time_case(res, copy_bw, name, Hq, Hkv, D, S, B):
 
 SWEEP_DENSE = [dict(block_n=bn, num_warps=w, num_stages=st) for bn in (32, 64, 128) for w in (4, 8)
                for st in (2, 3, 4)]
-SWEEP_TQ = [dict(block_n=bn, num_warps=w, num_stages=st, lookup=lk) for bn in (32, 64, 128) for w in (4, 8)
-            for st in (2, 3) for lk in (0, 1)]
+SWEEP_TQ = [dict(block_n=bn, num_warps=w, num_stages=st) for bn in (32, 64, 128) for w in (4, 8) for st in (1, 2, 3)]
 
 
 def sweep(res, copy_bw):
@@ -176,10 +175,9 @@ def append_time(res):
 
 
 def main():
-    global ROT, LEVELS
+    global ROT
     a, dev, res = start_run("correctness", "timings", "errors", "sweep", "append", flags=("--sweep",))
     ROT = {d: tq.rotation(d, "cuda") for d in (128, 256)}
-    LEVELS = tq.codebook("cuda")
     copy_bw = copy_bandwidth(dev)
     res["copy_bandwidth_Bps"] = copy_bw
     print(f"# {res['gpu']}, copy {copy_bw / 1e12:.2f} TB/s", flush=True)

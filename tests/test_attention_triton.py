@@ -87,7 +87,7 @@ def test_turboquant_decode_equals_attention_over_the_dequantized_cache(splits, w
     d = lambda x: x.to(DEVICE)  # noqa: E731
     o = at.decode_attention(d(qr), d(codes_k), d(codes_v), d(pos), 0.125, visible=cap, window=window,
                             splits=splits, block_n=16, k_scale=d(scale_k), v_scale=d(scale_v), k_recent=d(ring_k),
-                            v_recent=d(ring_v), levels=d(tq.codebook())).cpu()
+                            v_recent=d(ring_v)).cpu()
     for b in range(B):
         p = int(pos[b])
         lo = 0 if window is None else max(0, p - window + 1)
@@ -144,5 +144,5 @@ def test_quantize_append_matches_the_reference(D, dtype):
     same = (tq.unpack(codes[:, :, 6].cpu()) == tq.unpack(ref_codes)).double().mean()
     assert same > 0.999  # rounding may move a coordinate sitting on a cell boundary
     assert rel(scales[:, :, 6].cpu(), ref_scale) < 1e-3
-    assert rel(ring[:, :, 2].cpu().float(), tq.rotate(x.float())) < (1e-6 if dtype == torch.float32 else 5e-3)
+    assert rel(ring[:, :, 2].cpu().float(), tq.rotate(x.float())) < (5e-3 if dtype != torch.float32 else 1e-5 if DEVICE == "cuda" else 1e-6)
     assert codes[:, :, [0, 5, 7]].count_nonzero() == 0 and ring[:, :, [0, 1, 3]].count_nonzero() == 0

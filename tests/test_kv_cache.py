@@ -22,6 +22,10 @@ def test_codebook_is_max_1960():
     assert c[8:] == pytest.approx((0.1284, 0.3881, 0.6568, 0.9424, 1.2562, 1.6181, 2.0691, 2.7326), abs=2e-4)
     assert c[:8] == pytest.approx(tuple(-x for x in reversed(c[8:])), abs=1e-9)
     assert tq.lloyd_max_distortion() == pytest.approx(0.0095, abs=1e-5)
+    # the levels in use: on an int8 grid (exact for the GPU kernel), each within half a step of Lloyd-Max's
+    ints = tq.int_levels()
+    assert ints[15] == 127 and ints == tuple(-x for x in reversed(ints))
+    assert max(abs(a - b) for a, b in zip(tq.codebook().tolist(), c)) <= tq.LEVEL_STEP / 2 + 1e-7
 
 
 def test_codec_mse_and_cosine_on_gaussian_vectors():

@@ -37,6 +37,10 @@ class TurboQuantKVCache(KVCache):
         self.k_scale, self.v_scale = z(scales, torch.float32), z(scales, torch.float32)
         self.k_recent, self.v_recent = z(ring, dtype), z(ring, dtype)  # rotated, slot p % recent
 
+    def use_decode_kernel(self, q: torch.Tensor) -> bool:
+        """The kernel needs at least 16 bytes of codes per vector (head dim >= 32); smaller heads use the torch path."""
+        return super().use_decode_kernel(q) and self.head_dim >= 32
+
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int,
                scale: float) -> torch.Tensor:
         if self.use_decode_kernel(q):
@@ -106,7 +110,7 @@ class TurboQuantKVCache(KVCache):
         o = decode_attention(tq.rotate(q[:, :, 0]), self.k_codes[layer], self.v_codes[layer],
                              self.positions(start, q), scale, self.visible(start), self.window,
                              k_scale=self.k_scale[layer], v_scale=self.v_scale[layer], k_recent=self.k_recent[layer],
-                             v_recent=self.v_recent[layer], levels=tq.codebook(q.device), out_dtype=torch.float32)
+                             v_recent=self.v_recent[layer], out_dtype=torch.float32)
         return tq.unrotate(o)[:, :, None].to(q.dtype)
 
     def bytes_per_token(self) -> int:

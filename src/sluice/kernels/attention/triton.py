@@ -10,7 +10,8 @@ TurboQuant (QUANT): keys and values of positions p - j >= RECENT come from the 4
 holds coordinates i and i + D/2, so the two halves of q and of the output meet the low and the high nibbles with
 no shuffling; value = level[code] * scale, the scale applied to the scores and to the probabilities rather than
 to every coordinate), the RECENT newest from the exact ring (slot j % RECENT); all in the rotated domain: the
-caller rotates q and rotates the output back (`cache/turboquant.py`). The 16 levels sit in registers.
+caller rotates q and rotates the output back (`cache/turboquant.py`). The codes become integer levels in
+registers by byte permutes (`_levels_asm`): no table lookups in memory, and the products run on fp16 tensor cores.
 """
 
 from __future__ import annotations
@@ -21,17 +22,19 @@ import torch
 import triton
 import triton.language as tl
 
+from sluice.kernels.turboquant import reference
+
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
 
 @triton.jit
-def _decode_split_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, kr_ptr, vr_ptr, cb_ptr, pos_ptr, op_ptr, ml_ptr,
+def _decode_split_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, kr_ptr, vr_ptr, lv_ptr, pos_ptr, op_ptr, ml_ptr,
                          scale, Hkv, cap, per_split, n_splits,
                          stride_qb, stride_qh, stride_kb, stride_kh, stride_kt, stride_sb, stride_sh,
                          stride_rb, stride_rh, stride_rt,
                          G: tl.constexpr, BG: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
                          QUANT: tl.constexpr, RING: tl.constexpr, WINDOW: tl.constexpr, RECENT: tl.constexpr,
-                         BF16: tl.constexpr, LOOKUP: tl.constexpr):
+                         TC: tl.constexpr):
     bh = tl.program_id(0)
     split = tl.program_id(1)
     b = bh // Hkv
@@ -49,13 +52,18 @@ def _decode_split_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, kr_ptr, vr_ptr, cb
     l = tl.zeros((BG,), dtype=tl.float32)
     part = bh * n_splits + split
     if QUANT:
-        # coordinates in two halves: byte i of a row holds coordinate i (low nibble) and i + D/2 (high nibble)
+        # coordinates in two halves: byte i of a row holds coordinate i (low nibble) and i + D/2 (high nibble).
+        # Codes decode to integer levels (exact in fp16); q enters the fp16 products scaled to max |q| = 1 and the
+        # probabilities scaled by each block's largest value scale, both factors restored in fp32.
         dh = tl.arange(0, D // 2)
-        q_lo = tl.load(q_row + dh[None, :], mask=g[:, None] < G, other=0.0)
-        q_hi = tl.load(q_row + D // 2 + dh[None, :], mask=g[:, None] < G, other=0.0)
+        q_lo = tl.load(q_row + dh[None, :], mask=g[:, None] < G, other=0.0).to(tl.float32)
+        q_hi = tl.load(q_row + D // 2 + dh[None, :], mask=g[:, None] < G, other=0.0).to(tl.float32)
+        q_max = tl.maximum(tl.maximum(tl.max(tl.max(tl.abs(q_lo), 1), 0), tl.max(tl.max(tl.abs(q_hi), 1), 0)), 1e-30)
+        q_lo = q_lo / q_max
+        q_hi = q_hi / q_max
+        k_factor = scale * q_max * LEVEL_STEP
         acc_lo = tl.zeros((BG, D // 2), dtype=tl.float32)
         acc_hi = tl.zeros((BG, D // 2), dtype=tl.float32)
-        levels = tl.load(cb_ptr + tl.arange(0, 16))
         s_base = b.to(tl.int64) * stride_sb + h * stride_sh
         coded_stop = tl.minimum(stop, p - RECENT + 1)  # older positions: from the codes
         for n0 in range(start, coded_stop, BLOCK_N):
@@ -63,28 +71,29 @@ def _decode_split_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, kr_ptr, vr_ptr, cb
             valid = j < coded_stop
             slot = j % cap if RING else j
             c_off = kv_base + slot[:, None] * stride_kt + dh[None, :]
-            kc = tl.load(k_ptr + c_off, mask=valid[:, None], other=0).to(tl.int32)
+            k_lo, k_hi = _int_levels(tl.load(k_ptr + c_off, mask=valid[:, None], other=0), lv_ptr, TC)
+            s = _dot16(q_lo, tl.trans(k_lo), TC) + _dot16(q_hi, tl.trans(k_hi), TC)
             k_sc = tl.load(ks_ptr + s_base + slot, mask=valid, other=0.0)
-            s = _dot(q_lo, tl.trans(_lookup(levels, cb_ptr, kc & 15, LOOKUP)), BF16)
-            s += _dot(q_hi, tl.trans(_lookup(levels, cb_ptr, kc >> 4, LOOKUP)), BF16)
-            s = tl.where(valid[None, :], s * (k_sc * scale)[None, :], float("-inf"))
+            s = tl.where(valid[None, :], s * (k_sc * k_factor)[None, :], float("-inf"))
             pr, alpha, m, l = _online_softmax(s, m, l)
-            vc = tl.load(v_ptr + c_off, mask=valid[:, None], other=0).to(tl.int32)
-            pv = pr * tl.load(vs_ptr + s_base + slot, mask=valid, other=0.0)[None, :]  # the values' scales
-            acc_lo = acc_lo * alpha[:, None] + _dot(pv, _lookup(levels, cb_ptr, vc & 15, LOOKUP), BF16)
-            acc_hi = acc_hi * alpha[:, None] + _dot(pv, _lookup(levels, cb_ptr, vc >> 4, LOOKUP), BF16)
+            v_sc = tl.load(vs_ptr + s_base + slot, mask=valid, other=0.0)
+            v_max = tl.maximum(tl.max(v_sc, 0), 1e-30)
+            pv = pr * (v_sc / v_max)[None, :]
+            v_lo, v_hi = _int_levels(tl.load(v_ptr + c_off, mask=valid[:, None], other=0), lv_ptr, TC)
+            acc_lo = acc_lo * alpha[:, None] + _dot16(pv, v_lo, TC) * (v_max * LEVEL_STEP)
+            acc_hi = acc_hi * alpha[:, None] + _dot16(pv, v_hi, TC) * (v_max * LEVEL_STEP)
         r_base = b.to(tl.int64) * stride_rb + h * stride_rh
         for n0 in range(tl.maximum(start, p - RECENT + 1), stop, BLOCK_N):  # the newest: exact, from the ring
             j = n0 + tl.arange(0, BLOCK_N)
             valid = j < stop
             r_off = r_base + (j % RECENT)[:, None] * stride_rt + dh[None, :]
-            s = _dot(q_lo, tl.trans(tl.load(kr_ptr + r_off, mask=valid[:, None], other=0.0)), BF16)
-            s += _dot(q_hi, tl.trans(tl.load(kr_ptr + r_off + D // 2, mask=valid[:, None], other=0.0)), BF16)
-            s = tl.where(valid[None, :], s * scale, float("-inf"))
+            s = _dot(q_lo, tl.trans(tl.load(kr_ptr + r_off, mask=valid[:, None], other=0.0)), TC)
+            s += _dot(q_hi, tl.trans(tl.load(kr_ptr + r_off + D // 2, mask=valid[:, None], other=0.0)), TC)
+            s = tl.where(valid[None, :], s * (scale * q_max), float("-inf"))
             pr, alpha, m, l = _online_softmax(s, m, l)
-            acc_lo = acc_lo * alpha[:, None] + _dot(pr, tl.load(vr_ptr + r_off, mask=valid[:, None], other=0.0), BF16)
+            acc_lo = acc_lo * alpha[:, None] + _dot(pr, tl.load(vr_ptr + r_off, mask=valid[:, None], other=0.0), TC)
             acc_hi = acc_hi * alpha[:, None] + _dot(pr, tl.load(vr_ptr + r_off + D // 2, mask=valid[:, None],
-                                                               other=0.0), BF16)
+                                                               other=0.0), TC)
         o_row = op_ptr + (part * BG + g[:, None]) * D
         tl.store(o_row + dh[None, :], acc_lo, mask=g[:, None] < G)
         tl.store(o_row + D // 2 + dh[None, :], acc_hi, mask=g[:, None] < G)
@@ -97,10 +106,10 @@ def _decode_split_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, kr_ptr, vr_ptr, cb
             valid = j < stop
             slot = j % cap if RING else j
             off = kv_base + slot[:, None] * stride_kt + d[None, :]
-            s = _dot(q, tl.trans(tl.load(k_ptr + off, mask=valid[:, None], other=0.0)), BF16)
+            s = _dot(q, tl.trans(tl.load(k_ptr + off, mask=valid[:, None], other=0.0)), TC)
             s = tl.where(valid[None, :], s * scale, float("-inf"))
             pr, alpha, m, l = _online_softmax(s, m, l)
-            acc = acc * alpha[:, None] + _dot(pr, tl.load(v_ptr + off, mask=valid[:, None], other=0.0), BF16)
+            acc = acc * alpha[:, None] + _dot(pr, tl.load(v_ptr + off, mask=valid[:, None], other=0.0), TC)
         tl.store(op_ptr + (part * BG + g[:, None]) * D + d[None, :], acc, mask=g[:, None] < G)
     tl.store(ml_ptr + (part * 2) * BG + g, m)
     tl.store(ml_ptr + (part * 2 + 1) * BG + g, l)
@@ -118,22 +127,73 @@ def _online_softmax(s, m, l):
 
 
 @triton.jit
-def _dot(a, b, BF16: tl.constexpr):
+def _dot(a, b, TC: tl.constexpr):
     """Tensor cores on bf16 operands (fp32 accumulation; the probabilities rounded to bf16 as FlashAttention
     does); fp32 under the interpreter, whose bf16 dot is wrong."""
-    if BF16:
+    if TC:
         return tl.dot(a.to(tl.bfloat16), b.to(tl.bfloat16))
     return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
 
 
 @triton.jit
-def _lookup(levels, cb_ptr, codes, LOOKUP: tl.constexpr):
-    """levels[codes]: from the 16 levels held in registers (a gather, not a memory load: the loop's software
-    pipelining would turn a per-element load into per-element asynchronous copies)."""
-    if LOOKUP == 0:
-        flat = tl.reshape(codes, (codes.shape[0] * codes.shape[1],))
-        return tl.reshape(tl.gather(levels, flat, 0), codes.shape)
-    return tl.load(cb_ptr + codes)
+def _dot16(a, b, TC: tl.constexpr):
+    """As _dot on fp16 operands: 11 significant bits for the scaled q and probabilities, integer levels exact."""
+    if TC:
+        return tl.dot(a.to(tl.float16), b.to(tl.float16))
+    return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+
+
+def _levels_asm() -> str:
+    """PTX that decodes 4 code bytes (8 nibbles, $4) into the integer levels of the low and of the high nibbles,
+    two fp16 pairs each ($0, $1 and $2, $3). A byte permute (prmt) picks bytes from an 8-byte table by 3-bit
+    selectors: levels 0-7 and 8-15 are looked up separately and a third prmt keeps, per nibble, the one its bit
+    3 names. Each level is stored as the byte level + 128; placed under the fp16 exponent byte 0x64 it reads
+    1024 + byte exactly, and subtracting 1152 leaves the level."""
+    u = [x + 128 for x in reference.int_levels()]
+    t = [f"{int.from_bytes(bytes(u[4 * w:4 * w + 4]), 'little'):#010x}" for w in range(4)]
+    return f"""{{
+    .reg .b32 q, qh, a, b, s, v0, v1, k64, off;
+    mov.b32 k64, 0x64646464;
+    mov.b32 off, 0x64806480;
+    and.b32 q, $4, 0x77777777;
+    shr.b32 qh, q, 16;
+    prmt.b32 a, {t[0]}, {t[1]}, q;
+    prmt.b32 b, {t[2]}, {t[3]}, q;
+    shr.b32 s, $4, 1;
+    lop3.b32 s, s, 0x4444, 0x3210, 0xea;
+    prmt.b32 v0, a, b, s;
+    prmt.b32 a, {t[0]}, {t[1]}, qh;
+    prmt.b32 b, {t[2]}, {t[3]}, qh;
+    shr.b32 s, $4, 17;
+    lop3.b32 s, s, 0x4444, 0x3210, 0xea;
+    prmt.b32 v1, a, b, s;
+    prmt.b32 $0, v0, k64, 0x4240;
+    prmt.b32 $1, v1, k64, 0x4240;
+    prmt.b32 $2, v0, k64, 0x4341;
+    prmt.b32 $3, v1, k64, 0x4341;
+    sub.f16x2 $0, $0, off;
+    sub.f16x2 $1, $1, off;
+    sub.f16x2 $2, $2, off;
+    sub.f16x2 $3, $3, off;
+    }}"""
+
+
+LEVELS_ASM: tl.constexpr = tl.constexpr(_levels_asm())
+LEVEL_STEP: tl.constexpr = tl.constexpr(reference.LEVEL_STEP)
+
+
+@triton.jit
+def _int_levels(codes, lv_ptr, TC: tl.constexpr):
+    """uint8 codes [N, D/2] -> (levels of the low nibbles, of the high nibbles) [N, D/2] as fp16 integers: byte
+    permutes on the GPU; under the interpreter (no inline assembly) a gather from the 16 levels at lv_ptr."""
+    if TC:
+        return tl.inline_asm_elementwise(LEVELS_ASM, "=r,=r,=r,=r,r", [codes], dtype=(tl.float16, tl.float16),
+                                         is_pure=True, pack=4)
+    levels = tl.load(lv_ptr + tl.arange(0, 16))
+    c = codes.to(tl.int32)
+    lo = tl.reshape(tl.gather(levels, tl.reshape(c & 15, (c.shape[0] * c.shape[1],)), 0), c.shape)
+    hi = tl.reshape(tl.gather(levels, tl.reshape(c >> 4, (c.shape[0] * c.shape[1],)), 0), c.shape)
+    return lo.to(tl.float16), hi.to(tl.float16)
 
 
 @triton.jit
@@ -166,6 +226,14 @@ def _merge_splits_kernel(op_ptr, ml_ptr, o_ptr, Hkv, n_splits, stride_ob, stride
 
 
 _SM_COUNT: dict = {}
+_LEVEL_TABLES: dict = {}
+
+
+def _level_table(device) -> torch.Tensor:
+    """The 16 integer levels as fp32 on `device` (read by the interpreter path only; made once)."""
+    if device not in _LEVEL_TABLES:
+        _LEVEL_TABLES[device] = torch.tensor(reference.int_levels(), dtype=torch.float32, device=device)
+    return _LEVEL_TABLES[device]
 
 
 def num_splits(batch_heads: int, visible: int, device, block_n: int = 64, min_per_split: int = 256) -> int:
@@ -182,11 +250,11 @@ def num_splits(batch_heads: int, visible: int, device, block_n: int = 64, min_pe
 
 def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, scale: float,
                      visible: int, window: int | None = None, splits: int | None = None, block_n: int | None = None,
-                     k_scale=None, v_scale=None, k_recent=None, v_recent=None, levels=None,
-                     out_dtype=None, num_warps: int = 4, num_stages: int = 2, lookup: int = 0) -> torch.Tensor:
+                     k_scale=None, v_scale=None, k_recent=None, v_recent=None, out_dtype=None,
+                     num_warps: int = 4, num_stages: int = 2) -> torch.Tensor:
     """q [B, Hq, D] (one query per sequence, at positions[b]); dense k, v [B, Hkv, capacity, D], or with k_scale
     etc. the TurboQuant layout: k, v codes [B, Hkv, capacity, D/2] uint8, k_scale, v_scale [B, Hkv, capacity]
-    fp32, k_recent, v_recent [B, Hkv, RECENT, D] exact (rotated) and the 16 levels. A ring (slot = position %
+    fp32, k_recent, v_recent [B, Hkv, RECENT, D] exact (rotated; the codec's levels are built in). A ring (slot = position %
     capacity) when window is set. `visible`: the most keys any query sees (a host int: sizes the splits without
     a sync). Returns [B, Hq, D] in out_dtype (default q's)."""
     B, Hq, D = q.shape
@@ -199,9 +267,9 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, position
         raise ValueError(f"decode attention: positions must be int [B={B}], got {positions.dtype} "
                          f"{tuple(positions.shape)}")
     if quant:
-        if k.dtype != torch.uint8 or k.shape[-1] != D // 2 or k_recent is None or levels is None:
-            raise ValueError("decode attention: TurboQuant needs uint8 codes [B, Hkv, cap, D/2], scales, the "
-                             "recent ring and the levels")
+        if k.dtype != torch.uint8 or k.shape[-1] != D // 2 or k_recent is None or D < 32:
+            raise ValueError("decode attention: TurboQuant needs uint8 codes [B, Hkv, cap, D/2] with D >= 32, "
+                             "scales and the recent ring")
         if k_scale.stride() != v_scale.stride() or k_recent.stride() != v_recent.stride():
             raise ValueError("decode attention: K and V tensors must share their layout")
     elif k.shape[-1] != D:
@@ -221,12 +289,12 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, position
     kr, vr = (k_recent, v_recent) if quant else (dummy, dummy)
     recent = k_recent.shape[2] if quant else 1
     _decode_split_kernel[(B * Hkv, ns)](
-        q, k, v, ks, vs, kr, vr, levels if quant else dummy, positions, op, ml, scale, Hkv, cap, per_split, ns,
+        q, k, v, ks, vs, kr, vr, _level_table(q.device) if quant else dummy, positions, op, ml, scale, Hkv, cap, per_split, ns,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2),
         ks.stride(0) if quant else 0, ks.stride(1) if quant else 0,
         kr.stride(0) if quant else 0, kr.stride(1) if quant else 0, kr.stride(2) if quant else 0,
         G=G, BG=BG, D=D, BLOCK_N=block_n, QUANT=quant, RING=window is not None, WINDOW=window or 0,
-        RECENT=recent, BF16=not INTERPRET, LOOKUP=lookup, num_warps=num_warps, num_stages=num_stages)
+        RECENT=recent, TC=not INTERPRET, num_warps=num_warps, num_stages=num_stages)
     o = torch.empty((B, Hq, D), dtype=out_dtype or q.dtype, device=q.device)
     _merge_splits_kernel[(B * Hq,)](op, ml, o, Hkv, ns, o.stride(0), o.stride(1), G=G, BG=BG, D=D,
                                     NSP=triton.next_power_of_2(ns), SB=max(1, min(16, 4096 // D)), num_warps=4)
