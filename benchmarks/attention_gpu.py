@@ -7,7 +7,8 @@ Shapes: Qwen3-Next's full attention (16 query heads, 2 KV heads, D = 256) and an
 query heads); contexts 4k, 32k, 128k; batch 1 and 16. One query per sequence at the last position. Cold L2: the
 caches rotate over enough copies to exceed L2 four times; CUDA-graph replay. Bytes counted: K and V of every
 visible position (bf16: 2 D each; TurboQuant: D/2 + 4 each, plus the 64 exact recent positions), q and o. The
-TurboQuant time includes rotating q and the output (two small matmuls) but not the append of the new token.
+TurboQuant time includes rotating q and the output (`turboquant.triton.rotate`, a launch each) but not the append of
+the new token (timed on its own).
 Correctness first, at real shapes, against fp32 attention over the same (dequantized) cache. Table printed last.
 """
 
@@ -27,6 +28,7 @@ from qmatmul_gpu import end_run, L2_BYTES, copy_bandwidth, graph_time, start_run
 from sluice.cache.turboquant import RECENT  # noqa: E402
 from sluice.kernels.attention.triton import decode_attention, num_splits  # noqa: E402
 from sluice.kernels.turboquant import reference as tq  # noqa: E402
+from sluice.kernels.turboquant.triton import rotate  # noqa: E402
 
 SHAPES = {"qwen3-next 16q/2kv D256": (16, 2, 256), "8kv D128 (32q)": (32, 8, 128)}
 CONTEXTS = [4096, 32768, 131072]
@@ -52,11 +54,10 @@ def cache_bytes(c):
 def ours(q, c, pos, scale, S, quant, splits=None, **launch):
     if not quant:
         return decode_attention(q, c["k"], c["v"], pos, scale, S, splits=splits, **launch)
-    qr = q.float() @ ROT[q.shape[-1]].T
-    o = decode_attention(qr, c["k"], c["v"], pos, scale, S, splits=splits, k_scale=c["k_scale"],
+    o = decode_attention(rotate(q), c["k"], c["v"], pos, scale, S, splits=splits, k_scale=c["k_scale"],
                          v_scale=c["v_scale"], k_recent=c["k_recent"], v_recent=c["v_recent"],
                          out_dtype=torch.float32, **launch)
-    return (o @ ROT[q.shape[-1]]).to(BF16)
+    return rotate(o, inverse=True).to(BF16)
 
 
 def sdpa(q, c, scale):
@@ -128,7 +129,7 @@ def time_case(res, copy_bw, name, Hq, Hkv, D, S, B):
 
 SWEEP_DENSE = [dict(block_n=bn, num_warps=w, num_stages=st) for bn in (32, 64, 128) for w in (4, 8)
                for st in (2, 3, 4)]
-SWEEP_TQ = [dict(block_n=bn, num_warps=w, num_stages=st) for bn in (32, 64, 128) for w in (4, 8) for st in (1, 2, 3)]
+SWEEP_TQ = [dict(block_n=bn, num_warps=w, num_stages=st) for bn in (32, 64, 128) for w in (4, 8) for st in (1, 2)]
 
 
 def sweep(res, copy_bw):
@@ -175,9 +176,7 @@ def append_time(res):
 
 
 def main():
-    global ROT
     a, dev, res = start_run("correctness", "timings", "errors", "sweep", "append", flags=("--sweep",))
-    ROT = {d: tq.rotation(d, "cuda") for d in (128, 256)}
     copy_bw = copy_bandwidth(dev)
     res["copy_bandwidth_Bps"] = copy_bw
     print(f"# {res['gpu']}, copy {copy_bw / 1e12:.2f} TB/s", flush=True)

@@ -146,3 +146,13 @@ def test_quantize_append_matches_the_reference(D, dtype):
     assert rel(scales[:, :, 6].cpu(), ref_scale) < 1e-3
     assert rel(ring[:, :, 2].cpu().float(), tq.rotate(x.float())) < (5e-3 if dtype != torch.float32 else 1e-5 if DEVICE == "cuda" else 1e-6)
     assert codes[:, :, [0, 5, 7]].count_nonzero() == 0 and ring[:, :, [0, 1, 3]].count_nonzero() == 0
+
+
+@pytest.mark.parametrize("D,dtype", [(64, torch.float32), (256, torch.bfloat16)])
+def test_rotate_matches_the_reference(D, dtype):
+    from sluice.kernels.turboquant import triton as tqt
+
+    x = torch.randn(3, 7, D, generator=torch.Generator().manual_seed(D)).to(dtype)
+    y = tqt.rotate(x.to(DEVICE))
+    assert rel(y.cpu(), tq.rotate(x.float())) < 1e-5
+    assert rel(tqt.rotate(y, inverse=True).cpu(), x.float()) < (1e-5 if dtype == torch.float32 else 1e-2)

@@ -83,7 +83,8 @@ def _decode_split_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, kr_ptr, vr_ptr, lv
             acc_lo = acc_lo * alpha[:, None] + _dot16(pv, v_lo, TC) * (v_max * LEVEL_STEP)
             acc_hi = acc_hi * alpha[:, None] + _dot16(pv, v_hi, TC) * (v_max * LEVEL_STEP)
         r_base = b.to(tl.int64) * stride_rb + h * stride_rh
-        for n0 in range(tl.maximum(start, p - RECENT + 1), stop, BLOCK_N):  # the newest: exact, from the ring
+        # the newest: exact, from the ring (one block in one split: not worth pipeline buffers)
+        for n0 in tl.range(tl.maximum(start, p - RECENT + 1), stop, BLOCK_N, num_stages=1):
             j = n0 + tl.arange(0, BLOCK_N)
             valid = j < stop
             r_off = r_base + (j % RECENT)[:, None] * stride_rt + dh[None, :]
@@ -198,9 +199,10 @@ def _int_levels(codes, lv_ptr, TC: tl.constexpr):
 
 @triton.jit
 def _merge_splits_kernel(op_ptr, ml_ptr, o_ptr, Hkv, n_splits, stride_ob, stride_oh,
-                         G: tl.constexpr, BG: tl.constexpr, D: tl.constexpr, NSP: tl.constexpr, SB: tl.constexpr):
-    """One program per query head: the splits' weights exp(m_s - M) from all (max, sum) at once, then the
-    weighted partial outputs SB splits at a time (independent loads, many in flight)."""
+                         G: tl.constexpr, BG: tl.constexpr, D: tl.constexpr, BD: tl.constexpr, NSP: tl.constexpr,
+                         SB: tl.constexpr):
+    """Program (query head, BD coordinates): the splits' weights exp(m_s - M) from all (max, sum) at once, then
+    the weighted partial outputs SB splits at a time (a launch that is all latency: few, wide steps)."""
     row = tl.program_id(0)
     bh = row // G
     g = row % G
@@ -212,8 +214,8 @@ def _merge_splits_kernel(op_ptr, ml_ptr, o_ptr, Hkv, n_splits, stride_ob, stride
     M = tl.max(m, axis=0)
     w = tl.where(m == float("-inf"), 0.0, tl.exp(m - M))  # splits that saw no key weigh nothing
     denom = tl.sum(w * tl.load(ml + sp * 2 * BG + BG, mask=sp < n_splits, other=0.0), axis=0)
-    d = tl.arange(0, D)
-    acc = tl.zeros((D,), dtype=tl.float32)
+    d = tl.program_id(1) * BD + tl.arange(0, BD)
+    acc = tl.zeros((BD,), dtype=tl.float32)
     for s0 in range(0, n_splits, SB):
         s = s0 + tl.arange(0, SB)
         ms = tl.load(ml + s * 2 * BG, mask=s < n_splits, other=float("-inf"))
@@ -296,6 +298,8 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, position
         G=G, BG=BG, D=D, BLOCK_N=block_n, QUANT=quant, RING=window is not None, WINDOW=window or 0,
         RECENT=recent, TC=not INTERPRET, num_warps=num_warps, num_stages=num_stages)
     o = torch.empty((B, Hq, D), dtype=out_dtype or q.dtype, device=q.device)
-    _merge_splits_kernel[(B * Hq,)](op, ml, o, Hkv, ns, o.stride(0), o.stride(1), G=G, BG=BG, D=D,
-                                    NSP=triton.next_power_of_2(ns), SB=max(1, min(16, 4096 // D)), num_warps=4)
+    BD = min(D, 64)
+    nsp = triton.next_power_of_2(ns)
+    _merge_splits_kernel[(B * Hq, D // BD)](op, ml, o, Hkv, ns, o.stride(0), o.stride(1), G=G, BG=BG, D=D, BD=BD,
+                                            NSP=nsp, SB=min(nsp, 64), num_warps=4)
     return o
