@@ -8,7 +8,8 @@ query heads); contexts 4k, 32k, 128k; batch 1 and 16. One query per sequence at 
 caches rotate over enough copies to exceed L2 four times; CUDA-graph replay. Bytes counted: K and V of every
 visible position (bf16: 2 D each; TurboQuant: D/2 + 4 each, plus the 64 exact recent positions), q and o. The
 TurboQuant time includes rotating q and the output (`turboquant.triton.rotate`, a launch each) but not the append of
-the new token (timed on its own).
+the new token; the "step" columns time a whole decode step of the layer as the caches run it (store the new key
+and value, attend; TurboQuant: append + rotate q in one launch, the kernel, the output rotated back).
 Correctness first, at real shapes, against fp32 attention over the same (dequantized) cache. Table printed last.
 """
 
@@ -28,7 +29,7 @@ from qmatmul_gpu import end_run, L2_BYTES, copy_bandwidth, graph_time, start_run
 from sluice.cache.turboquant import RECENT  # noqa: E402
 from sluice.kernels.attention.triton import decode_attention, num_splits  # noqa: E402
 from sluice.kernels.turboquant import reference as tq  # noqa: E402
-from sluice.kernels.turboquant.triton import rotate  # noqa: E402
+from sluice.kernels.turboquant.triton import decode_step_prep, rotate  # noqa: E402
 
 SHAPES = {"qwen3-next 16q/2kv D256": (16, 2, 256), "8kv D128 (32q)": (32, 8, 128)}
 CONTEXTS = [4096, 32768, 131072]
@@ -57,6 +58,21 @@ def ours(q, c, pos, scale, S, quant, splits=None, **launch):
     o = decode_attention(rotate(q), c["k"], c["v"], pos, scale, S, splits=splits, k_scale=c["k_scale"],
                          v_scale=c["v_scale"], k_recent=c["k_recent"], v_recent=c["v_recent"],
                          out_dtype=torch.float32, **launch)
+    return rotate(o, inverse=True).to(BF16)
+
+
+def step(q, kv_new, c, pos, scale, S, quant):
+    """A whole decode step of one layer as the caches run it: store the new key and value at slot S - 1, then
+    attend (TurboQuant: one launch appends K and V and rotates q; the kernel; the output rotated back)."""
+    k_new, v_new = kv_new
+    if not quant:
+        c["k"][:, :, S - 1] = k_new
+        c["v"][:, :, S - 1] = v_new
+        return decode_attention(q, c["k"], c["v"], pos, scale, S)
+    qr = decode_step_prep(q, k_new, v_new, c["k"], c["v"], c["k_scale"], c["v_scale"], c["k_recent"], c["v_recent"],
+                          S - 1, (S - 1) % RECENT)
+    o = decode_attention(qr, c["k"], c["v"], pos, scale, S, k_scale=c["k_scale"], v_scale=c["v_scale"],
+                         k_recent=c["k_recent"], v_recent=c["v_recent"], out_dtype=torch.float32)
     return rotate(o, inverse=True).to(BF16)
 
 
@@ -108,6 +124,10 @@ def time_case(res, copy_bw, name, Hq, Hkv, D, S, B):
         row[f"{label}_bytes"] = nbytes
         row[f"{label}_floor_us"] = nbytes / copy_bw * 1e6
         row[f"ours_{label}_us"] = graph_time([lambda c=c: ours(q, c, pos, scale, S, quant) for c in caches]) * 1e6
+        kv_new = (torch.randn(B, Hkv, D, device="cuda", generator=g, dtype=BF16),
+                  torch.randn(B, Hkv, D, device="cuda", generator=g, dtype=BF16))
+        row[f"step_{label}_us"] = graph_time([lambda c=c: step(q, kv_new, c, pos, scale, S, quant)
+                                              for c in caches]) * 1e6
         if not quant:
             try:
                 row["sdpa_bf16_us"] = graph_time([lambda c=c: sdpa(q, c, scale) for c in caches]) * 1e6
@@ -121,6 +141,7 @@ def time_case(res, copy_bw, name, Hq, Hkv, D, S, B):
     row["bf16_pct_copy"] = row["bf16_floor_us"] / row["ours_bf16_us"]
     row["turboquant_pct_copy"] = row["turboquant4_floor_us"] / row["ours_turboquant4_us"]
     row["turboquant_vs_ours_bf16"] = row["ours_bf16_us"] / row["ours_turboquant4_us"]
+    row["turboquant_step_vs_bf16_step"] = row["step_bf16_us"] / row["step_turboquant4_us"]
     if "sdpa_bf16_us" in row:
         row["turboquant_vs_sdpa"] = row["sdpa_bf16_us"] / row["ours_turboquant4_us"]
     res["timings"].append(row)
@@ -204,12 +225,13 @@ def main():
             print(f"best {r}")
         print(f"\n{res['gpu']}; copy {copy_bw / 1e12:.2f} TB/s; CUDA-graph replay, cold L2; times in us")
         print(f"{'shape':24s} {'ctx':>6s} {'B':>3s} {'ours bf16':>9s} {'%copy':>6s} {'SDPA':>8s} {'TQ4':>8s} "
-              f"{'%copy':>6s} {'TQ/bf16':>7s} {'TQ/SDPA':>7s}")
+              f"{'%copy':>6s} {'TQ/bf16':>7s} {'TQ/SDPA':>7s} {'step bf16':>9s} {'step TQ':>8s}")
         for r in res["timings"]:
             print(f"{r['shape']:24s} {r['context']:6d} {r['batch']:3d} {r['ours_bf16_us']:9.1f} "
                   f"{100 * r['bf16_pct_copy']:5.0f}% {r.get('sdpa_bf16_us', float('nan')):8.1f} "
                   f"{r['ours_turboquant4_us']:8.1f} {100 * r['turboquant_pct_copy']:5.0f}% "
-                  f"{r['turboquant_vs_ours_bf16']:6.2f}x {r.get('turboquant_vs_sdpa', float('nan')):6.2f}x")
+                  f"{r['turboquant_vs_ours_bf16']:6.2f}x {r.get('turboquant_vs_sdpa', float('nan')):6.2f}x "
+                  f"{r['step_bf16_us']:9.1f} {r['step_turboquant4_us']:8.1f}")
         end_run(a, res)
 
 

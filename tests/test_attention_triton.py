@@ -156,3 +156,22 @@ def test_rotate_matches_the_reference(D, dtype):
     y = tqt.rotate(x.to(DEVICE))
     assert rel(y.cpu(), tq.rotate(x.float())) < 1e-5
     assert rel(tqt.rotate(y, inverse=True).cpu(), x.float()) < (1e-5 if dtype == torch.float32 else 1e-2)
+
+
+def test_decode_step_prep_appends_k_and_v_and_rotates_q():
+    from sluice.kernels.turboquant import triton as tqt
+
+    g = torch.Generator().manual_seed(5)
+    B, Hq, Hkv, D, cap = 2, 4, 2, 64, 8
+    q, k, v = torch.randn(B, Hq, D, generator=g), torch.randn(B, Hkv, D, generator=g), torch.randn(B, Hkv, D, generator=g)
+    z = lambda *s, dt=torch.float32: torch.zeros(*s, dtype=dt, device=DEVICE)  # noqa: E731
+    kc, vc = z(B, Hkv, cap, D // 2, dt=torch.uint8), z(B, Hkv, cap, D // 2, dt=torch.uint8)
+    ks, vs, kr, vr = z(B, Hkv, cap), z(B, Hkv, cap), z(B, Hkv, 4, D), z(B, Hkv, 4, D)
+    qr = tqt.decode_step_prep(q.to(DEVICE), k.to(DEVICE), v.to(DEVICE), kc, vc, ks, vs, kr, vr, 5, 1)
+    assert rel(qr.cpu(), tq.rotate(q)) < 1e-5
+    for x, codes, scales, ring in ((k, kc, ks, kr), (v, vc, vs, vr)):
+        ref_codes, ref_scale = tq.quantize(x)
+        assert (codes[:, :, 5].cpu() == ref_codes).float().mean() > 0.999
+        assert rel(scales[:, :, 5].cpu(), ref_scale) < 1e-3
+        assert rel(ring[:, :, 1].cpu(), tq.rotate(x)) < 1e-5
+        assert codes[:, :, 4].abs().sum() == 0 and ring[:, :, 0].abs().sum() == 0  # nothing else written

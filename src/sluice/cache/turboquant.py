@@ -100,14 +100,13 @@ class TurboQuantKVCache(KVCache):
     def _decode(self, layer, q, k, v, start, scale):
         """One query per sequence: quantize-on-append, then the split-K kernel on the codes and the ring."""
         from sluice.kernels.attention.triton import decode_attention
-        from sluice.kernels.turboquant.triton import quantize_append, rotate
+        from sluice.kernels.turboquant.triton import decode_step_prep, rotate
 
         slot = self.decode_slot(start)
-        quantize_append(k[:, :, 0], self.k_codes[layer], self.k_scale[layer], self.k_recent[layer], slot,
-                        start % self.recent)
-        quantize_append(v[:, :, 0], self.v_codes[layer], self.v_scale[layer], self.v_recent[layer], slot,
-                        start % self.recent)
-        o = decode_attention(rotate(q[:, :, 0]), self.k_codes[layer], self.v_codes[layer],
+        qr = decode_step_prep(q[:, :, 0], k[:, :, 0], v[:, :, 0], self.k_codes[layer], self.v_codes[layer],
+                              self.k_scale[layer], self.v_scale[layer], self.k_recent[layer], self.v_recent[layer],
+                              slot, start % self.recent)
+        o = decode_attention(qr, self.k_codes[layer], self.v_codes[layer],
                              self.positions(start, q), scale, self.visible(start), self.window,
                              k_scale=self.k_scale[layer], v_scale=self.v_scale[layer], k_recent=self.k_recent[layer],
                              v_recent=self.v_recent[layer], out_dtype=torch.float32)

@@ -278,7 +278,9 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, position
         raise ValueError(f"decode attention: k, v must be [B, Hkv, cap, {D}], got {tuple(k.shape)}")
     if k.stride() != v.stride() or k.stride(-1) != 1 or q.stride(-1) != 1:
         raise ValueError("decode attention: k and v must share a layout with unit last strides")
-    block_n = block_n or (64 if D <= 128 else 32)  # K and V tiles of D = 256 rows: shared memory
+    # positions per step (the H100 sweep of benchmarks/attention_gpu.py): K and V tiles of D = 256 rows fill
+    # shared memory; the codes are a quarter of the bytes
+    block_n = block_n or ((128 if D <= 128 else 64) if quant else (64 if D <= 128 else 32))
     ns = splits or num_splits(B * Hkv, visible, q.device, block_n)
     per_split = triton.cdiv(visible, ns)
     per_split = triton.cdiv(per_split, block_n) * block_n

@@ -22,9 +22,29 @@ INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"  # its bf16 tl.dot is wron
 
 
 @triton.jit
-def _append_kernel(x_ptr, sign_ptr, h_ptr, lv_ptr, bd_ptr, codes_ptr, scale_ptr, ring_ptr, n_rows, Hkv, slot, rslot,
-                   stride_xr, stride_cb, stride_ch, stride_ct, stride_sb, stride_sh, stride_rb, stride_rh, stride_rt,
+def _append_kernel(k_ptr, v_ptr, q_ptr, qr_ptr, sign_ptr, h_ptr, lv_ptr, bd_ptr, kc_ptr, vc_ptr, ks_ptr, vs_ptr,
+                   kr_ptr, vr_ptr, n_rows, n_q_rows, Hkv, slot, rslot, stride_xr, stride_qr,
+                   stride_cb, stride_ch, stride_ct, stride_sb, stride_sh, stride_rb, stride_rh, stride_rt,
                    D: tl.constexpr, BF16: tl.constexpr, INTERPRET: tl.constexpr):
+    """Job program_id(1): 0 appends the new keys (rows of k), 1 the new values, 2 rotates the queries into qr
+    (fp32): a decode step's three small jobs in one launch."""
+    job = tl.program_id(1)
+    if job == 0:
+        _append_rows(k_ptr, sign_ptr, h_ptr, lv_ptr, bd_ptr, kc_ptr, ks_ptr, kr_ptr, n_rows, Hkv, slot, rslot,
+                     stride_xr, stride_cb, stride_ch, stride_ct, stride_sb, stride_sh, stride_rb, stride_rh,
+                     stride_rt, D, BF16, INTERPRET)
+    elif job == 1:
+        _append_rows(v_ptr, sign_ptr, h_ptr, lv_ptr, bd_ptr, vc_ptr, vs_ptr, vr_ptr, n_rows, Hkv, slot, rslot,
+                     stride_xr, stride_cb, stride_ch, stride_ct, stride_sb, stride_sh, stride_rb, stride_rh,
+                     stride_rt, D, BF16, INTERPRET)
+    else:
+        _rotate_rows(q_ptr, qr_ptr, sign_ptr, h_ptr, n_q_rows, stride_qr, D, False, BF16, INTERPRET)
+
+
+@triton.jit
+def _append_rows(x_ptr, sign_ptr, h_ptr, lv_ptr, bd_ptr, codes_ptr, scale_ptr, ring_ptr, n_rows, Hkv, slot, rslot,
+                 stride_xr, stride_cb, stride_ch, stride_ct, stride_sb, stride_sh, stride_rb, stride_rh, stride_rt,
+                 D: tl.constexpr, BF16: tl.constexpr, INTERPRET: tl.constexpr):
     rows = tl.program_id(0) * 16 + tl.arange(0, 16)
     ok = rows < n_rows
     d = tl.arange(0, D)
@@ -38,10 +58,8 @@ def _append_kernel(x_ptr, sign_ptr, h_ptr, lv_ptr, bd_ptr, codes_ptr, scale_ptr,
         1.0 / tl.sqrt(D * 1.0))
     norm = tl.sqrt(tl.sum(y_lo * y_lo, axis=1) + tl.sum(y_hi * y_hi, axis=1))
     unit = tl.sqrt(D * 1.0) / tl.maximum(norm, 1e-30)
-    c_lo = _nearest_code(y_lo * unit[:, None], bd_ptr)
-    c_hi = _nearest_code(y_hi * unit[:, None], bd_ptr)
-    lv_lo = tl.load(lv_ptr + c_lo)
-    lv_hi = tl.load(lv_ptr + c_hi)
+    c_lo, lv_lo = _nearest_level(y_lo * unit[:, None], lv_ptr, bd_ptr)
+    c_hi, lv_hi = _nearest_level(y_hi * unit[:, None], lv_ptr, bd_ptr)
     scale = norm / tl.maximum(tl.sqrt(tl.sum(lv_lo * lv_lo, axis=1) + tl.sum(lv_hi * lv_hi, axis=1)), 1e-30)
     b = rows // Hkv
     hh = rows % Hkv
@@ -67,30 +85,41 @@ def _times_h(xs, h, BF16: tl.constexpr, INTERPRET: tl.constexpr):
 
 
 @triton.jit
-def _nearest_code(yn, bd_ptr):
-    """The number of cell boundaries below each coordinate, by a 4-step binary search over the 15 boundaries."""
+def _nearest_level(yn, lv_ptr, bd_ptr):
+    """(code, level) of each coordinate: the code counts the cell boundaries below it, the level climbs by the gap
+    at each one. 15 independent compares against scalars loaded up front (a binary search would chain 4 dependent
+    gathers from memory)."""
     code = tl.zeros(yn.shape, dtype=tl.int32)
-    for step in tl.static_range(4):
-        half = 8 >> step
-        code += tl.where(yn > tl.load(bd_ptr + code + (half - 1)), half, 0)
-    return code
+    level = tl.zeros(yn.shape, dtype=tl.float32) + tl.load(lv_ptr)
+    for i in tl.static_range(15):
+        above = yn > tl.load(bd_ptr + i)
+        code += above.to(tl.int32)
+        level += tl.where(above, tl.load(lv_ptr + i + 1) - tl.load(lv_ptr + i), 0.0)
+    return code, level
 
 
 @triton.jit
 def _rotate_kernel(x_ptr, y_ptr, sign_ptr, h_ptr, n_rows, stride_xr, D: tl.constexpr, INVERSE: tl.constexpr,
                    BF16: tl.constexpr, INTERPRET: tl.constexpr):
+    _rotate_rows(x_ptr, y_ptr, sign_ptr, h_ptr, n_rows, stride_xr, D, INVERSE, BF16, INTERPRET)
+
+
+@triton.jit
+def _rotate_rows(x_ptr, y_ptr, sign_ptr, h_ptr, n_rows, stride_xr, D: tl.constexpr, INVERSE: tl.constexpr,
+                 BF16: tl.constexpr, INTERPRET: tl.constexpr):
     """16 rows: y = (x * s) H / sqrt(d) (R x), or with INVERSE y = (x H) * s / sqrt(d) (R^T x); fp32 out."""
     rows = tl.program_id(0) * 16 + tl.arange(0, 16)
     ok = rows < n_rows
     d = tl.arange(0, D)
     x = tl.load(x_ptr + rows[:, None] * stride_xr + d[None, :], mask=ok[:, None], other=0.0).to(tl.float32)
-    s = tl.load(sign_ptr + d)[None, :]
     if not INVERSE:
-        x = x * s
-    y = _times_h(x, tl.load(h_ptr + d[:, None] * D + d[None, :]), BF16, INTERPRET) * (1.0 / tl.sqrt(D * 1.0))
-    if INVERSE:
-        y = y * s
-    tl.store(y_ptr + rows[:, None] * D + d[None, :], y, mask=ok[:, None])
+        x = x * tl.load(sign_ptr + d)[None, :]
+    for half in tl.static_range(2):  # H's column halves one at a time (half the shared memory)
+        dh = half * (D // 2) + tl.arange(0, D // 2)
+        y = _times_h(x, tl.load(h_ptr + d[:, None] * D + dh[None, :]), BF16, INTERPRET) * (1.0 / tl.sqrt(D * 1.0))
+        if INVERSE:
+            y = y * tl.load(sign_ptr + dh)[None, :]
+        tl.store(y_ptr + rows[:, None] * D + dh[None, :], y, mask=ok[:, None])
 
 
 _TABLES: dict = {}
@@ -123,17 +152,41 @@ def quantize_append(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, 
                     ring_slot: int) -> None:
     """x [B, Hkv, D] (the new position's keys or values) -> codes[:, :, slot] (uint8 [B, Hkv, cap, D/2]),
     scales[:, :, slot] (fp32 [B, Hkv, cap]) and ring[:, :, ring_slot] (the rotated x, [B, Hkv, R, D])."""
-    B, Hkv, D = x.shape
-    if D & (D - 1) or D < 16 or D > 256 or codes.shape[-1] != D // 2 or codes.dtype != torch.uint8:
+    _launch_append(x, None, None, codes, None, scales, None, ring, None, slot, ring_slot)
+
+
+def decode_step_prep(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_codes, v_codes, k_scale, v_scale, k_ring,
+                     v_ring, slot: int, ring_slot: int) -> torch.Tensor:
+    """One launch for a decode step's TurboQuant bookkeeping: append the new k and v [B, Hkv, D] (as
+    quantize_append does) and return the rotated queries q [B, Hq, D] (fp32, as `rotate`)."""
+    qr = torch.empty(q.shape, dtype=torch.float32, device=q.device)
+    _launch_append(k, v, q, k_codes, v_codes, k_scale, v_scale, k_ring, v_ring, slot, ring_slot, qr)
+    return qr
+
+
+def _launch_append(k, v, q, k_codes, v_codes, k_scale, v_scale, k_ring, v_ring, slot, ring_slot, qr=None):
+    B, Hkv, D = k.shape
+    if D & (D - 1) or D < 16 or D > 256 or k_codes.shape[-1] != D // 2 or k_codes.dtype != torch.uint8:
         raise ValueError(f"quantize_append: D = {D} must be a power of two in 16..256 and codes uint8 [..., D/2]")
-    if scales.stride(-1) != 1 or codes.stride(-1) != 1 or ring.stride(-1) != 1:
-        raise ValueError("quantize_append: cache tensors need a unit last stride")
-    rows = x.reshape(B * Hkv, D)
-    if rows.stride(-1) != 1:
-        rows = rows.contiguous()
-    signs, hadamard, levels, bounds = _tables(D, x.device)
-    _append_kernel[(triton.cdiv(B * Hkv, 16),)](
-        rows, signs, hadamard, levels, bounds, codes, scales, ring, B * Hkv, Hkv, slot, ring_slot,
-        rows.stride(0), codes.stride(0), codes.stride(1), codes.stride(2), scales.stride(0), scales.stride(1),
-        ring.stride(0), ring.stride(1), ring.stride(2),
-        D=D, BF16=x.dtype == torch.bfloat16, INTERPRET=INTERPRET, num_warps=4)
+    for a, b in ((k_codes, v_codes), (k_scale, v_scale), (k_ring, v_ring)):
+        if a.stride(-1) != 1 or (b is not None and b.stride() != a.stride()):
+            raise ValueError("quantize_append: cache tensors need a unit last stride and K, V the same layout")
+    rows = [t.reshape(-1, D) if t is not None else None for t in (k, v, q)]
+    rows = [r.contiguous() if r is not None and r.stride(-1) != 1 else r for r in rows]
+    if rows[1] is not None and rows[1].stride() != rows[0].stride():
+        rows[1] = rows[1].contiguous()
+        rows[0] = rows[0].contiguous()
+    kr, vr, qrows = rows
+    signs, hadamard, levels, bounds = _tables(D, k.device)
+    n_q = qrows.shape[0] if qrows is not None else 0
+    jobs = 1 if v is None else 3
+    grid = (triton.cdiv(max(kr.shape[0], n_q), 16), jobs)
+    dummy = kr
+    _append_kernel[grid](
+        kr, vr if vr is not None else dummy, qrows if qrows is not None else dummy, qr if qr is not None else dummy,
+        signs, hadamard, levels, bounds, k_codes, v_codes if v_codes is not None else k_codes, k_scale,
+        v_scale if v_scale is not None else k_scale, k_ring, v_ring if v_ring is not None else k_ring,
+        kr.shape[0], n_q, Hkv, slot, ring_slot, kr.stride(0), qrows.stride(0) if qrows is not None else 0,
+        k_codes.stride(0), k_codes.stride(1), k_codes.stride(2), k_scale.stride(0), k_scale.stride(1),
+        k_ring.stride(0), k_ring.stride(1), k_ring.stride(2),
+        D=D, BF16=k.dtype == torch.bfloat16, INTERPRET=INTERPRET, num_warps=4)
