@@ -256,8 +256,8 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, position
                      num_warps: int = 4, num_stages: int = 2) -> torch.Tensor:
     """q [B, Hq, D] (one query per sequence, at positions[b]); dense k, v [B, Hkv, capacity, D], or with k_scale
     etc. the TurboQuant layout: k, v codes [B, Hkv, capacity, D/2] uint8, k_scale, v_scale [B, Hkv, capacity]
-    fp32, k_recent, v_recent [B, Hkv, RECENT, D] exact (rotated; the codec's levels are built in). A ring (slot = position %
-    capacity) when window is set. `visible`: the most keys any query sees (a host int: sizes the splits without
+    fp32, k_recent, v_recent [B, Hkv, RECENT, D] exact (rotated; the codec's levels are built in). A ring (slot =
+    position % capacity) when window is set. `visible`: the most keys any query sees (a host int: sizes the splits without
     a sync). Returns [B, Hq, D] in out_dtype (default q's)."""
     B, Hq, D = q.shape
     Hkv, cap = k.shape[1], k.shape[2]
@@ -293,7 +293,8 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, position
     kr, vr = (k_recent, v_recent) if quant else (dummy, dummy)
     recent = k_recent.shape[2] if quant else 1
     _decode_split_kernel[(B * Hkv, ns)](
-        q, k, v, ks, vs, kr, vr, _level_table(q.device) if quant else dummy, positions, op, ml, scale, Hkv, cap, per_split, ns,
+        q, k, v, ks, vs, kr, vr, _level_table(q.device) if quant else dummy, positions, op, ml, scale, Hkv, cap,
+        per_split, ns,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2),
         ks.stride(0) if quant else 0, ks.stride(1) if quant else 0,
         kr.stride(0) if quant else 0, kr.stride(1) if quant else 0, kr.stride(2) if quant else 0,

@@ -3,9 +3,9 @@
 A vector x [d] (d a power of two) is rotated, y = R x with R = H diag(s) / sqrt(d) (H the Sylvester Hadamard
 matrix, s fixed pseudo-random signs: a randomised Hadamard transform, orthonormal), so that the coordinates of
 y / |x| are close to N(0, 1/d) whatever x was. Each coordinate of sqrt(d) y / |x| is then replaced by the
-nearest of the 16 Lloyd-Max levels c[0..15] for N(0, 1) (rounded to an int8 grid, below) and stored as a 4-bit code, two per byte: byte i holds
-coordinate i (low nibble) and coordinate i + d/2 (high nibble), so a kernel meets each half of the vector in one
-nibble without shuffling coordinates. One fp32 scale per vector, |x| / |c[codes]|, makes the reconstruction
+nearest of the 16 Lloyd-Max levels c[0..15] for N(0, 1) (rounded to an int8 grid, below) and stored as a 4-bit
+code, two per byte: byte i holds coordinate i (low nibble) and coordinate i + d/2 (high nibble), so a kernel meets
+each half of the vector in one nibble without shuffling coordinates. One fp32 scale per vector, |x| / |c[codes]|, makes the reconstruction
 
     y_hat = scale * c[codes]        (in the rotated domain; x_hat = R^T y_hat)
 
