@@ -206,3 +206,28 @@ def test_turboquant_prefill_in_query_blocks(monkeypatch):
     monkeypatch.setattr(tqc, "SCORE_ELEMENTS", 2 * 4 * 30 * 7)  # 7 queries per block
     out = run_chunks(TurboQuantKVCache(1, 2, 2, 64, 30, recent=8), q, k, v, [30], 0.125)
     assert rel(out, ref) < 1e-5
+
+
+@pytest.mark.parametrize("window", [None, 20])
+def test_turboquant_cpu_decode_kernel_equals_the_torch_path(window):
+    """One-token steps on the CPU go through the C kernel (codes read in place); the torch path gives the same."""
+    from sluice.cache.turboquant import TurboQuantKVCache
+    from sluice.kernels.cpu import available
+
+    if not available():
+        pytest.skip("no C compiler: the torch path is the only one")
+    g = torch.Generator().manual_seed(3)
+    B, Hq, Hkv, D, T = 2, 4, 2, 64, 100
+    q, k, v = (torch.randn(B, h, T, D, generator=g) for h in (Hq, Hkv, Hkv))
+    outs = {}
+    for native in (False, True):
+        cache = TurboQuantKVCache(1, B, Hkv, D, T, torch.float32, "cpu", window=window, recent=8)
+        if not native:
+            cache._use_cpu_kernel = lambda q: False
+        else:
+            assert cache._use_cpu_kernel(q[:, :, :1])
+        o = [cache.attend(0, q[:, :, :10], k[:, :, :10], v[:, :, :10], 0, 0.125)]
+        for t in range(10, T):
+            o.append(cache.attend(0, q[:, :, t:t + 1], k[:, :, t:t + 1], v[:, :, t:t + 1], t, 0.125))
+        outs[native] = torch.cat(o, 2)
+    assert float((outs[True] - outs[False]).norm() / outs[False].norm()) < 1e-5

@@ -45,6 +45,8 @@ class TurboQuantKVCache(KVCache):
                scale: float) -> torch.Tensor:
         if self.use_decode_kernel(q):
             return self._decode(layer, q, k, v, start, scale)
+        if self._use_cpu_kernel(q):
+            return self._decode_cpu(layer, q, k, v, start, scale)
         B, Hq, T, D = q.shape
         Hkv = k.shape[1]
         end = start + T
@@ -111,6 +113,28 @@ class TurboQuantKVCache(KVCache):
                              k_scale=self.k_scale[layer], v_scale=self.v_scale[layer], k_recent=self.k_recent[layer],
                              v_recent=self.v_recent[layer], out_dtype=torch.float32)
         return rotate(o, inverse=True)[:, :, None].to(q.dtype)
+
+    def _use_cpu_kernel(self, q: torch.Tensor) -> bool:
+        """One query per sequence on the CPU with an fp32 ring and the native kernels built: the C kernel reads
+        the codes in place (the torch path dequantizes the whole history at every step)."""
+        from sluice.kernels.cpu import available
+
+        return (q.device.type == "cpu" and q.shape[2] == 1 and self.k_recent[0].dtype == torch.float32
+                and self.head_dim <= 512 and available())
+
+    def _decode_cpu(self, layer, q, k, v, start, scale):
+        """One C call per sequence: append the new K and V, attend, rotations included."""
+        from sluice.kernels.attention.cpu import turboquant_decode_step
+
+        self.decode_slot(start)  # the capacity check
+        f = lambda t: t[:, :, 0].float().contiguous()  # noqa: E731
+        q1, k1, v1 = f(q), f(k), f(v)
+        first = self.first_visible(start)
+        o = torch.stack([turboquant_decode_step(q1[b], k1[b], v1[b], self.k_codes[layer][b], self.k_scale[layer][b],
+                                                self.v_codes[layer][b], self.v_scale[layer][b],
+                                                self.k_recent[layer][b], self.v_recent[layer][b], first, start,
+                                                self.window is not None, scale) for b in range(q.shape[0])])
+        return o[:, :, None].to(q.dtype)
 
     def bytes_per_token(self) -> int:
         """Bytes per position across layers (the `recent` exact positions are `fixed_bytes`)."""

@@ -18,3 +18,36 @@ def decode_step(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache
     lib().attn_decode(qkv.data_ptr(), cos.data_ptr(), sin.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
                       Hq, Hkv, D, cos.shape[-1], cap, pos, scale, out.data_ptr())
     return out
+
+
+def turboquant_decode_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_codes: torch.Tensor,
+                           k_scale: torch.Tensor, v_codes: torch.Tensor, v_scale: torch.Tensor, k_ring: torch.Tensor,
+                           v_ring: torch.Tensor, first: int, pos: int, ring: bool, scale: float) -> torch.Tensor:
+    """One sequence's TurboQuant decode step in one call (`cache/turboquant.py`, codec in
+    `kernels/turboquant/reference.py`): quantize the new k, v [Hkv, D] into their slot (pos, or pos % cap when
+    `ring`) and the exact ring [Hkv, R, D] (slot pos % R), then attend q [Hq, D] over positions first..pos from
+    the codes [Hkv, cap, D/2] and scales [Hkv, cap] (the R newest exact). Rotations by a fast Walsh-Hadamard
+    transform. All fp32 / uint8, contiguous, written in place; returns [Hq, D]."""
+    Hq, D = q.shape
+    Hkv, cap = k_codes.shape[0], k_codes.shape[1]
+    if D > 512 or D & (D - 1) or Hq % Hkv or k_codes.shape[-1] != D // 2 or k_ring.dtype != torch.float32:
+        raise ValueError(f"TurboQuant CPU decode: unsupported shapes (Hq={Hq}, Hkv={Hkv}, D={D}) or ring dtype")
+    tables = _tq_tables(D)
+    out = torch.empty(Hq, D, dtype=torch.float32)
+    lib().tq_decode_step(q.data_ptr(), k.data_ptr(), v.data_ptr(), *(t.data_ptr() for t in tables),
+                         k_codes.data_ptr(), k_scale.data_ptr(), v_codes.data_ptr(), v_scale.data_ptr(),
+                         k_ring.data_ptr(), v_ring.data_ptr(), Hq, Hkv, D, cap, k_ring.shape[1], first, pos,
+                         int(ring), scale, out.data_ptr())
+    return out
+
+
+_TQ_TABLES: dict = {}
+
+
+def _tq_tables(D: int):
+    """(signs [D], levels [16], boundaries [15]) fp32 contiguous, made once per head dim."""
+    if D not in _TQ_TABLES:
+        from sluice.kernels.turboquant import reference as tq
+
+        _TQ_TABLES[D] = tuple(t.float().contiguous() for t in (tq.signs(D), tq.codebook(), tq.boundaries()))
+    return _TQ_TABLES[D]

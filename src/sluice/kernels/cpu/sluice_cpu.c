@@ -246,3 +246,115 @@ void attn_decode(const float *qkv, const float *cos, const float *sin, float *kc
         free(p);
     }
 }
+
+/* TurboQuant KV-cache decode attention for one sequence, in the rotated domain (kernels/turboquant/reference.py):
+ * q [Hq, D] (rotated), codes [Hkv, cap, D/2] (byte i: coordinate i low nibble, i + D/2 high), scales [Hkv, cap],
+ * the exact rings [Hkv, R, D] (position x at slot x % R, used when pos - x < R), levels[16]. Positions first..pos,
+ * at slot x (or x % cap when `ring`). out [Hq, D] (rotated). */
+void tq_attn_decode(const float *q, const uint8_t *kc, const float *ks, const uint8_t *vc, const float *vs,
+                    const float *kr, const float *vr, const float *levels, int64_t Hq, int64_t Hkv, int64_t D,
+                    int64_t cap, int64_t R, int64_t first, int64_t pos, int32_t ring, float scale, float *out) {
+    const int64_t rep = Hq / Hkv, S = pos + 1 - first, Dh = D / 2;
+    #pragma omp parallel for schedule(static)
+    for (int64_t h = 0; h < Hq; h++) {
+        const int64_t j = h / rep;
+        const float *qh = q + h * D;
+        float *o = out + h * D;
+        float *p = (float *)malloc(S * sizeof(float));
+        float m = -INFINITY, sum = 0.f;
+        for (int64_t t = 0; t < S; t++) {
+            const int64_t x = first + t, slot = ring ? x % cap : x;
+            float s;
+            if (pos - x < R) {
+                s = dot(qh, kr + (j * R + x % R) * D, (int)D);
+            } else {
+                const uint8_t *c = kc + (j * cap + slot) * Dh;
+                float acc = 0.f;
+                for (int64_t i = 0; i < Dh; i++) acc += qh[i] * levels[c[i] & 15] + qh[i + Dh] * levels[c[i] >> 4];
+                s = acc * ks[j * cap + slot];
+            }
+            p[t] = s * scale;
+            if (p[t] > m) m = p[t];
+        }
+        for (int64_t t = 0; t < S; t++) { p[t] = expf(p[t] - m); sum += p[t]; }
+        for (int64_t i = 0; i < D; i++) o[i] = 0.f;
+        for (int64_t t = 0; t < S; t++) {
+            const int64_t x = first + t, slot = ring ? x % cap : x;
+            const float w = p[t] / sum;
+            if (pos - x < R) {
+                const float *v = vr + (j * R + x % R) * D;
+                for (int64_t i = 0; i < D; i++) o[i] += w * v[i];
+            } else {
+                const uint8_t *c = vc + (j * cap + slot) * Dh;
+                const float ws = w * vs[j * cap + slot];
+                for (int64_t i = 0; i < Dh; i++) {
+                    o[i] += ws * levels[c[i] & 15];
+                    o[i + Dh] += ws * levels[c[i] >> 4];
+                }
+            }
+        }
+        free(p);
+    }
+}
+
+/* x <- x H (Sylvester Hadamard, natural order) in place: log2(D) butterfly passes. */
+static void fwht(float *x, int64_t D) {
+    for (int64_t h = 1; h < D; h *= 2)
+        for (int64_t i = 0; i < D; i += 2 * h)
+            for (int64_t j = i; j < i + h; j++) {
+                const float a = x[j], b = x[j + h];
+                x[j] = a + b;
+                x[j + h] = a - b;
+            }
+}
+
+/* The TurboQuant codec's rotation (reference.rotate): y = (x * s) H / sqrt(D); inverse: x = (y H) * s / sqrt(D). */
+static void tq_rotate(const float *x, const float *signs, int64_t D, int inverse, float *y) {
+    const float inv = 1.f / sqrtf((float)D);
+    for (int64_t i = 0; i < D; i++) y[i] = inverse ? x[i] : x[i] * signs[i];
+    fwht(y, D);
+    for (int64_t i = 0; i < D; i++) y[i] *= inverse ? inv * signs[i] : inv;
+}
+
+/* reference.quantize of one vector into its cache slot, and its rotation into the exact ring slot. */
+static void tq_append(const float *x, const float *signs, const float *levels, const float *bounds, int64_t D,
+                      uint8_t *codes, float *scale, float *ring_row) {
+    float y[512];
+    uint8_t c[512];
+    tq_rotate(x, signs, D, 0, y);
+    memcpy(ring_row, y, D * sizeof(float));
+    float nrm = 0.f, lsq = 0.f;
+    for (int64_t i = 0; i < D; i++) nrm += y[i] * y[i];
+    nrm = sqrtf(nrm);
+    const float unit = sqrtf((float)D) / fmaxf(nrm, 1e-30f);
+    for (int64_t i = 0; i < D; i++) {
+        const float yn = y[i] * unit;
+        int code = 0;
+        while (code < 15 && yn > bounds[code]) code++;  /* the boundaries are sorted: bucketize */
+        c[i] = (uint8_t)code;
+        lsq += levels[code] * levels[code];
+    }
+    for (int64_t i = 0; i < D / 2; i++) codes[i] = (uint8_t)(c[i] | (c[i + D / 2] << 4));
+    *scale = nrm / fmaxf(sqrtf(lsq), 1e-30f);
+}
+
+/* A whole TurboQuant decode step of one sequence and layer: append the new k, v [Hkv, D] at slot `pos` (or
+ * pos % cap when `ring`) and ring slot pos % R, attend q [Hq, D] over positions first..pos, out [Hq, D] (all
+ * unrotated, fp32). */
+void tq_decode_step(const float *q, const float *kn, const float *vn, const float *signs, const float *levels,
+                    const float *bounds, uint8_t *kc, float *ks, uint8_t *vc, float *vs, float *kr, float *vr,
+                    int64_t Hq, int64_t Hkv, int64_t D, int64_t cap, int64_t R, int64_t first, int64_t pos,
+                    int32_t ring, float scale, float *out) {
+    const int64_t slot = ring ? pos % cap : pos, rslot = pos % R;
+    for (int64_t j = 0; j < Hkv; j++) {
+        tq_append(kn + j * D, signs, levels, bounds, D, kc + (j * cap + slot) * (D / 2), ks + j * cap + slot,
+                  kr + (j * R + rslot) * D);
+        tq_append(vn + j * D, signs, levels, bounds, D, vc + (j * cap + slot) * (D / 2), vs + j * cap + slot,
+                  vr + (j * R + rslot) * D);
+    }
+    float *qr = (float *)malloc(2 * Hq * D * sizeof(float)), *orot = qr + Hq * D;
+    for (int64_t h = 0; h < Hq; h++) tq_rotate(q + h * D, signs, D, 0, qr + h * D);
+    tq_attn_decode(qr, kc, ks, vc, vs, kr, vr, levels, Hq, Hkv, D, cap, R, first, pos, ring, scale, orot);
+    for (int64_t h = 0; h < Hq; h++) tq_rotate(orot + h * D, signs, D, 1, out + h * D);
+    free(qr);
+}
