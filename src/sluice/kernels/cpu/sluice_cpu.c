@@ -247,50 +247,51 @@ void attn_decode(const float *qkv, const float *cos, const float *sin, float *kc
     }
 }
 
+/* Position x's key or value row of KV head j in the rotated domain: exact from the ring (pos - x < R) or decoded
+ * from its codes (byte i: coordinate i low nibble, i + D/2 high) times its scale. */
+static const float *tq_row(const uint8_t *codes, const float *scales, const float *ring_rows, const float *levels,
+                           int64_t j, int64_t x, int64_t pos, int64_t D, int64_t cap, int64_t R, int32_t ring,
+                           float *buf) {
+    if (pos - x < R) return ring_rows + (j * R + x % R) * D;
+    const int64_t slot = ring ? x % cap : x, Dh = D / 2;
+    const uint8_t *c = codes + (j * cap + slot) * Dh;
+    const float sc = scales[j * cap + slot];
+    for (int64_t i = 0; i < Dh; i++) {
+        buf[i] = levels[c[i] & 15] * sc;
+        buf[i + Dh] = levels[c[i] >> 4] * sc;
+    }
+    return buf;
+}
+
 /* TurboQuant KV-cache decode attention for one sequence, in the rotated domain (kernels/turboquant/reference.py):
- * q [Hq, D] (rotated), codes [Hkv, cap, D/2] (byte i: coordinate i low nibble, i + D/2 high), scales [Hkv, cap],
- * the exact rings [Hkv, R, D] (position x at slot x % R, used when pos - x < R), levels[16]. Positions first..pos,
- * at slot x (or x % cap when `ring`). out [Hq, D] (rotated). */
-void tq_attn_decode(const float *q, const uint8_t *kc, const float *ks, const uint8_t *vc, const float *vs,
+ * q [Hq, D] (rotated), codes [Hkv, cap, D/2], scales [Hkv, cap], the exact rings [Hkv, R, D] (position x at slot
+ * x % R), levels[16]; positions first..pos at slot x (or x % cap when `ring`). Each KV head's rows are decoded
+ * once for its Hq / Hkv query heads. out [Hq, D] (rotated). */
+static void tq_attn_decode(const float *q, const uint8_t *kc, const float *ks, const uint8_t *vc, const float *vs,
                     const float *kr, const float *vr, const float *levels, int64_t Hq, int64_t Hkv, int64_t D,
                     int64_t cap, int64_t R, int64_t first, int64_t pos, int32_t ring, float scale, float *out) {
-    const int64_t rep = Hq / Hkv, S = pos + 1 - first, Dh = D / 2;
+    const int64_t rep = Hq / Hkv, S = pos + 1 - first;
     #pragma omp parallel for schedule(static)
-    for (int64_t h = 0; h < Hq; h++) {
-        const int64_t j = h / rep;
-        const float *qh = q + h * D;
-        float *o = out + h * D;
-        float *p = (float *)malloc(S * sizeof(float));
-        float m = -INFINITY, sum = 0.f;
+    for (int64_t j = 0; j < Hkv; j++) {
+        float buf[512];
+        float *p = (float *)malloc(rep * S * sizeof(float));
         for (int64_t t = 0; t < S; t++) {
-            const int64_t x = first + t, slot = ring ? x % cap : x;
-            float s;
-            if (pos - x < R) {
-                s = dot(qh, kr + (j * R + x % R) * D, (int)D);
-            } else {
-                const uint8_t *c = kc + (j * cap + slot) * Dh;
-                float acc = 0.f;
-                for (int64_t i = 0; i < Dh; i++) acc += qh[i] * levels[c[i] & 15] + qh[i + Dh] * levels[c[i] >> 4];
-                s = acc * ks[j * cap + slot];
-            }
-            p[t] = s * scale;
-            if (p[t] > m) m = p[t];
+            const float *k = tq_row(kc, ks, kr, levels, j, first + t, pos, D, cap, R, ring, buf);
+            for (int64_t g = 0; g < rep; g++) p[g * S + t] = dot(q + (j * rep + g) * D, k, (int)D) * scale;
         }
-        for (int64_t t = 0; t < S; t++) { p[t] = expf(p[t] - m); sum += p[t]; }
-        for (int64_t i = 0; i < D; i++) o[i] = 0.f;
+        for (int64_t g = 0; g < rep; g++) {
+            float m = -INFINITY, sum = 0.f, *pg = p + g * S;
+            for (int64_t t = 0; t < S; t++) if (pg[t] > m) m = pg[t];
+            for (int64_t t = 0; t < S; t++) { pg[t] = expf(pg[t] - m); sum += pg[t]; }
+            for (int64_t t = 0; t < S; t++) pg[t] /= sum;
+            for (int64_t i = 0; i < D; i++) out[(j * rep + g) * D + i] = 0.f;
+        }
         for (int64_t t = 0; t < S; t++) {
-            const int64_t x = first + t, slot = ring ? x % cap : x;
-            const float w = p[t] / sum;
-            if (pos - x < R) {
-                const float *v = vr + (j * R + x % R) * D;
+            const float *v = tq_row(vc, vs, vr, levels, j, first + t, pos, D, cap, R, ring, buf);
+            for (int64_t g = 0; g < rep; g++) {
+                const float w = p[g * S + t];
+                float *o = out + (j * rep + g) * D;
                 for (int64_t i = 0; i < D; i++) o[i] += w * v[i];
-            } else {
-                const uint8_t *c = vc + (j * cap + slot) * Dh;
-                const float ws = w * vs[j * cap + slot];
-                for (int64_t i = 0; i < Dh; i++) {
-                    o[i] += ws * levels[c[i] & 15];
-                    o[i + Dh] += ws * levels[c[i] >> 4];
-                }
             }
         }
         free(p);
