@@ -1,9 +1,9 @@
-"""Quantize-on-append for the TurboQuant KV cache on CUDA: one launch per K or V of a decode step, checked against
-`reference.quantize`.
+"""Quantize-on-append for the TurboQuant KV cache on CUDA (one launch per decode step appends K and V and rotates q:
+`decode_step_prep`), checked against `reference.quantize`; `rotate` for the output.
 
 Program: up to 16 vectors (sequence, KV head) of the new position. y = (x * signs) @ H / sqrt(d) (H the +-1
 Hadamard matrix in bf16; bf16 inputs multiply exactly, fp32 ones as a bf16 hi + lo pair; fp32 accumulation), in
-two halves; the code of each coordinate of sqrt(d) y / |y| by a 4-step binary search over the 15 cell boundaries;
+two halves; the code of each coordinate of sqrt(d) y / |y| by 15 compares against the cell boundaries;
 scale = |x| / |levels[codes]|; codes packed two per byte (byte i: coordinate i low, i + d/2 high) into the cache
 slot, the scale beside them, and the exact rotated vector into the recent ring.
 """
@@ -152,7 +152,7 @@ def quantize_append(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, 
                     ring_slot: int) -> None:
     """x [B, Hkv, D] (the new position's keys or values) -> codes[:, :, slot] (uint8 [B, Hkv, cap, D/2]),
     scales[:, :, slot] (fp32 [B, Hkv, cap]) and ring[:, :, ring_slot] (the rotated x, [B, Hkv, R, D])."""
-    _launch_append(x, None, None, codes, None, scales, None, ring, None, slot, ring_slot)
+    _launch_append(x, x, None, codes, codes, scales, scales, ring, ring, slot, ring_slot, None, jobs=1)
 
 
 def decode_step_prep(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_codes, v_codes, k_scale, v_scale, k_ring,
@@ -160,7 +160,7 @@ def decode_step_prep(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_codes,
     """One launch for a decode step's TurboQuant bookkeeping: append the new k and v [B, Hkv, D] (as
     quantize_append does) and return the rotated queries q [B, Hq, D] (fp32, as `rotate`)."""
     qr = torch.empty(q.shape, dtype=torch.float32, device=q.device)
-    _launch_append(k, v, q, k_codes, v_codes, k_scale, v_scale, k_ring, v_ring, slot, ring_slot, qr, num_warps)
+    _launch_append(k, v, q, k_codes, v_codes, k_scale, v_scale, k_ring, v_ring, slot, ring_slot, qr, 3, num_warps)
     return qr
 
 
@@ -170,30 +170,22 @@ def _warps(D: int) -> int:
     return 8 if D >= 128 else 4
 
 
-def _launch_append(k, v, q, k_codes, v_codes, k_scale, v_scale, k_ring, v_ring, slot, ring_slot, qr=None,
+def _launch_append(k, v, q, k_codes, v_codes, k_scale, v_scale, k_ring, v_ring, slot, ring_slot, qr, jobs,
                    num_warps=None):
+    """`_append_kernel`'s jobs 0 .. jobs-1 (K, V, q); K and V tensors share their layouts."""
     B, Hkv, D = k.shape
     if D & (D - 1) or D < 16 or D > 256 or k_codes.shape[-1] != D // 2 or k_codes.dtype != torch.uint8:
         raise ValueError(f"quantize_append: D = {D} must be a power of two in 16..256 and codes uint8 [..., D/2]")
     for a, b in ((k_codes, v_codes), (k_scale, v_scale), (k_ring, v_ring)):
-        if a.stride(-1) != 1 or (b is not None and b.stride() != a.stride()):
+        if a.stride(-1) != 1 or b.stride() != a.stride():
             raise ValueError("quantize_append: cache tensors need a unit last stride and K, V the same layout")
-    rows = [t.reshape(-1, D) if t is not None else None for t in (k, v, q)]
-    rows = [r.contiguous() if r is not None and r.stride(-1) != 1 else r for r in rows]
-    if rows[1] is not None and rows[1].stride() != rows[0].stride():
-        rows[1] = rows[1].contiguous()
-        rows[0] = rows[0].contiguous()
-    kr, vr, qrows = rows
+    kr, vr = k.reshape(-1, D).contiguous(), v.reshape(-1, D).contiguous()
+    qrows = q.reshape(-1, D).contiguous() if q is not None else kr
     signs, hadamard, levels, bounds = _tables(D, k.device)
-    n_q = qrows.shape[0] if qrows is not None else 0
-    jobs = 1 if v is None else 3
-    grid = (triton.cdiv(max(kr.shape[0], n_q), 16), jobs)
-    dummy = kr
+    grid = (triton.cdiv(max(kr.shape[0], qrows.shape[0]), 16), jobs)
     _append_kernel[grid](
-        kr, vr if vr is not None else dummy, qrows if qrows is not None else dummy, qr if qr is not None else dummy,
-        signs, hadamard, levels, bounds, k_codes, v_codes if v_codes is not None else k_codes, k_scale,
-        v_scale if v_scale is not None else k_scale, k_ring, v_ring if v_ring is not None else k_ring,
-        kr.shape[0], n_q, Hkv, slot, ring_slot, kr.stride(0), qrows.stride(0) if qrows is not None else 0,
+        kr, vr, qrows, qr if qr is not None else kr, signs, hadamard, levels, bounds, k_codes, v_codes, k_scale,
+        v_scale, k_ring, v_ring, kr.shape[0], qrows.shape[0], Hkv, slot, ring_slot, kr.stride(0), qrows.stride(0),
         k_codes.stride(0), k_codes.stride(1), k_codes.stride(2), k_scale.stride(0), k_scale.stride(1),
         k_ring.stride(0), k_ring.stride(1), k_ring.stride(2),
         D=D, BF16=k.dtype == torch.bfloat16, INTERPRET=INTERPRET, num_warps=num_warps or _warps(D))
