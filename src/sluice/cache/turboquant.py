@@ -13,12 +13,13 @@ chunks and token-by-token decode give the same result. The fixed cost: 64 positi
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from sluice.cache.kv import KVCache
 from sluice.kernels.turboquant import reference as tq
 
 RECENT = 64
-SCORE_ELEMENTS = 1 << 26  # prefill attention: fp32 scores held at once (256 MB)
+SCORE_ELEMENTS = 1 << 26  # prefill attention: fp32 scores held at once on SDPA's math path (256 MB)
 
 
 class TurboQuantKVCache(KVCache):
@@ -66,26 +67,22 @@ class TurboQuantKVCache(KVCache):
         ring = (torch.arange(e0, start) % self.recent).to(q.device)
         ke = torch.cat([self.k_recent[layer].index_select(2, ring).float(), tq.rotate(k)], dim=2)
         ve = torch.cat([self.v_recent[layer].index_select(2, ring).float(), tq.rotate(v)], dim=2)
-        # grouped queries, [B, Hkv, G*t, D] against [B, Hkv, S, D], in blocks of queries that keep the score
-        # matrix under SCORE_ELEMENTS (a long context would otherwise want gigabytes)
-        G = Hq // Hkv
-        kpos = torch.arange(first, end, device=q.device)[None, :]
-        tail = e0 - first
-        step = max(1, SCORE_ELEMENTS // (B * Hq * kq.shape[2]))
+        # one attention over both key sets, the coded (every visible position) and the exact (e0..end-1): query p
+        # may see coded key j when p - j >= recent, exact key j when p - j < recent (itself always). Queries in
+        # blocks that keep a materialized score matrix under SCORE_ELEMENTS, should SDPA fall back to its math path.
+        keys, values = torch.cat([kq, ke], dim=2), torch.cat([vq, ve], dim=2)
+        kpos = torch.cat([torch.arange(first, end), torch.arange(e0, end)]).to(q.device)[None, :]
+        coded = torch.arange(keys.shape[2], device=q.device)[None, :] < kq.shape[2]
+        step = max(1, SCORE_ELEMENTS // (B * Hq * keys.shape[2]))
         outs = []
         for t0 in range(0, T, step):
             t1 = min(T, t0 + step)
-            qr = tq.rotate(q[:, :, t0:t1]).reshape(B, Hkv, G * (t1 - t0), D)
-            qpos = torch.arange(start + t0, start + t1, device=q.device).repeat(G)[:, None]
-            s = qr @ kq.transpose(-1, -2)
-            exact = kpos[:, tail:] > qpos - self.recent  # key j exact for query p when p - j < recent
-            s[..., tail:] = torch.where(exact, qr @ ke.transpose(-1, -2), s[..., tail:])
-            visible = kpos <= qpos
+            qpos = torch.arange(start + t0, start + t1, device=q.device)[:, None]
+            mask = (kpos <= qpos) & ((kpos <= qpos - self.recent) == coded)
             if self.window is not None:
-                visible &= kpos > qpos - self.window
-            p = torch.softmax((s * scale).masked_fill(~visible, float("-inf")), dim=-1)
-            o = p @ vq + (p[..., tail:] * exact) @ (ve - vq[:, :, tail:])
-            outs.append(o.reshape(B, Hq, t1 - t0, D))
+                mask &= kpos > qpos - self.window
+            outs.append(F.scaled_dot_product_attention(tq.rotate(q[:, :, t0:t1]), keys, values, attn_mask=mask,
+                                                       scale=scale, enable_gqa=True))
         o = torch.cat(outs, dim=2)
         # store: codes of the chunk (its last `capacity` positions), exact rotated copies of its last `recent`
         keep = len(slots)
