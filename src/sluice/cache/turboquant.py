@@ -120,17 +120,14 @@ class TurboQuantKVCache(KVCache):
                 and self.head_dim <= 512 and available())
 
     def _decode_cpu(self, layer, q, k, v, start, scale):
-        """One C call per sequence: append the new K and V, attend, rotations included."""
+        """One C call: append the new K and V, attend, rotations included."""
         from sluice.kernels.attention.cpu import turboquant_decode_step
 
         self.decode_slot(start)  # the capacity check
-        f = lambda t: t[:, :, 0].float().contiguous()  # noqa: E731
-        q1, k1, v1 = f(q), f(k), f(v)
-        first = self.first_visible(start)
-        o = torch.stack([turboquant_decode_step(q1[b], k1[b], v1[b], self.k_codes[layer][b], self.k_scale[layer][b],
-                                                self.v_codes[layer][b], self.v_scale[layer][b],
-                                                self.k_recent[layer][b], self.v_recent[layer][b], first, start,
-                                                self.window is not None, scale) for b in range(q.shape[0])])
+        o = turboquant_decode_step(q[:, :, 0], k[:, :, 0], v[:, :, 0], self.k_codes[layer], self.k_scale[layer],
+                                   self.v_codes[layer], self.v_scale[layer], self.k_recent[layer],
+                                   self.v_recent[layer], self.first_visible(start), start, self.window is not None,
+                                   scale)
         return o[:, :, None].to(q.dtype)
 
     def bytes_per_token(self) -> int:

@@ -23,21 +23,22 @@ def decode_step(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache
 def turboquant_decode_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_codes: torch.Tensor,
                            k_scale: torch.Tensor, v_codes: torch.Tensor, v_scale: torch.Tensor, k_ring: torch.Tensor,
                            v_ring: torch.Tensor, first: int, pos: int, ring: bool, scale: float) -> torch.Tensor:
-    """One sequence's TurboQuant decode step in one call (`cache/turboquant.py`, codec in
-    `kernels/turboquant/reference.py`): quantize the new k, v [Hkv, D] into their slot (pos, or pos % cap when
-    `ring`) and the exact ring [Hkv, R, D] (slot pos % R), then attend q [Hq, D] over positions first..pos from
-    the codes [Hkv, cap, D/2] and scales [Hkv, cap] (the R newest exact). Rotations by a fast Walsh-Hadamard
-    transform. All fp32 / uint8, contiguous, written in place; returns [Hq, D]."""
-    Hq, D = q.shape
-    Hkv, cap = k_codes.shape[0], k_codes.shape[1]
-    if D > 512 or D & (D - 1) or Hq % Hkv or k_codes.shape[-1] != D // 2 or k_ring.dtype != torch.float32:
-        raise ValueError(f"TurboQuant CPU decode: unsupported shapes (Hq={Hq}, Hkv={Hkv}, D={D}) or ring dtype")
-    tables = _tq_tables(D)
-    out = torch.empty(Hq, D, dtype=torch.float32)
-    lib().tq_decode_step(q.data_ptr(), k.data_ptr(), v.data_ptr(), *(t.data_ptr() for t in tables),
-                         k_codes.data_ptr(), k_scale.data_ptr(), v_codes.data_ptr(), v_scale.data_ptr(),
-                         k_ring.data_ptr(), v_ring.data_ptr(), Hq, Hkv, D, cap, k_ring.shape[1], first, pos,
-                         int(ring), scale, out.data_ptr())
+    """A TurboQuant decode step of B sequences in one call (`cache/turboquant.py`, codec in
+    `kernels/turboquant/reference.py`): quantize the new k, v [B, Hkv, D] into their slot (pos, or pos % cap when
+    `ring`) and the exact ring [B, Hkv, R, D] (slot pos % R), then attend q [B, Hq, D] over positions first..pos
+    from the codes [B, Hkv, cap, D/2] and scales [B, Hkv, cap] (the R newest exact). Rotations by a fast
+    Walsh-Hadamard transform. fp32 / uint8 caches, contiguous, written in place; returns [B, Hq, D] fp32."""
+    B, Hq, D = q.shape
+    Hkv, cap = k_codes.shape[1], k_codes.shape[2]
+    caches = (k_codes, k_scale, v_codes, v_scale, k_ring, v_ring)
+    if (D > 512 or D & (D - 1) or Hq % Hkv or k_codes.shape[-1] != D // 2 or k_ring.dtype != torch.float32
+            or not all(t.is_contiguous() for t in caches)):
+        raise ValueError(f"TurboQuant CPU decode: unsupported shapes (Hq={Hq}, Hkv={Hkv}, D={D}) or cache layout")
+    q, k, v = (t.float().contiguous() for t in (q, k, v))
+    out = torch.empty(B, Hq, D, dtype=torch.float32)
+    lib().tq_decode_steps(q.data_ptr(), k.data_ptr(), v.data_ptr(), *(t.data_ptr() for t in _tq_tables(D)),
+                          *(t.data_ptr() for t in caches), B, Hq, Hkv, D, cap, k_ring.shape[2], first, pos, int(ring),
+                          scale, out.data_ptr())
     return out
 
 

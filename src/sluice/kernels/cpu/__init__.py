@@ -33,7 +33,7 @@ _SIGNATURES = {
     "dequant": [ptr, ptr, ptr, i32, i64, i32, i32, ptr, i64, ptr],
     "rms_norm": [ptr, ptr, f32, i64, i64, ptr],
     "attn_decode": [ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, f32, ptr],
-    "tq_decode_step": [ptr] * 12 + [i64] * 7 + [i32, f32, ptr],
+    "tq_decode_steps": [ptr] * 12 + [i64] * 8 + [i32, f32, ptr],
 }
 
 

@@ -342,7 +342,7 @@ static void tq_append(const float *x, const float *signs, const float *levels, c
 /* A whole TurboQuant decode step of one sequence and layer: append the new k, v [Hkv, D] at slot `pos` (or
  * pos % cap when `ring`) and ring slot pos % R, attend q [Hq, D] over positions first..pos, out [Hq, D] (all
  * unrotated, fp32). */
-void tq_decode_step(const float *q, const float *kn, const float *vn, const float *signs, const float *levels,
+static void tq_decode_step(const float *q, const float *kn, const float *vn, const float *signs, const float *levels,
                     const float *bounds, uint8_t *kc, float *ks, uint8_t *vc, float *vs, float *kr, float *vr,
                     int64_t Hq, int64_t Hkv, int64_t D, int64_t cap, int64_t R, int64_t first, int64_t pos,
                     int32_t ring, float scale, float *out) {
@@ -358,4 +358,17 @@ void tq_decode_step(const float *q, const float *kn, const float *vn, const floa
     tq_attn_decode(qr, kc, ks, vc, vs, kr, vr, levels, Hq, Hkv, D, cap, R, first, pos, ring, scale, orot);
     for (int64_t h = 0; h < Hq; h++) tq_rotate(orot + h * D, signs, D, 1, out + h * D);
     free(qr);
+}
+
+/* tq_decode_step for B sequences at the same position: q [B, Hq, D], k, v [B, Hkv, D], the caches [B, Hkv, ...],
+ * out [B, Hq, D], all contiguous. */
+void tq_decode_steps(const float *q, const float *kn, const float *vn, const float *signs, const float *levels,
+                     const float *bounds, uint8_t *kc, float *ks, uint8_t *vc, float *vs, float *kr, float *vr,
+                     int64_t B, int64_t Hq, int64_t Hkv, int64_t D, int64_t cap, int64_t R, int64_t first,
+                     int64_t pos, int32_t ring, float scale, float *out) {
+    for (int64_t b = 0; b < B; b++)
+        tq_decode_step(q + b * Hq * D, kn + b * Hkv * D, vn + b * Hkv * D, signs, levels, bounds,
+                       kc + b * Hkv * cap * (D / 2), ks + b * Hkv * cap, vc + b * Hkv * cap * (D / 2),
+                       vs + b * Hkv * cap, kr + b * Hkv * R * D, vr + b * Hkv * R * D, Hq, Hkv, D, cap, R, first,
+                       pos, ring, scale, out + b * Hq * D);
 }
