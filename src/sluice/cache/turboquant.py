@@ -68,8 +68,10 @@ class TurboQuantKVCache(KVCache):
         ke = torch.cat([self.k_recent[layer].index_select(2, ring).float(), tq.rotate(k)], dim=2)
         ve = torch.cat([self.v_recent[layer].index_select(2, ring).float(), tq.rotate(v)], dim=2)
         # one attention over both key sets, the coded (every visible position) and the exact (e0..end-1): query p
-        # may see coded key j when p - j >= recent, exact key j when p - j < recent (itself always). Queries in
-        # blocks that keep a materialized score matrix under SCORE_ELEMENTS, should SDPA fall back to its math path.
+        # may see coded key j when p - j >= recent, exact key j when p - j < recent (itself always). The G query
+        # heads of a KV head ride along as rows of one [G * t] query block (no expanded copies of K and V, whatever
+        # SDPA backend runs); blocks keep a materialized score matrix under SCORE_ELEMENTS on its math path.
+        G = Hq // Hkv
         keys, values = torch.cat([kq, ke], dim=2), torch.cat([vq, ve], dim=2)
         kpos = torch.cat([torch.arange(first, end), torch.arange(e0, end)]).to(q.device)[None, :]
         coded = torch.arange(keys.shape[2], device=q.device)[None, :] < kq.shape[2]
@@ -77,12 +79,13 @@ class TurboQuantKVCache(KVCache):
         outs = []
         for t0 in range(0, T, step):
             t1 = min(T, t0 + step)
-            qpos = torch.arange(start + t0, start + t1, device=q.device)[:, None]
+            qpos = torch.arange(start + t0, start + t1, device=q.device).repeat(G)[:, None]
             mask = (kpos <= qpos) & ((kpos <= qpos - self.recent) == coded)
             if self.window is not None:
                 mask &= kpos > qpos - self.window
-            outs.append(F.scaled_dot_product_attention(tq.rotate(q[:, :, t0:t1]), keys, values, attn_mask=mask,
-                                                       scale=scale, enable_gqa=True))
+            qr = tq.rotate(q[:, :, t0:t1]).reshape(B, Hkv, G * (t1 - t0), D)
+            o = F.scaled_dot_product_attention(qr, keys, values, attn_mask=mask, scale=scale)
+            outs.append(o.reshape(B, Hq, t1 - t0, D))
         o = torch.cat(outs, dim=2)
         # store: codes of the chunk (its last `capacity` positions), exact rotated copies of its last `recent`
         keep = len(slots)
