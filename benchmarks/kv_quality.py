@@ -22,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from common import public_text  # noqa: E402
 
 import sluice  # noqa: E402
-from sluice.cache.kv import KV_CACHE_KINDS  # noqa: E402
+from sluice.cache import KV_CACHE_KINDS  # noqa: E402
 
 
 def perplexity(logits: torch.Tensor, ids: list[int]) -> float:

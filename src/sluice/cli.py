@@ -7,6 +7,7 @@ import json
 import sys
 import time
 
+from sluice.cache import KV_CACHE_KINDS
 from sluice.errors import SluiceError
 
 
@@ -96,7 +97,7 @@ def _human(n: float) -> str:
 
 
 def _add_kv_cache_arg(p):
-    p.add_argument("--kv-cache", default="dense", choices=["dense", "turboquant4"],
+    p.add_argument("--kv-cache", default="dense", choices=KV_CACHE_KINDS,
                    help="dense (the model's dtype) or turboquant4 (4-bit codes + a scale per vector, ~3.8x smaller)")
 
 
@@ -179,7 +180,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--gen-tokens", type=int, default=64)
     bench.add_argument("--repeats", type=int, default=2)
     bench.add_argument("--compare-kv-caches", dest="kv_cache_kinds", action="store_const",
-                       const=["dense", "turboquant4"], help="one row per KV cache kind")
+                       const=list(KV_CACHE_KINDS), help="one row per KV cache kind")
     bench.add_argument("--json", action="store_true")
     bench.set_defaults(func=cmd_bench)
     conv = sub.add_parser("convert", help="HF checkpoint directory -> MLX-format quantized directory")

@@ -11,9 +11,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from sluice.cache import KV_CACHE_KINDS
 from sluice.kernels.attention.reference import attention
-
-KV_CACHE_KINDS = ("dense", "turboquant4")
 
 
 class KVCache:

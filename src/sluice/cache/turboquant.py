@@ -53,8 +53,9 @@ class TurboQuantKVCache(KVCache):
         end = start + T
         slots = self.slots(end - min(T, self.capacity), end)  # the chunk's positions the cache will hold
         first = self.first_visible(start)
-        kc, ks = tq.quantize(k)
-        vc, vs = tq.quantize(v)
+        yk, yv = tq.rotate(k), tq.rotate(v)  # the chunk rotated once: its codes and its exact copies
+        kc, ks = tq.quantize_rotated(yk)
+        vc, vs = tq.quantize_rotated(yv)
         # every visible position as the codes give it, then the recent ones exact
         old = self.slots(first, start).to(q.device)
         kq = torch.cat([tq.dequantize_rotated(self.k_codes[layer].index_select(2, old),
@@ -65,8 +66,8 @@ class TurboQuantKVCache(KVCache):
                         tq.dequantize_rotated(vc, vs)], dim=2)
         e0 = max(first, start - self.recent + 1)
         ring = (torch.arange(e0, start) % self.recent).to(q.device)
-        ke = torch.cat([self.k_recent[layer].index_select(2, ring).float(), tq.rotate(k)], dim=2)
-        ve = torch.cat([self.v_recent[layer].index_select(2, ring).float(), tq.rotate(v)], dim=2)
+        ke = torch.cat([self.k_recent[layer].index_select(2, ring).float(), yk], dim=2)
+        ve = torch.cat([self.v_recent[layer].index_select(2, ring).float(), yv], dim=2)
         # one attention over both key sets, the coded (every visible position) and the exact (e0..end-1): query p
         # may see coded key j when p - j >= recent, exact key j when p - j < recent (itself always). The G query
         # heads of a KV head ride along as rows of one [G * t] query block (no expanded copies of K and V, whatever

@@ -252,7 +252,7 @@ def load(path=None, device=None, dtype=None, keep_quantized: bool = True, kv_cac
     """Load a GGUF file or an HF/MLX directory (None: the demo model). Quantized weights stay packed unless
     keep_quantized=False, which dequantizes them once to `dtype` (more memory; dense matmuls). kv_cache:
     "dense" (K/V in `dtype`) or "turboquant4" (4-bit codes of the rotated vectors + a scale each: ~3.8x smaller)."""
-    from sluice.cache.kv import KV_CACHE_KINDS
+    from sluice.cache import KV_CACHE_KINDS
     from sluice.formats.tokenizer import Tokenizer
     from sluice.models import architecture_module
 

@@ -257,8 +257,8 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, position
     """q [B, Hq, D] (one query per sequence, at positions[b]); dense k, v [B, Hkv, capacity, D], or with k_scale
     etc. the TurboQuant layout: k, v codes [B, Hkv, capacity, D/2] uint8, k_scale, v_scale [B, Hkv, capacity]
     fp32, k_recent, v_recent [B, Hkv, RECENT, D] exact (rotated; the codec's levels are built in). A ring (slot =
-    position % capacity) when window is set. `visible`: the most keys any query sees (a host int: sizes the splits without
-    a sync). Returns [B, Hq, D] in out_dtype (default q's)."""
+    position % capacity) when window is set. `visible`: the most keys any query sees (a host int: sizes the
+    splits without a sync). Returns [B, Hq, D] in out_dtype (default q's)."""
     B, Hq, D = q.shape
     Hkv, cap = k.shape[1], k.shape[2]
     quant = k_scale is not None

@@ -268,8 +268,9 @@ static const float *tq_row(const uint8_t *codes, const float *scales, const floa
  * x % R), levels[16]; positions first..pos at slot x (or x % cap when `ring`). Each KV head's rows are decoded
  * once for its Hq / Hkv query heads. out [Hq, D] (rotated). */
 static void tq_attn_decode(const float *q, const uint8_t *kc, const float *ks, const uint8_t *vc, const float *vs,
-                    const float *kr, const float *vr, const float *levels, int64_t Hq, int64_t Hkv, int64_t D,
-                    int64_t cap, int64_t R, int64_t first, int64_t pos, int32_t ring, float scale, float *out) {
+                           const float *kr, const float *vr, const float *levels, int64_t Hq, int64_t Hkv, int64_t D,
+                           int64_t cap, int64_t R, int64_t first, int64_t pos, int32_t ring, float scale,
+                           float *out) {
     const int64_t rep = Hq / Hkv, S = pos + 1 - first;
     #pragma omp parallel for schedule(static)
     for (int64_t j = 0; j < Hkv; j++) {
@@ -342,10 +343,10 @@ static void tq_append(const float *x, const float *signs, const float *levels, c
 /* A whole TurboQuant decode step of one sequence and layer: append the new k, v [Hkv, D] at slot `pos` (or
  * pos % cap when `ring`) and ring slot pos % R, attend q [Hq, D] over positions first..pos, out [Hq, D] (all
  * unrotated, fp32). */
-static void tq_decode_step(const float *q, const float *kn, const float *vn, const float *signs, const float *levels,
-                    const float *bounds, uint8_t *kc, float *ks, uint8_t *vc, float *vs, float *kr, float *vr,
-                    int64_t Hq, int64_t Hkv, int64_t D, int64_t cap, int64_t R, int64_t first, int64_t pos,
-                    int32_t ring, float scale, float *out) {
+static void tq_decode_step(const float *q, const float *kn, const float *vn, const float *signs,
+                           const float *levels, const float *bounds, uint8_t *kc, float *ks, uint8_t *vc, float *vs,
+                           float *kr, float *vr, int64_t Hq, int64_t Hkv, int64_t D, int64_t cap, int64_t R,
+                           int64_t first, int64_t pos, int32_t ring, float scale, float *out) {
     const int64_t slot = ring ? pos % cap : pos, rslot = pos % R;
     for (int64_t j = 0; j < Hkv; j++) {
         tq_append(kn + j * D, signs, levels, bounds, D, kc + (j * cap + slot) * (D / 2), ks + j * cap + slot,

@@ -141,11 +141,15 @@ def unpack(packed: torch.Tensor) -> torch.Tensor:
 
 def quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """x [..., d] -> (packed codes [..., d/2] uint8, scale [...] fp32)."""
-    d = x.shape[-1]
-    y = rotate(x)
+    return quantize_rotated(rotate(x))
+
+
+def quantize_rotated(y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """quantize for an already rotated y = R x (fp32)."""
+    d = y.shape[-1]
     norm = y.norm(dim=-1)
-    codes = torch.bucketize(y * (math.sqrt(d) / norm.clamp_min(1e-30))[..., None], boundaries(x.device))
-    c_norm = codebook(x.device)[codes].norm(dim=-1)
+    codes = torch.bucketize(y * (math.sqrt(d) / norm.clamp_min(1e-30))[..., None], boundaries(y.device))
+    c_norm = codebook(y.device)[codes].norm(dim=-1)
     return pack(codes), norm / c_norm
 
 
