@@ -1,15 +1,17 @@
 """Sparse MoE block on the GPU: our Triton kernels vs the memory-bandwidth floor (decode) and cuBLAS bf16 (prefill).
 
-    python benchmarks/moe_gpu.py [--json out.json]
+    python benchmarks/moe_gpu.py [--json out.json] [--decode-only]
 
 One run, at Qwen3-Next-80B-A3B and Qwen3.5-397B-A17B shapes (4-bit g64 experts and shared expert; router and
 shared-expert gate 8-bit g64 or bf16), random weights built directly in the packed layout:
 - correctness against the fp32 torch reference (kernels/moe/reference.py): router ids, decode (T = 1, 4) and
   prefill (T = 4096), the experts given the reference's ids (bf16 logits tie; the router is checked on its own);
-- decode, one token: the whole SparseMoE layer (with and without programmatic dependent launch) (router -> top-k -> expert GEMVs -> combine, shared expert and its
-  gate included) under CUDA-graph replay, rotating over enough layer copies to exceed L2 ~4x; the floor is the
-  bytes that must be read (k experts, shared expert, router, shared gate) over the measured copy bandwidth;
-  with a breakdown (router + top-k, routed experts, shared expert);
+- decode, one token: the whole SparseMoE layer (router -> top-k -> expert GEMVs -> combine, shared expert and its
+  gate included) under CUDA-graph replay, rotating over enough layer copies to exceed L2 ~4x: the one-launch
+  decode (kernels/moe/fused_decode.py, checked against the reference first) and the multi-launch decode it
+  replaced; the floor is the bytes that must be read (k experts, shared expert, router, shared gate) over the
+  measured copy bandwidth; a sweep of the one-launch kernel's warps and tile size;
+- (not with --decode-only) the multi-launch kernels: router and expert GEMV checks, their launch sweep;
 - routed experts at T = 1, 4, 16: decode GEMVs vs prefill grouped GEMMs (where to switch);
 - prefill, T = 4096: routed experts (a small block-size sweep; effective TFLOP/s vs cuBLAS bf16 GEMMs of the same
   FLOPs, [T*k, H] x [H, 2I] and [T*k, I] x [I, H]: an optimistic grouped-GEMM estimate) and the whole layer.
@@ -30,6 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from qmatmul_gpu import (copies_for, copy_bandwidth, events_time, graph_time, qt_bytes, random_qt,  # noqa: E402
                          rel_err, start_run)
+from sluice.kernels.moe import fused_decode as fd  # noqa: E402
 from sluice.kernels.moe import reference  # noqa: E402
 from sluice.kernels.moe import triton as mt  # noqa: E402
 from sluice.kernels.qmatmul import triton as tq  # noqa: E402
@@ -104,32 +107,84 @@ def check_correctness(res, name, layer, H, E, k):
               f"{row['router_ids_equal']}, {'ok' if row['ok'] else 'FAILED'}", flush=True)
 
 
+def check_fused(res, name, layers, k):
+    """The one-launch decode at the real shape against the layer's reference path (fp32 x: no router near-ties)."""
+    for kind in ROUTERS:
+        layer = layers[kind][0]
+        x = torch.randn(1, layer.gate_up.shape[2], device="cuda")
+        args = layer._fused_decode_args(mt)
+        assert args is not None, "the one-launch decode does not take this layer"
+        out = fd.moe_decode_fused(x, args[0], layer.gate_up, layer.down, k, True, args[1])
+        row = {"model": name, "T": 1, "path": f"one-launch decode, {kind} router",
+               "rel_err": rel_err(out, layer._forward_reference(x)), "router_ids_equal": True, "router_w_max_diff": 0.0}
+        row["ok"] = row["rel_err"] <= 1e-2
+        res["correctness"].append(row)
+        print(f"check {name} one-launch decode ({kind} router): rel err {row['rel_err']:.2e}, "
+              f"{'ok' if row['ok'] else 'FAILED'}", flush=True)
+
+
 def time_decode(res, name, layers, k, copy_bw):
-    """The whole layer for one token and its parts, each call on its own layer copy (cold L2)."""
+    """The whole layer for one token, each call on its own layer copy (cold L2): the one-launch decode (what the
+    layer runs) and the multi-launch decode it replaced."""
     for kind in ROUTERS:
         rot = layers[kind]
         xs = [torch.randn(1, rot[0].gate_up.shape[2], device="cuda", dtype=BF16) for _ in rot]
         t_layer = graph_time([lambda m=m, x=x: m(x) for m, x in zip(rot, xs)])
-        tq.USE_PDL = False  # the same layer with every launch waiting for the previous one in full
+        fd.ENABLED = False
         try:
-            t_no_pdl = graph_time([lambda m=m, x=x: m(x) for m, x in zip(rot, xs)])
+            t_multi = graph_time([lambda m=m, x=x: m(x) for m, x in zip(rot, xs)])
         finally:
-            tq.USE_PDL = True
-        t_router = graph_time([lambda m=m, x=x: m._route_with_shared_slot(x, mt) for m, x in zip(rot, xs)])
-        routed = [m._route_with_shared_slot(x, mt) for m, x in zip(rot, xs)]
-        assert rot[0]._shared_as_expert(mt) is not None  # the decode path runs the shared expert as a slot
-        t_experts = graph_time([lambda m=m, x=x, r=r: mt.moe_decode(x, *r, m.gate_up, m.down,
-                                                                       shared_expert=m._shared_as_expert(mt))
-                                for m, x, r in zip(rot, xs, routed)])
+            fd.ENABLED = True
         nbytes = decode_floor_bytes(rot[0], k)
         floor = nbytes / copy_bw
         row = {"model": name, "router": kind, "us": t_layer * 1e6, "floor_bytes": nbytes, "floor_us": floor * 1e6,
-               "pct_floor": floor / t_layer, "no_pdl_us": t_no_pdl * 1e6, "router_topk_us": t_router * 1e6, "experts_us": t_experts * 1e6,
-               "copies": len(rot)}
+               "pct_floor": floor / t_layer, "multi_launch_us": t_multi * 1e6, "copies": len(rot)}
         res["decode"].append(row)
-        print(f"decode {name} router {kind}: {row['us']:.1f} us, floor {row['floor_us']:.1f} us "
-              f"({row['pct_floor'] * 100:.0f}%; without PDL {row['no_pdl_us']:.1f} us); router+top-k {row['router_topk_us']:.1f}, experts "
-              f"{row['experts_us']:.1f} us (shared expert included)", flush=True)
+        print(f"decode {name} router {kind}: one launch {row['us']:.1f} us, floor {row['floor_us']:.1f} us "
+              f"({row['pct_floor'] * 100:.0f}%); multi-launch {row['multi_launch_us']:.1f} us", flush=True)
+
+
+FUSED_CONFIGS = [  # (num_warps, item_words, ahead)
+    (4, 8192, 2), (4, 8192, 1), (4, 8192, 4), (4, 16384, 2), (4, 4096, 2), (8, 8192, 2)]
+STAMPS = ["start", "after PDL wait", "x prepared", "phase 1 done", "router done seen", "top-k done",
+          "phase 2 done", "gate_up done seen", "phase 3 done", "n-block atomics", "end"]
+
+
+def sweep_fused(res, name, layers, k):
+    """Launch options of the one-launch decode (8-bit router): warps per program x packed words per item x
+    items asked of L2 in advance."""
+    rot = layers["8-bit"]
+    xs = [torch.randn(1, rot[0].gate_up.shape[2], device="cuda", dtype=BF16) for _ in rot]
+    args = [m._fused_decode_args(mt) for m in rot]
+    for w, words, ahead in FUSED_CONFIGS:
+        calls = [lambda m=m, x=x, a=a, w=w, words=words, ahead=ahead: fd.moe_decode_fused(
+            x, a[0], m.gate_up, m.down, k, True, a[1], item_words=words, num_warps=w, ahead=ahead)
+            for m, x, a in zip(rot, xs, args)]
+        row = {"model": name, "kernel": "one-launch decode", "item_words": words, "num_warps": w, "ahead": ahead}
+        case(res, f"{name} sweep {row}", lambda: row.update(us=graph_time(calls) * 1e6))
+        res["sweep"].append(row)
+        print(f"sweep {row}", flush=True)
+
+
+def fused_timeline(res, name, layers, k):
+    """Where one launch spends its time: every program's global-timer stamps (ns) at the phase boundaries, for
+    the last of a run over all layer copies (its weights cold), as min / median / max over the programs of
+    the time since the earliest program passed the PDL wait."""
+    rot = layers["8-bit"]
+    G = tq._num_sms(torch.device("cuda"))
+    ts = torch.zeros(G, 16, dtype=torch.int64, device="cuda")
+    for m in rot:
+        a = m._fused_decode_args(mt)
+        fd.moe_decode_fused(torch.randn(1, m.gate_up.shape[2], device="cuda", dtype=BF16), a[0], m.gate_up, m.down,
+                            k, True, a[1], timeline=ts)
+    torch.cuda.synchronize()
+    t = ts[:, :len(STAMPS)].double()
+    t = (t - t[:, 1].min()) / 1e3
+    row = {"model": name, "stamps": {s: [float(t[:, j].min()), float(t[:, j].median()), float(t[:, j].max())]
+                                     for j, s in enumerate(STAMPS)}}
+    res["timeline"].append(row)
+    for s_, (lo, med, hi) in row["stamps"].items():
+        print(f"timeline {name} {s_:20s} min {lo:7.2f} median {med:7.2f} max {hi:7.2f} us", flush=True)
 
 
 def sweep_decode_launches(res, name, layers, k):
@@ -204,14 +259,15 @@ def print_tables(res):
     print(f"\n{res['gpu']}; copy bandwidth {res['copy_bandwidth_Bps'] / 1e12:.2f} TB/s; "
           f"bf16 GEMM {res['bf16_gemm_flops'] / 1e12:.0f} TFLOP/s")
     print(f"{'MoE decode, 1 token (4-bit g64)':30s} {'router':>6s} {'us':>7s} {'floor':>7s} {'%floor':>7s} "
-          f"{'no PDL':>7s} {'router+topk':>12s} {'experts+shared':>15s}")
+          f"{'multi-launch us':>16s}")
     for r in res["decode"]:
         print(f"{r['model']:30s} {r['router']:>6s} {r['us']:7.1f} {r['floor_us']:7.1f} {r['pct_floor'] * 100:6.0f}% "
-              f"{r['no_pdl_us']:7.1f} {r['router_topk_us']:12.1f} {r['experts_us']:15.1f}")
-    print(f"\n{'decode launch sweep':30s} {'kernel':>14s} {'block_n':>7s} {'warps':>5s} {'us':>7s}")
+              f"{r['multi_launch_us']:16.1f}")
+    print(f"\n{'decode launch sweep':30s} {'kernel':>18s} {'block_n/words':>13s} {'warps':>5s} {'ahead':>5s} "
+          f"{'us':>7s}")
     for r in sorted(res["sweep"], key=lambda r: (r["model"], r["kernel"], r.get("us", 1e9))):
-        print(f"{r['model']:30s} {r['kernel']:>14s} {r.get('block_n', '-')!s:>7s} {r['num_warps']:5d} "
-              f"{r.get('us', float('nan')):7.1f}")
+        print(f"{r['model']:30s} {r['kernel']:>18s} {r.get('block_n', r.get('item_words', '-'))!s:>13s} "
+              f"{r['num_warps']:5d} {r.get('ahead', '-')!s:>5s} {r.get('us', float('nan')):7.1f}")
     print(f"\n{'routed experts':30s} {'T':>5s} {'GEMVs us':>9s} {'grouped us':>11s}")
     for r in res["crossover"]:
         print(f"{r['model']:30s} {r['T']:5d} {r['decode_us']:9.1f} {r['prefill_us']:11.1f}")
@@ -229,7 +285,7 @@ def print_tables(res):
 
 
 def main():
-    a, dev, res = start_run("correctness", "decode", "sweep", "crossover", "prefill", "errors")
+    a, dev, res = start_run("correctness", "decode", "sweep", "crossover", "prefill", "errors", "timeline", flags=("--decode-only",))
     copy_bw = copy_bandwidth(dev)
     A = torch.randn(8192, 8192, device=dev, dtype=BF16)
     res["copy_bandwidth_Bps"], res["bf16_gemm_flops"] = copy_bw, 2 * 8192 ** 3 / events_time(lambda: A @ A, reps=10)
@@ -250,11 +306,15 @@ def main():
             case(res, f"{name} build", build)
             if not layers["8-bit"]:
                 continue
-            case(res, f"{name} correctness", lambda: check_correctness(res, name, layers["8-bit"][0], H, E, k))
+            case(res, f"{name} correctness", lambda: check_fused(res, name, layers, k))
             case(res, f"{name} decode", lambda: time_decode(res, name, layers, k, copy_bw))
-            case(res, f"{name} launch sweep", lambda: sweep_decode_launches(res, name, layers, k))
-            case(res, f"{name} crossover", lambda: time_crossover(res, name, layers, H, E, k))
-            case(res, f"{name} prefill", lambda: time_prefill(res, name, layers["8-bit"][0], H, E, I, k))
+            case(res, f"{name} one-launch timeline", lambda: fused_timeline(res, name, layers, k))
+            case(res, f"{name} one-launch sweep", lambda: sweep_fused(res, name, layers, k))
+            if not a.decode_only:
+                case(res, f"{name} correctness", lambda: check_correctness(res, name, layers["8-bit"][0], H, E, k))
+                case(res, f"{name} launch sweep", lambda: sweep_decode_launches(res, name, layers, k))
+                case(res, f"{name} crossover", lambda: time_crossover(res, name, layers, H, E, k))
+                case(res, f"{name} prefill", lambda: time_prefill(res, name, layers["8-bit"][0], H, E, I, k))
             del layers
             torch.cuda.empty_cache()
     finally:

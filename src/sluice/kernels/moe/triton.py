@@ -31,22 +31,12 @@ DECODE_MAX_TOKENS = 4  # up to this many tokens the indexed GEMVs; beyond, the g
 
 
 @triton.jit
-def _route_kernel(logits_ptr, ids_ptr, w_ptr, gate_ptr, E, S, stride_ls, stride_lt, stride_gs, stride_g,
-                  TOP_K: tl.constexpr, BLOCK_E: tl.constexpr, KP: tl.constexpr, NORM: tl.constexpr,
-                  SHARED: tl.constexpr, PDL: tl.constexpr):
-    """One token per program: softmax over its E logits, then TOP_K rounds of argmax (lowest index on ties).
-    Each round is a single max over int64 keys (probability bits << 32 | BLOCK_E - 1 - index): a probability is
-    >= 0, so its fp32 bits order like the value, and the low half breaks ties towards the lower index.
-    The logits (and gate logit) may come as S split-K partials, summed here. SHARED: one more slot, expert id E
-    (the shared expert), weighted sigmoid(gate logit)."""
-    tq._pdl_start(PDL)
-    t = tl.program_id(0)
-    offs = tl.arange(0, BLOCK_E)
-    ok = offs < E
-    row = logits_ptr + t.to(tl.int64) * stride_lt
-    logit = tl.load(row + offs, mask=ok, other=-float("inf")).to(tl.float32)
-    for s in range(1, S):  # split-K partials of the router matmul
-        logit += tl.load(row + s * stride_ls + offs, mask=ok, other=0.0)
+def _softmax_topk(logit, offs, ok, TOP_K: tl.constexpr, KP: tl.constexpr, BLOCK_E: tl.constexpr,
+                  NORM: tl.constexpr):
+    """(weights fp32 [KP], ids int32 [KP]) of the TOP_K best of softmax(logit) (masked entries -inf), best first;
+    slots >= TOP_K hold 0. TOP_K rounds of argmax (lowest index on ties), each a single max over int64 keys
+    (probability bits << 32 | BLOCK_E - 1 - index): a probability is >= 0, so its fp32 bits order like the
+    value, and the low half breaks ties towards the lower index."""
     p = tl.exp(logit - tl.max(logit, axis=0))
     p = p / tl.sum(p, axis=0)
     key = (p.to(tl.int32, bitcast=True).to(tl.int64) << 32) | (BLOCK_E - 1 - offs)
@@ -61,7 +51,27 @@ def _route_kernel(logits_ptr, ids_ptr, w_ptr, gate_ptr, E, S, stride_ls, stride_
         top_i = tl.where(offs_k == j, idx, top_i)
         key = tl.where(offs == idx, -1, key)
     if NORM:
-        top_w = top_w / tl.sum(top_w, axis=0)  # slots >= TOP_K hold 0
+        top_w = top_w / tl.sum(top_w, axis=0)
+    return top_w, top_i
+
+
+@triton.jit
+def _route_kernel(logits_ptr, ids_ptr, w_ptr, gate_ptr, E, S, stride_ls, stride_lt, stride_gs, stride_g,
+                  TOP_K: tl.constexpr, BLOCK_E: tl.constexpr, KP: tl.constexpr, NORM: tl.constexpr,
+                  SHARED: tl.constexpr, PDL: tl.constexpr):
+    """One token per program: softmax over its E logits, then top-k (`_softmax_topk`). The logits (and gate
+    logit) may come as S split-K partials, summed here. SHARED: one more slot, expert id E (the shared expert),
+    weighted sigmoid(gate logit)."""
+    tq._pdl_start(PDL)
+    t = tl.program_id(0)
+    offs = tl.arange(0, BLOCK_E)
+    ok = offs < E
+    row = logits_ptr + t.to(tl.int64) * stride_lt
+    logit = tl.load(row + offs, mask=ok, other=-float("inf")).to(tl.float32)
+    for s in range(1, S):  # split-K partials of the router matmul
+        logit += tl.load(row + s * stride_ls + offs, mask=ok, other=0.0)
+    top_w, top_i = _softmax_topk(logit, offs, ok, TOP_K, KP, BLOCK_E, NORM)
+    offs_k = tl.arange(0, KP)
     SLOTS: tl.constexpr = TOP_K + SHARED
     if SHARED:
         top_i = tl.where(offs_k == TOP_K, E, top_i)

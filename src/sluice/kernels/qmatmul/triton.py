@@ -54,9 +54,9 @@ def _prefetch_l2(ptrs, PDL: tl.constexpr):
 
 
 @triton.jit
-def _load_x(x_row, offs, mask, K, S, stride_xs, SWIGLU: tl.constexpr):
+def _load_x(x_row, offs, mask, K, S, stride_xs, SWIGLU: tl.constexpr, CG: tl.constexpr):
     """fp32 x at columns `offs`; with SWIGLU the row is [gate | up] (K columns each) as S split-K partials and
-    x = silu(gate) * up."""
+    x = silu(gate) * up. CG: x was written by other programs of the same launch, read past the (incoherent) L1."""
     if SWIGLU:
         g = tl.load(x_row + offs, mask=mask, other=0.0)
         u = tl.load(x_row + K + offs, mask=mask, other=0.0)
@@ -64,8 +64,36 @@ def _load_x(x_row, offs, mask, K, S, stride_xs, SWIGLU: tl.constexpr):
             g += tl.load(x_row + s * stride_xs + offs, mask=mask, other=0.0)
             u += tl.load(x_row + s * stride_xs + K + offs, mask=mask, other=0.0)
         return g / (1.0 + tl.exp(-g)) * u
+    elif CG:
+        return tl.load(x_row + offs, mask=mask, other=0.0, cache_modifier=".cg").to(tl.float32)
     else:
         return tl.load(x_row + offs, mask=mask, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _prep_groups(x_row, p_row, offs_g, g_ok, K, S, stride_xs, BITS: tl.constexpr, GS: tl.constexpr,
+                 SWIGLU: tl.constexpr, CG: tl.constexpr):
+    """Prepare the groups `offs_g` of one row x (K columns) into p_row (layout: `_prep_x_kernel`)."""
+    EPW: tl.constexpr = 32 // BITS
+    D: tl.constexpr = 8 // BITS
+    WPG: tl.constexpr = GS // EPW
+    KW = K // EPW
+    NG = K // GS
+    f_row = p_row.to(tl.pointer_type(tl.float32))
+    xg = _load_x(x_row, offs_g[:, None] * GS + tl.arange(0, GS)[None, :], g_ok[:, None], K, S, stride_xs, SWIGLU,
+                 CG)
+    amax = tl.max(tl.abs(xg), axis=1)
+    inv = tl.where(amax > 0, _X_INT_MAX / tl.maximum(amax, 1e-30), 0.0)[:, None]
+    tl.store(f_row + 2 * D * KW + offs_g, amax / _X_INT_MAX, mask=g_ok)
+    tl.store(f_row + 2 * D * KW + NG + offs_g, tl.sum(xg, axis=1), mask=g_ok)
+    offs_w = offs_g[:, None] * WPG + tl.arange(0, WPG)[None, :]
+    for p in tl.static_range(2 * D):
+        lo = _load_x(x_row, offs_w * EPW + (p // 2 + 2 * (p % 2) * D), g_ok[:, None], K, S, stride_xs, SWIGLU, CG)
+        hi = _load_x(x_row, offs_w * EPW + (p // 2 + (2 * (p % 2) + 1) * D), g_ok[:, None], K, S, stride_xs,
+                     SWIGLU, CG)
+        q_lo = tl.minimum(tl.maximum(tl.floor(lo * inv + 0.5), -_X_INT_MAX), _X_INT_MAX).to(tl.int32)
+        q_hi = tl.minimum(tl.maximum(tl.floor(hi * inv + 0.5), -_X_INT_MAX), _X_INT_MAX).to(tl.int32)
+        tl.store(p_row + p * KW + offs_w, (q_lo & 0xFFFF) | (q_hi << 16), mask=g_ok[:, None])
 
 
 @triton.jit
@@ -74,31 +102,11 @@ def _prep_x_kernel(x_ptr, xp_ptr, K, S, stride_xs, stride_xm, stride_pm, BITS: t
     """xp[m] (int32) = [EPW/2 planes of KW int16 pairs | K/GS x scales (fp32 bits) | K/GS group sums (fp32 bits)].
     Plane 2i+h pairs, for word w, the elements whose codes `dp2a` meets in the low (h=0) or high (h=1) bytes of
     (word >> i*BITS) & byte-mask: x[w*EPW + i + 2hD] (low half) and x[w*EPW + i + (2h+1)D] (high), D = 8/BITS."""
-    EPW: tl.constexpr = 32 // BITS
-    D: tl.constexpr = 8 // BITS
-    WPG: tl.constexpr = GS // EPW
-    KW = K // EPW
-    NG = K // GS
     _pdl_start(PDL)
     m = tl.program_id(0)
     offs_g = tl.program_id(1) * GB + tl.arange(0, GB)
-    g_ok = offs_g < NG
-    x_row = x_ptr + m.to(tl.int64) * stride_xm
-    p_row = xp_ptr + m.to(tl.int64) * stride_pm
-    f_row = p_row.to(tl.pointer_type(tl.float32))
-    xg = _load_x(x_row, offs_g[:, None] * GS + tl.arange(0, GS)[None, :], g_ok[:, None], K, S, stride_xs, SWIGLU)
-    amax = tl.max(tl.abs(xg), axis=1)
-    inv = tl.where(amax > 0, _X_INT_MAX / tl.maximum(amax, 1e-30), 0.0)[:, None]
-    tl.store(f_row + 2 * D * KW + offs_g, amax / _X_INT_MAX, mask=g_ok)
-    tl.store(f_row + 2 * D * KW + NG + offs_g, tl.sum(xg, axis=1), mask=g_ok)
-    offs_w = offs_g[:, None] * WPG + tl.arange(0, WPG)[None, :]
-    for p in tl.static_range(2 * D):
-        lo = _load_x(x_row, offs_w * EPW + (p // 2 + 2 * (p % 2) * D), g_ok[:, None], K, S, stride_xs, SWIGLU)
-        hi = _load_x(x_row, offs_w * EPW + (p // 2 + (2 * (p % 2) + 1) * D), g_ok[:, None], K, S, stride_xs,
-                     SWIGLU)
-        q_lo = tl.minimum(tl.maximum(tl.floor(lo * inv + 0.5), -_X_INT_MAX), _X_INT_MAX).to(tl.int32)
-        q_hi = tl.minimum(tl.maximum(tl.floor(hi * inv + 0.5), -_X_INT_MAX), _X_INT_MAX).to(tl.int32)
-        tl.store(p_row + p * KW + offs_w, (q_lo & 0xFFFF) | (q_hi << 16), mask=g_ok[:, None])
+    _prep_groups(x_ptr + m.to(tl.int64) * stride_xm, xp_ptr + m.to(tl.int64) * stride_pm, offs_g, offs_g < K // GS,
+                 K, S, stride_xs, BITS, GS, SWIGLU, False)
 
 
 @triton.jit
@@ -115,6 +123,44 @@ def _dp2a(a, b, c, HI: tl.constexpr, ASM: tl.constexpr):
     else:
         SH: tl.constexpr = 16 * HI
         return c + ((a << 16) >> 16) * ((b >> SH) & 0xFF) + (a >> 16) * ((b >> (SH + 8)) & 0xFF)
+
+
+@triton.jit
+def _rows_dot(xp_row, w_ptr, s_ptr, b_ptr, rows, stride_wn, stride_sn, K: tl.constexpr, BITS: tl.constexpr,
+              GS: tl.constexpr, BN: tl.constexpr, ASM: tl.constexpr):
+    """[BN] fp32: W[rows] . x over the whole of K in one tile (K / (32/BITS) and K / GS powers of two), x prepared
+    at xp_row (`_prep_groups`). The one-step form of `_gemv_kernel`'s loop, for kernels that walk many small
+    row blocks (kernels/moe/fused_decode.py)."""
+    EPW: tl.constexpr = 32 // BITS
+    D: tl.constexpr = 8 // BITS
+    KW: tl.constexpr = K // EPW
+    WPG: tl.constexpr = GS // EPW
+    NG: tl.constexpr = K // GS
+    BYTE_MASK: tl.constexpr = ((1 << BITS) - 1) * 0x01010101
+    offs_k = tl.arange(0, KW)
+    offs_g = tl.arange(0, NG)
+    rows = rows.to(tl.int64)
+    words = tl.load(w_ptr + rows[:, None] * stride_wn + offs_k[None, :])
+    s = tl.load(s_ptr + rows[:, None] * stride_sn + offs_g[None, :]).to(tl.float32)
+    b = tl.load(b_ptr + rows[:, None] * stride_sn + offs_g[None, :]).to(tl.float32)
+    xf = xp_row.to(tl.pointer_type(tl.float32)) + 2 * D * KW
+    xs = tl.load(xf + offs_g)
+    xg = tl.load(xf + NG + offs_g)
+    dot = tl.zeros((BN, KW), dtype=tl.int32)
+    for i in tl.static_range(D):
+        if BITS == 8:
+            a = words
+        else:
+            a = (words >> (i * BITS)) & BYTE_MASK
+        dot = _dp2a(tl.load(xp_row + (2 * i) * KW + offs_k)[None, :], a, dot, False, ASM)
+        dot = _dp2a(tl.load(xp_row + (2 * i + 1) * KW + offs_k)[None, :], a, dot, True, ASM)
+    part = tl.sum(tl.reshape(dot, (BN, NG, WPG)), axis=2)
+    return tl.sum(part.to(tl.float32) * s * xs[None, :] + b * xg[None, :], axis=1)
+
+
+def prep_len(K: int, group_size: int) -> int:
+    """int32 words of one prepared row (`prep_x`), unpadded: K/2 of int16 pairs, then K/GS scales and sums."""
+    return K // 2 + 2 * (K // group_size)
 
 
 @triton.jit
@@ -360,7 +406,7 @@ def prep_x(x: torch.Tensor, bits: int, group_size: int, swiglu: bool = False) ->
     per group to int16 pairs, then the per-group x scales and the exact group sums (fp32 bits). With `swiglu`,
     x is fp32 split-K partials [S, M, 2K] of a gate_up projection and the result is that of silu(gate) * up."""
     S, M, K = (x.shape[0], x.shape[1], x.shape[2] // 2) if swiglu else (1, *x.shape)
-    stride = -(-(K // 2 + 2 * (K // group_size)) // 16) * 16
+    stride = -(-prep_len(K, group_size) // 16) * 16
     xp = torch.empty((M, stride), dtype=torch.int32, device=x.device)
     gb = max(1, 2048 // group_size)  # groups per program
     _prep_x_kernel[(M, triton.cdiv(K // group_size, gb))](

@@ -1,0 +1,435 @@
+"""The sparse MoE block for ONE token in ONE launch: router GEMV, softmax top-k, the experts' gate_up GEMVs with
+SwiGLU, their down GEMVs and the weighted combine (shared expert included as one more slot).
+
+Why one launch: decode of this block is a chain of small dependent steps (the experts are known only once the
+router has run). As separate launches each step costs a few µs under graph replay, more than the whole memory
+floor of Qwen3-Next's layer (~5-7 µs); here the launch boundaries become counters in device memory.
+
+Programs: one per multiprocessor. They wait for each other, so all must be resident at once: the grid is never
+larger than the number of multiprocessors (each program fits one). Work is cut into items of about ITEM_WORDS
+packed words, dealt out statically (item i of a phase to program (i + offset) % G, the offset continuing the
+previous phase's deal), in three phases separated by counters that every program bumps once per phase:
+  1. every program prepares x for the integer GEMV (`qmatmul.triton._prep_groups`) into its own scratch row;
+     router items (RBN router rows: E logits, then the shared expert's gate logit); the shared expert's gate_up
+     items (h = silu(g) * u, fp32, to the workspace: they need no routing). Bump `router_done`.
+  2. Wait for router_done == G; every program computes softmax + top-k itself (the logits are 2 KB in L2:
+     cheaper than a second round of waiting for one program's answer). The shared expert's down items (its h
+     is complete) and the routed experts' gate_up items. Bump `gu_done`.
+  3. Wait for gu_done == G; the routed down items (a contiguous run per program, so consecutive items mostly
+     share a slot and its prepared h) -> y[slot]. One vector atomic then bumps `done[n-block]` for all the
+     program's items, and the program whose bump completes an n-block sums that block's slot rows in slot order
+     (deterministic, no float atomics) into the output.
+Within a phase there are no fences: each program asks L2 for its items AHEAD items in advance, and the weights
+of phase 1 and of the shared expert's down rows, which depend on nothing, before the PDL wait for the previous
+kernel. Each program bumps `exit` last; the program that completes it returns every counter to zero by
+subtracting what this launch added (commutative with increments still in flight), so the next launch finds
+zeros. Under the interpreter (programs run one after another) the grid is one program, which meets every wait
+itself.
+
+The workspace (counters, logits, h, y, scratch rows) is shared by every layer of a device: launches on one
+stream run one after another, and each returns the counters to zero. Do not run two on different streams.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from sluice.kernels.moe.triton import MAX_EXPERTS, MAX_TOP_K, _softmax_topk
+from sluice.kernels.qmatmul import triton as tq
+from sluice.quant.affine import QuantizedTensor
+
+ITEM_WORDS = 8192  # packed words per item (gate and up tiles together): sets the row blocks GBN and DBN
+NUM_WARPS = 4
+AHEAD = 2  # items per program asked of L2 before they are computed
+ROUTER_ROWS = 4  # router rows per item
+ENABLED = True  # SparseMoE uses this path for one token (off: the multi-launch `moe_decode`)
+
+
+@triton.jit
+def _wait_at_least(ptr, target):
+    """Spin until the counter at ptr reaches target (acquire: what its producers wrote before bumping it is
+    visible afterwards)."""
+    n = tl.atomic_add(ptr, 0, sem="acquire", scope="gpu")
+    while n < target:
+        n = tl.atomic_add(ptr, 0, sem="acquire", scope="gpu")
+
+
+@triton.jit
+def _bump(ptr):
+    """Counter += 1 after every thread of the program has written its results (barrier, then release)."""
+    tl.debug_barrier()
+    tl.atomic_add(ptr, 1, sem="release", scope="gpu")
+
+
+@triton.jit
+def _pick(vec, offs, j):
+    """vec[j] of a small register vector."""
+    return tl.sum(tl.where(offs == j, vec, 0), axis=0)
+
+
+@triton.jit
+def _first_item(pid, G, offset):
+    """The first item i >= 0 with (i + offset) % G == pid: item streams that continue where an earlier phase's
+    left off, so the programs that got one item more there get the later ones here."""
+    return (pid + G - offset % G) % G
+
+
+@triton.jit
+def _prefetch_rows(w_ptr, s_ptr, b_ptr, rows, stride_wn, stride_sn, K: tl.constexpr, BITS: tl.constexpr,
+                   GS: tl.constexpr, PREFETCH: tl.constexpr):
+    """Ask L2 for rows' packed words (one address per 128-byte line), scales and biases."""
+    if PREFETCH:
+        KW: tl.constexpr = K // (32 // BITS)
+        LINES: tl.constexpr = (KW + 31) // 32
+        rows = rows.to(tl.int64)
+        tq._prefetch_l2(w_ptr + rows[:, None] * stride_wn + tl.arange(0, LINES)[None, :] * 32, True)
+        tq._prefetch_l2(s_ptr + rows * stride_sn, True)
+        tq._prefetch_l2(b_ptr + rows * stride_sn, True)
+
+
+@triton.jit
+def _expert(e, E, w_ptr, s_ptr, b_ptr, xw_ptr, xs_ptr, xb_ptr, stride_we, stride_se):
+    """Base pointers of expert e of a stacked projection; id E is the shared expert, stored apart."""
+    e = e.to(tl.int64)
+    w, s, b = w_ptr + e * stride_we, s_ptr + e * stride_se, b_ptr + e * stride_se
+    if e == E:
+        w, s, b = xw_ptr, xs_ptr, xb_ptr
+    return w, s, b
+
+
+@triton.jit
+def _dense_rows_dot(x_ptr, w_ptr, rows, stride_wn, K: tl.constexpr):
+    """[len(rows)] fp32 = W[rows] . x for a dense (float) W."""
+    offs = tl.arange(0, K)
+    w = tl.load(w_ptr + rows.to(tl.int64)[:, None] * stride_wn + offs[None, :]).to(tl.float32)
+    return tl.sum(w * tl.load(x_ptr + offs).to(tl.float32)[None, :], axis=1)
+
+
+@triton.jit
+def _slot_expert(i, PER_SLOT: tl.constexpr, top_i, offs_k, E, w_ptr, s_ptr, b_ptr, xw_ptr, xs_ptr, xb_ptr,
+                 stride_we, stride_se):
+    """(slot, block within the slot, base pointers of the slot's expert) of item i of a per-slot item list."""
+    slot = i // PER_SLOT
+    w, s, b = _expert(_pick(top_i, offs_k, slot), E, w_ptr, s_ptr, b_ptr, xw_ptr, xs_ptr, xb_ptr, stride_we,
+                      stride_se)
+    return slot, i % PER_SLOT, w, s, b
+
+
+@triton.jit
+def _swiglu_rows(xp_row, w, s, b, h_ptr, slot, j0, stride_gn, stride_gsn, H: tl.constexpr, I: tl.constexpr,
+                 BITS: tl.constexpr, GS: tl.constexpr, GBN: tl.constexpr, ASM: tl.constexpr):
+    """h[slot, j0:j0+GBN] = silu(gate rows) * (up rows) of one expert's gate_up."""
+    rows = j0 + tl.arange(0, GBN)
+    g = tq._rows_dot(xp_row, w, s, b, rows, stride_gn, stride_gsn, H, BITS, GS, GBN, ASM)
+    u = tq._rows_dot(xp_row, w, s, b, rows + I, stride_gn, stride_gsn, H, BITS, GS, GBN, ASM)
+    tl.store(h_ptr + slot * I + rows, g / (1.0 + tl.exp(-g)) * u)
+
+
+@triton.jit
+def _down_rows(hp_row, w, s, b, y_ptr, slot, nb, stride_dn, stride_dsn, H: tl.constexpr, I: tl.constexpr,
+               BITS: tl.constexpr, GS: tl.constexpr, DBN: tl.constexpr, ASM: tl.constexpr):
+    """y[slot, nb*DBN : (nb+1)*DBN] = one expert's down rows . h[slot] (prepared at hp_row)."""
+    rows = nb * DBN + tl.arange(0, DBN)
+    tl.store(y_ptr + slot * H + rows, tq._rows_dot(hp_row, w, s, b, rows, stride_dn, stride_dsn, I, BITS, GS, DBN,
+                                                   ASM))
+
+
+@triton.jit
+def _prep_h(h_ptr, hp_row, slot, I: tl.constexpr, BITS: tl.constexpr, GS: tl.constexpr):
+    """h[slot] (written by other programs) prepared for the down GEMV into this program's scratch row."""
+    tl.debug_barrier()  # every thread is done reading the previous contents
+    offs = tl.arange(0, I // GS)
+    tq._prep_groups(h_ptr + slot * I, hp_row, offs, offs < I // GS, I, 1, 0, BITS, GS, False, True)
+    tl.debug_barrier()
+
+
+@triton.jit
+def _stamp(ts_ptr, j: tl.constexpr, TIMELINE: tl.constexpr):
+    """Debug timeline (benchmarks only): the global timer (ns) at point j of this program."""
+    if TIMELINE:
+        t = tl.inline_asm_elementwise("mov.u64 $0, %globaltimer; // $1", "=l,r", [tl.program_id(0)], dtype=tl.int64,
+                                      is_pure=False, pack=1)
+        tl.store(ts_ptr + tl.program_id(0) * 16 + j, t)
+
+
+@triton.jit
+def _fused_decode_kernel(x_ptr, out_ptr, rw_ptr, rs_ptr, rb_ptr, gw_ptr, gs_ptr, gb_ptr, dw_ptr, ds_ptr, db_ptr,
+                         sgw_ptr, sgs_ptr, sgb_ptr, sdw_ptr, sds_ptr, sdb_ptr,
+                         xp_ptr, hp_ptr, logit_ptr, h_ptr, y_ptr, cnt_ptr, ts_ptr,
+                         stride_rn, stride_rsn, stride_ge, stride_gn, stride_gse, stride_gsn,
+                         stride_de, stride_dn, stride_dse, stride_dsn, stride_xp, stride_hp,
+                         E: tl.constexpr, H: tl.constexpr, I: tl.constexpr, TOP_K: tl.constexpr, KP: tl.constexpr,
+                         BLOCK_E: tl.constexpr, NORM: tl.constexpr, SHARED: tl.constexpr,
+                         RBITS: tl.constexpr, RGS: tl.constexpr, RDENSE: tl.constexpr, R_OWN_X: tl.constexpr,
+                         BITS: tl.constexpr, GS: tl.constexpr, RBN: tl.constexpr, GBN: tl.constexpr,
+                         DBN: tl.constexpr, DP: tl.constexpr, NCP: tl.constexpr, AHEAD: tl.constexpr,
+                         ASM: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr, TIMELINE: tl.constexpr):
+    NR: tl.constexpr = E + SHARED  # router rows: E logits (+ the shared expert's gate logit)
+    N_ROUTER: tl.constexpr = (NR + RBN - 1) // RBN
+    IPS: tl.constexpr = I // GBN  # gate_up items per slot
+    NB: tl.constexpr = H // DBN  # down items per slot (n-blocks of the output)
+    N1: tl.constexpr = N_ROUTER + SHARED * IPS  # phase 1 items: router rows, shared gate_up
+    N_SH_DOWN: tl.constexpr = SHARED * NB
+    N_GU: tl.constexpr = TOP_K * IPS
+    N_DOWN: tl.constexpr = TOP_K * NB
+    G = tl.num_programs(0)
+    pid = tl.program_id(0)
+    _stamp(ts_ptr, 0, TIMELINE)
+    offs_k = tl.arange(0, KP)
+    xp_row = xp_ptr + pid.to(tl.int64) * stride_xp
+    xr_row = xp_row
+    if R_OWN_X:  # the router's own x layout
+        xr_row = xp_row + H // 2 + 2 * (H // GS)
+    hp_row = hp_ptr + pid.to(tl.int64) * stride_hp
+    first_sh = _first_item(pid, G, N_ROUTER)
+    first_sh_down = _first_item(pid, G, N1)
+    first_gu = _first_item(pid, G, N1 + N_SH_DOWN)
+
+    # static weights (phase 1, and the shared expert's down rows of phase 2): asked of L2 before the wait
+    if PREFETCH:
+        if not RDENSE:
+            if pid < N_ROUTER:
+                _prefetch_rows(rw_ptr, rs_ptr, rb_ptr, tl.minimum(pid * RBN + tl.arange(0, RBN), NR - 1), stride_rn,
+                               stride_rsn, H, RBITS, RGS, PREFETCH)
+        if SHARED:
+            for i in range(first_sh, IPS, G):
+                rows = i * GBN + tl.arange(0, GBN)
+                _prefetch_rows(sgw_ptr, sgs_ptr, sgb_ptr, rows, stride_gn, stride_gsn, H, BITS, GS, PREFETCH)
+                _prefetch_rows(sgw_ptr, sgs_ptr, sgb_ptr, rows + I, stride_gn, stride_gsn, H, BITS, GS, PREFETCH)
+            for i in range(first_sh_down, N_SH_DOWN, G):
+                _prefetch_rows(sdw_ptr, sds_ptr, sdb_ptr, i * DBN + tl.arange(0, DBN), stride_dn, stride_dsn, I, BITS,
+                               GS, PREFETCH)
+    tq._pdl_start(PDL)
+    _stamp(ts_ptr, 1, TIMELINE)
+
+    # phase 1: x prepared for the integer GEMVs; router rows; the shared expert's gate_up
+    offs_g = tl.arange(0, H // GS)
+    tq._prep_groups(x_ptr, xp_row, offs_g, offs_g < H // GS, H, 1, 0, BITS, GS, False, False)
+    if R_OWN_X:
+        offs_rg = tl.arange(0, H // RGS)
+        tq._prep_groups(x_ptr, xr_row, offs_rg, offs_rg < H // RGS, H, 1, 0, RBITS, RGS, False, False)
+    tl.debug_barrier()
+    _stamp(ts_ptr, 2, TIMELINE)
+    for r in range(pid, N_ROUTER, G):
+        rows = r * RBN + tl.arange(0, RBN)
+        rows_c = tl.minimum(rows, NR - 1)
+        if RDENSE:
+            logit = _dense_rows_dot(x_ptr, rw_ptr, rows_c, stride_rn, H)
+        else:
+            logit = tq._rows_dot(xr_row, rw_ptr, rs_ptr, rb_ptr, rows_c, stride_rn, stride_rsn, H, RBITS, RGS, RBN,
+                                 ASM)
+        tl.store(logit_ptr + rows, logit, mask=rows < NR)
+    if SHARED:
+        for i in range(first_sh, IPS, G):
+            _swiglu_rows(xp_row, sgw_ptr, sgs_ptr, sgb_ptr, h_ptr, TOP_K, i * GBN, stride_gn, stride_gsn, H, I, BITS,
+                         GS, GBN, ASM)
+    _stamp(ts_ptr, 3, TIMELINE)
+    _bump(cnt_ptr)
+
+    # routing, by every program
+    _wait_at_least(cnt_ptr, G)
+    _stamp(ts_ptr, 4, TIMELINE)
+    offs_e = tl.arange(0, BLOCK_E)
+    e_ok = offs_e < E
+    logit = tl.load(logit_ptr + offs_e, mask=e_ok, other=-float("inf"), cache_modifier=".cg")
+    top_w, top_i = _softmax_topk(logit, offs_e, e_ok, TOP_K, KP, BLOCK_E, NORM)
+    if SHARED:
+        gate = tl.load(logit_ptr + E + offs_k * 0, cache_modifier=".cg")
+        top_i = tl.where(offs_k == TOP_K, E, top_i)
+        top_w = tl.where(offs_k == TOP_K, tl.sigmoid(gate), top_w)
+    _stamp(ts_ptr, 5, TIMELINE)
+
+    # phase 2: the shared expert's down rows (its h is complete), the routed experts' gate_up rows
+    if PREFETCH:  # the first AHEAD routed items
+        for i in range(first_gu, tl.minimum(N_GU, first_gu + AHEAD * G), G):
+            slot, j, w, s, b = _slot_expert(i, IPS, top_i, offs_k, E, gw_ptr, gs_ptr, gb_ptr, sgw_ptr, sgs_ptr,
+                                            sgb_ptr, stride_ge, stride_gse)
+            rows = j * GBN + tl.arange(0, GBN)
+            _prefetch_rows(w, s, b, rows, stride_gn, stride_gsn, H, BITS, GS, PREFETCH)
+            _prefetch_rows(w, s, b, rows + I, stride_gn, stride_gsn, H, BITS, GS, PREFETCH)
+    if SHARED:
+        if first_sh_down < N_SH_DOWN:
+            _prep_h(h_ptr, hp_row, TOP_K, I, BITS, GS)
+            for i in range(first_sh_down, N_SH_DOWN, G):
+                _down_rows(hp_row, sdw_ptr, sds_ptr, sdb_ptr, y_ptr, TOP_K, i, stride_dn, stride_dsn, H, I, BITS, GS,
+                           DBN, ASM)
+    for i in range(first_gu, N_GU, G):
+        if PREFETCH:
+            nxt = i + AHEAD * G
+            if nxt < N_GU:
+                slot, j, w, s, b = _slot_expert(nxt, IPS, top_i, offs_k, E, gw_ptr, gs_ptr, gb_ptr, sgw_ptr,
+                                                sgs_ptr, sgb_ptr, stride_ge, stride_gse)
+                rows = j * GBN + tl.arange(0, GBN)
+                _prefetch_rows(w, s, b, rows, stride_gn, stride_gsn, H, BITS, GS, PREFETCH)
+                _prefetch_rows(w, s, b, rows + I, stride_gn, stride_gsn, H, BITS, GS, PREFETCH)
+        slot, j, w, s, b = _slot_expert(i, IPS, top_i, offs_k, E, gw_ptr, gs_ptr, gb_ptr, sgw_ptr, sgs_ptr, sgb_ptr,
+                                        stride_ge, stride_gse)
+        _swiglu_rows(xp_row, w, s, b, h_ptr, slot, j * GBN, stride_gn, stride_gsn, H, I, BITS, GS, GBN, ASM)
+    # phase 3's down items: a contiguous run per program (consecutive items mostly share a slot and its h)
+    d_start = pid * N_DOWN // G
+    d_end = (pid + 1) * N_DOWN // G
+    if PREFETCH:
+        for d in range(d_start, tl.minimum(d_end, d_start + AHEAD)):
+            slot, nb, w, s, b = _slot_expert(d, NB, top_i, offs_k, E, dw_ptr, ds_ptr, db_ptr, sdw_ptr, sds_ptr,
+                                             sdb_ptr, stride_de, stride_dse)
+            _prefetch_rows(w, s, b, nb * DBN + tl.arange(0, DBN), stride_dn, stride_dsn, I, BITS, GS, PREFETCH)
+    _stamp(ts_ptr, 6, TIMELINE)
+    _bump(cnt_ptr + 2)
+
+    # phase 3: the routed experts' down rows
+    _wait_at_least(cnt_ptr + 2, G)
+    _stamp(ts_ptr, 7, TIMELINE)
+    offs_d = tl.arange(0, DP)
+    n_blocks = tl.zeros((DP,), dtype=tl.int32)
+    prepared = pid * 0 - 1
+    for d in range(d_start, d_end):
+        if PREFETCH:
+            if d + AHEAD < d_end:
+                slot, nb, w, s, b = _slot_expert(d + AHEAD, NB, top_i, offs_k, E, dw_ptr, ds_ptr, db_ptr, sdw_ptr,
+                                                 sds_ptr, sdb_ptr, stride_de, stride_dse)
+                _prefetch_rows(w, s, b, nb * DBN + tl.arange(0, DBN), stride_dn, stride_dsn, I, BITS, GS, PREFETCH)
+        slot, nb, w, s, b = _slot_expert(d, NB, top_i, offs_k, E, dw_ptr, ds_ptr, db_ptr, sdw_ptr, sds_ptr, sdb_ptr,
+                                         stride_de, stride_dse)
+        if slot != prepared:
+            _prep_h(h_ptr, hp_row, slot, I, BITS, GS)
+            prepared = slot
+        _down_rows(hp_row, w, s, b, y_ptr, slot, nb, stride_dn, stride_dsn, H, I, BITS, GS, DBN, ASM)
+        n_blocks = tl.where(offs_d == d - d_start, nb, n_blocks)
+    _stamp(ts_ptr, 8, TIMELINE)
+
+    # one atomic per item; a program whose bump completes an n-block writes that block of the output
+    count = d_end - d_start
+    tl.debug_barrier()  # y stored by every thread
+    old = tl.atomic_add(cnt_ptr + 3 + n_blocks, 1, mask=offs_d < count, sem="acq_rel", scope="gpu")
+    tl.debug_barrier()
+    _stamp(ts_ptr, 9, TIMELINE)
+    SLOTS: tl.constexpr = TOP_K + SHARED
+    for j in range(0, count):
+        if _pick(old, offs_d, j) == TOP_K - 1:
+            rows = _pick(n_blocks, offs_d, j) * DBN + tl.arange(0, DBN)
+            ys = tl.load(y_ptr + offs_k[:, None] * H + rows[None, :], mask=(offs_k < SLOTS)[:, None], other=0.0,
+                         cache_modifier=".cg")
+            tl.store(out_ptr + rows, tl.sum(top_w[:, None] * ys, axis=0).to(out_ptr.dtype.element_ty))
+
+    # the last program out returns the counters to zero
+    tl.debug_barrier()
+    if tl.atomic_add(cnt_ptr + 1, 1, sem="acq_rel", scope="gpu") == G - 1:
+        offs_c = tl.arange(0, NCP)
+        added = tl.where(offs_c < 3, G, TOP_K)  # router_done, exit, gu_done: one per program; n-blocks: TOP_K
+        tl.atomic_add(cnt_ptr + offs_c, -added, mask=offs_c < 3 + NB, sem="relaxed", scope="gpu")
+    _stamp(ts_ptr, 10, TIMELINE)
+
+
+# ---------------------------------------------------------------------------------------------------- host side
+
+
+def _pow2(n: int) -> bool:
+    return n > 0 and n & (n - 1) == 0
+
+
+def supports(router, gate_up, down, top_k: int, shared_expert) -> bool:
+    """Whether one launch runs this block for a token: router a float [E(+1), H] tensor or a QuantizedTensor
+    with supported bits / group size; stacked quantized experts with H and I powers of two; the shared expert
+    (if any) stored like a routed one, its gate logit the router's last row."""
+    from sluice.kernels.moe import triton as mt
+
+    if not (isinstance(gate_up, QuantizedTensor) and isinstance(down, QuantizedTensor)):
+        return False
+    if not mt.supports(gate_up, down, top_k) or (shared_expert is not None and
+                                                 not mt.shared_expert_fits(gate_up, down, *shared_expert)):
+        return False
+    E, I2, H = gate_up.shape
+    I = I2 // 2
+    if not (_pow2(H) and _pow2(I) and tuple(down.shape) == (E, H, I) and I >= gate_up.group_size):
+        return False
+    if gate_up.bits != down.bits or gate_up.group_size != down.group_size:
+        return False
+    rows = E + (shared_expert is not None)
+    if isinstance(router, QuantizedTensor):
+        return (router.weight.dim() == 2 and tuple(router.shape) == (rows, H) and router.bits in tq.SUPPORTED_BITS
+                and router.group_size in tq.SUPPORTED_GROUPS and router.weight.stride(-1) == 1)
+    return (isinstance(router, torch.Tensor) and router.is_floating_point() and tuple(router.shape) == (rows, H)
+            and router.stride(-1) == 1)
+
+
+_WORKSPACES: dict = {}
+
+
+def _workspace(device, G, slots, H, I, gs, router_gs, nb) -> dict:
+    """Scratch of the launch, shared by every call with the same sizes on a device (see the module notes)."""
+    key = (str(device), G, slots, H, I, gs, router_gs, nb)
+    ws = _WORKSPACES.get(key)
+    if ws is None:
+        xlen = tq.prep_len(H, gs) + (tq.prep_len(H, router_gs) if router_gs else 0)
+        pad = (lambda n: -(-n // 16) * 16)  # noqa: E731
+        ws = _WORKSPACES[key] = dict(
+            xp=torch.empty((G, pad(xlen)), dtype=torch.int32, device=device),
+            hp=torch.empty((G, pad(tq.prep_len(I, gs))), dtype=torch.int32, device=device),
+            logits=torch.empty(MAX_EXPERTS + 1, dtype=torch.float32, device=device),
+            h=torch.empty((slots, I), dtype=torch.float32, device=device),
+            y=torch.empty((slots, H), dtype=torch.float32, device=device),
+            counters=torch.zeros(3 + nb, dtype=torch.int32, device=device))
+    return ws
+
+
+def moe_decode_fused(x: torch.Tensor, router, gate_up: QuantizedTensor, down: QuantizedTensor, top_k: int,
+                     norm_topk_prob: bool, shared_expert: tuple[QuantizedTensor, QuantizedTensor] | None = None,
+                     item_words: int = ITEM_WORDS, num_warps: int = NUM_WARPS, ahead: int = AHEAD,
+                     router_rows: int = ROUTER_ROWS, timeline: torch.Tensor | None = None) -> torch.Tensor:
+    """The MoE block's output [1, H] (x's dtype) for one token x [1, H], in one launch. router: the fused
+    router [E(+1), H] (its last row the shared expert's gate when there is one), dense or quantized; shared_expert:
+    its (gate_up [2I, H], down [H, I]) stored like the routed experts. `supports` says which layers qualify.
+    item_words, num_warps, ahead (items asked of L2 in advance), router_rows: launch options. timeline: int64
+    [programs, 16] to receive each program's global-timer stamps (benchmarks; CUDA only)."""
+    if x.dim() != 2 or x.shape[0] != 1 or x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        raise ValueError(f"moe_decode_fused: x must be one bf16/fp16/fp32 row [1, H], got {x.dtype} "
+                         f"{tuple(x.shape)}")
+    if not supports(router, gate_up, down, top_k, shared_expert):
+        raise ValueError("moe_decode_fused: unsupported router / experts / top-k for the one-launch decode "
+                         "(see fused_decode.supports)")
+    E, I2, H = gate_up.shape
+    I = I2 // 2
+    if x.shape[1] != H:
+        raise ValueError(f"moe_decode_fused: x must be [1, {H}], got {tuple(x.shape)}")
+    tensors = [x, gate_up.weight, down.weight] + ([router.weight] if isinstance(router, QuantizedTensor) else [router])
+    if any(t.device != x.device for t in tensors) or not (x.is_cuda or tq.INTERPRET):
+        raise ValueError("moe_decode_fused: all tensors must be on one CUDA device (or set TRITON_INTERPRET=1)")
+    bits, gs = gate_up.bits, gate_up.group_size
+    shared = shared_expert is not None
+    slots = top_k + shared
+    kw_h, kw_i = H // (32 // bits), I // (32 // bits)
+    gbn = max(1, min(I, item_words // kw_h // 2))  # gate and up rows: two tiles per item
+    dbn = max(1, min(H, item_words // kw_i))
+    G = 1 if tq.INTERPRET else tq._num_sms(x.device)  # every program resident at once: one per multiprocessor
+    nb = H // dbn
+    dense_router = not isinstance(router, QuantizedTensor)
+    r_own_x = not dense_router and (router.bits, router.group_size) != (bits, gs)
+    ws = _workspace(x.device, G, slots, H, I, gs, router.group_size if r_own_x else 0, nb)
+    x = x.contiguous()
+    out = torch.empty((1, H), dtype=x.dtype, device=x.device)
+    sh_gu, sh_down = shared_expert if shared else (gate_up, down)
+    sh = [t for qt in (sh_gu, sh_down) for t in (qt.weight.view(torch.int32), qt.scales, qt.biases)]
+    if dense_router:
+        rw, rs, rb, stride_rsn, rbits, rgs = router, router, router, 0, 8, 32
+    else:
+        rw, rs, rb = router.weight.view(torch.int32), router.scales, router.biases
+        stride_rsn, rbits, rgs = router.scales.stride(0), router.bits, router.group_size
+    if timeline is not None and (timeline.dtype != torch.int64 or tuple(timeline.shape) != (G, 16)):
+        raise ValueError(f"moe_decode_fused: timeline must be int64 [{G}, 16]")
+    use_pdl = tq.pdl(x.device)
+    _fused_decode_kernel[(G,)](
+        x, out, rw, rs, rb, gate_up.weight.view(torch.int32), gate_up.scales, gate_up.biases,
+        down.weight.view(torch.int32), down.scales, down.biases, *sh,
+        ws["xp"], ws["hp"], ws["logits"], ws["h"], ws["y"], ws["counters"], ws["counters"] if timeline is None
+        else timeline, rw.stride(0), stride_rsn, gate_up.weight.stride(0), gate_up.weight.stride(1),
+        gate_up.scales.stride(0), gate_up.scales.stride(1), down.weight.stride(0), down.weight.stride(1),
+        down.scales.stride(0), down.scales.stride(1), ws["xp"].stride(0), ws["hp"].stride(0),
+        E=E, H=H, I=I, TOP_K=top_k, KP=triton.next_power_of_2(slots), BLOCK_E=triton.next_power_of_2(E),
+        NORM=norm_topk_prob, SHARED=shared, RBITS=rbits, RGS=rgs, RDENSE=dense_router, R_OWN_X=r_own_x,
+        BITS=bits, GS=gs, RBN=router_rows, GBN=gbn, DBN=dbn, DP=triton.next_power_of_2(-(-top_k * nb // G)),
+        NCP=triton.next_power_of_2(3 + nb), AHEAD=ahead, ASM=not tq.INTERPRET, PDL=use_pdl,
+        PREFETCH=not tq.INTERPRET, TIMELINE=timeline is not None, launch_pdl=use_pdl, num_warps=num_warps,
+        num_stages=1)
+    return out
