@@ -144,8 +144,9 @@ def time_decode(res, name, layers, k, copy_bw):
               f"({row['pct_floor'] * 100:.0f}%); multi-launch {row['multi_launch_us']:.1f} us", flush=True)
 
 
-FUSED_CONFIGS = [  # (num_warps, item_words, ahead)
-    (4, 8192, 2), (4, 8192, 1), (4, 8192, 4), (4, 16384, 2), (4, 4096, 2), (8, 8192, 2)]
+FUSED_CONFIGS = [  # (num_warps, item_words, ahead, programs per multiprocessor)
+    (4, 8192, 1, 1), (4, 8192, 2, 1), (4, 8192, 1, 2), (4, 4096, 1, 2), (4, 4096, 2, 2), (4, 2048, 2, 2),
+    (2, 4096, 1, 2)]
 STAMPS = ["start", "after PDL wait", "x prepared", "phase 1 done", "router done seen", "top-k done",
           "phase 2 done", "gate_up done seen", "phase 3 done", "n-block atomics", "end"]
 
@@ -156,11 +157,12 @@ def sweep_fused(res, name, layers, k):
     rot = layers["8-bit"]
     xs = [torch.randn(1, rot[0].gate_up.shape[2], device="cuda", dtype=BF16) for _ in rot]
     args = [m._fused_decode_args(mt) for m in rot]
-    for w, words, ahead in FUSED_CONFIGS:
-        calls = [lambda m=m, x=x, a=a, w=w, words=words, ahead=ahead: fd.moe_decode_fused(
-            x, a[0], m.gate_up, m.down, k, True, a[1], item_words=words, num_warps=w, ahead=ahead)
+    for w, words, ahead, per_sm in FUSED_CONFIGS:
+        calls = [lambda m=m, x=x, a=a, w=w, words=words, ahead=ahead, per_sm=per_sm: fd.moe_decode_fused(
+            x, a[0], m.gate_up, m.down, k, True, a[1], item_words=words, num_warps=w, ahead=ahead, per_sm=per_sm)
             for m, x, a in zip(rot, xs, args)]
-        row = {"model": name, "kernel": "one-launch decode", "item_words": words, "num_warps": w, "ahead": ahead}
+        row = {"model": name, "kernel": "one-launch decode", "item_words": words, "num_warps": w, "ahead": ahead,
+               "per_sm": per_sm}
         case(res, f"{name} sweep {row}", lambda: row.update(us=graph_time(calls) * 1e6))
         res["sweep"].append(row)
         print(f"sweep {row}", flush=True)
@@ -171,7 +173,7 @@ def fused_timeline(res, name, layers, k):
     the last of a run over all layer copies (its weights cold), as min / median / max over the programs of
     the time since the earliest program passed the PDL wait."""
     rot = layers["8-bit"]
-    G = tq._num_sms(torch.device("cuda"))
+    G = fd.PER_SM * tq._num_sms(torch.device("cuda"))
     ts = torch.zeros(G, 16, dtype=torch.int64, device="cuda")
     for m in rot:
         a = m._fused_decode_args(mt)
@@ -264,10 +266,11 @@ def print_tables(res):
         print(f"{r['model']:30s} {r['router']:>6s} {r['us']:7.1f} {r['floor_us']:7.1f} {r['pct_floor'] * 100:6.0f}% "
               f"{r['multi_launch_us']:16.1f}")
     print(f"\n{'decode launch sweep':30s} {'kernel':>18s} {'block_n/words':>13s} {'warps':>5s} {'ahead':>5s} "
-          f"{'us':>7s}")
+          f"{'per SM':>6s} {'us':>7s}")
     for r in sorted(res["sweep"], key=lambda r: (r["model"], r["kernel"], r.get("us", 1e9))):
         print(f"{r['model']:30s} {r['kernel']:>18s} {r.get('block_n', r.get('item_words', '-'))!s:>13s} "
-              f"{r['num_warps']:5d} {r.get('ahead', '-')!s:>5s} {r.get('us', float('nan')):7.1f}")
+              f"{r['num_warps']:5d} {r.get('ahead', '-')!s:>5s} {r.get('per_sm', '-')!s:>6s} "
+              f"{r.get('us', float('nan')):7.1f}")
     print(f"\n{'routed experts':30s} {'T':>5s} {'GEMVs us':>9s} {'grouped us':>11s}")
     for r in res["crossover"]:
         print(f"{r['model']:30s} {r['T']:5d} {r['decode_us']:9.1f} {r['prefill_us']:11.1f}")

@@ -172,7 +172,7 @@ def moe():
         E, k = 512, 10
         routers = {"8-bit": q(0, E + 1, H, 8, 64), "bf16": torch.zeros(E + 1, H).bfloat16()}
         for name, router in routers.items():
-            for warps, words in ((4, 8192), (8, 8192), (4, 4096)):
+            for warps, words in ((4, 8192), (4, 4096), (2, 4096)):
                 interp, qt.INTERPRET = qt.INTERPRET, True  # passes the device check; the kernel flags are set below
                 try:
                     launches = _capture_all(fd, ["_fused_decode_kernel"], lambda: fd.moe_decode_fused(

@@ -5,8 +5,10 @@ Why one launch: decode of this block is a chain of small dependent steps (the ex
 router has run). As separate launches each step costs a few µs under graph replay, more than the whole memory
 floor of Qwen3-Next's layer (~5-7 µs); here the launch boundaries become counters in device memory.
 
-Programs: one per multiprocessor. They wait for each other, so all must be resident at once: the grid is never
-larger than the number of multiprocessors (each program fits one). Work is cut into items of about ITEM_WORDS
+Programs: one or two per multiprocessor (PER_SM). They wait for each other, so all must be resident at once: two
+programs of at most 4 warps fit one multiprocessor whatever their register count (2 x 128 threads x 255 registers
+< 64K), and nothing else can hold a multiprocessor forever (a PDL-launched successor starts only once every
+program of this launch runs). Work is cut into items of about ITEM_WORDS
 packed words, dealt out statically (item i of a phase to program (i + offset) % G, the offset continuing the
 previous phase's deal), in three phases separated by counters that every program bumps once per phase:
   1. every program prepares x for the integer GEMV (`qmatmul.triton._prep_groups`) into its own scratch row;
@@ -43,6 +45,7 @@ from sluice.quant.affine import QuantizedTensor
 ITEM_WORDS = 8192  # packed words per item (gate and up tiles together): sets the row blocks GBN and DBN
 NUM_WARPS = 4
 AHEAD = 2  # items per program asked of L2 before they are computed
+PER_SM = 1  # programs per multiprocessor
 ROUTER_ROWS = 4  # router rows per item
 ENABLED = True  # SparseMoE uses this path for one token (off: the multi-launch `moe_decode`)
 
@@ -234,7 +237,7 @@ def _fused_decode_kernel(x_ptr, out_ptr, rw_ptr, rs_ptr, rb_ptr, gw_ptr, gs_ptr,
     offs_e = tl.arange(0, BLOCK_E)
     e_ok = offs_e < E
     logit = tl.load(logit_ptr + offs_e, mask=e_ok, other=-float("inf"), cache_modifier=".cg")
-    top_w, top_i = _softmax_topk(logit, offs_e, e_ok, TOP_K, KP, BLOCK_E, NORM)
+    top_w, top_i = _softmax_topk(logit, offs_e, e_ok, TOP_K, KP, BLOCK_E, NORM, False)
     if SHARED:
         gate = tl.load(logit_ptr + E + offs_k * 0, cache_modifier=".cg")
         top_i = tl.where(offs_k == TOP_K, E, top_i)
@@ -377,11 +380,13 @@ def _workspace(device, G, slots, H, I, gs, router_gs, nb) -> dict:
 def moe_decode_fused(x: torch.Tensor, router, gate_up: QuantizedTensor, down: QuantizedTensor, top_k: int,
                      norm_topk_prob: bool, shared_expert: tuple[QuantizedTensor, QuantizedTensor] | None = None,
                      item_words: int = ITEM_WORDS, num_warps: int = NUM_WARPS, ahead: int = AHEAD,
-                     router_rows: int = ROUTER_ROWS, timeline: torch.Tensor | None = None) -> torch.Tensor:
+                     per_sm: int = PER_SM, router_rows: int = ROUTER_ROWS,
+                     timeline: torch.Tensor | None = None) -> torch.Tensor:
     """The MoE block's output [1, H] (x's dtype) for one token x [1, H], in one launch. router: the fused
     router [E(+1), H] (its last row the shared expert's gate when there is one), dense or quantized; shared_expert:
     its (gate_up [2I, H], down [H, I]) stored like the routed experts. `supports` says which layers qualify.
-    item_words, num_warps, ahead (items asked of L2 in advance), router_rows: launch options. timeline: int64
+    item_words, num_warps, ahead (items asked of L2 in advance), per_sm (programs per multiprocessor: 1, or 2
+    with at most 4 warps, which always fit together), router_rows: launch options. timeline: int64
     [programs, 16] to receive each program's global-timer stamps (benchmarks; CUDA only)."""
     if x.dim() != 2 or x.shape[0] != 1 or x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
         raise ValueError(f"moe_decode_fused: x must be one bf16/fp16/fp32 row [1, H], got {x.dtype} "
@@ -402,7 +407,11 @@ def moe_decode_fused(x: torch.Tensor, router, gate_up: QuantizedTensor, down: Qu
     kw_h, kw_i = H // (32 // bits), I // (32 // bits)
     gbn = max(1, min(I, item_words // kw_h // 2))  # gate and up rows: two tiles per item
     dbn = max(1, min(H, item_words // kw_i))
-    G = 1 if tq.INTERPRET else tq._num_sms(x.device)  # every program resident at once: one per multiprocessor
+    if per_sm not in (1, 2) or (per_sm == 2 and num_warps > 4):
+        raise ValueError("moe_decode_fused: per_sm is 1, or 2 with at most 4 warps (so that every program is "
+                         "resident at once: programs wait for each other)")
+    # every program resident at once: 2 x 4 warps x 255 registers still fit one multiprocessor's register file
+    G = 1 if tq.INTERPRET else per_sm * tq._num_sms(x.device)
     nb = H // dbn
     dense_router = not isinstance(router, QuantizedTensor)
     r_own_x = not dense_router and (router.bits, router.group_size) != (bits, gs)

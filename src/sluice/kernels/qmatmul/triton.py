@@ -73,10 +73,13 @@ def _load_x(x_row, offs, mask, K, S, stride_xs, SWIGLU: tl.constexpr, CG: tl.con
 @triton.jit
 def _prep_groups(x_row, p_row, offs_g, g_ok, K, S, stride_xs, BITS: tl.constexpr, GS: tl.constexpr,
                  SWIGLU: tl.constexpr, CG: tl.constexpr):
-    """Prepare the groups `offs_g` of one row x (K columns) into p_row (layout: `_prep_x_kernel`)."""
+    """Prepare the groups `offs_g` of one row x (K columns) into p_row (layout: `_prep_x_kernel`). x is loaded
+    once, as [groups, GS]; the planes are picked out of it in registers (loading x again per plane would wait
+    for the previous plane's stores: the compiler cannot know they do not alias x)."""
     EPW: tl.constexpr = 32 // BITS
     D: tl.constexpr = 8 // BITS
     WPG: tl.constexpr = GS // EPW
+    GB: tl.constexpr = offs_g.shape[0]
     KW = K // EPW
     NG = K // GS
     f_row = p_row.to(tl.pointer_type(tl.float32))
@@ -86,14 +89,14 @@ def _prep_groups(x_row, p_row, offs_g, g_ok, K, S, stride_xs, BITS: tl.constexpr
     inv = tl.where(amax > 0, _X_INT_MAX / tl.maximum(amax, 1e-30), 0.0)[:, None]
     tl.store(f_row + 2 * D * KW + offs_g, amax / _X_INT_MAX, mask=g_ok)
     tl.store(f_row + 2 * D * KW + NG + offs_g, tl.sum(xg, axis=1), mask=g_ok)
+    q = tl.minimum(tl.maximum(tl.floor(xg * inv + 0.5), -_X_INT_MAX), _X_INT_MAX).to(tl.int32)
+    q = tl.reshape(q, (GB, WPG, EPW))  # element w*EPW + e of each group
+    offs_e = tl.arange(0, EPW)[None, None, :]
     offs_w = offs_g[:, None] * WPG + tl.arange(0, WPG)[None, :]
     for p in tl.static_range(2 * D):
-        lo = _load_x(x_row, offs_w * EPW + (p // 2 + 2 * (p % 2) * D), g_ok[:, None], K, S, stride_xs, SWIGLU, CG)
-        hi = _load_x(x_row, offs_w * EPW + (p // 2 + (2 * (p % 2) + 1) * D), g_ok[:, None], K, S, stride_xs,
-                     SWIGLU, CG)
-        q_lo = tl.minimum(tl.maximum(tl.floor(lo * inv + 0.5), -_X_INT_MAX), _X_INT_MAX).to(tl.int32)
-        q_hi = tl.minimum(tl.maximum(tl.floor(hi * inv + 0.5), -_X_INT_MAX), _X_INT_MAX).to(tl.int32)
-        tl.store(p_row + p * KW + offs_w, (q_lo & 0xFFFF) | (q_hi << 16), mask=g_ok[:, None])
+        lo = tl.sum(tl.where(offs_e == p // 2 + 2 * (p % 2) * D, q, 0), axis=2)
+        hi = tl.sum(tl.where(offs_e == p // 2 + (2 * (p % 2) + 1) * D, q, 0), axis=2)
+        tl.store(p_row + p * KW + offs_w, (lo & 0xFFFF) | (hi << 16), mask=g_ok[:, None])
 
 
 @triton.jit
