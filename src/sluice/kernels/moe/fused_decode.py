@@ -44,11 +44,13 @@ from sluice.quant.affine import QuantizedTensor
 
 ITEM_WORDS = 8192  # packed words per item (gate and up tiles together): sets the row blocks GBN and DBN
 NUM_WARPS = 4
-AHEAD = 2  # items per program asked of L2 before they are computed
-PER_SM = 1  # programs per multiprocessor
+AHEAD = 1  # items per program asked of L2 before they are computed
+PER_SM = 2  # programs per multiprocessor
 ROUTER_ROWS = 4  # router rows per item
-ENABLED = True  # SparseMoE uses this path for one token (off: the multi-launch `moe_decode`)
-
+# SparseMoE takes this path for one token only when ENABLED. Off: on an H100 it measured 24.3 / 53.6 us per layer
+# (Qwen3-Next / Qwen3.5 shapes, best launch options) against 23.0 / 47.3 us for the multi-launch `moe_decode`
+# (docs/PERF.md, 2026-11-23 (MoE)). Turn it on when it wins.
+ENABLED = False
 
 @triton.jit
 def _wait_at_least(ptr, target):
