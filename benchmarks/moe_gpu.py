@@ -146,7 +146,7 @@ def time_decode(res, name, layers, k, copy_bw):
 
 
 FUSED_CONFIGS = [  # (num_warps, item_words, ahead, programs per multiprocessor)
-    (4, 8192, 1, 2), (4, 4096, 1, 2), (4, 4096, 2, 2)]
+    (4, 8192, 1, 2), (4, 4096, 1, 2), (4, 8192, 1, 1)]
 STAMPS = ["start", "after PDL wait", "x prepared", "phase 1 done", "router done seen", "top-k done",
           "phase 2 done", "gate_up done seen", "phase 3 done", "n-block atomics", "end"]
 

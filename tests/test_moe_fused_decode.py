@@ -43,7 +43,6 @@ CASES = [
     (8, 128, 64, 3, 4, 32, "dense", True, 4096, False),  # one item per slot
     (16, 256, 128, 4, 8, 64, 8, True, 128, True),  # router and experts share one x layout
     (8, 128, 64, 2, 2, 32, 4, False, 64, True),  # no shared expert; a 4-bit router with its own layout
-    (512, 128, 64, 10, 4, 64, 8, True, 256, True),  # Qwen3-Next's router width: 128 logits per warp in top-k
 ]
 
 

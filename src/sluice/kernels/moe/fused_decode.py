@@ -8,20 +8,20 @@ floor of Qwen3-Next's layer (~5-7 µs); here the launch boundaries become counte
 Programs: one or two per multiprocessor (PER_SM). They wait for each other, so all must be resident at once: two
 programs of at most 4 warps fit one multiprocessor whatever their register count (2 x 128 threads x 255 registers
 < 64K), and nothing else can hold a multiprocessor forever (a PDL-launched successor starts only once every
-program of this launch runs). Work is cut into tiles of about ITEM_WORDS
-packed words, in three phases separated by counters that every program bumps once per phase:
+program of this launch runs). Work is cut into items of about ITEM_WORDS
+packed words, dealt out statically (item i of a phase to program (i + offset) % G, the offset continuing the
+previous phase's deal), in three phases separated by counters that every program bumps once per phase:
   1. every program prepares x for the integer GEMV (`qmatmul.triton._prep_groups`) into its own scratch row;
-     router items (RBN router rows: E logits, then the shared expert's gate logit) and the shared expert's gate_up
-     items (h = silu(g) * u, fp32, to the workspace: they need no routing), dealt round-robin. Bump `router_done`.
-  2. Wait for router_done == G; every program computes softmax + top-k itself (`_topk_by_warps`: the logits are
-     2 KB in L2, cheaper than a second round of waiting for one program's answer). The routed experts' gate_up
-     rows, flattened over the slots and dealt evenly, a contiguous run per program in tiles of GBN rows (a tile
-     may span two experts: pointers per row). Bump `gu_done`.
-  3. Wait for gu_done == G; the down items of every slot, shared slot first (a contiguous run per program, so
-     consecutive items mostly share a slot and its prepared h) -> y[slot]. One vector atomic then bumps
-     `done[n-block]` for all the program's items, and the program whose bump completes an n-block sums that
-     block's slot rows in slot order (deterministic, no float atomics) into the output.
-Within a phase there are no fences: each program asks L2 for its tiles AHEAD tiles in advance, and the weights
+     router items (RBN router rows: E logits, then the shared expert's gate logit); the shared expert's gate_up
+     items (h = silu(g) * u, fp32, to the workspace: they need no routing). Bump `router_done`.
+  2. Wait for router_done == G; every program computes softmax + top-k itself (the logits are 2 KB in L2:
+     cheaper than a second round of waiting for one program's answer). The shared expert's down items (its h
+     is complete) and the routed experts' gate_up items. Bump `gu_done`.
+  3. Wait for gu_done == G; the routed down items (a contiguous run per program, so consecutive items mostly
+     share a slot and its prepared h) -> y[slot]. One vector atomic then bumps `done[n-block]` for all the
+     program's items, and the program whose bump completes an n-block sums that block's slot rows in slot order
+     (deterministic, no float atomics) into the output.
+Within a phase there are no fences: each program asks L2 for its items AHEAD items in advance, and the weights
 of phase 1 and of the shared expert's down rows, which depend on nothing, before the PDL wait for the previous
 kernel. Each program bumps `exit` last; the program that completes it returns every counter to zero by
 subtracting what this launch added (commutative with increments still in flight), so the next launch finds
@@ -38,7 +38,7 @@ import torch
 import triton
 import triton.language as tl
 
-from sluice.kernels.moe.triton import MAX_EXPERTS
+from sluice.kernels.moe.triton import MAX_EXPERTS, MAX_TOP_K, _softmax_topk
 from sluice.kernels.qmatmul import triton as tq
 from sluice.quant.affine import QuantizedTensor
 
@@ -113,82 +113,13 @@ def _dense_rows_dot(x_ptr, w_ptr, rows, stride_wn, K: tl.constexpr):
 
 
 @triton.jit
-def _topk_by_warps(logit_ptr, E: tl.constexpr, TOP_K: tl.constexpr, KP: tl.constexpr, BLOCK_E: tl.constexpr,
-                   ROWS: tl.constexpr, NORM: tl.constexpr):
-    """(weights fp32 [KP], ids int32 [KP]) of the TOP_K best of softmax(logits[:E]), best first, lowest index on
-    ties; slots >= TOP_K hold 0. The logits are held as [ROWS, BLOCK_E / ROWS], a row per warp: each warp takes
-    its own TOP_K by rounds of argmax within the warp (no block barriers), then the ROWS * KP candidates are
-    ranked against each other in one step. Keys are int32: the probability's fp32 bits with the low log2(BLOCK_E)
-    bits replaced by BLOCK_E - 1 - index (probabilities within ~2^-13 of each other count as tied, far below
-    the rounding of bf16 router logits); the weights are the exact probabilities of the chosen ids."""
-    COLS: tl.constexpr = BLOCK_E // ROWS
-    C: tl.constexpr = ROWS * KP
-    offs2 = tl.arange(0, ROWS)[:, None] * COLS + tl.arange(0, COLS)[None, :]
-    ok2 = offs2 < E
-    l2 = tl.load(logit_ptr + offs2, mask=ok2, other=-float("inf"), cache_modifier=".cg")
-    m = tl.max(tl.max(l2, axis=1), axis=0)
-    key = (tl.exp(l2 - m).to(tl.int32, bitcast=True) & ~(BLOCK_E - 1)) | (BLOCK_E - 1 - offs2)
-    key = tl.where(ok2, key, -1)  # below every real key
-    offs_k = tl.arange(0, KP)
-    cand = tl.full((ROWS, KP), -1, dtype=tl.int32)
-    for j in tl.static_range(TOP_K):
-        best = tl.max(key, axis=1)
-        cand = tl.where(offs_k[None, :] == j, best[:, None], cand)
-        key = tl.where(key == best[:, None], -1, key)
-    c = tl.reshape(cand, (C,))
-    rank = tl.sum((c[None, :] > c[:, None]).to(tl.int32), axis=1)  # real keys are distinct: ranks 0, 1, ...
-    chosen = (rank[None, :] == offs_k[:, None]) & (offs_k < TOP_K)[:, None]
-    top_i = tl.sum(tl.where(chosen, BLOCK_E - 1 - (c & (BLOCK_E - 1))[None, :], 0), axis=1)
-    offs_e = tl.arange(0, BLOCK_E)
-    p = tl.exp(tl.load(logit_ptr + offs_e, mask=offs_e < E, other=-float("inf"), cache_modifier=".cg") - m)
-    top_w = tl.sum(tl.where((offs_e[None, :] == top_i[:, None]) & (offs_k < TOP_K)[:, None], p[None, :], 0.0),
-                   axis=1)
-    if NORM:
-        top_w = top_w / tl.sum(top_w, axis=0)
-    else:
-        top_w = top_w / tl.sum(p, axis=0)
-    return top_w, top_i
-
-
-@triton.jit
-def _gate_up_rows(q0, q_end, top_i, offs_k, gw_ptr, gs_ptr, gb_ptr, stride_ge, stride_gn, stride_gse, stride_gsn,
-                  I: tl.constexpr, GBN: tl.constexpr):
-    """Pointers to the gate rows (word, scale, bias) of routed rows q0 .. q0 + GBN (flattened q = slot * I + j;
-    rows past q_end repeat the last one: loaded again, stored with the same value), and q."""
-    q = tl.minimum(q0 + tl.arange(0, GBN), q_end - 1)
-    slot = q // I
-    e = tl.sum(tl.where(offs_k[None, :] == slot[:, None], top_i[None, :], 0), axis=1).to(tl.int64)
-    j = (q % I).to(tl.int64)
-    return (gw_ptr + e * stride_ge + j * stride_gn, gs_ptr + e * stride_gse + j * stride_gsn,
-            gb_ptr + e * stride_gse + j * stride_gsn, q)
-
-
-@triton.jit
-def _prefetch_gate_up(q0, q_end, top_i, offs_k, gw_ptr, gs_ptr, gb_ptr, stride_ge, stride_gn, stride_gse,
-                      stride_gsn, H: tl.constexpr, I: tl.constexpr, BITS: tl.constexpr, GS: tl.constexpr,
-                      GBN: tl.constexpr, PREFETCH: tl.constexpr):
-    """Ask L2 for the gate and up rows of the tile at q0 (nothing past q_end)."""
-    if q0 < q_end:
-        w, s, b, q = _gate_up_rows(q0, q_end, top_i, offs_k, gw_ptr, gs_ptr, gb_ptr, stride_ge, stride_gn,
-                                   stride_gse, stride_gsn, I, GBN)
-        LINES: tl.constexpr = (H // (32 // BITS) + 31) // 32
-        for half in tl.static_range(2):
-            tq._prefetch_l2(w[:, None] + half * I * stride_gn + tl.arange(0, LINES)[None, :] * 32, PREFETCH)
-            tq._prefetch_l2(s + half * I * stride_gsn, PREFETCH)
-            tq._prefetch_l2(b + half * I * stride_gsn, PREFETCH)
-
-
-@triton.jit
-def _down_item(d, NB: tl.constexpr, SHARED: tl.constexpr, TOP_K: tl.constexpr, top_i, offs_k, E, w_ptr, s_ptr,
-               b_ptr, xw_ptr, xs_ptr, xb_ptr, stride_we, stride_se):
-    """(slot, n-block, base pointers of the slot's down projection) of down item d; the shared slot's items
-    come first (its h is complete before the routed ones')."""
-    slot = d // NB
-    if SHARED:
-        slot = (slot + TOP_K) % (TOP_K + 1)
+def _slot_expert(i, PER_SLOT: tl.constexpr, top_i, offs_k, E, w_ptr, s_ptr, b_ptr, xw_ptr, xs_ptr, xb_ptr,
+                 stride_we, stride_se):
+    """(slot, block within the slot, base pointers of the slot's expert) of item i of a per-slot item list."""
+    slot = i // PER_SLOT
     w, s, b = _expert(_pick(top_i, offs_k, slot), E, w_ptr, s_ptr, b_ptr, xw_ptr, xs_ptr, xb_ptr, stride_we,
                       stride_se)
-    return slot, d % NB, w, s, b
+    return slot, i % PER_SLOT, w, s, b
 
 
 @triton.jit
@@ -239,15 +170,15 @@ def _fused_decode_kernel(x_ptr, out_ptr, rw_ptr, rs_ptr, rb_ptr, gw_ptr, gs_ptr,
                          RBITS: tl.constexpr, RGS: tl.constexpr, RDENSE: tl.constexpr, R_OWN_X: tl.constexpr,
                          BITS: tl.constexpr, GS: tl.constexpr, RBN: tl.constexpr, GBN: tl.constexpr,
                          DBN: tl.constexpr, DP: tl.constexpr, NCP: tl.constexpr, AHEAD: tl.constexpr,
-                         ROWS_E: tl.constexpr,
                          ASM: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr, TIMELINE: tl.constexpr):
     NR: tl.constexpr = E + SHARED  # router rows: E logits (+ the shared expert's gate logit)
     N_ROUTER: tl.constexpr = (NR + RBN - 1) // RBN
     IPS: tl.constexpr = I // GBN  # gate_up items per slot
     NB: tl.constexpr = H // DBN  # down items per slot (n-blocks of the output)
-    SLOTS: tl.constexpr = TOP_K + SHARED
-    N_GU_ROWS: tl.constexpr = TOP_K * I
-    N_DOWN: tl.constexpr = SLOTS * NB
+    N1: tl.constexpr = N_ROUTER + SHARED * IPS  # phase 1 items: router rows, shared gate_up
+    N_SH_DOWN: tl.constexpr = SHARED * NB
+    N_GU: tl.constexpr = TOP_K * IPS
+    N_DOWN: tl.constexpr = TOP_K * NB
     G = tl.num_programs(0)
     pid = tl.program_id(0)
     _stamp(ts_ptr, 0, TIMELINE)
@@ -258,14 +189,10 @@ def _fused_decode_kernel(x_ptr, out_ptr, rw_ptr, rs_ptr, rb_ptr, gw_ptr, gs_ptr,
         xr_row = xp_row + H // 2 + 2 * (H // GS)
     hp_row = hp_ptr + pid.to(tl.int64) * stride_hp
     first_sh = _first_item(pid, G, N_ROUTER)
-    # phase 2: routed gate_up rows (flattened over slots: row q = slot * I + j), dealt evenly, a contiguous run each
-    q_start = pid * N_GU_ROWS // G
-    q_end = (pid + 1) * N_GU_ROWS // G
-    # phase 3: down items (shared slot first), a contiguous run each (consecutive items mostly share a slot's h)
-    d_start = pid * N_DOWN // G
-    d_end = (pid + 1) * N_DOWN // G
+    first_sh_down = _first_item(pid, G, N1)
+    first_gu = _first_item(pid, G, N1 + N_SH_DOWN)
 
-    # static weights (phase 1, and the shared expert's down rows of phase 3): asked of L2 before the wait
+    # static weights (phase 1, and the shared expert's down rows of phase 2): asked of L2 before the wait
     if PREFETCH:
         if not RDENSE:
             if pid < N_ROUTER:
@@ -276,8 +203,8 @@ def _fused_decode_kernel(x_ptr, out_ptr, rw_ptr, rs_ptr, rb_ptr, gw_ptr, gs_ptr,
                 rows = i * GBN + tl.arange(0, GBN)
                 _prefetch_rows(sgw_ptr, sgs_ptr, sgb_ptr, rows, stride_gn, stride_gsn, H, BITS, GS, PREFETCH)
                 _prefetch_rows(sgw_ptr, sgs_ptr, sgb_ptr, rows + I, stride_gn, stride_gsn, H, BITS, GS, PREFETCH)
-            for d in range(d_start, tl.minimum(d_end, NB)):
-                _prefetch_rows(sdw_ptr, sds_ptr, sdb_ptr, d * DBN + tl.arange(0, DBN), stride_dn, stride_dsn, I, BITS,
+            for i in range(first_sh_down, N_SH_DOWN, G):
+                _prefetch_rows(sdw_ptr, sds_ptr, sdb_ptr, i * DBN + tl.arange(0, DBN), stride_dn, stride_dsn, I, BITS,
                                GS, PREFETCH)
     tq._pdl_start(PDL)
     _stamp(ts_ptr, 1, TIMELINE)
@@ -309,36 +236,54 @@ def _fused_decode_kernel(x_ptr, out_ptr, rw_ptr, rs_ptr, rb_ptr, gw_ptr, gs_ptr,
     # routing, by every program
     _wait_at_least(cnt_ptr, G)
     _stamp(ts_ptr, 4, TIMELINE)
-    top_w, top_i = _topk_by_warps(logit_ptr, E, TOP_K, KP, BLOCK_E, ROWS_E, NORM)
+    offs_e = tl.arange(0, BLOCK_E)
+    e_ok = offs_e < E
+    logit = tl.load(logit_ptr + offs_e, mask=e_ok, other=-float("inf"), cache_modifier=".cg")
+    top_w, top_i = _softmax_topk(logit, offs_e, e_ok, TOP_K, KP, BLOCK_E, NORM, False)
     if SHARED:
         gate = tl.load(logit_ptr + E + offs_k * 0, cache_modifier=".cg")
         top_i = tl.where(offs_k == TOP_K, E, top_i)
         top_w = tl.where(offs_k == TOP_K, tl.sigmoid(gate), top_w)
     _stamp(ts_ptr, 5, TIMELINE)
 
-    # phase 2: the routed experts' gate_up rows, tiles of GBN rows from q_start (a tile may span two experts)
-    if PREFETCH:
-        for t in tl.static_range(AHEAD):
-            _prefetch_gate_up(q_start + t * GBN, q_end, top_i, offs_k, gw_ptr, gs_ptr, gb_ptr, stride_ge, stride_gn,
-                              stride_gse, stride_gsn, H, I, BITS, GS, GBN, PREFETCH)
-    for q0 in range(q_start, q_end, GBN):
+    # phase 2: the shared expert's down rows (its h is complete), the routed experts' gate_up rows
+    if PREFETCH:  # the first AHEAD routed items
+        for i in range(first_gu, tl.minimum(N_GU, first_gu + AHEAD * G), G):
+            slot, j, w, s, b = _slot_expert(i, IPS, top_i, offs_k, E, gw_ptr, gs_ptr, gb_ptr, sgw_ptr, sgs_ptr,
+                                            sgb_ptr, stride_ge, stride_gse)
+            rows = j * GBN + tl.arange(0, GBN)
+            _prefetch_rows(w, s, b, rows, stride_gn, stride_gsn, H, BITS, GS, PREFETCH)
+            _prefetch_rows(w, s, b, rows + I, stride_gn, stride_gsn, H, BITS, GS, PREFETCH)
+    if SHARED:
+        if first_sh_down < N_SH_DOWN:
+            _prep_h(h_ptr, hp_row, TOP_K, I, BITS, GS)
+            for i in range(first_sh_down, N_SH_DOWN, G):
+                _down_rows(hp_row, sdw_ptr, sds_ptr, sdb_ptr, y_ptr, TOP_K, i, stride_dn, stride_dsn, H, I, BITS, GS,
+                           DBN, ASM)
+    for i in range(first_gu, N_GU, G):
         if PREFETCH:
-            _prefetch_gate_up(q0 + AHEAD * GBN, q_end, top_i, offs_k, gw_ptr, gs_ptr, gb_ptr, stride_ge, stride_gn,
-                              stride_gse, stride_gsn, H, I, BITS, GS, GBN, PREFETCH)
-        w, s, b, q = _gate_up_rows(q0, q_end, top_i, offs_k, gw_ptr, gs_ptr, gb_ptr, stride_ge, stride_gn, stride_gse,
-                                   stride_gsn, I, GBN)
-        g = tq._rows_dot_at(xp_row, w, s, b, H, BITS, GS, GBN, ASM)
-        u = tq._rows_dot_at(xp_row, w + I * stride_gn, s + I * stride_gsn, b + I * stride_gsn, H, BITS, GS, GBN, ASM)
-        tl.store(h_ptr + q, g / (1.0 + tl.exp(-g)) * u)  # h [slots, I]: routed row q is h's flat index q
+            nxt = i + AHEAD * G
+            if nxt < N_GU:
+                slot, j, w, s, b = _slot_expert(nxt, IPS, top_i, offs_k, E, gw_ptr, gs_ptr, gb_ptr, sgw_ptr,
+                                                sgs_ptr, sgb_ptr, stride_ge, stride_gse)
+                rows = j * GBN + tl.arange(0, GBN)
+                _prefetch_rows(w, s, b, rows, stride_gn, stride_gsn, H, BITS, GS, PREFETCH)
+                _prefetch_rows(w, s, b, rows + I, stride_gn, stride_gsn, H, BITS, GS, PREFETCH)
+        slot, j, w, s, b = _slot_expert(i, IPS, top_i, offs_k, E, gw_ptr, gs_ptr, gb_ptr, sgw_ptr, sgs_ptr, sgb_ptr,
+                                        stride_ge, stride_gse)
+        _swiglu_rows(xp_row, w, s, b, h_ptr, slot, j * GBN, stride_gn, stride_gsn, H, I, BITS, GS, GBN, ASM)
+    # phase 3's down items: a contiguous run per program (consecutive items mostly share a slot and its h)
+    d_start = pid * N_DOWN // G
+    d_end = (pid + 1) * N_DOWN // G
     if PREFETCH:
-        for d in range(tl.maximum(d_start, NB * SHARED), tl.minimum(d_end, d_start + AHEAD)):
-            slot, nb, w, s, b = _down_item(d, NB, SHARED, TOP_K, top_i, offs_k, E, dw_ptr, ds_ptr, db_ptr, sdw_ptr,
-                                           sds_ptr, sdb_ptr, stride_de, stride_dse)
+        for d in range(d_start, tl.minimum(d_end, d_start + AHEAD)):
+            slot, nb, w, s, b = _slot_expert(d, NB, top_i, offs_k, E, dw_ptr, ds_ptr, db_ptr, sdw_ptr, sds_ptr,
+                                             sdb_ptr, stride_de, stride_dse)
             _prefetch_rows(w, s, b, nb * DBN + tl.arange(0, DBN), stride_dn, stride_dsn, I, BITS, GS, PREFETCH)
     _stamp(ts_ptr, 6, TIMELINE)
     _bump(cnt_ptr + 2)
 
-    # phase 3: the down rows of every slot
+    # phase 3: the routed experts' down rows
     _wait_at_least(cnt_ptr + 2, G)
     _stamp(ts_ptr, 7, TIMELINE)
     offs_d = tl.arange(0, DP)
@@ -347,11 +292,11 @@ def _fused_decode_kernel(x_ptr, out_ptr, rw_ptr, rs_ptr, rb_ptr, gw_ptr, gs_ptr,
     for d in range(d_start, d_end):
         if PREFETCH:
             if d + AHEAD < d_end:
-                slot, nb, w, s, b = _down_item(d + AHEAD, NB, SHARED, TOP_K, top_i, offs_k, E, dw_ptr, ds_ptr, db_ptr,
-                                               sdw_ptr, sds_ptr, sdb_ptr, stride_de, stride_dse)
+                slot, nb, w, s, b = _slot_expert(d + AHEAD, NB, top_i, offs_k, E, dw_ptr, ds_ptr, db_ptr, sdw_ptr,
+                                                 sds_ptr, sdb_ptr, stride_de, stride_dse)
                 _prefetch_rows(w, s, b, nb * DBN + tl.arange(0, DBN), stride_dn, stride_dsn, I, BITS, GS, PREFETCH)
-        slot, nb, w, s, b = _down_item(d, NB, SHARED, TOP_K, top_i, offs_k, E, dw_ptr, ds_ptr, db_ptr, sdw_ptr,
-                                       sds_ptr, sdb_ptr, stride_de, stride_dse)
+        slot, nb, w, s, b = _slot_expert(d, NB, top_i, offs_k, E, dw_ptr, ds_ptr, db_ptr, sdw_ptr, sds_ptr, sdb_ptr,
+                                         stride_de, stride_dse)
         if slot != prepared:
             _prep_h(h_ptr, hp_row, slot, I, BITS, GS)
             prepared = slot
@@ -365,8 +310,9 @@ def _fused_decode_kernel(x_ptr, out_ptr, rw_ptr, rs_ptr, rb_ptr, gw_ptr, gs_ptr,
     old = tl.atomic_add(cnt_ptr + 3 + n_blocks, 1, mask=offs_d < count, sem="acq_rel", scope="gpu")
     tl.debug_barrier()
     _stamp(ts_ptr, 9, TIMELINE)
+    SLOTS: tl.constexpr = TOP_K + SHARED
     for j in range(0, count):
-        if _pick(old, offs_d, j) == SLOTS - 1:
+        if _pick(old, offs_d, j) == TOP_K - 1:
             rows = _pick(n_blocks, offs_d, j) * DBN + tl.arange(0, DBN)
             ys = tl.load(y_ptr + offs_k[:, None] * H + rows[None, :], mask=(offs_k < SLOTS)[:, None], other=0.0,
                          cache_modifier=".cg")
@@ -376,7 +322,7 @@ def _fused_decode_kernel(x_ptr, out_ptr, rw_ptr, rs_ptr, rb_ptr, gw_ptr, gs_ptr,
     tl.debug_barrier()
     if tl.atomic_add(cnt_ptr + 1, 1, sem="acq_rel", scope="gpu") == G - 1:
         offs_c = tl.arange(0, NCP)
-        added = tl.where(offs_c < 3, G, SLOTS)  # router_done, exit, gu_done: one per program; n-blocks: SLOTS
+        added = tl.where(offs_c < 3, G, TOP_K)  # router_done, exit, gu_done: one per program; n-blocks: TOP_K
         tl.atomic_add(cnt_ptr + offs_c, -added, mask=offs_c < 3 + NB, sem="relaxed", scope="gpu")
     _stamp(ts_ptr, 10, TIMELINE)
 
@@ -493,9 +439,8 @@ def moe_decode_fused(x: torch.Tensor, router, gate_up: QuantizedTensor, down: Qu
         down.scales.stride(0), down.scales.stride(1), ws["xp"].stride(0), ws["hp"].stride(0),
         E=E, H=H, I=I, TOP_K=top_k, KP=triton.next_power_of_2(slots), BLOCK_E=triton.next_power_of_2(E),
         NORM=norm_topk_prob, SHARED=shared, RBITS=rbits, RGS=rgs, RDENSE=dense_router, R_OWN_X=r_own_x,
-        BITS=bits, GS=gs, RBN=router_rows, GBN=gbn, DBN=dbn, DP=triton.next_power_of_2(-(-slots * nb // G)),
-        NCP=triton.next_power_of_2(3 + nb), AHEAD=ahead,
-        ROWS_E=min(num_warps, triton.next_power_of_2(E)), ASM=not tq.INTERPRET, PDL=use_pdl,
+        BITS=bits, GS=gs, RBN=router_rows, GBN=gbn, DBN=dbn, DP=triton.next_power_of_2(-(-top_k * nb // G)),
+        NCP=triton.next_power_of_2(3 + nb), AHEAD=ahead, ASM=not tq.INTERPRET, PDL=use_pdl,
         PREFETCH=not tq.INTERPRET, TIMELINE=timeline is not None, launch_pdl=use_pdl, num_warps=num_warps,
         num_stages=1)
     return out

@@ -32,14 +32,20 @@ DECODE_MAX_TOKENS = 4  # up to this many tokens the indexed GEMVs; beyond, the g
 
 @triton.jit
 def _softmax_topk(logit, offs, ok, TOP_K: tl.constexpr, KP: tl.constexpr, BLOCK_E: tl.constexpr,
-                  NORM: tl.constexpr):
+                  NORM: tl.constexpr, EXACT: tl.constexpr = True):
     """(weights fp32 [KP], ids int32 [KP]) of the TOP_K best of softmax(logit) (masked entries -inf), best first;
     slots >= TOP_K hold 0. TOP_K rounds of argmax (lowest index on ties), each a single max over int64 keys
     (probability bits << 32 | BLOCK_E - 1 - index): a probability is >= 0, so its fp32 bits order like the
-    value, and the low half breaks ties towards the lower index."""
+    value, and the low half breaks ties towards the lower index. Not EXACT: int32 keys, the index in the low
+    log2(BLOCK_E) bits of the probability's (half as many shuffles per round; probabilities within ~2^-13 of
+    each other count as tied: far below the rounding of bf16 router logits)."""
     p = tl.exp(logit - tl.max(logit, axis=0))
-    p = p / tl.sum(p, axis=0)
-    key = (p.to(tl.int32, bitcast=True).to(tl.int64) << 32) | (BLOCK_E - 1 - offs)
+    if not NORM:
+        p = p / tl.sum(p, axis=0)  # with NORM the weights are renormalised over the chosen ones anyway
+    if EXACT:
+        key = (p.to(tl.int32, bitcast=True).to(tl.int64) << 32) | (BLOCK_E - 1 - offs)
+    else:
+        key = (p.to(tl.int32, bitcast=True) & ~(BLOCK_E - 1)) | (BLOCK_E - 1 - offs)
     key = tl.where(ok, key, -1)  # below every real key: never picked
     offs_k = tl.arange(0, KP)
     top_w = tl.zeros((KP,), dtype=tl.float32)
@@ -47,9 +53,13 @@ def _softmax_topk(logit, offs, ok, TOP_K: tl.constexpr, KP: tl.constexpr, BLOCK_
     for j in tl.static_range(TOP_K):
         best = tl.max(key, axis=0)
         idx = BLOCK_E - 1 - (best & (BLOCK_E - 1)).to(tl.int32)
-        top_w = tl.where(offs_k == j, (best >> 32).to(tl.int32).to(tl.float32, bitcast=True), top_w)
+        if EXACT:
+            top_w = tl.where(offs_k == j, (best >> 32).to(tl.int32).to(tl.float32, bitcast=True), top_w)
         top_i = tl.where(offs_k == j, idx, top_i)
         key = tl.where(offs == idx, -1, key)
+    if not EXACT:  # the chosen probabilities, all in one reduction
+        chosen = (offs[None, :] == top_i[:, None]) & (offs_k < TOP_K)[:, None]
+        top_w = tl.sum(tl.where(chosen, p[None, :], 0.0), axis=1)
     if NORM:
         top_w = top_w / tl.sum(top_w, axis=0)
     return top_w, top_i

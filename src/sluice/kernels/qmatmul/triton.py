@@ -129,12 +129,11 @@ def _dp2a(a, b, c, HI: tl.constexpr, ASM: tl.constexpr):
 
 
 @triton.jit
-def _rows_dot_at(xp_row, w_rows, s_rows, b_rows, K: tl.constexpr, BITS: tl.constexpr, GS: tl.constexpr,
-                 BN: tl.constexpr, ASM: tl.constexpr):
-    """[BN] fp32: each row . x over the whole of K in one tile (K / (32/BITS) and K / GS powers of two); w_rows,
-    s_rows, b_rows [BN] point at each row's first packed word, scale and bias (rows may belong to different
-    matrices), x prepared at xp_row (`_prep_groups`). The one-step form of `_gemv_kernel`'s loop, for kernels
-    that walk many small row blocks (kernels/moe/fused_decode.py)."""
+def _rows_dot(xp_row, w_ptr, s_ptr, b_ptr, rows, stride_wn, stride_sn, K: tl.constexpr, BITS: tl.constexpr,
+              GS: tl.constexpr, BN: tl.constexpr, ASM: tl.constexpr):
+    """[BN] fp32: W[rows] . x over the whole of K in one tile (K / (32/BITS) and K / GS powers of two), x prepared
+    at xp_row (`_prep_groups`). The one-step form of `_gemv_kernel`'s loop, for kernels that walk many small
+    row blocks (kernels/moe/fused_decode.py)."""
     EPW: tl.constexpr = 32 // BITS
     D: tl.constexpr = 8 // BITS
     KW: tl.constexpr = K // EPW
@@ -143,9 +142,10 @@ def _rows_dot_at(xp_row, w_rows, s_rows, b_rows, K: tl.constexpr, BITS: tl.const
     BYTE_MASK: tl.constexpr = ((1 << BITS) - 1) * 0x01010101
     offs_k = tl.arange(0, KW)
     offs_g = tl.arange(0, NG)
-    words = tl.load(w_rows[:, None] + offs_k[None, :])
-    s = tl.load(s_rows[:, None] + offs_g[None, :]).to(tl.float32)
-    b = tl.load(b_rows[:, None] + offs_g[None, :]).to(tl.float32)
+    rows = rows.to(tl.int64)
+    words = tl.load(w_ptr + rows[:, None] * stride_wn + offs_k[None, :])
+    s = tl.load(s_ptr + rows[:, None] * stride_sn + offs_g[None, :]).to(tl.float32)
+    b = tl.load(b_ptr + rows[:, None] * stride_sn + offs_g[None, :]).to(tl.float32)
     xf = xp_row.to(tl.pointer_type(tl.float32)) + 2 * D * KW
     xs = tl.load(xf + offs_g)
     xg = tl.load(xf + NG + offs_g)
@@ -159,15 +159,6 @@ def _rows_dot_at(xp_row, w_rows, s_rows, b_rows, K: tl.constexpr, BITS: tl.const
         dot = _dp2a(tl.load(xp_row + (2 * i + 1) * KW + offs_k)[None, :], a, dot, True, ASM)
     part = tl.sum(tl.reshape(dot, (BN, NG, WPG)), axis=2)
     return tl.sum(part.to(tl.float32) * s * xs[None, :] + b * xg[None, :], axis=1)
-
-
-@triton.jit
-def _rows_dot(xp_row, w_ptr, s_ptr, b_ptr, rows, stride_wn, stride_sn, K: tl.constexpr, BITS: tl.constexpr,
-              GS: tl.constexpr, BN: tl.constexpr, ASM: tl.constexpr):
-    """`_rows_dot_at` for rows of one matrix."""
-    rows = rows.to(tl.int64)
-    return _rows_dot_at(xp_row, w_ptr + rows * stride_wn, s_ptr + rows * stride_sn, b_ptr + rows * stride_sn, K,
-                        BITS, GS, BN, ASM)
 
 
 def prep_len(K: int, group_size: int) -> int:
