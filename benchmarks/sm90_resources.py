@@ -124,7 +124,6 @@ def _capture_all(module, names, call):
 def attention():
     """The decode-attention kernels (dense bf16 and TurboQuant) and the quantize-on-append kernel."""
     from sluice.kernels.attention import triton as at
-    from sluice.kernels.turboquant import reference as tq
     from sluice.kernels.turboquant import triton as tqt
 
     at_names = ["_decode_split_kernel", "_merge_splits_kernel"]

@@ -38,7 +38,7 @@ import torch
 import triton
 import triton.language as tl
 
-from sluice.kernels.moe.triton import MAX_EXPERTS, MAX_TOP_K, _softmax_topk
+from sluice.kernels.moe import triton as mt
 from sluice.kernels.qmatmul import triton as tq
 from sluice.quant.affine import QuantizedTensor
 
@@ -239,7 +239,7 @@ def _fused_decode_kernel(x_ptr, out_ptr, rw_ptr, rs_ptr, rb_ptr, gw_ptr, gs_ptr,
     offs_e = tl.arange(0, BLOCK_E)
     e_ok = offs_e < E
     logit = tl.load(logit_ptr + offs_e, mask=e_ok, other=-float("inf"), cache_modifier=".cg")
-    top_w, top_i = _softmax_topk(logit, offs_e, e_ok, TOP_K, KP, BLOCK_E, NORM, False)
+    top_w, top_i = mt._softmax_topk(logit, offs_e, e_ok, TOP_K, KP, BLOCK_E, NORM, False)
     if SHARED:
         gate = tl.load(logit_ptr + E + offs_k * 0, cache_modifier=".cg")
         top_i = tl.where(offs_k == TOP_K, E, top_i)
@@ -338,8 +338,6 @@ def supports(router, gate_up, down, top_k: int, shared_expert) -> bool:
     """Whether one launch runs this block for a token: router a float [E(+1), H] tensor or a QuantizedTensor
     with supported bits / group size; stacked quantized experts with H and I powers of two; the shared expert
     (if any) stored like a routed one, its gate logit the router's last row."""
-    from sluice.kernels.moe import triton as mt
-
     if not (isinstance(gate_up, QuantizedTensor) and isinstance(down, QuantizedTensor)):
         return False
     if not mt.supports(gate_up, down, top_k) or (shared_expert is not None and
@@ -372,7 +370,7 @@ def _workspace(device, G, slots, H, I, gs, router_gs, nb) -> dict:
         ws = _WORKSPACES[key] = dict(
             xp=torch.empty((G, pad(xlen)), dtype=torch.int32, device=device),
             hp=torch.empty((G, pad(tq.prep_len(I, gs))), dtype=torch.int32, device=device),
-            logits=torch.empty(MAX_EXPERTS + 1, dtype=torch.float32, device=device),
+            logits=torch.empty(mt.MAX_EXPERTS + 1, dtype=torch.float32, device=device),
             h=torch.empty((slots, I), dtype=torch.float32, device=device),
             y=torch.empty((slots, H), dtype=torch.float32, device=device),
             counters=torch.zeros(3 + nb, dtype=torch.int32, device=device))
