@@ -145,24 +145,24 @@ def time_decode(res, name, layers, k, copy_bw):
               f"({row['multi_launch_pct_floor'] * 100:.0f}%)", flush=True)
 
 
-FUSED_CONFIGS = [  # (num_warps, item_words, ahead, programs per multiprocessor)
-    (4, 8192, 1, 2), (4, 4096, 1, 2), (4, 8192, 1, 1)]
-STAMPS = ["start", "after PDL wait", "x prepared", "phase 1 done", "router done seen", "top-k done",
-          "phase 2 done", "gate_up done seen", "phase 3 done", "n-block atomics", "end"]
+FUSED_CONFIGS = [  # (num_warps, item_words, programs per multiprocessor, router rows per program)
+    (4, 8192, 2, 4), (4, 4096, 2, 4), (16, 8192, 1, 4), (16, 4096, 1, 4), (8, 4096, 1, 4), (16, 8192, 1, 2)]
+STAMPS = ["start", "after PDL wait", "router rows done", "x prepared", "top-k done", "gate_up items all done",
+          "own items done", "down items all done", "end"]
 
 
 def sweep_fused(res, name, layers, k):
-    """Launch options of the one-launch decode (8-bit router): warps per program x packed words per item x
-    items asked of L2 in advance."""
+    """Launch options of the one-launch decode (8-bit router): warps per program, packed words per item,
+    programs per multiprocessor, router rows per program."""
     rot = layers["8-bit"]
     xs = [torch.randn(1, rot[0].gate_up.shape[2], device="cuda", dtype=BF16) for _ in rot]
     args = [m._fused_decode_args(mt) for m in rot]
-    for w, words, ahead, per_sm in FUSED_CONFIGS:
-        calls = [lambda m=m, x=x, a=a, w=w, words=words, ahead=ahead, per_sm=per_sm: fd.moe_decode_fused(
-            x, a[0], m.gate_up, m.down, k, True, a[1], item_words=words, num_warps=w, ahead=ahead, per_sm=per_sm)
-            for m, x, a in zip(rot, xs, args)]
-        row = {"model": name, "kernel": "one-launch decode", "item_words": words, "num_warps": w, "ahead": ahead,
-               "per_sm": per_sm}
+    for w, words, per_sm, rr in FUSED_CONFIGS:
+        calls = [lambda m=m, x=x, a=a, w=w, words=words, per_sm=per_sm, rr=rr: fd.moe_decode_fused(
+            x, a[0], m.gate_up, m.down, k, True, a[1], item_words=words, num_warps=w, per_sm=per_sm,
+            router_rows=rr) for m, x, a in zip(rot, xs, args)]
+        row = {"model": name, "kernel": "one-launch decode", "item_words": words, "num_warps": w, "per_sm": per_sm,
+               "router_rows": rr}
         case(res, f"{name} sweep {row}", lambda: row.update(us=graph_time(calls) * 1e6))
         res["sweep"].append(row)
         print(f"sweep {row}", flush=True)
@@ -170,20 +170,23 @@ def sweep_fused(res, name, layers, k):
 
 def fused_timeline(res, name, layers, k):
     """Where one launch spends its time: every program's global-timer stamps (ns) at the phase boundaries, for
-    the last of a run over all layer copies (its weights cold), as min / median / max over the programs of
-    the time since the earliest program passed the PDL wait."""
+    the last of a run over all layer copies (its weights cold), as min / median / max over the programs that
+    passed that point (some points only some programs pass: router rows, combine), of the time since the
+    earliest program passed the PDL wait."""
     rot = layers["8-bit"]
     G = fd.PER_SM * tq._num_sms(torch.device("cuda"))
     ts = torch.zeros(G, 16, dtype=torch.int64, device="cuda")
     for m in rot:
         a = m._fused_decode_args(mt)
+        ts.zero_()
         fd.moe_decode_fused(torch.randn(1, m.gate_up.shape[2], device="cuda", dtype=BF16), a[0], m.gate_up, m.down,
                             k, True, a[1], timeline=ts)
     torch.cuda.synchronize()
     t = ts[:, :len(STAMPS)].double()
-    t = (t - t[:, 1].min()) / 1e3
-    row = {"model": name, "stamps": {s: [float(t[:, j].min()), float(t[:, j].median()), float(t[:, j].max())]
-                                     for j, s in enumerate(STAMPS)}}
+    t0 = t[:, 1].min()
+    cols = [(t[:, j][t[:, j] > 0] - t0) / 1e3 for j in range(len(STAMPS))]
+    row = {"model": name, "stamps": {s: [float(c.min()), float(c.median()), float(c.max())]
+                                     for s, c in zip(STAMPS, cols) if c.numel()}}
     res["timeline"].append(row)
     for s_, (lo, med, hi) in row["stamps"].items():
         print(f"timeline {name} {s_:20s} min {lo:7.2f} median {med:7.2f} max {hi:7.2f} us", flush=True)
@@ -265,11 +268,11 @@ def print_tables(res):
     for r in res["decode"]:
         print(f"{r['model']:30s} {r['router']:>6s} {r['floor_us']:8.1f} {r['us']:10.1f} {r['pct_floor'] * 100:6.0f}% "
               f"{r['multi_launch_us']:12.1f} {r['multi_launch_pct_floor'] * 100:6.0f}%")
-    print(f"\n{'decode launch sweep':30s} {'kernel':>18s} {'block_n/words':>13s} {'warps':>5s} {'ahead':>5s} "
-          f"{'per SM':>6s} {'us':>7s}")
+    print(f"\n{'decode launch sweep':30s} {'kernel':>18s} {'block_n/words':>13s} {'warps':>5s} {'per SM':>6s} "
+          f"{'router rows':>11s} {'us':>7s}")
     for r in sorted(res["sweep"], key=lambda r: (r["model"], r["kernel"], r.get("us", 1e9))):
         print(f"{r['model']:30s} {r['kernel']:>18s} {r.get('block_n', r.get('item_words', '-'))!s:>13s} "
-              f"{r['num_warps']:5d} {r.get('ahead', '-')!s:>5s} {r.get('per_sm', '-')!s:>6s} "
+              f"{r['num_warps']:5d} {r.get('per_sm', '-')!s:>6s} {r.get('router_rows', '-')!s:>11s} "
               f"{r.get('us', float('nan')):7.1f}")
     print(f"\n{'routed experts':30s} {'T':>5s} {'GEMVs us':>9s} {'grouped us':>11s}")
     for r in res["crossover"]:

@@ -42,6 +42,7 @@ class Capture:
 def compile_launch(fn, args, kw):
     """ptxas's report for one captured launch: (registers, spill bytes, shared bytes)."""
     kw = dict(kw)
+    kw.pop("launch_pdl", None)  # a launch option, not a compile one
     opts = {k: kw.pop(k) for k in ("num_warps", "num_stages") if k in kw}
     names = [n for n in fn.arg_names if n not in kw]
     signature, attrs = {}, {}
@@ -171,21 +172,21 @@ def moe():
         E, k = 512, 10
         routers = {"8-bit": q(0, E + 1, H, 8, 64), "bf16": torch.zeros(E + 1, H).bfloat16()}
         for name, router in routers.items():
-            for warps, words in ((4, 8192), (4, 4096), (2, 4096)):
+            for warps, words in ((4, 8192), (4, 4096)):
                 interp, qt.INTERPRET = qt.INTERPRET, True  # passes the device check; the kernel flags are set below
                 try:
                     launches = _capture_all(fd, ["_fused_decode_kernel"], lambda: fd.moe_decode_fused(
                         torch.zeros(1, H).bfloat16(), router, q(E, 2 * I, H), q(E, H, I), k, True,
-                        (q(0, 2 * I, H), q(0, H, I)), num_warps=warps, item_words=words))
+                        (q(0, 2 * I, H), q(0, H, I)), num_warps=warps, item_words=words,
+                        per_sm=1 if warps > 4 else 2))
                 finally:
                     qt.INTERPRET = interp
                 for kname, fn, (grid, args, kw) in launches:
                     kw = dict(kw, ASM=True, PDL=True, PREFETCH=True, TIMELINE=True)
-                    kw.pop("launch_pdl", None)
                     try:
                         r = compile_launch(fn, args, kw)
                     except Exception as e:  # noqa: BLE001 - report and go on
-                        r = f"{type(e).__name__}: {str(e)[:300]}"
+                        r = f"{type(e).__name__}: {str(e)[-1500:]}"
                     rows.append((f"{kname} w{words}", f"H{H} I{I}", name, warps, r))
                     print(*rows[-1], flush=True)
     print(f"\n{'kernel':28s} {'shape':>12s} {'router':>6s} {'warps':>5s}  regs spill shared")

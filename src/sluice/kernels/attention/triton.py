@@ -4,7 +4,8 @@ One new query per sequence (position p, keys 0..p, or p-W+1..p with a sliding wi
 head, split): all G = Hq / Hkv query heads of the KV head at once (each K/V byte read once), over the split's
 positions in blocks, with an online softmax; it writes its partial output and (max, sum) per head. A second
 kernel merges the splits (a split that saw no key, max = -inf, weighs 0; no NaN). Positions map to slots p, or
-p % capacity in a ring.
+p % capacity in a ring. On Hopper both launch with programmatic dependent launch (`qmatmul.triton._pdl_start`):
+each one's launch and set-up overlap the end of the kernel before it.
 
 TurboQuant (QUANT): keys and values of positions p - j >= RECENT come from the 4-bit codes (byte i of a vector
 holds coordinates i and i + D/2, so the two halves of q and of the output meet the low and the high nibbles with
@@ -22,6 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
+from sluice.kernels.qmatmul.triton import _pdl_start, pdl
 from sluice.kernels.turboquant import reference
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
@@ -34,7 +36,8 @@ def _decode_split_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, kr_ptr, vr_ptr, lv
                          stride_rb, stride_rh, stride_rt,
                          G: tl.constexpr, BG: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
                          QUANT: tl.constexpr, RING: tl.constexpr, WINDOW: tl.constexpr, RECENT: tl.constexpr,
-                         TC: tl.constexpr):
+                         TC: tl.constexpr, PDL: tl.constexpr):
+    _pdl_start(PDL)  # q and the cache come from the kernels before
     bh = tl.program_id(0)
     split = tl.program_id(1)
     b = bh // Hkv
@@ -200,9 +203,10 @@ def _int_levels(codes, lv_ptr, TC: tl.constexpr):
 @triton.jit
 def _merge_splits_kernel(op_ptr, ml_ptr, o_ptr, Hkv, n_splits, stride_ob, stride_oh,
                          G: tl.constexpr, BG: tl.constexpr, D: tl.constexpr, BD: tl.constexpr, NSP: tl.constexpr,
-                         SB: tl.constexpr):
+                         SB: tl.constexpr, PDL: tl.constexpr):
     """Program (query head, BD coordinates): the splits' weights exp(m_s - M) from all (max, sum) at once, then
     the weighted partial outputs SB splits at a time (a launch that is all latency: few, wide steps)."""
+    _pdl_start(PDL)
     row = tl.program_id(0)
     bh = row // G
     g = row % G
@@ -292,6 +296,7 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, position
     ks, vs = (k_scale, v_scale) if quant else (dummy, dummy)
     kr, vr = (k_recent, v_recent) if quant else (dummy, dummy)
     recent = k_recent.shape[2] if quant else 1
+    use_pdl = pdl(q.device)
     _decode_split_kernel[(B * Hkv, ns)](
         q, k, v, ks, vs, kr, vr, _level_table(q.device) if quant else dummy, positions, op, ml, scale, Hkv, cap,
         per_split, ns,
@@ -299,10 +304,12 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, position
         ks.stride(0) if quant else 0, ks.stride(1) if quant else 0,
         kr.stride(0) if quant else 0, kr.stride(1) if quant else 0, kr.stride(2) if quant else 0,
         G=G, BG=BG, D=D, BLOCK_N=block_n, QUANT=quant, RING=window is not None, WINDOW=window or 0,
-        RECENT=recent, TC=not INTERPRET, num_warps=num_warps, num_stages=num_stages)
+        RECENT=recent, TC=not INTERPRET, PDL=use_pdl, launch_pdl=use_pdl, num_warps=num_warps,
+        num_stages=num_stages)
     o = torch.empty((B, Hq, D), dtype=out_dtype or q.dtype, device=q.device)
     BD = min(D, 64)
     nsp = triton.next_power_of_2(ns)
     _merge_splits_kernel[(B * Hq, D // BD)](op, ml, o, Hkv, ns, o.stride(0), o.stride(1), G=G, BG=BG, D=D, BD=BD,
-                                            NSP=nsp, SB=min(nsp, 64), num_warps=4)
+                                            NSP=nsp, SB=min(nsp, 64), PDL=use_pdl, launch_pdl=use_pdl,
+                                            num_warps=4)
     return o

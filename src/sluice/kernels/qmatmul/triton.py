@@ -129,11 +129,23 @@ def _dp2a(a, b, c, HI: tl.constexpr, ASM: tl.constexpr):
 
 
 @triton.jit
-def _rows_dot(xp_row, w_ptr, s_ptr, b_ptr, rows, stride_wn, stride_sn, K: tl.constexpr, BITS: tl.constexpr,
-              GS: tl.constexpr, BN: tl.constexpr, ASM: tl.constexpr):
-    """[BN] fp32: W[rows] . x over the whole of K in one tile (K / (32/BITS) and K / GS powers of two), x prepared
-    at xp_row (`_prep_groups`). The one-step form of `_gemv_kernel`'s loop, for kernels that walk many small
-    row blocks (kernels/moe/fused_decode.py)."""
+def _rows_load(w_ptr, s_ptr, b_ptr, rows, stride_wn, stride_sn, K: tl.constexpr, BITS: tl.constexpr,
+               GS: tl.constexpr):
+    """(packed words [BN, K/(32/BITS)], scales and biases fp32 [BN, K/GS]) of W[rows]: the loads of `_rows_dot`,
+    apart so that a caller can have them in flight while it prepares x."""
+    offs_k = tl.arange(0, K // (32 // BITS))
+    offs_g = tl.arange(0, K // GS)
+    rows = rows.to(tl.int64)
+    words = tl.load(w_ptr + rows[:, None] * stride_wn + offs_k[None, :])
+    s = tl.load(s_ptr + rows[:, None] * stride_sn + offs_g[None, :]).to(tl.float32)
+    b = tl.load(b_ptr + rows[:, None] * stride_sn + offs_g[None, :]).to(tl.float32)
+    return words, s, b
+
+
+@triton.jit
+def _rows_dot_loaded(xp_row, words, s, b, K: tl.constexpr, BITS: tl.constexpr, GS: tl.constexpr, BN: tl.constexpr,
+                     ASM: tl.constexpr):
+    """[BN] fp32: the rows loaded by `_rows_load` . x prepared at xp_row (`_prep_groups`)."""
     EPW: tl.constexpr = 32 // BITS
     D: tl.constexpr = 8 // BITS
     KW: tl.constexpr = K // EPW
@@ -142,10 +154,6 @@ def _rows_dot(xp_row, w_ptr, s_ptr, b_ptr, rows, stride_wn, stride_sn, K: tl.con
     BYTE_MASK: tl.constexpr = ((1 << BITS) - 1) * 0x01010101
     offs_k = tl.arange(0, KW)
     offs_g = tl.arange(0, NG)
-    rows = rows.to(tl.int64)
-    words = tl.load(w_ptr + rows[:, None] * stride_wn + offs_k[None, :])
-    s = tl.load(s_ptr + rows[:, None] * stride_sn + offs_g[None, :]).to(tl.float32)
-    b = tl.load(b_ptr + rows[:, None] * stride_sn + offs_g[None, :]).to(tl.float32)
     xf = xp_row.to(tl.pointer_type(tl.float32)) + 2 * D * KW
     xs = tl.load(xf + offs_g)
     xg = tl.load(xf + NG + offs_g)
@@ -159,6 +167,16 @@ def _rows_dot(xp_row, w_ptr, s_ptr, b_ptr, rows, stride_wn, stride_sn, K: tl.con
         dot = _dp2a(tl.load(xp_row + (2 * i + 1) * KW + offs_k)[None, :], a, dot, True, ASM)
     part = tl.sum(tl.reshape(dot, (BN, NG, WPG)), axis=2)
     return tl.sum(part.to(tl.float32) * s * xs[None, :] + b * xg[None, :], axis=1)
+
+
+@triton.jit
+def _rows_dot(xp_row, w_ptr, s_ptr, b_ptr, rows, stride_wn, stride_sn, K: tl.constexpr, BITS: tl.constexpr,
+              GS: tl.constexpr, BN: tl.constexpr, ASM: tl.constexpr):
+    """[BN] fp32: W[rows] . x over the whole of K in one tile (K / (32/BITS) and K / GS powers of two), x prepared
+    at xp_row (`_prep_groups`). The one-step form of `_gemv_kernel`'s loop, for kernels that walk many small
+    row blocks (kernels/moe/fused_decode.py)."""
+    words, s, b = _rows_load(w_ptr, s_ptr, b_ptr, rows, stride_wn, stride_sn, K, BITS, GS)
+    return _rows_dot_loaded(xp_row, words, s, b, K, BITS, GS, BN, ASM)
 
 
 def prep_len(K: int, group_size: int) -> int:
