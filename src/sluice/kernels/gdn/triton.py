@@ -191,7 +191,7 @@ def _put_block(scr, bi: tl.constexpr, bj: tl.constexpr, x):
 
 @triton.jit
 def _chunk_prep_kernel(q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, alog_ptr, dtb_ptr, cu_ptr, first_ptr,
-                       G_ptr, rq_ptr, rk_ptr, w_ptr, u_ptr, p_ptr, scr_ptr, N, T, NC, scale,
+                       G_ptr, rk_ptr, wq_ptr, u_ptr, p_ptr, scr_ptr, N, T, NC, scale,
                        stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_at, stride_bt,
                        stride_Gt, stride_rt, stride_wt, stride_wh, stride_ut, stride_uh, stride_pt, stride_ph,
                        RATIO: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
@@ -202,10 +202,12 @@ def _chunk_prep_kernel(q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, alog_ptr, dtb_ptr, cu_
         G = the in-chunk cumsum of the gates g,  A[i, j] = beta_i (kn_i . kn_j) exp(G_i - G_j)  (i > j)
         w = (I + A)^-1 (beta exp(G) kn),  u = (I + A)^-1 (beta v)           (the WY vectors)
         P = scale tril_incl((qn kn^T) exp(G_i - G_j))                       (the intra-chunk attention)
+        qs = scale exp(G) qn                                                 (what meets the state)
+w and qs are stored side by side ([token, head, 2, K]): the scan multiplies both by the state in one product.
     (I + A)^-1 goes through scratch memory: A there (one dot for all of it), the four 16x16 diagonal blocks
     inverted at once by forward substitution (a row read back per step), the blocks below from
     X_ij = -X_ii sum_{j<=m<i} A_im X_mj, then read back whole for the w and u products. The first value head of
-    each key head stores 1/|q| and 1/|k| for the scan."""
+    each key head stores 1/|k| for the scan."""
     c = tl.program_id(0)
     h = tl.program_id(1)
     kh = h // RATIO
@@ -218,9 +220,8 @@ def _chunk_prep_kernel(q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, alog_ptr, dtb_ptr, cu_
         a_ptr += t0 * stride_at
         b_ptr += t0 * stride_bt
         G_ptr += t0 * stride_Gt
-        rq_ptr += t0 * stride_rt
         rk_ptr += t0 * stride_rt
-        w_ptr += t0 * stride_wt
+        wq_ptr += t0 * stride_wt
         u_ptr += t0 * stride_ut
         p_ptr += t0 * stride_pt
         scr = scr_ptr + (c.to(tl.int64) * tl.num_programs(1) + h) * 4096
@@ -233,19 +234,20 @@ def _chunk_prep_kernel(q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, alog_ptr, dtb_ptr, cu_
         rk, rq = _rnorm(k, L2NORM), _rnorm(q, L2NORM)
         if L2NORM and h % RATIO == 0:
             tl.store(rk_ptr + rows * stride_rt + kh, rk, mask=ok)
-            tl.store(rq_ptr + rows * stride_rt + kh, rq, mask=ok)
         g, beta = _gates(a_ptr, b_ptr, alog_ptr, dtb_ptr, h, rows, ok, stride_at, stride_bt, RAW_GATES)
         G = tl.cumsum(g, axis=0)  # rows past the end have g = 0: their G is the last row's, every exp below <= 1
         tl.store(G_ptr + rows * stride_Gt + h, G, mask=ok)
         diff = G[:, None] - G[None, :]
-        kk = _dot(k, tl.trans(k), "ieee", BF16)
-        A = (beta * rk)[:, None] * kk * rk[None, :] * tl.exp(tl.where(rows[:, None] > rows[None, :], diff, -float("inf")))
-        tl.store(scr + rows[:, None] * 64 + rows[None, :], A)
-        # P now, so that q and the gate differences are dead before the solve (registers)
+        # qs and P first, so that q is dead before A and the solve (registers)
+        _store_rows(wq_ptr + K, rows, ok, h, stride_wt, stride_wh, offs_k, k_ok,
+                    q.to(tl.float32) * (rq * scale * tl.exp(G))[:, None])
         qk = _dot(q, tl.trans(k), "ieee", BF16)
         decay = tl.exp(tl.where(rows[:, None] >= rows[None, :], diff, -float("inf")))
         _store_rows(p_ptr, rows, ok, h, stride_pt, stride_ph, rows, rows < 64,
                     (rq * scale)[:, None] * qk * rk[None, :] * decay)
+        kk = _dot(k, tl.trans(k), "ieee", BF16)
+        A = (beta * rk)[:, None] * kk * rk[None, :] * tl.exp(tl.where(rows[:, None] > rows[None, :], diff, -float("inf")))
+        tl.store(scr + rows[:, None] * 64 + rows[None, :], A)
         tl.debug_barrier()
         # (I + A_bb)^-1 of the four diagonal blocks at once, [row, col, block]: row i = e_i - sum_{j<i} A[i, j] row j
         r = tl.arange(0, 16)
@@ -284,7 +286,7 @@ def _chunk_prep_kernel(q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, alog_ptr, dtb_ptr, cu_
                      other=0.0)
         # bf16 operands, as FLA: tf32 here was 1.5x slower for the kernel on the H100, output error 2.9e-3 vs 3.3e-3
         w = _dot(ai, k.to(tl.float32) * (beta * tl.exp(G) * rk)[:, None], PREC, BF16)
-        _store_rows(w_ptr, rows, ok, h, stride_wt, stride_wh, offs_k, k_ok, w)
+        _store_rows(wq_ptr, rows, ok, h, stride_wt, stride_wh, offs_k, k_ok, w)
         offs_v = tl.arange(0, BV)
         v_ok = offs_v < V
         v = _load_rows(v_ptr, rows, ok, h, stride_vt, stride_vh, offs_v, v_ok)
@@ -293,19 +295,19 @@ def _chunk_prep_kernel(q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, alog_ptr, dtb_ptr, cu_
 
 
 @triton.jit
-def _chunk_scan_kernel(q_ptr, k_ptr, w_ptr, u_ptr, p_ptr, G_ptr, rq_ptr, rk_ptr, s_ptr, idx_ptr, cu_ptr, o_ptr, T,
-                       scale, stride_qt, stride_qh, stride_kt, stride_kh, stride_wt, stride_wh, stride_ut, stride_uh,
+def _chunk_scan_kernel(k_ptr, wq_ptr, u_ptr, p_ptr, G_ptr, rk_ptr, s_ptr, idx_ptr, cu_ptr, o_ptr, T,
+                       stride_kt, stride_kh, stride_wt, stride_wh, stride_ut, stride_uh,
                        stride_pt, stride_ph, stride_Gt, stride_rt, stride_ss, stride_sh, stride_ot, stride_oh,
                        RATIO: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                        C: tl.constexpr, VARLEN: tl.constexpr, HAS_IDX: tl.constexpr, L2NORM: tl.constexpr,
                        PREC: tl.constexpr, BF16: tl.constexpr):
     """Program (value block, value head, sequence): walks the sequence's chunks with its [K, BV] slice of the
-    state in fp32 registers; per chunk (S the state at its start; w, u, P from the prep kernel):
-        v_new = u - w S
-        o = scale (qn exp(G)) S + P v_new
+    state in fp32 registers; per chunk (S the state at its start; w, qs, u, P from the prep kernel):
+        [w; qs] S = [w S; o1]    (one product, the chunk's 64 w rows and 64 qs rows stacked)
+        v_new = u - w S,  o = o1 + P v_new
         S = exp(G_last) S + (kn exp(G_last - G))^T v_new
-    q and k are read raw and their norms applied as row factors. Neither v_new nor the chunk states ever reach
-    memory. The final state is written in place."""
+    k is read raw and its norm applied as a row factor. Neither v_new nor the chunk states ever reach memory.
+    The final state is written in place."""
     pid_v = tl.program_id(0)
     h = tl.program_id(1)
     n = tl.program_id(2)
@@ -327,26 +329,27 @@ def _chunk_scan_kernel(q_ptr, k_ptr, w_ptr, u_ptr, p_ptr, G_ptr, rq_ptr, rk_ptr,
         s_mask = k_ok[:, None] & v_ok[None, :]
         S = tl.load(s_tile, mask=s_mask, other=0.0)
         rows = tl.arange(0, C)
+        rows2 = tl.arange(0, 2 * C)  # [w; qs]: row r is plane r // C of token r % C
         for j in range(tl.cdiv(eos - bos, C)):
             t0 = (bos + j * C).to(tl.int64)
             n_rows = tl.minimum(eos - bos - j * C, C)
             ok = rows < n_rows
-            q = _load_rows(q_ptr + t0 * stride_qt, rows, ok, kh, stride_qt, stride_qh, offs_k, k_ok)
             k = _load_rows(k_ptr + t0 * stride_kt, rows, ok, kh, stride_kt, stride_kh, offs_k, k_ok)
-            w = _load_rows(w_ptr + t0 * stride_wt, rows, ok, h, stride_wt, stride_wh, offs_k, k_ok)
+            wq_off = (rows2 % C)[:, None] * stride_wt + h * stride_wh + (rows2 // C)[:, None] * K + offs_k[None, :]
+            wq = tl.load(wq_ptr + t0 * stride_wt + wq_off, mask=((rows2 % C) < n_rows)[:, None] & k_ok[None, :],
+                         other=0.0)
             u = _load_rows(u_ptr + t0 * stride_ut, rows, ok, h, stride_ut, stride_uh, offs_v, v_ok)
             p = _load_rows(p_ptr + t0 * stride_pt, rows, ok, h, stride_pt, stride_ph, rows, rows < C)
             G_last = tl.load(G_ptr + (t0 + n_rows - 1) * stride_Gt + h)
             G = tl.load(G_ptr + (t0 + rows) * stride_Gt + h, mask=ok, other=0.0)
             G = tl.where(ok, G, G_last)
             if L2NORM:
-                rq = tl.load(rq_ptr + (t0 + rows) * stride_rt + kh, mask=ok, other=0.0)
                 rk = tl.load(rk_ptr + (t0 + rows) * stride_rt + kh, mask=ok, other=0.0)
             else:
-                rq = tl.full((C,), 1.0, dtype=tl.float32)
                 rk = tl.full((C,), 1.0, dtype=tl.float32)
-            v_new = u.to(tl.float32) - _dot(w, S, PREC, BF16)
-            o = _dot(q, S, PREC, BF16) * (tl.exp(G) * rq * scale)[:, None] + _dot(p, v_new, PREC, BF16)
+            ws, o1 = tl.split(tl.permute(tl.reshape(_dot(wq, S, PREC, BF16), (2, C, BV)), (1, 2, 0)))
+            v_new = u.to(tl.float32) - ws
+            o = o1 + _dot(p, v_new, PREC, BF16)
             _store_rows(o_ptr + t0 * stride_ot, rows, ok, h, stride_ot, stride_oh, offs_v, v_ok, o)
             v_new = v_new * tl.where(ok, rk * tl.exp(G_last - G), 0.0)[:, None]
             S = S * tl.exp(G_last) + _dot(tl.trans(k), v_new, PREC, BF16)
@@ -417,11 +420,11 @@ def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a:
     inter = torch.bfloat16 if bf16 else torch.float32  # w and u (FLA keeps them in the inputs' dtype too)
     dot16 = bf16 and not INTERPRET
     prec = "ieee" if v.dtype == torch.float32 else "tf32"
-    w = torch.empty((B * T, Hv, K), dtype=inter, device=dev)
+    wq = torch.empty((B * T, Hv, 2, K), dtype=inter, device=dev)  # w and qs of each token, side by side
     u = torch.empty((B * T, Hv, V), dtype=inter, device=dev)
     p = torch.empty((B * T, Hv, C), dtype=inter, device=dev)  # the intra-chunk attention, row t of its chunk
     G = torch.empty((B * T, Hv), dtype=torch.float32, device=dev)
-    rqk = torch.empty((2, B * T, Hk), dtype=torch.float32, device=dev)  # 1/|q|, 1/|k| per token and key head
+    rk = torch.empty((B * T, Hk), dtype=torch.float32, device=dev)  # 1/|k| per token and key head
     scratch = torch.empty((n_chunks, Hv, C * C), dtype=torch.float32, device=dev)  # A, then (I + A)^-1
     BK, BV = triton.next_power_of_2(K), triton.next_power_of_2(V)
     varlen = cu_seqlens is not None
@@ -429,18 +432,18 @@ def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a:
     w_prep, w_scan = num_warps or (4, 4)  # measured on the H100 (prep with 8 warps: 1.8x slower)
     _chunk_prep_kernel[(n_chunks, Hv)](
         q2, k2, v2, a2, b2, A_log if raw else a2, dt_bias if raw else a2, cu_t, first_t,
-        G, rqk[0], rqk[1], w, u, p, scratch, N, T, triton.cdiv(T, C), scale,
+        G, rk, wq, u, p, scratch, N, T, triton.cdiv(T, C), scale,
         q2.stride(0), q2.stride(1), k2.stride(0), k2.stride(1), v2.stride(0), v2.stride(1), a2.stride(0),
-        b2.stride(0), G.stride(0), rqk.stride(1), w.stride(0), w.stride(1), u.stride(0), u.stride(1),
+        b2.stride(0), G.stride(0), rk.stride(0), wq.stride(0), wq.stride(1), u.stride(0), u.stride(1),
         p.stride(0), p.stride(1),
         RATIO=Hv // Hk, K=K, V=V, BK=BK, BV=BV, VARLEN=varlen, NP2=triton.next_power_of_2(N),
         RAW_GATES=raw, L2NORM=use_qk_l2norm, PREC=prec, BF16=dot16, num_warps=w_prep)
     bv = block_v or min(32 if BK <= 128 else 16, BV)  # K = 256: shared memory
     idx = state_indices if state_indices is not None else cu_t
     _chunk_scan_kernel[(triton.cdiv(V, bv), Hv, N)](
-        q2, k2, w, u, p, G, rqk[0], rqk[1], state, idx, cu_t, o2, T, scale,
-        q2.stride(0), q2.stride(1), k2.stride(0), k2.stride(1), w.stride(0), w.stride(1), u.stride(0), u.stride(1),
-        p.stride(0), p.stride(1), G.stride(0), rqk.stride(1), state.stride(0), state.stride(1), o2.stride(0),
+        k2, wq, u, p, G, rk, state, idx, cu_t, o2, T,
+        k2.stride(0), k2.stride(1), wq.stride(0), wq.stride(1), u.stride(0), u.stride(1),
+        p.stride(0), p.stride(1), G.stride(0), rk.stride(0), state.stride(0), state.stride(1), o2.stride(0),
         o2.stride(1),
         RATIO=Hv // Hk, K=K, V=V, BK=BK, BV=bv, C=C, VARLEN=varlen, HAS_IDX=state_indices is not None,
         L2NORM=use_qk_l2norm, PREC=prec, BF16=dot16, num_warps=w_scan,
