@@ -246,7 +246,8 @@ w and qs are stored side by side ([token, head, 2, K]): the scan multiplies both
         _store_rows(p_ptr, rows, ok, h, stride_pt, stride_ph, rows, rows < 64,
                     (rq * scale)[:, None] * qk * rk[None, :] * decay)
         kk = _dot(k, tl.trans(k), "ieee", BF16)
-        A = (beta * rk)[:, None] * kk * rk[None, :] * tl.exp(tl.where(rows[:, None] > rows[None, :], diff, -float("inf")))
+        A = (beta * rk)[:, None] * kk * rk[None, :] * tl.exp(tl.where(rows[:, None] > rows[None, :], diff,
+                                                                      -float("inf")))
         tl.store(scr + rows[:, None] * 64 + rows[None, :], A)
         tl.debug_barrier()
         # (I + A_bb)^-1 of the four diagonal blocks at once, [row, col, block]: row i = e_i - sum_{j<i} A[i, j] row j

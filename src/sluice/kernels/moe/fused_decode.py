@@ -429,10 +429,10 @@ def moe_decode_fused(x: torch.Tensor, router, gate_up: QuantizedTensor, down: Qu
     _fused_decode_kernel[(G,)](
         x, out, rw, rs, rb, gate_up.weight.view(torch.int32), gate_up.scales, gate_up.biases,
         down.weight.view(torch.int32), down.scales, down.biases, *sh,
-        ws["xp"], ws["hp"], ws["ids"], ws["logits"], ws["h"], ws["y"], ws["counters"], ws["counters"] if timeline is None
-        else timeline, rw.stride(0), stride_rsn, gate_up.weight.stride(0), gate_up.weight.stride(1),
-        gate_up.scales.stride(0), gate_up.scales.stride(1), down.weight.stride(0), down.weight.stride(1),
-        down.scales.stride(0), down.scales.stride(1), ws["xp"].stride(0), ws["hp"].stride(0),
+        ws["xp"], ws["hp"], ws["ids"], ws["logits"], ws["h"], ws["y"], ws["counters"],
+        ws["counters"] if timeline is None else timeline, rw.stride(0), stride_rsn, gate_up.weight.stride(0),
+        gate_up.weight.stride(1), gate_up.scales.stride(0), gate_up.scales.stride(1), down.weight.stride(0),
+        down.weight.stride(1), down.scales.stride(0), down.scales.stride(1), ws["xp"].stride(0), ws["hp"].stride(0),
         E=E, H=H, I=I, TOP_K=top_k, KP=triton.next_power_of_2(slots), BLOCK_E=triton.next_power_of_2(E),
         NORM=norm_topk_prob, SHARED=shared, RBITS=rbits, RGS=rgs, RDENSE=dense_router, R_OWN_X=r_own_x,
         BITS=bits, GS=gs, RBN=router_rows, GBN=gbn, DBN=dbn, ASM=not tq.INTERPRET, PDL=use_pdl,
