@@ -202,8 +202,9 @@ def _chunk_prep_kernel(q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, alog_ptr, dtb_ptr, cu_
         G = the in-chunk cumsum of the gates g,  A[i, j] = beta_i (kn_i . kn_j) exp(G_i - G_j)  (i > j)
         w = (I + A)^-1 (beta exp(G) kn),  u = (I + A)^-1 (beta v)           (the WY vectors)
         P = scale tril_incl((qn kn^T) exp(G_i - G_j))                       (the intra-chunk attention)
-        qs = scale exp(G) qn                                                 (what meets the state)
-w and qs are stored side by side ([token, head, 2, K]): the scan multiplies both by the state in one product.
+        qs = scale qn                                                        (what meets the state)
+    Per token and key head, the w of its RATIO value heads and qs lie side by side ([token, key head, RATIO + 1,
+    K]; qs stored by the first value head): the scan multiplies its w and qs by the state in one product.
     (I + A)^-1 goes through scratch memory: A there (one dot for all of it), the four 16x16 diagonal blocks
     inverted at once by forward substitution (a row read back per step), the blocks below from
     X_ij = -X_ii sum_{j<=m<i} A_im X_mj, then read back whole for the w and u products. The first value head of
@@ -239,8 +240,9 @@ w and qs are stored side by side ([token, head, 2, K]): the scan multiplies both
         tl.store(G_ptr + rows * stride_Gt + h, G, mask=ok)
         diff = G[:, None] - G[None, :]
         # qs and P first, so that q is dead before A and the solve (registers)
-        _store_rows(wq_ptr + K, rows, ok, h, stride_wt, stride_wh, offs_k, k_ok,
-                    q.to(tl.float32) * (rq * scale * tl.exp(G))[:, None])
+        if h % RATIO == 0:
+            _store_rows(wq_ptr + RATIO * K, rows, ok, kh, stride_wt, stride_wh, offs_k, k_ok,
+                        q.to(tl.float32) * (rq * scale)[:, None])
         qk = _dot(q, tl.trans(k), "ieee", BF16)
         decay = tl.exp(tl.where(rows[:, None] >= rows[None, :], diff, -float("inf")))
         _store_rows(p_ptr, rows, ok, h, stride_pt, stride_ph, rows, rows < 64,
@@ -287,7 +289,7 @@ w and qs are stored side by side ([token, head, 2, K]): the scan multiplies both
                      other=0.0)
         # bf16 operands, as FLA: tf32 here was 1.5x slower for the kernel on the H100, output error 2.9e-3 vs 3.3e-3
         w = _dot(ai, k.to(tl.float32) * (beta * tl.exp(G) * rk)[:, None], PREC, BF16)
-        _store_rows(wq_ptr, rows, ok, h, stride_wt, stride_wh, offs_k, k_ok, w)
+        _store_rows(wq_ptr + (h % RATIO) * K, rows, ok, kh, stride_wt, stride_wh, offs_k, k_ok, w)
         offs_v = tl.arange(0, BV)
         v_ok = offs_v < V
         v = _load_rows(v_ptr, rows, ok, h, stride_vt, stride_vh, offs_v, v_ok)
@@ -304,8 +306,8 @@ def _chunk_scan_kernel(k_ptr, wq_ptr, u_ptr, p_ptr, G_ptr, rk_ptr, s_ptr, idx_pt
                        PREC: tl.constexpr, BF16: tl.constexpr):
     """Program (value block, value head, sequence): walks the sequence's chunks with its [K, BV] slice of the
     state in fp32 registers; per chunk (S the state at its start; w, qs, u, P from the prep kernel):
-        [w; qs] S = [w S; o1]    (one product, the chunk's 64 w rows and 64 qs rows stacked)
-        v_new = u - w S,  o = o1 + P v_new
+        [w; qs] S = [w S; qs S]    (one product, the chunk's 64 w rows and 64 qs rows stacked)
+        v_new = u - w S,  o = exp(G) (qs S) + P v_new
         S = exp(G_last) S + (kn exp(G_last - G))^T v_new
     k is read raw and its norm applied as a row factor. Neither v_new nor the chunk states ever reach memory.
     The final state is written in place."""
@@ -330,13 +332,14 @@ def _chunk_scan_kernel(k_ptr, wq_ptr, u_ptr, p_ptr, G_ptr, rk_ptr, s_ptr, idx_pt
         s_mask = k_ok[:, None] & v_ok[None, :]
         S = tl.load(s_tile, mask=s_mask, other=0.0)
         rows = tl.arange(0, C)
-        rows2 = tl.arange(0, 2 * C)  # [w; qs]: row r is plane r // C of token r % C
+        rows2 = tl.arange(0, 2 * C)  # [w; qs]: row r of token r % C, plane h % RATIO (w) or RATIO (qs)
+        plane = tl.where(rows2 < C, h % RATIO, RATIO)
         for j in range(tl.cdiv(eos - bos, C)):
             t0 = (bos + j * C).to(tl.int64)
             n_rows = tl.minimum(eos - bos - j * C, C)
             ok = rows < n_rows
             k = _load_rows(k_ptr + t0 * stride_kt, rows, ok, kh, stride_kt, stride_kh, offs_k, k_ok)
-            wq_off = (rows2 % C)[:, None] * stride_wt + h * stride_wh + (rows2 // C)[:, None] * K + offs_k[None, :]
+            wq_off = (rows2 % C)[:, None] * stride_wt + kh * stride_wh + (plane * K)[:, None] + offs_k[None, :]
             wq = tl.load(wq_ptr + t0 * stride_wt + wq_off, mask=((rows2 % C) < n_rows)[:, None] & k_ok[None, :],
                          other=0.0)
             u = _load_rows(u_ptr + t0 * stride_ut, rows, ok, h, stride_ut, stride_uh, offs_v, v_ok)
@@ -348,9 +351,9 @@ def _chunk_scan_kernel(k_ptr, wq_ptr, u_ptr, p_ptr, G_ptr, rk_ptr, s_ptr, idx_pt
                 rk = tl.load(rk_ptr + (t0 + rows) * stride_rt + kh, mask=ok, other=0.0)
             else:
                 rk = tl.full((C,), 1.0, dtype=tl.float32)
-            ws, o1 = tl.split(tl.permute(tl.reshape(_dot(wq, S, PREC, BF16), (2, C, BV)), (1, 2, 0)))
+            ws, qs = tl.split(tl.permute(tl.reshape(_dot(wq, S, PREC, BF16), (2, C, BV)), (1, 2, 0)))
             v_new = u.to(tl.float32) - ws
-            o = o1 + _dot(p, v_new, PREC, BF16)
+            o = qs * tl.exp(G)[:, None] + _dot(p, v_new, PREC, BF16)
             _store_rows(o_ptr + t0 * stride_ot, rows, ok, h, stride_ot, stride_oh, offs_v, v_ok, o)
             v_new = v_new * tl.where(ok, rk * tl.exp(G_last - G), 0.0)[:, None]
             S = S * tl.exp(G_last) + _dot(tl.trans(k), v_new, PREC, BF16)
@@ -421,7 +424,7 @@ def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a:
     inter = torch.bfloat16 if bf16 else torch.float32  # w and u (FLA keeps them in the inputs' dtype too)
     dot16 = bf16 and not INTERPRET
     prec = "ieee" if v.dtype == torch.float32 else "tf32"
-    wq = torch.empty((B * T, Hv, 2, K), dtype=inter, device=dev)  # w and qs of each token, side by side
+    wq = torch.empty((B * T, Hk, Hv // Hk + 1, K), dtype=inter, device=dev)  # w of each value head, qs: side by side
     u = torch.empty((B * T, Hv, V), dtype=inter, device=dev)
     p = torch.empty((B * T, Hv, C), dtype=inter, device=dev)  # the intra-chunk attention, row t of its chunk
     G = torch.empty((B * T, Hv), dtype=torch.float32, device=dev)
