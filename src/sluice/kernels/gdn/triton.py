@@ -41,6 +41,7 @@ import triton.language as tl
 # the rest of a GDN layer's kernels, so that the layer finds them all here
 from sluice.kernels.conv1d.triton import causal_conv1d, causal_conv1d_update  # noqa: F401
 from sluice.kernels.norm.triton import gated_rms_norm  # noqa: F401
+from sluice.kernels.qmatmul.triton import _pdl_start, pdl
 
 MAX_HEAD_DIM = 256
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"  # its bf16 tl.dot is wrong (Triton 3.9): fp32 operands there
@@ -196,7 +197,7 @@ def _chunk_prep_kernel(q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, alog_ptr, dtb_ptr, cu_
                        stride_Gt, stride_rt, stride_wt, stride_wh, stride_ut, stride_uh, stride_pt, stride_ph,
                        RATIO: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                        VARLEN: tl.constexpr, NP2: tl.constexpr, RAW_GATES: tl.constexpr, L2NORM: tl.constexpr,
-                       PREC: tl.constexpr, BF16: tl.constexpr):
+                       PREC: tl.constexpr, BF16: tl.constexpr, PDL: tl.constexpr):
     """Program (chunk, value head): everything of a chunk that does not depend on the state, with
     kn = k / |k|, qn = q / |q| (raw q, k are read; their norms enter as factors, so the bf16 products are exact):
         G = the in-chunk cumsum of the gates g,  A[i, j] = beta_i (kn_i . kn_j) exp(G_i - G_j)  (i > j)
@@ -295,6 +296,8 @@ def _chunk_prep_kernel(q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, alog_ptr, dtb_ptr, cu_
         v = _load_rows(v_ptr, rows, ok, h, stride_vt, stride_vh, offs_v, v_ok)
         u = _dot(ai, v.to(tl.float32) * beta[:, None], PREC, BF16)
         _store_rows(u_ptr, rows, ok, h, stride_ut, stride_uh, offs_v, v_ok, u)
+    if PDL:  # the scan may launch once every program is here (it waits for this whole kernel before reading)
+        tl.extra.cuda.gdc_launch_dependents()
 
 
 @triton.jit
@@ -303,14 +306,15 @@ def _chunk_scan_kernel(k_ptr, wq_ptr, u_ptr, p_ptr, G_ptr, rk_ptr, s_ptr, idx_pt
                        stride_pt, stride_ph, stride_Gt, stride_rt, stride_ss, stride_sh, stride_ot, stride_oh,
                        RATIO: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                        C: tl.constexpr, VARLEN: tl.constexpr, HAS_IDX: tl.constexpr, L2NORM: tl.constexpr,
-                       PREC: tl.constexpr, BF16: tl.constexpr):
+                       PREC: tl.constexpr, BF16: tl.constexpr, PDL: tl.constexpr):
     """Program (value block, value head, sequence): walks the sequence's chunks with its [K, BV] slice of the
     state in fp32 registers; per chunk (S the state at its start; w, qs, u, P from the prep kernel):
         [w; qs] S = [w S; qs S]    (one product, the chunk's 64 w rows and 64 qs rows stacked)
         v_new = u - w S,  o = exp(G) (qs S) + P v_new
         S = exp(G_last) S + (kn exp(G_last - G))^T v_new
     k is read raw and its norm applied as a row factor. Neither v_new nor the chunk states ever reach memory.
-    The final state is written in place."""
+    The final state is written in place. With PDL it launches while the prep kernel's last programs finish."""
+    _pdl_start(PDL)
     pid_v = tl.program_id(0)
     h = tl.program_id(1)
     n = tl.program_id(2)
@@ -433,6 +437,7 @@ def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a:
     BK, BV = triton.next_power_of_2(K), triton.next_power_of_2(V)
     varlen = cu_seqlens is not None
     scale = K ** -0.5 if scale is None else scale
+    use_pdl = pdl(dev)
     w_prep, w_scan = num_warps or (4, 4)  # measured on the H100 (prep with 8 warps: 1.8x slower)
     _chunk_prep_kernel[(n_chunks, Hv)](
         q2, k2, v2, a2, b2, A_log if raw else a2, dt_bias if raw else a2, cu_t, first_t,
@@ -441,7 +446,7 @@ def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a:
         b2.stride(0), G.stride(0), rk.stride(0), wq.stride(0), wq.stride(1), u.stride(0), u.stride(1),
         p.stride(0), p.stride(1),
         RATIO=Hv // Hk, K=K, V=V, BK=BK, BV=BV, VARLEN=varlen, NP2=triton.next_power_of_2(N),
-        RAW_GATES=raw, L2NORM=use_qk_l2norm, PREC=prec, BF16=dot16, num_warps=w_prep)
+        RAW_GATES=raw, L2NORM=use_qk_l2norm, PREC=prec, BF16=dot16, PDL=use_pdl, num_warps=w_prep)
     bv = block_v or min(32 if BK <= 128 else 16, BV)  # K = 256: shared memory
     idx = state_indices if state_indices is not None else cu_t
     _chunk_scan_kernel[(triton.cdiv(V, bv), Hv, N)](
@@ -450,7 +455,7 @@ def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a:
         p.stride(0), p.stride(1), G.stride(0), rk.stride(0), state.stride(0), state.stride(1), o2.stride(0),
         o2.stride(1),
         RATIO=Hv // Hk, K=K, V=V, BK=BK, BV=bv, C=C, VARLEN=varlen, HAS_IDX=state_indices is not None,
-        L2NORM=use_qk_l2norm, PREC=prec, BF16=dot16, num_warps=w_scan,
+        L2NORM=use_qk_l2norm, PREC=prec, BF16=dot16, PDL=use_pdl, launch_pdl=use_pdl, num_warps=w_scan,
         # 3 stages measured best on the H100 (scan 569 vs 705 us at T = 16384); K = 256 fits only 2 in shared
         # memory. Stages 1 with bf16 dots gave illegal addresses there (Triton 3.6): not used
         num_stages=num_stages or ((3 if BK <= 128 else 2) if dot16 else 1))
