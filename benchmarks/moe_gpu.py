@@ -169,7 +169,7 @@ def sweep_fused(res, name, layers, k):
 
 
 def fused_timeline(res, name, layers, k):
-    """Where one launch spends its time: every program's global-timer stamps (ns) at the phase boundaries, for
+    """Where one launch spends its time: every program's global-timer stamps (ns) at its milestones (STAMPS), for
     the last of a run over all layer copies (its weights cold), as min / median / max over the programs that
     passed that point (some points only some programs pass: router rows, combine), of the time since the
     earliest program passed the PDL wait."""

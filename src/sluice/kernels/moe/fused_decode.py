@@ -46,9 +46,9 @@ ITEM_WORDS = 8192  # packed words per item (gate and up tiles together): sets th
 NUM_WARPS = 4
 PER_SM = 2  # programs per multiprocessor
 ROUTER_ROWS = 4  # router rows per item
-# SparseMoE takes this path for one token only when ENABLED. Off: on an H100 it measured 24.3 / 53.6 us per layer
-# (Qwen3-Next / Qwen3.5 shapes, best launch options) against 23.0 / 47.3 us for the multi-launch `moe_decode`
-# (docs/PERF.md, 2026-11-23 (MoE)). Turn it on when it wins.
+# SparseMoE takes this path for one token only when ENABLED. Off: on an H100 it measured 22.7 / 51.3 us per layer
+# (Qwen3-Next / Qwen3.5 shapes, best launch options) against 22.2 / 47.3 us for the multi-launch `moe_decode`
+# (docs/PERF.md, 2026-11-24 (MoE)). Turn it on when it wins.
 ENABLED = False
 
 @triton.jit
