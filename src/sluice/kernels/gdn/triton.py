@@ -15,16 +15,17 @@ q and k rows (K elements: cheaper than a launch), so a decode step is one launch
 `chunk_gated_delta_rule` (prefill): the chunk-parallel WY form of `reference.chunk_gated_delta_rule`, chunks of
 C = 64 tokens, in two launches and without a host synchronisation:
 1. `_chunk_prep_kernel`, program (chunk, value head), everything that does not depend on the state: the gates,
-   G = the in-chunk cumsum of g, 1/|q| and 1/|k|, A = beta_i (kn_i . kn_j) exp(G_i - G_j) by one dot, (I + A)^-1
+   G = the in-chunk cumsum of g, 1/|k|, A = beta_i (kn_i . kn_j) exp(G_i - G_j) by one dot, (I + A)^-1
    (the four 16x16 diagonal blocks by forward substitution all at once, the blocks below by block products,
-   through scratch memory), w = (I + A)^-1 (beta exp(G) kn), u = (I + A)^-1 (beta v), and the intra-chunk
-   attention P = scale tril((qn kn^T) exp(G_i - G_j));
-2. `_chunk_scan_kernel`, program (value block, value head, sequence): walks the sequence's chunks with its slice
-   of the state in fp32 registers: v_new = u - w S, o = scale (qn exp(G)) S + P v_new, S = exp(G_last) S +
-   (kn exp(G_last - G))^T v_new. Neither v_new nor the per-chunk states reach memory (FLA writes both and reads
-   them back in a third pass).
-q and k are read raw (bf16) and their norms applied as factors, so q k^T and k k^T are exact bf16 products; w, u
-and P are stored in bf16 and the dots take bf16 operands (fp32 accumulation), as FLA's. Exponents are always
+   through scratch memory), w = (I + A)^-1 (beta exp(G) kn), u = (I + A)^-1 (beta v), the intra-chunk
+   attention P = scale tril((qn kn^T) exp(G_i - G_j)), and qs = scale qn (once per key head, stored beside w);
+2. `_chunk_scan_kernel`, program (value block, value head, sequence), launched with PDL: walks the sequence's
+   chunks with its slice of the state in fp32 registers: [w; qs] S in one product (three tensor-core products
+   per chunk step: the step is a chain of them), v_new = u - w S, o = exp(G) (qs S) + P v_new,
+   S = exp(G_last) S + (kn exp(G_last - G))^T v_new. Neither v_new nor the per-chunk states reach memory (FLA
+   writes both and reads them back in a third pass).
+q and k are read raw (bf16) and their norms applied as factors, so q k^T and k k^T are exact bf16 products; w, qs,
+u and P are stored in bf16 and the dots take bf16 operands (fp32 accumulation), as FLA's. Exponents are always
 differences of cumsums that are <= 0 where used; rows past a sequence's end have g = 0 and are masked to zero
 before any product (so exp of garbage can never make 0 * inf). Several sequences packed in one call (cu_seqlens)
 never share a chunk.
