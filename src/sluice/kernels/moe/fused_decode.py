@@ -112,7 +112,7 @@ def _dense_rows_dot(x_ptr, w_ptr, rows, stride_wn, K: tl.constexpr):
 @triton.jit
 def _item_rows(down, slot, blk, ids_row, E, gw_ptr, gs_ptr, gb_ptr, dw_ptr, ds_ptr, db_ptr,
                sgw_ptr, sgs_ptr, sgb_ptr, sdw_ptr, sds_ptr, sdb_ptr, stride_ge, stride_gse, stride_de, stride_dse,
-               I: tl.constexpr, GBN: tl.constexpr, DBN: tl.constexpr):
+               GBN: tl.constexpr, DBN: tl.constexpr):
     """Base pointers and first row of an item: its slot's expert (ids_row[slot], this program's copy of the
     routing; id E the shared expert) in the gate_up or the down projection."""
     e = tl.load(ids_row + slot)
@@ -262,17 +262,16 @@ def _fused_decode_kernel(x_ptr, out_ptr, rw_ptr, rs_ptr, rb_ptr, gw_ptr, gs_ptr,
         down, slot, blk = _item(t, TOP_K, SHARED, IPS, NB)
         if slot < TOP_K:
             routed, top_w = _route(routed, top_w, ids_row, offs_k, logit_ptr, cnt_ptr, n_router_programs, E,
-                                          ts_ptr, TOP_K, BLOCK_E, NORM, SHARED, TIMELINE)
+                                   ts_ptr, TOP_K, BLOCK_E, NORM, SHARED, TIMELINE)
         if PREFETCH:
             if nxt < N_ITEMS:
                 n_down, n_slot, n_blk = _item(nxt, TOP_K, SHARED, IPS, NB)
                 if n_slot < TOP_K:
                     routed, top_w = _route(routed, top_w, ids_row, offs_k, logit_ptr, cnt_ptr,
-                                                  n_router_programs, E, ts_ptr, TOP_K, BLOCK_E, NORM, SHARED,
-                                                  TIMELINE)
+                                           n_router_programs, E, ts_ptr, TOP_K, BLOCK_E, NORM, SHARED, TIMELINE)
                 w, s, b, r0 = _item_rows(n_down, n_slot, n_blk, ids_row, E, gw_ptr, gs_ptr, gb_ptr, dw_ptr,
                                          ds_ptr, db_ptr, sgw_ptr, sgs_ptr, sgb_ptr, sdw_ptr, sds_ptr, sdb_ptr,
-                                         stride_ge, stride_gse, stride_de, stride_dse, I, GBN, DBN)
+                                         stride_ge, stride_gse, stride_de, stride_dse, GBN, DBN)
                 if n_down:
                     _prefetch_rows(w, s, b, r0 + tl.arange(0, DBN), stride_dn, stride_dsn, I, BITS, GS, PREFETCH)
                 else:
@@ -281,7 +280,7 @@ def _fused_decode_kernel(x_ptr, out_ptr, rw_ptr, rs_ptr, rb_ptr, gw_ptr, gs_ptr,
                     _prefetch_rows(w, s, b, p_rows + I, stride_gn, stride_gsn, H, BITS, GS, PREFETCH)
         w, s, b, r0 = _item_rows(down, slot, blk, ids_row, E, gw_ptr, gs_ptr, gb_ptr, dw_ptr, ds_ptr, db_ptr,
                                  sgw_ptr, sgs_ptr, sgb_ptr, sdw_ptr, sds_ptr, sdb_ptr, stride_ge, stride_gse,
-                                 stride_de, stride_dse, I, GBN, DBN)
+                                 stride_de, stride_dse, GBN, DBN)
         if down:
             d_rows = r0 + tl.arange(0, DBN)
             words, sc, bi = tq._rows_load(w, s, b, d_rows, stride_dn, stride_dsn, I, BITS, GS)  # in flight meanwhile
@@ -308,7 +307,7 @@ def _fused_decode_kernel(x_ptr, out_ptr, rw_ptr, rs_ptr, rb_ptr, gw_ptr, gs_ptr,
     # every y row written: the first NB programs each sum one n-block's slot rows in slot order (deterministic)
     for nb in range(pid, NB, G):
         routed, top_w = _route(routed, top_w, ids_row, offs_k, logit_ptr, cnt_ptr, n_router_programs, E,
-                                      ts_ptr, TOP_K, BLOCK_E, NORM, SHARED, TIMELINE)
+                               ts_ptr, TOP_K, BLOCK_E, NORM, SHARED, TIMELINE)
         _wait_at_least(cnt_ptr + _DOWN_PASSED, G)
         _stamp(ts_ptr, 7, TIMELINE)
         c_rows = nb * DBN + tl.arange(0, DBN)
