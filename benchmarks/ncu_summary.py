@@ -2,6 +2,7 @@
 
     python benchmarks/ncu_summary.py metrics REPORT.ncu-rep   # per kernel: time, throughput, stall reasons
     python benchmarks/ncu_summary.py sass REPORT.ncu-rep      # per kernel: stall samples by SASS region
+    python benchmarks/ncu_summary.py lines REPORT.ncu-rep     # per kernel: stall samples by source line
 """
 
 import csv
@@ -67,5 +68,30 @@ def sass(report, width=100):
                 print(f"        {i} {vals[i]} {data[i][i_src].strip()[:60]}")
 
 
+def lines(report, top=40):
+    """Stall samples per line of the kernel's source (Triton keeps line info; needs `--import-source yes`)."""
+    rows = ncu_csv(report, "--page", "source", "--print-source", "cuda")
+    blocks, cur = [], None
+    for r in rows:
+        if r and r[0] == "Kernel Name":
+            cur = [r[1]]
+            blocks.append(cur)
+        elif cur is not None:
+            cur.append(r)
+    for b in blocks:
+        name, hdr, data = b[0], b[1], b[2:]
+        if "Warp Stall Sampling (All Samples)" not in hdr:
+            print(f"== {name}: no stall samples in {hdr[:6]}")
+            continue
+        i_s, i_src = hdr.index("Warp Stall Sampling (All Samples)"), hdr.index("Source")
+        i_line = hdr.index("Line") if "Line" in hdr else None
+        vals = [int(r[i_s]) if len(r) > i_s and r[i_s].isdigit() else 0 for r in data]
+        tot = sum(vals) or 1
+        print(f"== {name}: {tot} samples, {len(data)} lines")
+        for i in sorted(range(len(data)), key=lambda i: -vals[i])[:top]:
+            line = data[i][i_line] if i_line is not None else i
+            print(f"  {line:>5} {vals[i]:7d} ({100 * vals[i] / tot:4.1f}%) {data[i][i_src].strip()[:90]}")
+
+
 if __name__ == "__main__":
-    {"metrics": metrics, "sass": sass}[sys.argv[1]](sys.argv[2])
+    {"metrics": metrics, "sass": sass, "lines": lines}[sys.argv[1]](sys.argv[2])

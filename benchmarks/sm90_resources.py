@@ -43,7 +43,7 @@ def compile_launch(fn, args, kw):
     """ptxas's report for one captured launch: (registers, spill bytes, shared bytes)."""
     kw = dict(kw)
     kw.pop("launch_pdl", None)  # a launch option, not a compile one
-    opts = {k: kw.pop(k) for k in ("num_warps", "num_stages") if k in kw}
+    opts = {k: kw.pop(k) for k in ("num_warps", "num_stages", "maxnreg") if k in kw}
     names = [n for n in fn.arg_names if n not in kw]
     signature, attrs = {}, {}
     for i, (name, a) in enumerate(zip(names, args)):
