@@ -198,7 +198,13 @@ def sweep_prefill(res, variants):
         del x
 
 
-PREP_SWEEP = [("default", {}), ("r232", dict(maxnreg=232))]  # extra launch options of the prep kernel
+PREP_SWEEP = [("old", dict(prefetch_v=False, discard=False, head_major=True)),
+              ("heads", dict(prefetch_v=False, discard=False, head_major=False)),
+              ("discard", dict(prefetch_v=False, discard=True, head_major=False)),
+              ("prefetch", dict(prefetch_v=True, discard=False, head_major=False)),
+              ("both", dict(prefetch_v=True, discard=True, head_major=False)),
+              ("both_r168", dict(prefetch_v=True, discard=True, head_major=False, maxnreg=168)),
+              ("both_r128", dict(prefetch_v=True, discard=True, head_major=False, maxnreg=128))]
 
 
 def sweep_prep(res):

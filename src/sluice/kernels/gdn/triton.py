@@ -113,7 +113,7 @@ def _recurrent_kernel(q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, alog_ptr, dtb_ptr, s_pt
 # ---------------------------------------------------------------------------------------------------- prefill
 
 CHUNK = 64  # tokens per chunk; four 16-row blocks in the solve
-PREP_OPTIONS = {}  # extra launch options of the prep kernel, for experiments (e.g. maxnreg)
+PREP_OPTIONS = dict(prefetch_v=True, discard=True, head_major=False)  # experiment knobs (maxnreg=... also)
 
 
 @triton.jit
@@ -208,30 +208,31 @@ def _put_block(scr, bi: tl.constexpr, bj: tl.constexpr, x):
 
 @triton.jit
 def _chunk_prep_kernel(q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, alog_ptr, dtb_ptr, cu_ptr, first_ptr,
-                       G_ptr, rk_ptr, wq_ptr, u_ptr, pu_ptr, scr_ptr, pscr_ptr, N, T, NC, scale,
+                       G_ptr, rk_ptr, wq_ptr, u_ptr, p_ptr, scr_ptr, N, T, NC, scale,
                        stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_at, stride_bt,
                        stride_Gt, stride_rt, stride_wt, stride_wh, stride_ut, stride_uh, stride_pt, stride_ph,
                        HV: tl.constexpr, RATIO: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr,
-                       BV: tl.constexpr, VARLEN: tl.constexpr, NP2: tl.constexpr, RAW_GATES: tl.constexpr,
-                       L2NORM: tl.constexpr, PREC: tl.constexpr, BF16: tl.constexpr, PDL: tl.constexpr,
-                       ASM: tl.constexpr):
-    """Program (chunk, value head), the heads of a chunk next to each other (they share q and k): everything of a
-    chunk that does not depend on the state, with kn = k / |k|, qn = q / |q| (raw q, k are read; their norms enter
-    as factors, so the bf16 products are exact):
+                       BV: tl.constexpr, VARLEN: tl.constexpr, NP2: tl.constexpr, RAW_GATES: tl.constexpr, L2NORM: tl.constexpr,
+                       PREC: tl.constexpr, BF16: tl.constexpr, PDL: tl.constexpr, PREFETCH_V: tl.constexpr,
+                       DISCARD: tl.constexpr, HEAD_MAJOR: tl.constexpr):
+    """Program (chunk, value head): everything of a chunk that does not depend on the state, with
+    kn = k / |k|, qn = q / |q| (raw q, k are read; their norms enter as factors, so the bf16 products are exact):
         G = the in-chunk cumsum of the gates g,  A[i, j] = beta_i (kn_i . kn_j) exp(G_i - G_j)  (i > j)
         w = (I + A)^-1 (beta exp(G) kn),  u = (I + A)^-1 (beta v)           (the WY vectors)
         P = scale tril_incl((qn kn^T) exp(G_i - G_j))                       (the intra-chunk attention)
-        q' = scale exp(G) qn - P w,  pu = P u                                (the output's two parts)
-    so that the scan's output o = exp(G) scale qn S + P (u - w S) is q' S + pu: one product of [w; q'] with the
-    state. w, q', P use the stored (rounded) w and u, exactly what the scan multiplies. w and q' lie side by side
-    ([token, value head, 2, K]). (I + A)^-1 goes through scratch memory: A there (one dot for all of it), the four
-    16x16 diagonal blocks inverted at once by forward substitution (a row read back per step), the blocks below
-    from X_ij = -X_ii sum_{j<=m<i} A_im X_mj, then read back whole for the w and u products; P waits in scratch
-    too (registers). ASM (on a GPU): v is prefetched into L1 at the start (needed only after the solve) and the
-    dead scratch lines are dropped from L2 at the end (not written back). The first value head of each key head
-    stores 1/|k| for the scan."""
-    c = tl.program_id(0) // HV
-    h = tl.program_id(0) % HV
+        qs = scale qn                                                        (what meets the state)
+    Per token and key head, the w of its RATIO value heads and qs lie side by side ([token, key head, RATIO + 1,
+    K]; qs stored by the first value head): the scan multiplies its w and qs by the state in one product.
+    (I + A)^-1 goes through scratch memory: A there (one dot for all of it), the four 16x16 diagonal blocks
+    inverted at once by forward substitution (a row read back per step), the blocks below from
+    X_ij = -X_ii sum_{j<=m<i} A_im X_mj, then read back whole for the w and u products. The first value head of
+    each key head stores 1/|k| for the scan."""
+    if HEAD_MAJOR:
+        c = tl.program_id(0)
+        h = tl.program_id(1)
+    else:  # one axis, the heads of a chunk next to each other (they share q and k)
+        c = tl.program_id(0) // HV
+        h = tl.program_id(0) % HV
     kh = h // RATIO
     start, n = _chunk_bounds(c, cu_ptr, first_ptr, N, T, NC, 64, VARLEN, NP2)
     if n > 0:
@@ -245,12 +246,11 @@ def _chunk_prep_kernel(q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, alog_ptr, dtb_ptr, cu_
         rk_ptr += t0 * stride_rt
         wq_ptr += t0 * stride_wt
         u_ptr += t0 * stride_ut
-        pu_ptr += t0 * stride_pt
-        scr = scr_ptr + tl.program_id(0).to(tl.int64) * 4096
-        pscr = pscr_ptr + tl.program_id(0).to(tl.int64) * 4096
+        p_ptr += t0 * stride_pt
+        scr = scr_ptr + (c.to(tl.int64) * HV + h) * 4096
         rows = tl.arange(0, 64)
         ok = rows < n
-        if ASM:  # v is needed only after the solve: ask L1 for it now
+        if PREFETCH_V:  # v is needed only after the solve: ask L1 for it now
             LINE: tl.constexpr = 128 // v_ptr.dtype.element_ty.primitive_bitwidth * 8
             lines = tl.arange(0, (BV + LINE - 1) // LINE) * LINE
             _prefetch_l1(v_ptr + tl.minimum(rows, n - 1)[:, None] * stride_vt + h * stride_vh + lines[None, :])
@@ -265,11 +265,14 @@ def _chunk_prep_kernel(q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, alog_ptr, dtb_ptr, cu_
         G = tl.cumsum(g, axis=0)  # rows past the end have g = 0: their G is the last row's, every exp below <= 1
         tl.store(G_ptr + rows * stride_Gt + h, G, mask=ok)
         diff = G[:, None] - G[None, :]
-        # P first, into scratch, so that q is dead before A and the solve (registers)
+        # qs and P first, so that q is dead before A and the solve (registers)
+        if h % RATIO == 0:
+            _store_rows(wq_ptr + RATIO * K, rows, ok, kh, stride_wt, stride_wh, offs_k, k_ok,
+                        q.to(tl.float32) * (rq * scale)[:, None])
         qk = _dot(q, tl.trans(k), "ieee", BF16)
         decay = tl.exp(tl.where(rows[:, None] >= rows[None, :], diff, -float("inf")))
-        tl.store(pscr + rows[:, None] * 64 + rows[None, :],
-                 ((rq * scale)[:, None] * qk * rk[None, :] * decay).to(pscr_ptr.dtype.element_ty))
+        _store_rows(p_ptr, rows, ok, h, stride_pt, stride_ph, rows, rows < 64,
+                    (rq * scale)[:, None] * qk * rk[None, :] * decay)
         kk = _dot(k, tl.trans(k), "ieee", BF16)
         A = (beta * rk)[:, None] * kk * rk[None, :] * tl.exp(tl.where(rows[:, None] > rows[None, :], diff,
                                                                       -float("inf")))
@@ -311,37 +314,31 @@ def _chunk_prep_kernel(q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, alog_ptr, dtb_ptr, cu_
         ai = tl.load(scr + rows[:, None] * 64 + rows[None, :], mask=rows[:, None] // 16 >= rows[None, :] // 16,
                      other=0.0)
         # bf16 operands, as FLA: tf32 here was 1.5x slower for the kernel on the H100, output error 2.9e-3 vs 3.3e-3
-        w = _dot(ai, k.to(tl.float32) * (beta * tl.exp(G) * rk)[:, None], PREC, BF16).to(wq_ptr.dtype.element_ty)
-        _store_rows(wq_ptr, rows, ok, h, stride_wt, stride_wh, offs_k, k_ok, w)
+        w = _dot(ai, k.to(tl.float32) * (beta * tl.exp(G) * rk)[:, None], PREC, BF16)
+        _store_rows(wq_ptr + (h % RATIO) * K, rows, ok, kh, stride_wt, stride_wh, offs_k, k_ok, w)
         offs_v = tl.arange(0, BV)
         v_ok = offs_v < V
         v = _load_rows(v_ptr, rows, ok, h, stride_vt, stride_vh, offs_v, v_ok)
-        u = _dot(ai, v.to(tl.float32) * beta[:, None], PREC, BF16).to(u_ptr.dtype.element_ty)
+        u = _dot(ai, v.to(tl.float32) * beta[:, None], PREC, BF16)
         _store_rows(u_ptr, rows, ok, h, stride_ut, stride_uh, offs_v, v_ok, u)
-        P = tl.load(pscr + rows[:, None] * 64 + rows[None, :])
-        _store_rows(pu_ptr, rows, ok, h, stride_pt, stride_ph, offs_v, v_ok, _dot(P, u, PREC, BF16))
-        q = _load_rows(q_ptr, rows, ok, kh, stride_qt, stride_qh, offs_k, k_ok)  # again: cheaper than registers
-        _store_rows(wq_ptr + K, rows, ok, h, stride_wt, stride_wh, offs_k, k_ok,
-                    q.to(tl.float32) * (rq * scale * tl.exp(G))[:, None] - _dot(P, w, PREC, BF16))
-        if ASM:  # the scratch is dead: drop its dirty lines from L2 instead of writing them back to memory
+        if DISCARD:  # the scratch is dead: drop its dirty lines from L2 instead of writing them back to memory
             tl.debug_barrier()
             _discard_l2(scr + tl.arange(0, 128) * 32)
-            _discard_l2(pscr + tl.arange(0, 64) * (128 // pscr_ptr.dtype.element_ty.primitive_bitwidth * 8))
     if PDL:  # the scan may launch once every program is here (it waits for this whole kernel before reading)
         tl.extra.cuda.gdc_launch_dependents()
 
 
 @triton.jit
-def _chunk_scan_kernel(k_ptr, wq_ptr, u_ptr, pu_ptr, G_ptr, rk_ptr, s_ptr, idx_ptr, cu_ptr, o_ptr, T,
+def _chunk_scan_kernel(k_ptr, wq_ptr, u_ptr, p_ptr, G_ptr, rk_ptr, s_ptr, idx_ptr, cu_ptr, o_ptr, T,
                        stride_kt, stride_kh, stride_wt, stride_wh, stride_ut, stride_uh,
                        stride_pt, stride_ph, stride_Gt, stride_rt, stride_ss, stride_sh, stride_ot, stride_oh,
                        RATIO: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                        C: tl.constexpr, VARLEN: tl.constexpr, HAS_IDX: tl.constexpr, L2NORM: tl.constexpr,
                        PREC: tl.constexpr, BF16: tl.constexpr, PDL: tl.constexpr):
     """Program (value block, value head, sequence): walks the sequence's chunks with its [K, BV] slice of the
-    state in fp32 registers; per chunk (S the state at its start; w, q', u, pu from the prep kernel):
-        [w; q'] S = [w S; q' S]    (one product, the chunk's 64 w rows and 64 q' rows stacked)
-        v_new = u - w S,  o = q' S + pu
+    state in fp32 registers; per chunk (S the state at its start; w, qs, u, P from the prep kernel):
+        [w; qs] S = [w S; qs S]    (one product, the chunk's 64 w rows and 64 qs rows stacked)
+        v_new = u - w S,  o = exp(G) (qs S) + P v_new
         S = exp(G_last) S + (kn exp(G_last - G))^T v_new
     k is read raw and its norm applied as a row factor. Neither v_new nor the chunk states ever reach memory.
     The final state is written in place. With PDL it launches while the prep kernel's last programs finish."""
@@ -367,18 +364,18 @@ def _chunk_scan_kernel(k_ptr, wq_ptr, u_ptr, pu_ptr, G_ptr, rk_ptr, s_ptr, idx_p
         s_mask = k_ok[:, None] & v_ok[None, :]
         S = tl.load(s_tile, mask=s_mask, other=0.0)
         rows = tl.arange(0, C)
-        rows2 = tl.arange(0, 2 * C)  # [w; q']: row r of token r % C, plane 0 (w) or 1 (q')
-        plane = rows2 // C
+        rows2 = tl.arange(0, 2 * C)  # [w; qs]: row r of token r % C, plane h % RATIO (w) or RATIO (qs)
+        plane = tl.where(rows2 < C, h % RATIO, RATIO)
         for j in range(tl.cdiv(eos - bos, C)):
             t0 = (bos + j * C).to(tl.int64)
             n_rows = tl.minimum(eos - bos - j * C, C)
             ok = rows < n_rows
             k = _load_rows(k_ptr + t0 * stride_kt, rows, ok, kh, stride_kt, stride_kh, offs_k, k_ok)
-            wq_off = (rows2 % C)[:, None] * stride_wt + h * stride_wh + (plane * K)[:, None] + offs_k[None, :]
+            wq_off = (rows2 % C)[:, None] * stride_wt + kh * stride_wh + (plane * K)[:, None] + offs_k[None, :]
             wq = tl.load(wq_ptr + t0 * stride_wt + wq_off, mask=((rows2 % C) < n_rows)[:, None] & k_ok[None, :],
                          other=0.0)
             u = _load_rows(u_ptr + t0 * stride_ut, rows, ok, h, stride_ut, stride_uh, offs_v, v_ok)
-            pu = _load_rows(pu_ptr + t0 * stride_pt, rows, ok, h, stride_pt, stride_ph, offs_v, v_ok)
+            p = _load_rows(p_ptr + t0 * stride_pt, rows, ok, h, stride_pt, stride_ph, rows, rows < C)
             G_last = tl.load(G_ptr + (t0 + n_rows - 1) * stride_Gt + h)
             G = tl.load(G_ptr + (t0 + rows) * stride_Gt + h, mask=ok, other=0.0)
             G = tl.where(ok, G, G_last)
@@ -388,7 +385,7 @@ def _chunk_scan_kernel(k_ptr, wq_ptr, u_ptr, pu_ptr, G_ptr, rk_ptr, s_ptr, idx_p
                 rk = tl.full((C,), 1.0, dtype=tl.float32)
             ws, qs = tl.split(tl.permute(tl.reshape(_dot(wq, S, PREC, BF16), (2, C, BV)), (1, 2, 0)))
             v_new = u.to(tl.float32) - ws
-            o = qs + pu.to(tl.float32)
+            o = qs * tl.exp(G)[:, None] + _dot(p, v_new, PREC, BF16)
             _store_rows(o_ptr + t0 * stride_ot, rows, ok, h, stride_ot, stride_oh, offs_v, v_ok, o)
             v_new = v_new * tl.where(ok, rk * tl.exp(G_last - G), 0.0)[:, None]
             S = S * tl.exp(G_last) + _dot(tl.trans(k), v_new, PREC, BF16)
@@ -459,33 +456,37 @@ def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a:
     inter = torch.bfloat16 if bf16 else torch.float32  # w and u (FLA keeps them in the inputs' dtype too)
     dot16 = bf16 and not INTERPRET
     prec = "ieee" if v.dtype == torch.float32 else "tf32"
-    wq = torch.empty((B * T, Hv, 2, K), dtype=inter, device=dev)  # w and q' side by side
+    wq = torch.empty((B * T, Hk, Hv // Hk + 1, K), dtype=inter, device=dev)  # w of each value head, qs: side by side
     u = torch.empty((B * T, Hv, V), dtype=inter, device=dev)
-    pu = torch.empty((B * T, Hv, V), dtype=inter, device=dev)  # P u: the intra-chunk attention's part of o
+    p = torch.empty((B * T, Hv, C), dtype=inter, device=dev)  # the intra-chunk attention, row t of its chunk
     G = torch.empty((B * T, Hv), dtype=torch.float32, device=dev)
     rk = torch.empty((B * T, Hk), dtype=torch.float32, device=dev)  # 1/|k| per token and key head
     scratch = torch.empty((n_chunks, Hv, C * C), dtype=torch.float32, device=dev)  # A, then (I + A)^-1
-    p_scratch = torch.empty((n_chunks, Hv, C * C), dtype=inter, device=dev)  # P
     BK, BV = triton.next_power_of_2(K), triton.next_power_of_2(V)
     varlen = cu_seqlens is not None
     scale = K ** -0.5 if scale is None else scale
     use_pdl = pdl(dev)
     w_prep, w_scan = num_warps or (4, 4)  # measured on the H100 (prep with 8 warps: 1.8x slower)
-    _chunk_prep_kernel[(n_chunks * Hv,)](
+    opts = dict(PREP_OPTIONS)
+    on_gpu = dev.type == "cuda" and not INTERPRET
+    head_major = opts.pop("head_major")
+    prep_grid = (n_chunks, Hv) if head_major else (n_chunks * Hv,)
+    _chunk_prep_kernel[prep_grid](
         q2, k2, v2, a2, b2, A_log if raw else a2, dt_bias if raw else a2, cu_t, first_t,
-        G, rk, wq, u, pu, scratch, p_scratch, N, T, triton.cdiv(T, C), scale,
+        G, rk, wq, u, p, scratch, N, T, triton.cdiv(T, C), scale,
         q2.stride(0), q2.stride(1), k2.stride(0), k2.stride(1), v2.stride(0), v2.stride(1), a2.stride(0),
         b2.stride(0), G.stride(0), rk.stride(0), wq.stride(0), wq.stride(1), u.stride(0), u.stride(1),
-        pu.stride(0), pu.stride(1),
+        p.stride(0), p.stride(1),
         HV=Hv, RATIO=Hv // Hk, K=K, V=V, BK=BK, BV=BV, VARLEN=varlen, NP2=triton.next_power_of_2(N),
-        RAW_GATES=raw, L2NORM=use_qk_l2norm, PREC=prec, BF16=dot16, PDL=use_pdl,
-        ASM=dev.type == "cuda" and not INTERPRET, num_warps=w_prep, **PREP_OPTIONS)
+        RAW_GATES=raw, L2NORM=use_qk_l2norm, PREC=prec, BF16=dot16, PDL=use_pdl, num_warps=w_prep,
+        PREFETCH_V=opts.pop("prefetch_v") and on_gpu, DISCARD=opts.pop("discard") and on_gpu, HEAD_MAJOR=head_major,
+        **opts)
     bv = block_v or min(32 if BK <= 128 else 16, BV)  # K = 256: shared memory
     idx = state_indices if state_indices is not None else cu_t
     _chunk_scan_kernel[(triton.cdiv(V, bv), Hv, N)](
-        k2, wq, u, pu, G, rk, state, idx, cu_t, o2, T,
+        k2, wq, u, p, G, rk, state, idx, cu_t, o2, T,
         k2.stride(0), k2.stride(1), wq.stride(0), wq.stride(1), u.stride(0), u.stride(1),
-        pu.stride(0), pu.stride(1), G.stride(0), rk.stride(0), state.stride(0), state.stride(1), o2.stride(0),
+        p.stride(0), p.stride(1), G.stride(0), rk.stride(0), state.stride(0), state.stride(1), o2.stride(0),
         o2.stride(1),
         RATIO=Hv // Hk, K=K, V=V, BK=BK, BV=bv, C=C, VARLEN=varlen, HAS_IDX=state_indices is not None,
         L2NORM=use_qk_l2norm, PREC=prec, BF16=dot16, PDL=use_pdl, launch_pdl=use_pdl, num_warps=w_scan,
