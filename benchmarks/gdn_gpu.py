@@ -13,9 +13,8 @@ Qwen3-Next-80B-A3B's linear-attention shape: 16 key heads, 32 value heads, K = V
   `fused_recurrent_gated_delta_rule`; floor = state bytes read + written over the measured copy bandwidth;
 - a per-kernel breakdown at T = 16384 (torch profiler), ours and FLA's;
 - a sweep of our launch options (value block, warps, pipeline stages).
-GDN_BENCH_SKIP_DECODE=1 leaves out the decode part, GDN_BENCH_SKIP_SWEEP=1 the launch sweep; GDN_BENCH_PREP_SWEEP=1 adds a sweep of the prep kernel's
-options; GDN_BENCH_STAGES_1=1 adds the stages=1 sweep, which broke the
-CUDA context on the H100 (so it runs last). Table printed last.
+GDN_BENCH_SKIP_DECODE=1 leaves out the decode part, GDN_BENCH_SKIP_SWEEP=1 the launch sweep; GDN_BENCH_STAGES_1=1
+adds the stages=1 sweep, which broke the CUDA context on the H100 (so it runs last). Table printed last.
 """
 
 from __future__ import annotations
@@ -198,41 +197,6 @@ def sweep_prefill(res, variants):
         del x
 
 
-PREP_SWEEP = [("old", dict(prefetch_v=False, discard=False, head_major=True)),
-              ("heads", dict(prefetch_v=False, discard=False, head_major=False)),
-              ("discard", dict(prefetch_v=False, discard=True, head_major=False)),
-              ("prefetch", dict(prefetch_v=True, discard=False, head_major=False)),
-              ("both", dict(prefetch_v=True, discard=True, head_major=False)),
-              ("both_r168", dict(prefetch_v=True, discard=True, head_major=False, maxnreg=168)),
-              ("both_r128", dict(prefetch_v=True, discard=True, head_major=False, maxnreg=128))]
-
-
-def sweep_prep(res):
-    """The prep kernel's options (`gt.PREP_OPTIONS`): GPU time of the whole prefill from a CUDA graph, and the
-    prep kernel's own time at T = 16384 (torch profiler)."""
-    default = dict(gt.PREP_OPTIONS)
-    res["prep_sweep"] = rows = []
-    try:
-        for T in (4096, 16384):
-            x = make(T, seed=1)
-            state = torch.zeros(1, HV, D, D, device="cuda")
-            for label, opts in PREP_SWEEP:
-                gt.PREP_OPTIONS = opts
-                row = {"T": T, "variant": label}
-                rows.append(row)
-                case(res, f"prep sweep {label} T={T}", lambda: row.update(
-                    graph_ms=graph_time([lambda: ours_prefill(x, state)], reps=10) * 1e3))
-                if T == 16384:
-                    case(res, f"prep sweep breakdown {label}", lambda: kernel_breakdown(
-                        res, f"ours T=16384 prep {label}", lambda: ours_prefill(x, state)))
-                    bd = res["breakdown"][-1]["kernels"]
-                    row.update({r["kernel"][:18]: r["us"] for r in bd if "_chunk_" in r["kernel"]})
-                print(f"prep sweep {row}", flush=True)
-            del x
-    finally:
-        gt.PREP_OPTIONS = default
-
-
 def time_decode(res, copy_bw):
     for B in DECODE_B:
         state_bytes = B * HV * D * D * 4
@@ -299,8 +263,6 @@ def main():
     print(f"# {res['gpu']}, FLA {FLA}, copy {copy_bw / 1e12:.2f} TB/s", flush=True)
     try:
         case(res, "correctness", lambda: check(res))
-        if os.environ.get("GDN_BENCH_PREP_SWEEP"):
-            case(res, "prep sweep", lambda: sweep_prep(res))
         if not os.environ.get("GDN_BENCH_SKIP_DECODE"):  # the decode sweep, when only prefill changed
             case(res, "decode", lambda: time_decode(res, copy_bw))
         case(res, "prefill", lambda: time_prefill(res))
@@ -326,9 +288,6 @@ def main():
             sweep = " ".join(f"{k[5:-3]}={v:.1f}" for k, v in r.items() if k.startswith("ours_bv"))
             print(f"{'B=' + str(r['B']):12s} {r.get('ours_us', float('nan')):8.1f} {r.get('fla_us', float('nan')):8.1f} "
                   f"{r.get('speedup', float('nan')):7.2f}x {r['floor_us']:9.1f}   {sweep}")
-        for r in res.get("prep_sweep", []):
-            print(f"prep {r['variant']:10s} T={r['T']:6d} graph {r.get('graph_ms', float('nan')):.3f} ms  "
-                  + " ".join(f"{k}={v:.0f}us" for k, v in r.items() if k.startswith("_chunk")))
         for bd in res["breakdown"]:
             print(f"{bd['case']}: " + "; ".join(f"{r['kernel'].replace('_chunk_', '')} {r['us']:.0f}"
                                                 for r in bd["kernels"][:6]))
