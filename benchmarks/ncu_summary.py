@@ -37,8 +37,9 @@ def metrics(report):
                 print(f"  {a} {c}")
 
 
-def sass(report, width=100):
-    rows = ncu_csv(report, "--page", "source", "--print-source", "sass")
+def source_blocks(report, view):
+    """The source page of each kernel: [name, header, rows...]."""
+    rows = ncu_csv(report, "--page", "source", "--print-source", view)
     blocks, cur = [], None
     for r in rows:
         if r and r[0] == "Kernel Name":
@@ -46,6 +47,11 @@ def sass(report, width=100):
             blocks.append(cur)
         elif cur is not None:
             cur.append(r)
+    return blocks
+
+
+def sass(report, width=100):
+    blocks = source_blocks(report, "sass")
     for b in blocks:
         name, hdr, data = b[0], b[1], b[2:]
         i_s, i_src = hdr.index("Warp Stall Sampling (All Samples)"), hdr.index("Source")
@@ -70,14 +76,7 @@ def sass(report, width=100):
 
 def lines(report, top=40):
     """Stall samples per line of the kernel's source (Triton keeps line info; needs `--import-source yes`)."""
-    rows = ncu_csv(report, "--page", "source", "--print-source", "cuda")
-    blocks, cur = [], None
-    for r in rows:
-        if r and r[0] == "Kernel Name":
-            cur = [r[1]]
-            blocks.append(cur)
-        elif cur is not None:
-            cur.append(r)
+    blocks = source_blocks(report, "cuda")
     for b in blocks:
         name, hdr, data = b[0], b[1], b[2:]
         if "Warp Stall Sampling (All Samples)" not in hdr:
