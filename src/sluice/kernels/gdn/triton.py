@@ -42,7 +42,7 @@ import triton.language as tl
 # the rest of a GDN layer's kernels, so that the layer finds them all here
 from sluice.kernels.conv1d.triton import causal_conv1d, causal_conv1d_update  # noqa: F401
 from sluice.kernels.norm.triton import gated_rms_norm  # noqa: F401
-from sluice.kernels.qmatmul.triton import _pdl_start, pdl
+from sluice.kernels.qmatmul.triton import _capability, _pdl_start, pdl
 
 MAX_HEAD_DIM = 256
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"  # its bf16 tl.dot is wrong (Triton 3.9): fp32 operands there
@@ -321,7 +321,7 @@ def _chunk_prep_kernel(q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, alog_ptr, dtb_ptr, cu_
         _store_rows(u_ptr, rows, ok, h, stride_ut, stride_uh, offs_v, v_ok, u)
         if ASM:  # the scratch is dead: drop its dirty lines from L2 instead of writing them back to memory
             tl.debug_barrier()
-            _discard_l2(scr + tl.arange(0, 128) * 32)
+            _discard_l2(scr + tl.arange(0, 128) * 32)  # its 64 x 64 fp32 = 128 lines of 32
     if PDL:  # the scan may launch once every program is here (it waits for this whole kernel before reading)
         tl.extra.cuda.gdc_launch_dependents()
 
@@ -473,7 +473,7 @@ def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a:
         p.stride(0), p.stride(1),
         HV=Hv, RATIO=Hv // Hk, K=K, V=V, BK=BK, BV=BV, VARLEN=varlen, NP2=triton.next_power_of_2(N),
         RAW_GATES=raw, L2NORM=use_qk_l2norm, PREC=prec, BF16=dot16, PDL=use_pdl,
-        ASM=dev.type == "cuda" and not INTERPRET, num_warps=w_prep)
+        ASM=_cache_hints(dev), num_warps=w_prep)
     bv = block_v or min(32 if BK <= 128 else 16, BV)  # K = 256: shared memory
     idx = state_indices if state_indices is not None else cu_t
     _chunk_scan_kernel[(triton.cdiv(V, bv), Hv, N)](
@@ -487,6 +487,13 @@ def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a:
         # memory. Stages 1 with bf16 dots gave illegal addresses there (Triton 3.6): not used
         num_stages=num_stages or ((3 if BK <= 128 else 2) if dot16 else 1))
     return o
+
+
+def _cache_hints(device) -> bool:
+    """The prep kernel's inline PTX cache hints (`discard.global.L2` needs sm_80): NVIDIA Ampere or newer, not the
+    interpreter."""
+    return (device.type == "cuda" and not INTERPRET and torch.version.hip is None
+            and _capability(device.index or 0)[0] >= 8)
 
 
 def _value_block(V: int, programs_per_block: int, device) -> int:
