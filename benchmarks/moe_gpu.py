@@ -1,6 +1,6 @@
 """Sparse MoE block on the GPU: our Triton kernels vs the memory-bandwidth floor (decode) and cuBLAS bf16 (prefill).
 
-    python benchmarks/moe_gpu.py [--json out.json] [--decode-only]
+    python benchmarks/moe_gpu.py [--json out.json] [--decode-only] [--chain-only]
 
 One run, at Qwen3-Next-80B-A3B and Qwen3.5-397B-A17B shapes (4-bit g64 experts and shared expert; router and
 shared-expert gate 8-bit g64 or bf16), random weights built directly in the packed layout:
@@ -11,6 +11,7 @@ shared-expert gate 8-bit g64 or bf16), random weights built directly in the pack
   decode (kernels/moe/fused_decode.py, checked against the reference first) and the multi-launch decode it
   replaced; the floor is the bytes that must be read (k experts, shared expert, router, shared gate) over the
   measured copy bandwidth; a sweep of the one-launch kernel's warps and tile size;
+- the multi-launch decode's critical path: graph time of its first n launches (with --chain-only: only this);
 - (not with --decode-only) the multi-launch kernels: router and expert GEMV checks, their launch sweep;
 - routed experts at T = 1, 4, 16: decode GEMVs vs prefill grouped GEMMs (where to switch);
 - prefill, T = 4096: routed experts (a small block-size sweep; effective TFLOP/s vs cuBLAS bf16 GEMMs of the same
@@ -192,6 +193,67 @@ def fused_timeline(res, name, layers, k):
         print(f"timeline {name} {s_:20s} min {lo:7.2f} median {med:7.2f} max {hi:7.2f} us", flush=True)
 
 
+CHAIN = ["x prep (8-bit)", "router GEMV", "route (top-k)", "x prep (4-bit)", "gate_up GEMV", "SwiGLU prep",
+         "down GEMV", "combine"]
+
+
+def chain_prefix(m, x, k, n):
+    """The first n launches of the multi-launch decode of layer m (8-bit router), as SparseMoE runs them."""
+    g, tq_ = m.gates.qt, tq
+    xp8 = tq_.prep_x(x, g.bits, g.group_size)
+    if n == 1:
+        return
+    N, K = g.weight.shape[0], g.in_features
+    bn = tq_.gemv_block_n(N, 1, x.device)
+    split = tq_.gemv_split_k(N, K, g.bits, 1, bn, 1, x.device)
+    used, _ = tq_.gemv_used_splits(K, g.bits, split, 1)
+    logits = torch.empty((used, 1, N), dtype=torch.float32, device=x.device)
+    tq_.gemv_launch(xp8, g.weight.view(torch.int32), g.scales, g.biases, logits, None, 1, N, K, g.bits,
+                    g.group_size, split, block_n=bn)
+    if n == 2:
+        return
+    E = m.num_experts
+    ids, w = mt.route(logits[..., :E], k, True, logits[..., E])
+    if n == 3:
+        return
+    extra = m._shared_as_expert(mt)
+    xp = tq_.prep_x(x, m.gate_up.bits, m.gate_up.group_size)
+    if n == 4:
+        return
+    y_gu = mt._expert_gemv(xp, m.gate_up, ids.view(-1), k + 1, extra[0])
+    if n == 5:
+        return
+    hp = mt.swiglu_prep(y_gu, m.down.bits, m.down.group_size)
+    if n == 6:
+        return
+    y = mt._expert_gemv(hp, m.down, ids.view(-1), 1, extra[1])
+    if n == 7:
+        return
+    mt.combine(y, w, x.dtype)
+
+
+def chain_ablation(res, name, layers, k):
+    """Where the multi-launch decode's time goes: graph time of its first n launches, n = 1..8 (cold L2, PDL as
+    in the layer); the increments are each launch's cost on the critical path."""
+    rot = layers["8-bit"]
+    xs = [torch.randn(1, rot[0].gate_up.shape[2], device="cuda", dtype=BF16) for _ in rot]
+    fd.ENABLED = False
+    prev = 0.0
+    for n in range(1, len(CHAIN) + 1):
+        calls = [lambda m=m, x=x, n=n: chain_prefix(m, x, k, n) for m, x in zip(rot, xs)]
+        row = {"model": name, "launches": n, "last": CHAIN[n - 1]}
+        case(res, f"{name} chain {n}", lambda: row.update(us=graph_time(calls) * 1e6))
+        row["added_us"] = row.get("us", float("nan")) - prev
+        prev = row.get("us", prev)
+        res["chain"].append(row)
+        print(f"chain {name} {n} launches (+ {row['last']}): {row.get('us', float('nan')):.1f} us "
+              f"(+{row['added_us']:.1f})", flush=True)
+    full = graph_time([lambda m=m, x=x: m(x) for m, x in zip(rot, xs)]) * 1e6
+    res["chain"].append({"model": name, "launches": "layer", "us": full})
+    print(f"chain {name} the layer itself: {full:.1f} us", flush=True)
+    fd.ENABLED = True
+
+
 def sweep_decode_launches(res, name, layers, k):
     """Launch options of the decode kernels at this model's shape (one token, k experts + the shared one):
     the two expert GEMVs (rows per program x warps) and the router kernel (warps)."""
@@ -283,6 +345,10 @@ def print_tables(res):
         print(f"{r['model']:30s} {r.get('experts_us', float('nan')):11.0f} {r.get('tflops', float('nan')):8.0f} "
               f"{r['cublas_tflops']:7.0f} {r.get('pct_cublas', float('nan')) * 100:7.0f}% {r['layer_us']:9.0f}  "
               f"{r.get('config')}")
+    print(f"\n{'multi-launch chain (8-bit router)':30s} {'launches':>8s} {'us':>7s} {'added':>7s}  last launch")
+    for r in res["chain"]:
+        print(f"{r['model']:30s} {r['launches']!s:>8s} {r.get('us', float('nan')):7.1f} "
+              f"{r.get('added_us', float('nan')):7.1f}  {r.get('last', '')}")
     bad = [c for c in res["correctness"] if not c["ok"]]
     print(f"\ncorrectness: {len(res['correctness'])} checks, {len(bad)} failed; "
           f"max rel err {max((c['rel_err'] for c in res['correctness']), default=float('nan')):.2e}")
@@ -292,7 +358,8 @@ def print_tables(res):
 
 def main():
     fd.ENABLED = True  # the one-launch decode is measured whatever the layer's default
-    a, dev, res = start_run("correctness", "decode", "sweep", "crossover", "prefill", "errors", "timeline", flags=("--decode-only",))
+    a, dev, res = start_run("correctness", "decode", "sweep", "crossover", "prefill", "errors", "timeline", "chain",
+                            flags=("--decode-only", "--chain-only"))
     copy_bw = copy_bandwidth(dev)
     A = torch.randn(8192, 8192, device=dev, dtype=BF16)
     res["copy_bandwidth_Bps"], res["bf16_gemm_flops"] = copy_bw, 2 * 8192 ** 3 / events_time(lambda: A @ A, reps=10)
@@ -312,6 +379,9 @@ def main():
 
             case(res, f"{name} build", build)
             if not layers["8-bit"]:
+                continue
+            case(res, f"{name} multi-launch chain", lambda: chain_ablation(res, name, layers, k))
+            if a.chain_only:
                 continue
             case(res, f"{name} correctness", lambda: check_fused(res, name, layers, k))
             case(res, f"{name} decode", lambda: time_decode(res, name, layers, k, copy_bw))
