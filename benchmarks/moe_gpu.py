@@ -193,28 +193,47 @@ def fused_timeline(res, name, layers, k):
         print(f"timeline {name} {s_:20s} min {lo:7.2f} median {med:7.2f} max {hi:7.2f} us", flush=True)
 
 
-CHAIN = ["x prep (router + experts)", "router GEMV + top-k", "gate_up GEMV + SwiGLU prep", "down GEMV + combine"]
+CHAIN = ["x prep (8-bit)", "router GEMV", "route (top-k)", "x prep (4-bit)", "gate_up GEMV", "SwiGLU prep",
+         "down GEMV", "combine"]
 
 
 def chain_prefix(m, x, k, n):
-    """The first n launches of the decode of layer m (8-bit router, shared expert as a slot), as SparseMoE runs
-    them (`mt.moe_decode_routed`)."""
-    g, E = m.gates.qt, m.num_experts
-    xp_r, xp = tq.prep_x(x, g.bits, g.group_size, also=(m.gate_up.bits, m.gate_up.group_size))
+    """The first n launches of the multi-launch decode of layer m (8-bit router), as SparseMoE runs them."""
+    g, tq_ = m.gates.qt, tq
+    xp8 = tq_.prep_x(x, g.bits, g.group_size)
     if n == 1:
         return
-    ids, w = mt._router_topk(xp_r, g, E, k, True, True)
+    N, K = g.weight.shape[0], g.in_features
+    bn = tq_.gemv_block_n(N, 1, x.device)
+    split = tq_.gemv_split_k(N, K, g.bits, 1, bn, 1, x.device)
+    used, _ = tq_.gemv_used_splits(K, g.bits, split, 1)
+    logits = torch.empty((used, 1, N), dtype=torch.float32, device=x.device)
+    tq_.gemv_launch(xp8, g.weight.view(torch.int32), g.scales, g.biases, logits, None, 1, N, K, g.bits,
+                    g.group_size, split, block_n=bn)
     if n == 2:
         return
-    extra = m._shared_as_expert(mt)
-    hp = mt._gate_up_swiglu(xp, m.gate_up, m.down, ids.view(-1), k + 1, extra[0], False)
+    E = m.num_experts
+    ids, w = mt.route(logits[..., :E], k, True, logits[..., E])
     if n == 3:
         return
-    mt._down_combine(hp, m.down, ids.view(-1), w, x.dtype, extra[1])
+    extra = m._shared_as_expert(mt)
+    xp = tq_.prep_x(x, m.gate_up.bits, m.gate_up.group_size)
+    if n == 4:
+        return
+    y_gu = mt._expert_gemv(xp, m.gate_up, ids.view(-1), k + 1, extra[0])
+    if n == 5:
+        return
+    hp = mt.swiglu_prep(y_gu, m.down.bits, m.down.group_size)
+    if n == 6:
+        return
+    y = mt._expert_gemv(hp, m.down, ids.view(-1), 1, extra[1])
+    if n == 7:
+        return
+    mt.combine(y, w, x.dtype)
 
 
 def chain_ablation(res, name, layers, k):
-    """Where the multi-launch decode's time goes: graph time of its first n launches, n = 1..4 (cold L2, PDL as
+    """Where the multi-launch decode's time goes: graph time of its first n launches, n = 1..8 (cold L2, PDL as
     in the layer); the increments are each launch's cost on the critical path."""
     rot = layers["8-bit"]
     xs = [torch.randn(1, rot[0].gate_up.shape[2], device="cuda", dtype=BF16) for _ in rot]
@@ -240,8 +259,7 @@ def sweep_decode_launches(res, name, layers, k):
     the two expert GEMVs (rows per program x warps) and the router kernel (warps)."""
     rot = layers["8-bit"]
     xs = [torch.randn(1, rot[0].gate_up.shape[2], device="cuda", dtype=BF16) for _ in rot]
-    routed = [mt.route(lg[..., :m.num_experts], k, True, lg[..., m.num_experts])
-              for m, lg in ((m, tq.qgemv_partials(x, m.gates.qt)) for m, x in zip(rot, xs))]
+    routed = [m._route_with_shared_slot(x, mt) for m, x in zip(rot, xs)]
     extras = [m._shared_as_expert(mt) for m in rot]
     xps = [tq.prep_x(x, m.gate_up.bits, m.gate_up.group_size) for m, x in zip(rot, xs)]
     ys = [mt._expert_gemv(xp, m.gate_up, r[0].view(-1), k + 1, e[0]) for m, xp, r, e in zip(rot, xps, routed, extras)]

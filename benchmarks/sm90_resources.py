@@ -155,22 +155,6 @@ def attention():
         print(f"{name:36s} {heads:>6s} {D:4d}  {res}")
 
 
-_ROUTED: list = []
-
-
-def _capture_routed(x, router, gate_up, down, k, shared):
-    """The multi-launch decode's GEMV kernels (`mt.moe_decode_routed`), captured into _ROUTED."""
-    from sluice.kernels.moe import triton as mt
-
-    names = ["_router_topk_kernel", "_gate_up_kernel", "_down_combine_kernel"]
-    interp, mt.tq.INTERPRET = mt.tq.INTERPRET, True  # passes the device check; the kernel flags are set after
-    try:
-        _ROUTED.extend(_capture_all(mt, names, lambda: mt.moe_decode_routed(x, router, gate_up, down, k, True,
-                                                                            shared)))
-    finally:
-        mt.tq.INTERPRET = interp
-
-
 def moe():
     """The one-launch MoE decode at Qwen3-Next and Qwen3.5 shapes (8-bit and bf16 routers). The stacked experts
     are stride-0 views of one expert: only dtypes and strides matter for compiling."""
@@ -205,19 +189,6 @@ def moe():
                         r = f"{type(e).__name__}: {str(e)[-1500:]}"
                     rows.append((f"{kname} w{words}", f"H{H} I{I}", name, warps, r))
                     print(*rows[-1], flush=True)
-        launches = _capture_all(qt, ["_prep_x_kernel"], lambda: _capture_routed(
-            torch.zeros(1, H).bfloat16(), routers["8-bit"], q(E, 2 * I, H), q(E, H, I), k, (q(0, 2 * I, H), q(0, H, I))))
-        for kname, fn, (grid, args, kw) in launches + _ROUTED:
-            if "ASM" in kw:  # the GEMVs, as on an H100 (the gate_up one waits for the ids before reading W)
-                kw.update(ASM=True, PREFETCH=kname != "_gate_up_kernel")
-            kw = dict(kw, PDL=True)
-            try:
-                r = compile_launch(fn, args, kw)
-            except Exception as e:  # noqa: BLE001 - report and go on
-                r = f"{type(e).__name__}: {str(e)[-1500:]}"
-            rows.append((kname, f"H{H} I{I}", "8-bit", kw["num_warps"], r))
-            print(*rows[-1], flush=True)
-        _ROUTED.clear()
     print(f"\n{'kernel':28s} {'shape':>12s} {'router':>6s} {'warps':>5s}  regs spill shared")
     for name, shape, router, w, r in rows:
         res = f"{r[0]:4d} {r[1]:5d} {r[2]:6d}" if isinstance(r, tuple) else r

@@ -246,27 +246,3 @@ def test_sparse_moe_forward_on_cuda_uses_the_kernels(T):
     layer, x = sparse_moe(T, 16, 256, 128, 4)
     assert triton_for(layer.gate_up, layer.down, layer.top_k) is mt
     assert rel_err(layer(x), layer._forward_reference(x)) <= 1e-2
-
-
-@pytest.mark.parametrize("T,router_bits,shared", [(1, 8, True), (2, 4, True), (4, 8, False), (3, 4, False)])
-def test_decode_routed_runs_the_router_in_the_chain(T, router_bits, shared):
-    """moe_decode_routed (router GEMV + top-k, gate_up + SwiGLU prep, down + combine, each with an epilogue run by
-    the last program of a group) equals route + moe_decode on the router's own logits; twice in a row (the
-    epilogues' counters are left zero for the next call)."""
-    g = torch.Generator().manual_seed(T * router_bits + shared)
-    gate_up, down = experts(g, 4, 64, 32)
-    router = quantize(torch.randn(E + shared, H, generator=g), router_bits, 64)
-    sh = (quantize(torch.randn(2 * I, H, generator=g) * 0.1, 4, 64), quantize(torch.randn(H, I, generator=g) * 0.1,
-                                                                             4, 32)) if shared else None
-    sh_dev = tuple(on_device(q) for q in sh) if shared else None
-    x = torch.randn(T, H, generator=g).to(DEVICE)
-    logits = x.float() @ on_device(router).dequantize(torch.float32).T
-    ids, weights = mt.route(logits[:, :E].contiguous(), 3, True, logits[:, E].contiguous() if shared else None)
-    ref = mt.moe_decode(x, ids, weights, on_device(gate_up), on_device(down), shared_expert=sh_dev)
-    for _ in range(2):
-        out = mt.moe_decode_routed(x, on_device(router), on_device(gate_up), on_device(down), 3, True, sh_dev)
-        assert out.shape == (T, H) and rel_err(out, ref) <= 1e-2
-    assert not mt._counters(x.device, 64).any()
-    with pytest.raises(ValueError, match="router must be"):
-        mt.moe_decode_routed(x, on_device(router), on_device(gate_up), on_device(down), 3, True,
-                             None if shared else (on_device(gate_up), on_device(down)))

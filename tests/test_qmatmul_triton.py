@@ -93,16 +93,6 @@ def test_prep_x_rounds_x_to_int16_per_group():
         assert torch.equal(q[1, :64], torch.zeros(64, dtype=torch.int64))
 
 
-@pytest.mark.parametrize("first,second", [((4, 64), (8, 64)), ((8, 32), (4, 128)), ((2, 128), (4, 32))])
-def test_prep_x_for_two_weight_formats_in_one_launch(first, second):
-    """prep_x(..., also=second) equals two separate preps, also across several programs and a ragged last one."""
-    x = torch.randn(3, 4352).to(DEVICE)  # 2 programs of 2048 columns and one of 256
-    both = tq.prep_x(x, *first, also=second)
-    for xp, (bits, gs) in zip(both, (first, second)):
-        n = tq.prep_len(4352, gs)  # the row padding past it is never written
-        assert torch.equal(xp[:, :n], tq.prep_x(x, bits, gs)[:, :n])
-
-
 def test_bad_inputs_raise_before_launch():
     qt = quantize(torch.randn(16, 128), bits=3, group_size=32)
     with pytest.raises(ValueError, match="3-bit"):

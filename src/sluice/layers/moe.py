@@ -74,17 +74,16 @@ class SparseMoE(nn.Module):
         pair = (sh.gate_up.qt, sh.down.qt)
         return pair if kernels.shared_expert_fits(self.gate_up, self.down, *pair) else None
 
-    def _decode_with_shared_slot(self, x2: torch.Tensor, kernels, shared_expert) -> torch.Tensor:
-        """Decode with the shared expert as slot k of every token, weighted by its gate. A quantized router runs in
-        the same chain of launches (router GEMV + top-k in one); otherwise its logits come first."""
+    def _route_with_shared_slot(self, x2: torch.Tensor, kernels) -> tuple[torch.Tensor, torch.Tensor]:
+        """Decode routing: (ids, weights) [T, k + 1], slot k the shared expert weighted by its gate. A quantized
+        router's split-K partials go to the router kernel unsummed (two launches fewer)."""
         E, g, tq = self.num_experts, self.gates, kernels.tq
         if (isinstance(g, Linear) and g.quantized and g.bits in tq.SUPPORTED_BITS
                 and g.group_size in tq.SUPPORTED_GROUPS):
-            return kernels.moe_decode_routed(x2, g.qt, self.gate_up, self.down, self.top_k, self.norm_topk_prob,
-                                             shared_expert)
-        logits = g(x2)
-        ids, weights = kernels.route(logits[..., :E], self.top_k, self.norm_topk_prob, logits[..., E])
-        return kernels.moe_decode(x2, ids, weights, self.gate_up, self.down, shared_expert=shared_expert)
+            logits = tq.qgemv_partials(x2, g.qt)
+        else:
+            logits = g(x2)
+        return kernels.route(logits[..., :E], self.top_k, self.norm_topk_prob, logits[..., E])
 
     def _fused_decode_args(self, kernels):
         """(router, shared expert) for `fused_decode.moe_decode_fused` when one launch runs this block, else None."""
@@ -111,7 +110,8 @@ class SparseMoE(nn.Module):
                                         fused[1])
         shared_expert = self._shared_as_expert(kernels) if x2.shape[0] <= kernels.DECODE_MAX_TOKENS else None
         if shared_expert is not None:  # decode: the shared expert is slot k of every token
-            return self._decode_with_shared_slot(x2, kernels, shared_expert)
+            ids, weights = self._route_with_shared_slot(x2, kernels)
+            return kernels.moe_decode(x2, ids, weights, self.gate_up, self.down, shared_expert=shared_expert)
         E = self.num_experts
         logits = self.gates(x2)
         gate_logit = logits[:, E] if self.shared is not None else None

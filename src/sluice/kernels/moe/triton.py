@@ -4,10 +4,8 @@ expert) over stacked MLX-affine experts: gate_up [E, 2I, H] (gate rows first), d
 Everything stays on the device (no host synchronisation, so a decode step can be captured in a CUDA graph):
 - `route`: logits [T, E] -> softmax (fp32) -> top-k by iterated argmax -> optional renormalisation.
 - `moe_decode` (a few tokens): the T*k (token, expert) slots are rows of ONE indexed GEMV per projection
-  (`qmatmul.triton.gemv_program` with expert ids read on the device). Each GEMV ends with an epilogue run by the
-  last program of a group to finish: the gate_up GEMV's prepares each slot's h = silu(g) * u in the down GEMV's
-  activation layout (`swiglu_prep`), the down GEMV's is the weighted combine. `moe_decode_routed` puts the
-  router GEMV and top-k (the last program) in front: a token's whole block in four launches.
+  (`qmatmul.triton.gemv_launch` with expert ids read on the device); between them `swiglu_prep` (`prep_x` in
+  its SwiGLU mode) turns the gate_up partial sums into h = silu(g) * u already in the GEMV's prepared-activation layout.
 - `moe_prefill` (many tokens): slots sorted by expert, a table of BLOCK_M-row tiles (expert, first row) built on
   the device, ONE grouped tensor-core GEMM launch per projection (W tiles dequantized in registers), SwiGLU
   fused into the gate_up epilogue.
@@ -68,41 +66,32 @@ def _softmax_topk(logit, offs, ok, TOP_K: tl.constexpr, KP: tl.constexpr, BLOCK_
 
 
 @triton.jit
-def _route_token(row, stride_ls, S, gate_ptr, stride_gs, ids_row, w_row, E, TOP_K: tl.constexpr,
-                 BLOCK_E: tl.constexpr, KP: tl.constexpr, NORM: tl.constexpr, SHARED: tl.constexpr):
-    """One token: softmax over its E logits at `row` (S split-K partials `stride_ls` apart, summed here), then
-    top-k (`_softmax_topk`) into ids_row / w_row. SHARED: one more slot, expert id E (the shared expert), weighted
-    sigmoid(gate logit) (its S partials at gate_ptr, `stride_gs` apart). Read past the L1: the logits may have
-    been written by other programs of the same launch."""
+def _route_kernel(logits_ptr, ids_ptr, w_ptr, gate_ptr, E, S, stride_ls, stride_lt, stride_gs, stride_g,
+                  TOP_K: tl.constexpr, BLOCK_E: tl.constexpr, KP: tl.constexpr, NORM: tl.constexpr,
+                  SHARED: tl.constexpr, PDL: tl.constexpr):
+    """One token per program: softmax over its E logits, then top-k (`_softmax_topk`). The logits (and gate
+    logit) may come as S split-K partials, summed here. SHARED: one more slot, expert id E (the shared expert),
+    weighted sigmoid(gate logit)."""
+    tq._pdl_start(PDL)
+    t = tl.program_id(0)
     offs = tl.arange(0, BLOCK_E)
     ok = offs < E
-    logit = tl.load(row + offs, mask=ok, other=-float("inf"), cache_modifier=".cg").to(tl.float32)
+    row = logits_ptr + t.to(tl.int64) * stride_lt
+    logit = tl.load(row + offs, mask=ok, other=-float("inf")).to(tl.float32)
     for s in range(1, S):  # split-K partials of the router matmul
-        logit += tl.load(row + s * stride_ls + offs, mask=ok, other=0.0, cache_modifier=".cg")
+        logit += tl.load(row + s * stride_ls + offs, mask=ok, other=0.0)
     top_w, top_i = _softmax_topk(logit, offs, ok, TOP_K, KP, BLOCK_E, NORM)
     offs_k = tl.arange(0, KP)
     SLOTS: tl.constexpr = TOP_K + SHARED
     if SHARED:
         top_i = tl.where(offs_k == TOP_K, E, top_i)
-        gate = tl.load(gate_ptr, cache_modifier=".cg").to(tl.float32)
+        gate = tl.load(gate_ptr + t * stride_g).to(tl.float32)
         for s in range(1, S):
-            gate += tl.load(gate_ptr + s * stride_gs, cache_modifier=".cg")
+            gate += tl.load(gate_ptr + s * stride_gs + t * stride_g)
         top_w = tl.where(offs_k == TOP_K, tl.sigmoid(gate), top_w)
     k_ok = offs_k < SLOTS
-    tl.store(ids_row + offs_k, top_i, mask=k_ok)
-    tl.store(w_row + offs_k, top_w, mask=k_ok)
-
-
-@triton.jit
-def _route_kernel(logits_ptr, ids_ptr, w_ptr, gate_ptr, E, S, stride_ls, stride_lt, stride_gs, stride_g,
-                  TOP_K: tl.constexpr, BLOCK_E: tl.constexpr, KP: tl.constexpr, NORM: tl.constexpr,
-                  SHARED: tl.constexpr, PDL: tl.constexpr):
-    """One token per program (`_route_token`)."""
-    tq._pdl_start(PDL)
-    t = tl.program_id(0)
-    SLOTS: tl.constexpr = TOP_K + SHARED
-    _route_token(logits_ptr + t.to(tl.int64) * stride_lt, stride_ls, S, gate_ptr + t * stride_g, stride_gs,
-                 ids_ptr + t * SLOTS, w_ptr + t * SLOTS, E, TOP_K, BLOCK_E, KP, NORM, SHARED)
+    tl.store(ids_ptr + t * SLOTS + offs_k, top_i, mask=k_ok)
+    tl.store(w_ptr + t * SLOTS + offs_k, top_w, mask=k_ok)
 
 
 def route(logits: torch.Tensor, top_k: int, norm_topk_prob: bool, shared_gate_logit: torch.Tensor | None = None,
@@ -157,217 +146,39 @@ def swiglu_prep(y: torch.Tensor, bits: int, group_size: int) -> torch.Tensor:
     return tq.prep_x(y, bits, group_size, swiglu=True)
 
 
-# The decode GEMVs end with an epilogue run by the last of a group of programs to finish (an acq_rel counter;
-# the last one resets it for the next call): the router's top-k, the SwiGLU preparation of each slot's h, the
-# weighted combine of each output block. Each saves a launch and its wait on the critical path of a token.
-# The arguments of `tq.gemv_program` come first, then the epilogue's.
-
-
-@triton.jit
-def _last_to_finish(cnt_ptr, n):
-    """True in the last of n programs to get here (the others' stores are then visible past the L1)."""
-    tl.debug_barrier()  # every thread's stores issued before the release
-    return tl.atomic_add(cnt_ptr, 1, sem="acq_rel", scope="gpu") == n - 1
-
-
-@triton.jit
-def _router_topk_kernel(xp_ptr, w_ptr, s_ptr, b_ptr, y_ptr, ids_ptr, wx_ptr, sx_ptr, bx_ptr, N, KW, w_per_split,
-                        x_div, n_experts, stride_pm, stride_we, stride_wn, stride_se, stride_sn, stride_ys, stride_ym,
-                        cnt_ptr, top_ids_ptr, top_w_ptr, E,
-                        BITS: tl.constexpr, GS: tl.constexpr, BLOCK_N: tl.constexpr, KB: tl.constexpr,
-                        EVEN_N: tl.constexpr, EVEN_K: tl.constexpr, INDEXED: tl.constexpr, EXTRA: tl.constexpr,
-                        ASM: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr,
-                        TOP_K: tl.constexpr, BLOCK_E: tl.constexpr, KP: tl.constexpr, NORM: tl.constexpr,
-                        SHARED: tl.constexpr):
-    """Router logits (columns [0, E), the shared expert's gate logit in column E) as GEMV partials; the last
-    program of each token routes it (`_route_token`)."""
-    tq.gemv_program(xp_ptr, w_ptr, s_ptr, b_ptr, y_ptr, ids_ptr, wx_ptr, sx_ptr, bx_ptr, N, KW, w_per_split, x_div,
-                    n_experts, stride_pm, stride_we, stride_wn, stride_se, stride_sn, stride_ys, stride_ym, BITS, GS,
-                    BLOCK_N, KB, EVEN_N, EVEN_K, INDEXED, EXTRA, ASM, PDL, PREFETCH)
-    t = tl.program_id(2)
-    S = tl.num_programs(1)
-    if _last_to_finish(cnt_ptr + t, tl.num_programs(0) * S):
-        SLOTS: tl.constexpr = TOP_K + SHARED
-        row = y_ptr + t * stride_ym
-        _route_token(row, stride_ys, S, row + E, stride_ys, top_ids_ptr + t * SLOTS, top_w_ptr + t * SLOTS, E,
-                     TOP_K, BLOCK_E, KP, NORM, SHARED)
-        tl.store(cnt_ptr + t, 0)
-
-
-@triton.jit
-def _gate_up_kernel(xp_ptr, w_ptr, s_ptr, b_ptr, y_ptr, ids_ptr, wx_ptr, sx_ptr, bx_ptr, N, KW, w_per_split, x_div,
-                    n_experts, stride_pm, stride_we, stride_wn, stride_se, stride_sn, stride_ys, stride_ym,
-                    cnt_ptr, hp_ptr, stride_hp,
-                    BITS: tl.constexpr, GS: tl.constexpr, BLOCK_N: tl.constexpr, KB: tl.constexpr,
-                    EVEN_N: tl.constexpr, EVEN_K: tl.constexpr, INDEXED: tl.constexpr, EXTRA: tl.constexpr,
-                    ASM: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr,
-                    BITS2: tl.constexpr, GS2: tl.constexpr, NG2: tl.constexpr):
-    """The experts' gate_up GEMV partials [S, slots, 2I]; the last program of each slot prepares that slot's
-    h = silu(gate) * up for the down GEMV (`swiglu_prep`'s result, row `slot` of hp)."""
-    tq.gemv_program(xp_ptr, w_ptr, s_ptr, b_ptr, y_ptr, ids_ptr, wx_ptr, sx_ptr, bx_ptr, N, KW, w_per_split, x_div,
-                    n_experts, stride_pm, stride_we, stride_wn, stride_se, stride_sn, stride_ys, stride_ym, BITS, GS,
-                    BLOCK_N, KB, EVEN_N, EVEN_K, INDEXED, EXTRA, ASM, PDL, PREFETCH)
-    slot = tl.program_id(2)
-    S = tl.num_programs(1)
-    if _last_to_finish(cnt_ptr + slot, tl.num_programs(0) * S):
-        I = N // 2
-        for g0 in range(0, I // GS2, NG2):  # NG2 groups at a time: the GEMV's registers suffice
-            offs_g = g0 + tl.arange(0, NG2)
-            tq._prep_groups(y_ptr + slot * stride_ym, hp_ptr + slot.to(tl.int64) * stride_hp, offs_g,
-                            offs_g < I // GS2, I, S, stride_ys, BITS2, GS2, True, True)
-        tl.store(cnt_ptr + slot, 0)
-
-
-@triton.jit
-def _down_combine_kernel(xp_ptr, w_ptr, s_ptr, b_ptr, y_ptr, ids_ptr, wx_ptr, sx_ptr, bx_ptr, N, KW, w_per_split,
-                         x_div, n_experts, stride_pm, stride_we, stride_wn, stride_se, stride_sn, stride_ys, stride_ym,
-                         cnt_ptr, top_w_ptr, out_ptr,
-                         BITS: tl.constexpr, GS: tl.constexpr, BLOCK_N: tl.constexpr, KB: tl.constexpr,
-                         EVEN_N: tl.constexpr, EVEN_K: tl.constexpr, INDEXED: tl.constexpr, EXTRA: tl.constexpr,
-                         ASM: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr,
-                         SLOTS: tl.constexpr, KP: tl.constexpr):
-    """The experts' down GEMV partials [S, T*SLOTS, H]; the last program of each column block adds the block up
-    over splits and slots, weighted (`combine`, in slot order: deterministic), into out [T, H]."""
-    tq.gemv_program(xp_ptr, w_ptr, s_ptr, b_ptr, y_ptr, ids_ptr, wx_ptr, sx_ptr, bx_ptr, N, KW, w_per_split, x_div,
-                    n_experts, stride_pm, stride_we, stride_wn, stride_se, stride_sn, stride_ys, stride_ym, BITS, GS,
-                    BLOCK_N, KB, EVEN_N, EVEN_K, INDEXED, EXTRA, ASM, PDL, PREFETCH)
-    pid_n = tl.program_id(0)
-    S = tl.num_programs(1)
-    if _last_to_finish(cnt_ptr + pid_n, S * tl.num_programs(2)):
-        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        offs_k = tl.arange(0, KP)
-        mask = (offs_k < SLOTS)[:, None] & (offs_n < N)[None, :]
-        for t in range(tl.num_programs(2) // SLOTS):
-            tile = y_ptr + (t * SLOTS + offs_k)[:, None] * stride_ym + offs_n[None, :]
-            y = tq.load_cg(tile, mask, True)
-            for s in range(1, S):
-                y += tq.load_cg(tile + s * stride_ys, mask, True)
-            w = tl.load(top_w_ptr + t * SLOTS + offs_k, mask=offs_k < SLOTS, other=0.0)
-            acc = tl.sum(w[:, None] * y, axis=0)
-            tl.store(out_ptr + t * N + offs_n, acc.to(out_ptr.dtype.element_ty), mask=offs_n < N)
-        tl.store(cnt_ptr + pid_n, 0)
-
-
-_COUNTERS: dict = {}
-
-
-def _counters(device, n: int) -> torch.Tensor:
-    """n zeroed int32 counters for the epilogues (each call leaves them zero again). One buffer per device, shared
-    by the launches of a stream one after another: a launch uses them only after its dependency wait."""
-    buf = _COUNTERS.get(device)
-    if buf is None or buf.numel() < n:
-        buf = _COUNTERS[device] = torch.zeros(max(n, 4096), dtype=torch.int32, device=device)
-    return buf[:n]
-
-
-def _gemv_args(xp, qt, ids, rows, x_div=1, extra=None, block_n=None, num_warps=1):
-    """(output partials [splits, rows, N] fp32, the arguments of `tq.gemv_launch` up to split_k and x_div)."""
+def _expert_gemv(xp: torch.Tensor, qt: QuantizedTensor, ids: torch.Tensor, x_div: int,
+                 extra: QuantizedTensor | None = None, block_n: int | None = None, num_warps: int = 1) -> torch.Tensor:
+    """Partials [splits, rows, N] fp32 of row r = xp[r // x_div] @ W[ids[r]]^T: one indexed GEMV launch, right
+    after the launch that prepared xp (so the ids are ready before it: the GEMV may prefetch). Id E (one past
+    the stacked experts) stands for `extra`."""
+    rows = ids.numel()
     N, K = qt.out_features, qt.in_features
     block_n = block_n or tq.gemv_block_n(N, rows, xp.device)
     # K is split only when the rows and N-blocks alone leave multiprocessors idle
     split_k = tq.gemv_split_k(N, K, qt.bits, rows, block_n, num_warps, device=xp.device)
     used = tq.gemv_used_splits(K, qt.bits, split_k, num_warps)[0]
     out = torch.empty((used, rows, N), dtype=torch.float32, device=xp.device)
-    kw = dict(x_div=x_div, block_n=block_n, num_warps=num_warps,
-              extra=None if extra is None else (extra.weight.view(torch.int32), extra.scales, extra.biases))
-    return out, (xp, qt.weight.view(torch.int32), qt.scales, qt.biases, out, ids, rows, N, K, qt.bits,
-                 qt.group_size, split_k), kw
-
-
-def _expert_gemv(xp: torch.Tensor, qt: QuantizedTensor, ids: torch.Tensor, x_div: int,
-                 extra: QuantizedTensor | None = None, block_n: int | None = None, num_warps: int = 1) -> torch.Tensor:
-    """Partials [splits, rows, N] fp32 of row r = xp[r // x_div] @ W[ids[r]]^T: one indexed GEMV launch, right
-    after the launch that prepared xp (so the ids are ready before it: the GEMV may prefetch). Id E (one past
-    the stacked experts) stands for `extra`."""
-    out, args, kw = _gemv_args(xp, qt, ids, ids.numel(), x_div, extra, block_n, num_warps)
-    tq.gemv_launch(*args, ids_ready=True, **kw)
-    return out
-
-
-def _gate_up_swiglu(xp, gate_up, down, ids, x_div, extra, ids_ready):
-    """h = silu(gate) * up of every slot, prepared for the down GEMV (as `swiglu_prep`), in the gate_up launch."""
-    rows = ids.numel()
-    I = gate_up.out_features // 2
-    y, args, kw = _gemv_args(xp, gate_up, ids, rows, x_div, extra)
-    hp = torch.empty((rows, -(-tq.prep_len(I, down.group_size) // 16) * 16), dtype=torch.int32, device=xp.device)
-    tq.gemv_launch(*args, ids_ready=ids_ready, kernel=_gate_up_kernel,
-                   epilogue_args=(_counters(xp.device, rows), hp, hp.stride(0)),
-                   epilogue_meta=dict(BITS2=down.bits, GS2=down.group_size,
-                                      NG2=min(4, triton.next_power_of_2(I // down.group_size))), **kw)
-    return hp
-
-
-def _down_combine(hp, down, ids, weights, dtype, extra):
-    """out [T, H] = sum over slots of weights * (h @ W_down^T), the combine in the down launch."""
-    T, slots = weights.shape
-    out = torch.empty((T, down.out_features), dtype=dtype, device=hp.device)
-    y, args, kw = _gemv_args(hp, down, ids, ids.numel(), 1, extra)
-    n_blocks = triton.cdiv(down.out_features, kw["block_n"])
-    tq.gemv_launch(*args, ids_ready=True, kernel=_down_combine_kernel,
-                   epilogue_args=(_counters(hp.device, n_blocks), weights, out),
-                   epilogue_meta=dict(SLOTS=slots, KP=triton.next_power_of_2(slots)), **kw)
+    tq.gemv_launch(xp, qt.weight.view(torch.int32), qt.scales, qt.biases, out, ids, rows, N, K, qt.bits,
+                   qt.group_size, split_k, x_div=x_div, block_n=block_n, num_warps=num_warps, ids_ready=True,
+                   extra=None if extra is None else (extra.weight.view(torch.int32), extra.scales, extra.biases))
     return out
 
 
 def moe_decode(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_up: QuantizedTensor,
                down: QuantizedTensor, shared_out: torch.Tensor | None = None,
                shared_gate_logit: torch.Tensor | None = None,
-               shared_expert: tuple[QuantizedTensor, QuantizedTensor] | None = None, xp: torch.Tensor | None = None,
-               ids_ready: bool = True) -> torch.Tensor:
-    """MoE output [T, H] in x's dtype for a few tokens (T <= ~4): x prep, gate_up GEMV (+ SwiGLU prep), down GEMV
-    (+ combine) whatever k is (one more combine launch with `shared_out`). With `shared_expert` (its gate_up
-    [2I, H] and down [H, I], stored like the routed experts) the ids and weights come from
-    `route(..., shared_gate_logit)`: id E is the shared expert, run as one more slot of the same launches.
-    xp: x already prepared for gate_up (`tq.prep_x`); ids_ready: the ids were written before xp's launch."""
+               shared_expert: tuple[QuantizedTensor, QuantizedTensor] | None = None) -> torch.Tensor:
+    """MoE output [T, H] in x's dtype for a few tokens (T <= ~4): five launches whatever k is. With
+    `shared_expert` (its gate_up [2I, H] and down [H, I], stored like the routed experts) the ids and weights
+    come from `route(..., shared_gate_logit)`: id E is the shared expert, run as one more slot of the same
+    launches."""
     _check_moe(x, ids, weights, gate_up, down, shared_out, shared_gate_logit, shared_expert)
     ids = ids.contiguous().view(-1)
-    weights = weights.contiguous()
     gu_extra, down_extra = shared_expert if shared_expert is not None else (None, None)
-    if xp is None:
-        xp = tq.prep_x(x.contiguous(), gate_up.bits, gate_up.group_size)
-    hp = _gate_up_swiglu(xp, gate_up, down, ids, weights.shape[1], gu_extra, ids_ready)
-    if shared_out is None:
-        return _down_combine(hp, down, ids, weights, x.dtype, down_extra)
-    y = _expert_gemv(hp, down, ids, 1, down_extra)
+    xp = tq.prep_x(x.contiguous(), gate_up.bits, gate_up.group_size)
+    y_gu = _expert_gemv(xp, gate_up, ids, x_div=weights.shape[1], extra=gu_extra)
+    y = _expert_gemv(swiglu_prep(y_gu, down.bits, down.group_size), down, ids, x_div=1, extra=down_extra)
     return combine(y, weights, x.dtype, shared_out, shared_gate_logit)
-
-
-def moe_decode_routed(x: torch.Tensor, router: QuantizedTensor, gate_up: QuantizedTensor, down: QuantizedTensor,
-                      top_k: int, norm_topk_prob: bool,
-                      shared_expert: tuple[QuantizedTensor, QuantizedTensor] | None = None) -> torch.Tensor:
-    """The whole MoE block for a few tokens from x, with a quantized router ([E, H], or [E + 1, H] with the shared
-    expert's gate logit as row E when `shared_expert` is given): four launches, x prepared for the router and
-    the experts, router GEMV + top-k, gate_up GEMV + SwiGLU prep, down GEMV + combine."""
-    E = gate_up.weight.shape[0]
-    shared = shared_expert is not None
-    if not (isinstance(router, QuantizedTensor) and router.weight.dim() == 2 and router.bits in tq.SUPPORTED_BITS
-            and router.group_size in tq.SUPPORTED_GROUPS and tuple(router.shape) == (E + shared, gate_up.shape[2])):
-        raise ValueError(f"moe decode: the router must be a quantized [{E + shared}, {gate_up.shape[2]}] weight")
-    if not 1 <= top_k <= min(MAX_TOP_K, E) or E > MAX_EXPERTS:
-        raise ValueError(f"moe decode: top_k must be in [1, {min(MAX_TOP_K, E)}] (got {top_k}), experts <= "
-                         f"{MAX_EXPERTS} (got {E})")
-    tq.check(x, router)
-    x = x.contiguous()
-    T = x.shape[0]
-    if (router.bits, router.group_size) == (gate_up.bits, gate_up.group_size):
-        xp_r = xp = tq.prep_x(x, gate_up.bits, gate_up.group_size)
-    else:
-        xp_r, xp = tq.prep_x(x, router.bits, router.group_size, also=(gate_up.bits, gate_up.group_size))
-    ids, weights = _router_topk(xp_r, router, E, top_k, norm_topk_prob, shared)
-    return moe_decode(x, ids, weights, gate_up, down, shared_expert=shared_expert, xp=xp, ids_ready=False)
-
-
-def _router_topk(xp, router, E, top_k, norm_topk_prob, shared):
-    """(ids, weights) [T, k (+1)] as `route` gives them, from x prepared for the router: one launch."""
-    T = xp.shape[0]
-    ids = torch.empty((T, top_k + shared), dtype=torch.int32, device=xp.device)
-    weights = torch.empty((T, top_k + shared), dtype=torch.float32, device=xp.device)
-    _, args, kw = _gemv_args(xp, router, None, T)
-    tq.gemv_launch(*args, kernel=_router_topk_kernel, epilogue_args=(_counters(xp.device, T), ids, weights, E),
-                   epilogue_meta=dict(TOP_K=top_k, BLOCK_E=triton.next_power_of_2(E),
-                                      KP=triton.next_power_of_2(top_k + shared), NORM=norm_topk_prob, SHARED=shared),
-                   **kw)
-    return ids, weights
 
 
 # ---------------------------------------------------------------------------------------------------- prefill

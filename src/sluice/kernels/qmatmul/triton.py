@@ -54,27 +54,20 @@ def _prefetch_l2(ptrs, PDL: tl.constexpr):
 
 
 @triton.jit
-def load_cg(ptrs, mask, CG: tl.constexpr):
-    """tl.load (0 where masked); CG: past the L1, which is not coherent with other programs' stores of this launch."""
-    if CG:
-        return tl.load(ptrs, mask=mask, other=0.0, cache_modifier=".cg")
-    else:
-        return tl.load(ptrs, mask=mask, other=0.0)
-
-
-@triton.jit
 def _load_x(x_row, offs, mask, K, S, stride_xs, SWIGLU: tl.constexpr, CG: tl.constexpr):
     """fp32 x at columns `offs`; with SWIGLU the row is [gate | up] (K columns each) as S split-K partials and
     x = silu(gate) * up. CG: x was written by other programs of the same launch, read past the (incoherent) L1."""
     if SWIGLU:
-        g = load_cg(x_row + offs, mask, CG)
-        u = load_cg(x_row + K + offs, mask, CG)
+        g = tl.load(x_row + offs, mask=mask, other=0.0)
+        u = tl.load(x_row + K + offs, mask=mask, other=0.0)
         for s in range(1, S):
-            g += load_cg(x_row + s * stride_xs + offs, mask, CG)
-            u += load_cg(x_row + s * stride_xs + K + offs, mask, CG)
+            g += tl.load(x_row + s * stride_xs + offs, mask=mask, other=0.0)
+            u += tl.load(x_row + s * stride_xs + K + offs, mask=mask, other=0.0)
         return g / (1.0 + tl.exp(-g)) * u
+    elif CG:
+        return tl.load(x_row + offs, mask=mask, other=0.0, cache_modifier=".cg").to(tl.float32)
     else:
-        return load_cg(x_row + offs, mask, CG).to(tl.float32)
+        return tl.load(x_row + offs, mask=mask, other=0.0).to(tl.float32)
 
 
 @triton.jit
@@ -107,24 +100,16 @@ def _prep_groups(x_row, p_row, offs_g, g_ok, K, S, stride_xs, BITS: tl.constexpr
 
 
 @triton.jit
-def _prep_x_kernel(x_ptr, xp_ptr, xp2_ptr, K, S, stride_xs, stride_xm, stride_pm, stride_pm2, BITS: tl.constexpr,
-                   GS: tl.constexpr, GB: tl.constexpr, BITS2: tl.constexpr, GS2: tl.constexpr, SWIGLU: tl.constexpr,
-                   PDL: tl.constexpr):
+def _prep_x_kernel(x_ptr, xp_ptr, K, S, stride_xs, stride_xm, stride_pm, BITS: tl.constexpr, GS: tl.constexpr,
+                   GB: tl.constexpr, SWIGLU: tl.constexpr, PDL: tl.constexpr):
     """xp[m] (int32) = [EPW/2 planes of KW int16 pairs | K/GS x scales (fp32 bits) | K/GS group sums (fp32 bits)].
     Plane 2i+h pairs, for word w, the elements whose codes `dp2a` meets in the low (h=0) or high (h=1) bytes of
-    (word >> i*BITS) & byte-mask: x[w*EPW + i + 2hD] (low half) and x[w*EPW + i + (2h+1)D] (high), D = 8/BITS.
-    BITS2 > 0: the same columns also into xp2 in the layout of BITS2 / GS2 (two weights read x: one launch)."""
+    (word >> i*BITS) & byte-mask: x[w*EPW + i + 2hD] (low half) and x[w*EPW + i + (2h+1)D] (high), D = 8/BITS."""
     _pdl_start(PDL)
     m = tl.program_id(0)
     offs_g = tl.program_id(1) * GB + tl.arange(0, GB)
-    x_row = x_ptr + m.to(tl.int64) * stride_xm
-    _prep_groups(x_row, xp_ptr + m.to(tl.int64) * stride_pm, offs_g, offs_g < K // GS, K, S, stride_xs, BITS, GS,
-                 SWIGLU, False)
-    if BITS2 > 0:
-        GB2: tl.constexpr = GB * GS // GS2
-        offs_g2 = tl.program_id(1) * GB2 + tl.arange(0, GB2)
-        _prep_groups(x_row, xp2_ptr + m.to(tl.int64) * stride_pm2, offs_g2, offs_g2 < K // GS2, K, S, stride_xs,
-                     BITS2, GS2, SWIGLU, False)
+    _prep_groups(x_ptr + m.to(tl.int64) * stride_xm, xp_ptr + m.to(tl.int64) * stride_pm, offs_g, offs_g < K // GS,
+                 K, S, stride_xs, BITS, GS, SWIGLU, False)
 
 
 @triton.jit
@@ -201,18 +186,6 @@ def prep_len(K: int, group_size: int) -> int:
 
 @triton.jit
 def _gemv_kernel(xp_ptr, w_ptr, s_ptr, b_ptr, y_ptr, ids_ptr, wx_ptr, sx_ptr, bx_ptr, N, KW, w_per_split, x_div,
-                 n_experts, stride_pm, stride_we, stride_wn, stride_se, stride_sn, stride_ys, stride_ym,
-                 BITS: tl.constexpr, GS: tl.constexpr, BLOCK_N: tl.constexpr, KB: tl.constexpr,
-                 EVEN_N: tl.constexpr, EVEN_K: tl.constexpr, INDEXED: tl.constexpr, EXTRA: tl.constexpr,
-                 ASM: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr):
-    """`gemv_program` alone (kernels with an epilogue of their own call it the same way: kernels/moe/triton.py)."""
-    gemv_program(xp_ptr, w_ptr, s_ptr, b_ptr, y_ptr, ids_ptr, wx_ptr, sx_ptr, bx_ptr, N, KW, w_per_split, x_div,
-                 n_experts, stride_pm, stride_we, stride_wn, stride_se, stride_sn, stride_ys, stride_ym, BITS, GS,
-                 BLOCK_N, KB, EVEN_N, EVEN_K, INDEXED, EXTRA, ASM, PDL, PREFETCH)
-
-
-@triton.jit
-def gemv_program(xp_ptr, w_ptr, s_ptr, b_ptr, y_ptr, ids_ptr, wx_ptr, sx_ptr, bx_ptr, N, KW, w_per_split, x_div,
                  n_experts, stride_pm, stride_we, stride_wn, stride_se, stride_sn, stride_ys, stride_ym,
                  BITS: tl.constexpr, GS: tl.constexpr, BLOCK_N: tl.constexpr, KB: tl.constexpr,
                  EVEN_N: tl.constexpr, EVEN_K: tl.constexpr, INDEXED: tl.constexpr, EXTRA: tl.constexpr,
@@ -449,24 +422,18 @@ def pdl(device) -> bool:
     return USE_PDL and not INTERPRET and device.type == "cuda" and _capability(device.index or 0)[0] >= 9
 
 
-def prep_x(x: torch.Tensor, bits: int, group_size: int, swiglu: bool = False, also: tuple[int, int] | None = None):
+def prep_x(x: torch.Tensor, bits: int, group_size: int, swiglu: bool = False) -> torch.Tensor:
     """x [M, K] -> the GEMV's prepared activations, int32 [M, K/2 + 2K/GS] (row stride padded to 16): x rounded
     per group to int16 pairs, then the per-group x scales and the exact group sums (fp32 bits). With `swiglu`,
-    x is fp32 split-K partials [S, M, 2K] of a gate_up projection and the result is that of silu(gate) * up.
-    also = (bits2, group_size2): x prepared for a second weight format in the same launch; returns both then."""
+    x is fp32 split-K partials [S, M, 2K] of a gate_up projection and the result is that of silu(gate) * up."""
     S, M, K = (x.shape[0], x.shape[1], x.shape[2] // 2) if swiglu else (1, *x.shape)
-
-    def alloc(gs):
-        return torch.empty((M, -(-prep_len(K, gs) // 16) * 16), dtype=torch.int32, device=x.device)
-
-    xp = alloc(group_size)
-    xp2 = alloc(also[1]) if also else xp
-    gb = 2048 // group_size  # groups per program: 2048 columns (whole groups of either size)
+    stride = -(-prep_len(K, group_size) // 16) * 16
+    xp = torch.empty((M, stride), dtype=torch.int32, device=x.device)
+    gb = max(1, 2048 // group_size)  # groups per program
     _prep_x_kernel[(M, triton.cdiv(K // group_size, gb))](
-        x, xp, xp2, K, S, x.stride(0) if swiglu else 0, x.stride(-2), xp.stride(0), xp2.stride(0), BITS=bits,
-        GS=group_size, GB=gb, BITS2=also[0] if also else 0, GS2=also[1] if also else group_size, SWIGLU=swiglu,
-        PDL=pdl(x.device), launch_pdl=pdl(x.device), num_warps=4)
-    return (xp, xp2) if also else xp
+        x, xp, K, S, x.stride(0) if swiglu else 0, x.stride(-2), stride, BITS=bits, GS=group_size, GB=gb,
+        SWIGLU=swiglu, PDL=pdl(x.device), launch_pdl=pdl(x.device), num_warps=4)
+    return xp
 
 
 def gemv_step_words(K: int, bits: int, num_warps: int) -> int:
@@ -490,13 +457,11 @@ def gemv_used_splits(K, bits, split_k, num_warps=1) -> tuple[int, int]:
 
 
 def gemv_launch(xp, w, s, b, out, ids, rows, N, K, bits, gs, split_k, x_div=1, block_n=4, num_warps=1, extra=None,
-                ids_ready=False, kernel=None, epilogue_args=(), epilogue_meta=None):
+                ids_ready=False):
     """Launch `_gemv_kernel` for `rows` output rows: xp from `prep_x`, launched just before; W [E?, N, KW] int32,
     scales/biases [E?, N, K/GS]; ids [rows] expert indices (INDEXED) or None; out [split_k', rows, N] (fp32 when
     split); extra: (W, scales, biases) [N, ...] of the expert that id E stands for (row strides as the stacked
     ones'); ids_ready: the ids were written before the launch of xp (so may be read before the dependency wait).
-    kernel: another kernel that runs `gemv_program` with the same arguments, then an epilogue taking
-    `epilogue_args` (after the common arguments) and the constexprs `epilogue_meta`.
     Returns the split count actually used (<= split_k: every split covers whole steps)."""
     kw = K // (32 // bits)
     kb = gemv_step_words(K, bits, num_warps)
@@ -504,14 +469,13 @@ def gemv_launch(xp, w, s, b, out, ids, rows, N, K, bits, gs, split_k, x_div=1, b
     indexed = ids is not None
     wx, sx, bx = extra if extra is not None else (w, s, b)
     use_pdl = pdl(xp.device)
-    (kernel or _gemv_kernel)[(triton.cdiv(N, block_n), used, rows)](
+    _gemv_kernel[(triton.cdiv(N, block_n), used, rows)](
         xp, w, s, b, out, ids if indexed else xp, wx, sx, bx, N, kw, w_per_split, x_div,
         w.shape[0] if indexed else 0, xp.stride(0), w.stride(0) if indexed else 0, w.stride(-2),
-        s.stride(0) if indexed else 0, s.stride(-2), out.stride(0), out.stride(1), *epilogue_args, BITS=bits, GS=gs,
+        s.stride(0) if indexed else 0, s.stride(-2), out.stride(0), out.stride(1), BITS=bits, GS=gs,
         BLOCK_N=block_n, KB=kb, EVEN_N=N % block_n == 0, EVEN_K=kw % kb == 0 and w_per_split % kb == 0,
         INDEXED=indexed, EXTRA=extra is not None, ASM=not INTERPRET, PDL=use_pdl,
-        PREFETCH=use_pdl and (not indexed or ids_ready), launch_pdl=use_pdl, num_warps=num_warps, num_stages=1,
-        **(epilogue_meta or {}))
+        PREFETCH=use_pdl and (not indexed or ids_ready), launch_pdl=use_pdl, num_warps=num_warps, num_stages=1)
     return used
 
 
