@@ -3,6 +3,9 @@ registers, spill bytes, shared memory. Costs no device time; run it before a dev
 
     PYTHONPATH=/path/to/triton-3.6 python benchmarks/sm90_resources.py [gdn | attention | moe]
 
+`attention` also prints the instruction mix of each decode kernel's longest loop (SASS, cuobjdump): per position
+of a block, what the kernel must issue whatever the memory does.
+
 Use the Triton version the device has (3.6 there: unpack its wheel and put it first on PYTHONPATH); 3.9 picks
 other layouts. A kernel is compiled with the exact arguments the wrapper would launch it with: the launches are
 captured (CPU tensors stand in for CUDA ones), not run.
@@ -15,6 +18,7 @@ import re
 import subprocess
 import sys
 import tempfile
+from collections import Counter
 from pathlib import Path
 
 os.environ.pop("TRITON_INTERPRET", None)
@@ -39,8 +43,9 @@ class Capture:
         return lambda *args, **kw: self.launches.append((grid, args, kw))
 
 
-def compile_launch(fn, args, kw):
-    """ptxas's report for one captured launch: (registers, spill bytes, shared bytes)."""
+def compile_launch(fn, args, kw, want_sass=False):
+    """ptxas's report for one captured launch: (registers, spill bytes, shared bytes), and its SASS text after
+    them with want_sass."""
     kw = dict(kw)
     kw.pop("launch_pdl", None)  # a launch option, not a compile one
     opts = {k: kw.pop(k) for k in ("num_warps", "num_stages", "maxnreg") if k in kw}
@@ -69,7 +74,29 @@ def compile_launch(fn, args, kw):
                          capture_output=True, text=True).stderr
     regs = int(re.search(r"Used (\d+) registers", out).group(1))
     spills = sum(int(x) for x in re.findall(r"(\d+) bytes spill (?:stores|loads)", out))
-    return regs, spills, ck.metadata.shared
+    if not want_sass:
+        return regs, spills, ck.metadata.shared
+    with tempfile.NamedTemporaryFile("wb", suffix=".cubin", delete=False) as f:
+        f.write(ck.asm["cubin"])
+    sass = subprocess.run([str(ptxas.parent / "cuobjdump"), "-sass", f.name], capture_output=True, text=True).stdout
+    return regs, spills, ck.metadata.shared, sass
+
+
+def longest_loop(sass: str) -> list[str]:
+    """The instructions of the longest loop (a backward branch and everything from its target to it)."""
+    ins = [(int(m.group(1), 16), m.group(2).strip()) for m in re.finditer(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", sass)]
+    best: list[str] = []
+    for addr, text in ins:
+        m = re.search(r"BRA\s+0x([0-9a-f]+)", text)
+        if m and int(m.group(1), 16) < addr:
+            body = [t for a, t in ins if int(m.group(1), 16) <= a <= addr]
+            best = body if len(body) > len(best) else best
+    return best
+
+
+def opcode_mix(body: list[str], top: int = 12) -> str:
+    ops = Counter(re.sub(r"^@!?U?P\w+\s+", "", t).split()[0].split(".")[0] for t in body)
+    return ", ".join(f"{k} {v}" for k, v in ops.most_common(top))
 
 
 def gdn():
@@ -143,10 +170,17 @@ def attention():
         launches += _capture_all(tqt, ["_append_kernel"],
                                  lambda: tqt.quantize_append(kv[:, :, 0], codes, sc, ring, 3, 3))
         for name, fn, (grid, args, kw) in launches:
+            if name == "_decode_split_kernel":
+                kw = dict(kw, TC=True)  # the tensor-core path, as on a GPU
             try:
-                r = compile_launch(fn, args, kw)
+                r = compile_launch(fn, args, kw, want_sass=name == "_decode_split_kernel")
             except Exception as e:  # noqa: BLE001 - report and go on
                 r = f"{type(e).__name__}: {str(e)[:200]}"
+            if isinstance(r, tuple) and len(r) == 4:
+                body, bn, warps = longest_loop(r[3]), kw["BLOCK_N"], kw["num_warps"]
+                print(f"  longest loop: {len(body)} instructions per warp for {bn} positions = "
+                      f"{len(body) * warps / bn:.1f} warp instructions per position; {opcode_mix(body)}")
+                r = r[:3]
             rows.append((f"{name} QUANT={kw.get('QUANT', '-')}", f"{Hq}/{Hkv}", D, r))
             print(*rows[-1], flush=True)
     print(f"\n{'kernel':36s} {'heads':>6s} {'D':>4s}  regs spill shared")
