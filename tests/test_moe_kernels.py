@@ -61,11 +61,12 @@ def test_route_adds_the_shared_expert_slot():
     torch.testing.assert_close(weights[:, 3].cpu(), torch.sigmoid(gate[:, 0]))
 
 
-def test_route_adds_split_k_partials():
+@pytest.mark.parametrize("S,n_exp", [(3, E), (6, 1000)])  # 1000 experts: the 6 partials are read 4 at a time
+def test_route_adds_split_k_partials(S, n_exp):
     g = torch.Generator().manual_seed(4)
-    parts = torch.randn(3, 2, E + 1, generator=g)  # three partial sums of [E logits | shared gate logit]
-    ids, weights = mt.route(parts[..., :E].to(DEVICE), 3, True, parts[..., E].contiguous().to(DEVICE))
-    ref_ids, ref_w = mt.route(parts.sum(0)[:, :E].to(DEVICE), 3, True, parts.sum(0)[:, E].to(DEVICE))
+    parts = torch.randn(S, 2, n_exp + 1, generator=g)  # S partial sums of [E logits | shared gate logit]
+    ids, weights = mt.route(parts[..., :n_exp].to(DEVICE), 3, True, parts[..., n_exp].contiguous().to(DEVICE))
+    ref_ids, ref_w = mt.route(parts.sum(0)[:, :n_exp].to(DEVICE), 3, True, parts.sum(0)[:, n_exp].to(DEVICE))
     assert torch.equal(ids, ref_ids)
     torch.testing.assert_close(weights, ref_w)
 

@@ -242,8 +242,11 @@ def _level_table(device) -> torch.Tensor:
     return _LEVEL_TABLES[device]
 
 
-def num_splits(batch_heads: int, visible: int, device, block_n: int = 64, min_per_split: int = 256) -> int:
-    """Enough splits for about two programs per multiprocessor, each with >= `min_per_split` positions."""
+def num_splits(batch_heads: int, visible: int, device, block_n: int = 64, min_per_split: int | None = None) -> int:
+    """Enough splits for about two programs per multiprocessor, each with >= `min_per_split` positions (default
+    two blocks: at 4k positions, batch 1, 2 KV heads, 64 splits of 64 instead of 16 of 256 make D = 256 decode
+    ~1.5x faster on an H100, benchmarks/results/attention_gpu_sweep_h100.json)."""
+    min_per_split = min_per_split or 2 * block_n
     if device.type == "cuda":
         if device.index not in _SM_COUNT:
             _SM_COUNT[device.index] = torch.cuda.get_device_properties(device).multi_processor_count

@@ -68,26 +68,31 @@ def _softmax_topk(logit, offs, ok, TOP_K: tl.constexpr, KP: tl.constexpr, BLOCK_
 @triton.jit
 def _route_kernel(logits_ptr, ids_ptr, w_ptr, gate_ptr, E, S, stride_ls, stride_lt, stride_gs, stride_g,
                   TOP_K: tl.constexpr, BLOCK_E: tl.constexpr, KP: tl.constexpr, NORM: tl.constexpr,
-                  SHARED: tl.constexpr, PDL: tl.constexpr):
+                  SHARED: tl.constexpr, SPC: tl.constexpr, PDL: tl.constexpr):
     """One token per program: softmax over its E logits, then top-k (`_softmax_topk`). The logits (and gate
-    logit) may come as S split-K partials, summed here. SHARED: one more slot, expert id E (the shared expert),
-    weighted sigmoid(gate logit)."""
+    logit) may come as S split-K partials, summed here, SPC at a time by one load (one memory round trip, not
+    one per partial). SHARED: one more slot, expert id E (the shared expert), weighted sigmoid(gate logit)."""
     tq._pdl_start(PDL)
     t = tl.program_id(0)
     offs = tl.arange(0, BLOCK_E)
     ok = offs < E
+    sp = tl.arange(0, SPC)
     row = logits_ptr + t.to(tl.int64) * stride_lt
-    logit = tl.load(row + offs, mask=ok, other=-float("inf")).to(tl.float32)
-    for s in range(1, S):  # split-K partials of the router matmul
-        logit += tl.load(row + s * stride_ls + offs, mask=ok, other=0.0)
+    logit = tl.zeros((BLOCK_E,), dtype=tl.float32)
+    for s0 in range(0, S, SPC):  # split-K partials of the router matmul
+        s = s0 + sp
+        logit += tl.sum(tl.load(row + s[:, None] * stride_ls + offs[None, :], mask=(s < S)[:, None] & ok[None, :],
+                                other=0.0).to(tl.float32), axis=0)
+    logit = tl.where(ok, logit, -float("inf"))
     top_w, top_i = _softmax_topk(logit, offs, ok, TOP_K, KP, BLOCK_E, NORM)
     offs_k = tl.arange(0, KP)
     SLOTS: tl.constexpr = TOP_K + SHARED
     if SHARED:
         top_i = tl.where(offs_k == TOP_K, E, top_i)
-        gate = tl.load(gate_ptr + t * stride_g).to(tl.float32)
-        for s in range(1, S):
-            gate += tl.load(gate_ptr + s * stride_gs + t * stride_g)
+        gate = 0.0
+        for s0 in range(0, S, SPC):
+            s = s0 + sp
+            gate += tl.sum(tl.load(gate_ptr + s * stride_gs + t * stride_g, mask=s < S, other=0.0).to(tl.float32))
         top_w = tl.where(offs_k == TOP_K, tl.sigmoid(gate), top_w)
     k_ok = offs_k < SLOTS
     tl.store(ids_ptr + t * SLOTS + offs_k, top_i, mask=k_ok)
@@ -127,6 +132,7 @@ def route(logits: torch.Tensor, top_k: int, norm_topk_prob: bool, shared_gate_lo
     _route_kernel[(T,)](logits3, ids, weights, gate, E, S, logits3.stride(0), logits3.stride(1), gate.stride(0),
                         gate.stride(1), TOP_K=top_k, BLOCK_E=triton.next_power_of_2(E),
                         KP=triton.next_power_of_2(top_k + shared), NORM=norm_topk_prob, SHARED=shared,
+                        SPC=min(triton.next_power_of_2(S), max(1, 4096 // triton.next_power_of_2(E))),
                         PDL=tq.pdl(logits.device), launch_pdl=tq.pdl(logits.device), num_warps=num_warps)
     return ids, weights
 
