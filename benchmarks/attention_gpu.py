@@ -55,10 +55,9 @@ def cache_bytes(c):
 def ours(q, c, pos, scale, S, quant, splits=None, **launch):
     if not quant:
         return decode_attention(q, c["k"], c["v"], pos, scale, S, splits=splits, **launch)
-    o = decode_attention(rotate(q), c["k"], c["v"], pos, scale, S, splits=splits, k_scale=c["k_scale"],
-                         v_scale=c["v_scale"], k_recent=c["k_recent"], v_recent=c["v_recent"],
-                         out_dtype=torch.float32, **launch)
-    return rotate(o, inverse=True).to(BF16)
+    return decode_attention(rotate(q) if q.dtype != torch.float32 else q, c["k"], c["v"], pos, scale, S,
+                            splits=splits, k_scale=c["k_scale"], v_scale=c["v_scale"], k_recent=c["k_recent"],
+                            v_recent=c["v_recent"], unrotate=True, out_dtype=BF16, **launch)
 
 
 def step(q, kv_new, c, pos, scale, S, quant):
@@ -71,9 +70,8 @@ def step(q, kv_new, c, pos, scale, S, quant):
         return decode_attention(q, c["k"], c["v"], pos, scale, S)
     qr = decode_step_prep(q, k_new, v_new, c["k"], c["v"], c["k_scale"], c["v_scale"], c["k_recent"], c["v_recent"],
                           S - 1, (S - 1) % RECENT)
-    o = decode_attention(qr, c["k"], c["v"], pos, scale, S, k_scale=c["k_scale"], v_scale=c["v_scale"],
-                         k_recent=c["k_recent"], v_recent=c["v_recent"], out_dtype=torch.float32)
-    return rotate(o, inverse=True).to(BF16)
+    return decode_attention(qr, c["k"], c["v"], pos, scale, S, k_scale=c["k_scale"], v_scale=c["v_scale"],
+                            k_recent=c["k_recent"], v_recent=c["v_recent"], unrotate=True, out_dtype=BF16)
 
 
 def sdpa(q, c, scale):
@@ -128,7 +126,11 @@ def time_case(res, copy_bw, name, Hq, Hkv, D, S, B):
                   torch.randn(B, Hkv, D, device="cuda", generator=g, dtype=BF16))
         row[f"step_{label}_us"] = graph_time([lambda c=c: step(q, kv_new, c, pos, scale, S, quant)
                                               for c in caches]) * 1e6
-        if not quant:
+        if quant:  # the kernel alone: q already rotated (a decode step rotates it in the append launch)
+            qr = rotate(q)
+            row["kernel_turboquant4_us"] = graph_time([lambda c=c: ours(qr, c, pos, scale, S, quant)
+                                                       for c in caches]) * 1e6
+        else:
             try:
                 row["sdpa_bf16_us"] = graph_time([lambda c=c: sdpa(q, c, scale) for c in caches]) * 1e6
             except Exception as e:  # noqa: BLE001 - a peer that cannot be captured is reported, not fatal
@@ -225,12 +227,13 @@ def main():
             print(f"best {r}")
         print(f"\n{res['gpu']}; copy {copy_bw / 1e12:.2f} TB/s; CUDA-graph replay, cold L2; times in us")
         print(f"{'shape':24s} {'ctx':>6s} {'B':>3s} {'ours bf16':>9s} {'%copy':>6s} {'SDPA':>8s} {'TQ4':>8s} "
-              f"{'%copy':>6s} {'TQ/bf16':>7s} {'TQ/SDPA':>7s} {'step bf16':>9s} {'step TQ':>8s}")
+              f"{'%copy':>6s} {'TQ/bf16':>7s} {'TQ/SDPA':>7s} {'TQ kern':>7s} {'step bf16':>9s} {'step TQ':>8s}")
         for r in res["timings"]:
             print(f"{r['shape']:24s} {r['context']:6d} {r['batch']:3d} {r['ours_bf16_us']:9.1f} "
                   f"{100 * r['bf16_pct_copy']:5.0f}% {r.get('sdpa_bf16_us', float('nan')):8.1f} "
                   f"{r['ours_turboquant4_us']:8.1f} {100 * r['turboquant_pct_copy']:5.0f}% "
                   f"{r['turboquant_vs_ours_bf16']:6.2f}x {r.get('turboquant_vs_sdpa', float('nan')):6.2f}x "
+                  f"{r.get('kernel_turboquant4_us', float('nan')):7.1f} "
                   f"{r['step_bf16_us']:9.1f} {r['step_turboquant4_us']:8.1f}")
         end_run(a, res)
 

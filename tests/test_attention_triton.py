@@ -98,6 +98,26 @@ def test_turboquant_decode_equals_attention_over_the_dequantized_cache(splits, w
         assert rel(o[b], reference(qr[b], keys, vals, 0.125)) < TOL
 
 
+@pytest.mark.parametrize("D", [32, 128, 256])
+def test_turboquant_decode_rotates_its_output_back(D):
+    """unrotate: the merge kernel returns R^T o, the output of the codec's domain rotated back."""
+    g = torch.Generator().manual_seed(D)
+    B, Hq, Hkv, cap, recent = 2, 4, 2, 40, 8
+    codes = torch.randint(0, 256, (2, B, Hkv, cap, D // 2), generator=g, dtype=torch.int32).to(torch.uint8)
+    scales = torch.rand(2, B, Hkv, cap, generator=g) + 0.1
+    ring = torch.randn(2, B, Hkv, recent, D, generator=g)
+    q, pos = torch.randn(B, Hq, D, generator=g), torch.tensor([39, 20])
+    d = lambda x: x.to(DEVICE)  # noqa: E731
+    args = (d(q), d(codes[0]), d(codes[1]), d(pos), D ** -0.5, cap)
+    kw = dict(splits=3, block_n=16, k_scale=d(scales[0]), v_scale=d(scales[1]), k_recent=d(ring[0]),
+              v_recent=d(ring[1]))
+    o = at.decode_attention(*args, **kw).cpu()
+    back = at.decode_attention(*args, unrotate=True, **kw).cpu()
+    assert rel(back, tq.unrotate(o)) < (1e-5 if DEVICE == "cpu" else 1e-3)
+    with pytest.raises(ValueError, match="unrotate"):
+        at.decode_attention(d(q), d(ring[0]), d(ring[1]), d(pos), 1.0, recent, unrotate=True)
+
+
 def test_bad_shapes_raise():
     q = torch.randn(1, 4, 64, device=DEVICE)
     k = torch.randn(1, 3, 8, 64, device=DEVICE)

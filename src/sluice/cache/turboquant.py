@@ -103,7 +103,7 @@ class TurboQuantKVCache(KVCache):
     def _decode(self, layer, q, k, v, start, scale):
         """One query per sequence: quantize-on-append, then the split-K kernel on the codes and the ring."""
         from sluice.kernels.attention.triton import decode_attention
-        from sluice.kernels.turboquant.triton import decode_step_prep, rotate
+        from sluice.kernels.turboquant.triton import decode_step_prep
 
         slot = self.decode_slot(start)
         qr = decode_step_prep(q[:, :, 0], k[:, :, 0], v[:, :, 0], self.k_codes[layer], self.v_codes[layer],
@@ -112,8 +112,8 @@ class TurboQuantKVCache(KVCache):
         o = decode_attention(qr, self.k_codes[layer], self.v_codes[layer],
                              self.positions(start, q), scale, self.visible(start), self.window,
                              k_scale=self.k_scale[layer], v_scale=self.v_scale[layer], k_recent=self.k_recent[layer],
-                             v_recent=self.v_recent[layer], out_dtype=torch.float32)
-        return rotate(o, inverse=True)[:, :, None].to(q.dtype)
+                             v_recent=self.v_recent[layer], unrotate=True)
+        return o[:, :, None]
 
     def _use_cpu_kernel(self, q: torch.Tensor) -> bool:
         """One query per sequence on the CPU with an fp32 ring and the native kernels built: the C kernel reads

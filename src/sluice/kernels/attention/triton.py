@@ -25,6 +25,7 @@ import triton.language as tl
 
 from sluice.kernels.qmatmul.triton import _pdl_start, pdl
 from sluice.kernels.turboquant import reference
+from sluice.kernels.turboquant.triton import _hadamard_rows, _tables
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
@@ -201,11 +202,12 @@ def _int_levels(codes, lv_ptr, TC: tl.constexpr):
 
 
 @triton.jit
-def _merge_splits_kernel(op_ptr, ml_ptr, o_ptr, Hkv, n_splits, stride_ob, stride_oh,
+def _merge_splits_kernel(op_ptr, ml_ptr, o_ptr, sign_ptr, Hkv, n_splits, stride_ob, stride_oh,
                          G: tl.constexpr, BG: tl.constexpr, D: tl.constexpr, BD: tl.constexpr, NSP: tl.constexpr,
-                         SB: tl.constexpr, PDL: tl.constexpr):
+                         SB: tl.constexpr, UNROTATE: tl.constexpr, PDL: tl.constexpr):
     """Program (query head, BD coordinates): the splits' weights exp(m_s - M) from all (max, sum) at once, then
-    the weighted partial outputs SB splits at a time (a launch that is all latency: few, wide steps)."""
+    the weighted partial outputs SB splits at a time (a launch that is all latency: few, wide steps). UNROTATE
+    (TurboQuant, BD = D): the output rotated back, R^T o = (o H) * signs / sqrt(D), in registers."""
     _pdl_start(PDL)
     row = tl.program_id(0)
     bh = row // G
@@ -227,8 +229,10 @@ def _merge_splits_kernel(op_ptr, ml_ptr, o_ptr, Hkv, n_splits, stride_ob, stride
         part = tl.load(op_ptr + ((bh * n_splits + s[:, None]) * BG + g) * D + d[None, :],
                        mask=(s < n_splits)[:, None], other=0.0)
         acc += tl.sum(ws[:, None] * part, axis=0)
-    tl.store(o_ptr + b.to(tl.int64) * stride_ob + (h * G + g) * stride_oh + d,
-             (acc / denom).to(o_ptr.dtype.element_ty))
+    acc = acc / denom
+    if UNROTATE:
+        acc = tl.reshape(_hadamard_rows(tl.reshape(acc, (1, D)), D), (D,)) * (tl.load(sign_ptr + d) / tl.sqrt(D * 1.0))
+    tl.store(o_ptr + b.to(tl.int64) * stride_ob + (h * G + g) * stride_oh + d, acc.to(o_ptr.dtype.element_ty))
 
 
 _SM_COUNT: dict = {}
@@ -260,12 +264,13 @@ def num_splits(batch_heads: int, visible: int, device, block_n: int = 64, min_pe
 def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, scale: float,
                      visible: int, window: int | None = None, splits: int | None = None, block_n: int | None = None,
                      k_scale=None, v_scale=None, k_recent=None, v_recent=None, out_dtype=None,
-                     num_warps: int = 4, num_stages: int = 2) -> torch.Tensor:
+                     unrotate: bool = False, num_warps: int = 4, num_stages: int = 2) -> torch.Tensor:
     """q [B, Hq, D] (one query per sequence, at positions[b]); dense k, v [B, Hkv, capacity, D], or with k_scale
     etc. the TurboQuant layout: k, v codes [B, Hkv, capacity, D/2] uint8, k_scale, v_scale [B, Hkv, capacity]
     fp32, k_recent, v_recent [B, Hkv, RECENT, D] exact (rotated; the codec's levels are built in). A ring (slot =
     position % capacity) when window is set. `visible`: the most keys any query sees (a host int: sizes the
-    splits without a sync). Returns [B, Hq, D] in out_dtype (default q's)."""
+    splits without a sync). Returns [B, Hq, D] in out_dtype (default q's); with `unrotate` (TurboQuant) rotated
+    back out of the codec's domain by the merge kernel."""
     B, Hq, D = q.shape
     Hkv, cap = k.shape[1], k.shape[2]
     quant = k_scale is not None
@@ -283,6 +288,8 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, position
             raise ValueError("decode attention: K and V tensors must share their layout")
     elif k.shape[-1] != D:
         raise ValueError(f"decode attention: k, v must be [B, Hkv, cap, {D}], got {tuple(k.shape)}")
+    if unrotate and not quant:
+        raise ValueError("decode attention: unrotate is for the TurboQuant layout")
     if k.stride() != v.stride() or k.stride(-1) != 1 or q.stride(-1) != 1:
         raise ValueError("decode attention: k and v must share a layout with unit last strides")
     # positions per step (the H100 sweep of benchmarks/attention_gpu.py): K and V tiles of D = 256 rows fill
@@ -310,9 +317,10 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, position
         RECENT=recent, TC=not INTERPRET, PDL=use_pdl, launch_pdl=use_pdl, num_warps=num_warps,
         num_stages=num_stages)
     o = torch.empty((B, Hq, D), dtype=out_dtype or q.dtype, device=q.device)
-    BD = min(D, 64)
+    BD = D if unrotate else min(D, 64)
     nsp = triton.next_power_of_2(ns)
-    _merge_splits_kernel[(B * Hq, D // BD)](op, ml, o, Hkv, ns, o.stride(0), o.stride(1), G=G, BG=BG, D=D, BD=BD,
-                                            NSP=nsp, SB=min(nsp, 64), PDL=use_pdl, launch_pdl=use_pdl,
-                                            num_warps=4)
+    signs = _tables(D, q.device)[0] if unrotate else dummy
+    _merge_splits_kernel[(B * Hq, D // BD)](op, ml, o, signs, Hkv, ns, o.stride(0), o.stride(1), G=G, BG=BG, D=D,
+                                            BD=BD, NSP=nsp, SB=min(nsp, 4096 // BD), UNROTATE=unrotate,
+                                            PDL=use_pdl, launch_pdl=use_pdl, num_warps=4)
     return o

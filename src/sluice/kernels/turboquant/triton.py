@@ -1,16 +1,15 @@
 """Quantize-on-append for the TurboQuant KV cache on CUDA (one launch per decode step appends K and V and rotates q:
-`decode_step_prep`), checked against `reference.quantize`; `rotate` for the output.
+`decode_step_prep`), checked against `reference.quantize`; `rotate` for either direction (the decode kernel's
+merge rotates its output back itself).
 
 Program: up to 16 vectors (sequence, KV head) of the new position. y = (x * signs) @ H / sqrt(d) (H the +-1
-Hadamard matrix in bf16; bf16 inputs multiply exactly, fp32 ones as a bf16 hi + lo pair; fp32 accumulation), in
-two halves; the code of each coordinate of sqrt(d) y / |y| by 15 compares against the cell boundaries;
-scale = |x| / |levels[codes]|; codes packed two per byte (byte i: coordinate i low, i + d/2 high) into the cache
-slot, the scale beside them, and the exact rotated vector into the recent ring.
+Sylvester Hadamard matrix, never stored: H_d = H_A (x) H_16, two small fp32 products in registers); the code of
+each coordinate of sqrt(d) y / |y| by 15 compares against the cell boundaries; scale = |x| / |levels[codes]|;
+codes packed two per byte (byte i: coordinate i low, i + d/2 high) into the cache slot, the scale beside them,
+and the exact rotated vector into the recent ring.
 """
 
 from __future__ import annotations
-
-import os
 
 import torch
 import triton
@@ -18,44 +17,40 @@ import triton.language as tl
 
 from sluice.kernels.turboquant import reference
 
-INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"  # its bf16 tl.dot is wrong (Triton 3.9): fp32 operands there
 
 
 @triton.jit
-def _append_kernel(k_ptr, v_ptr, q_ptr, qr_ptr, sign_ptr, h_ptr, lv_ptr, bd_ptr, kc_ptr, vc_ptr, ks_ptr, vs_ptr,
+def _append_kernel(k_ptr, v_ptr, q_ptr, qr_ptr, sign_ptr, lv_ptr, bd_ptr, kc_ptr, vc_ptr, ks_ptr, vs_ptr,
                    kr_ptr, vr_ptr, n_rows, n_q_rows, Hkv, slot, rslot, stride_xr, stride_qr,
                    stride_cb, stride_ch, stride_ct, stride_sb, stride_sh, stride_rb, stride_rh, stride_rt,
-                   D: tl.constexpr, BF16: tl.constexpr, INTERPRET: tl.constexpr):
+                   D: tl.constexpr):
     """Job program_id(1): 0 appends the new keys (rows of k), 1 the new values, 2 rotates the queries into qr
     (fp32): a decode step's three small jobs in one launch."""
     job = tl.program_id(1)
     if job == 0:
-        _append_rows(k_ptr, sign_ptr, h_ptr, lv_ptr, bd_ptr, kc_ptr, ks_ptr, kr_ptr, n_rows, Hkv, slot, rslot,
+        _append_rows(k_ptr, sign_ptr, lv_ptr, bd_ptr, kc_ptr, ks_ptr, kr_ptr, n_rows, Hkv, slot, rslot,
                      stride_xr, stride_cb, stride_ch, stride_ct, stride_sb, stride_sh, stride_rb, stride_rh,
-                     stride_rt, D, BF16, INTERPRET)
+                     stride_rt, D)
     elif job == 1:
-        _append_rows(v_ptr, sign_ptr, h_ptr, lv_ptr, bd_ptr, vc_ptr, vs_ptr, vr_ptr, n_rows, Hkv, slot, rslot,
+        _append_rows(v_ptr, sign_ptr, lv_ptr, bd_ptr, vc_ptr, vs_ptr, vr_ptr, n_rows, Hkv, slot, rslot,
                      stride_xr, stride_cb, stride_ch, stride_ct, stride_sb, stride_sh, stride_rb, stride_rh,
-                     stride_rt, D, BF16, INTERPRET)
+                     stride_rt, D)
     else:
-        _rotate_rows(q_ptr, qr_ptr, sign_ptr, h_ptr, n_q_rows, stride_qr, D, False, BF16, INTERPRET)
+        _rotate_rows(q_ptr, qr_ptr, sign_ptr, n_q_rows, stride_qr, D, False)
 
 
 @triton.jit
-def _append_rows(x_ptr, sign_ptr, h_ptr, lv_ptr, bd_ptr, codes_ptr, scale_ptr, ring_ptr, n_rows, Hkv, slot, rslot,
+def _append_rows(x_ptr, sign_ptr, lv_ptr, bd_ptr, codes_ptr, scale_ptr, ring_ptr, n_rows, Hkv, slot, rslot,
                  stride_xr, stride_cb, stride_ch, stride_ct, stride_sb, stride_sh, stride_rb, stride_rh, stride_rt,
-                 D: tl.constexpr, BF16: tl.constexpr, INTERPRET: tl.constexpr):
+                 D: tl.constexpr):
     rows = tl.program_id(0) * 16 + tl.arange(0, 16)
     ok = rows < n_rows
     d = tl.arange(0, D)
     dh = tl.arange(0, D // 2)
     x = tl.load(x_ptr + rows[:, None] * stride_xr + d[None, :], mask=ok[:, None], other=0.0).to(tl.float32)
-    xs = x * tl.load(sign_ptr + d)[None, :]  # a sign flip: still exactly the input's bf16 values
-    # the two halves of y = xs H / sqrt(d) (H's columns 0..d/2-1 and d/2..d-1): they go to the low and the high
-    # nibbles
-    y_lo = _times_h(xs, tl.load(h_ptr + d[:, None] * D + dh[None, :]), BF16, INTERPRET) * (1.0 / tl.sqrt(D * 1.0))
-    y_hi = _times_h(xs, tl.load(h_ptr + d[:, None] * D + D // 2 + dh[None, :]), BF16, INTERPRET) * (
-        1.0 / tl.sqrt(D * 1.0))
+    # y = (x * signs) H / sqrt(d); its two halves go to the low and the high nibbles
+    y = _hadamard_rows(x * tl.load(sign_ptr + d)[None, :], D) * (1.0 / tl.sqrt(D * 1.0))
+    y_lo, y_hi = _halves(y, D)
     norm = tl.sqrt(tl.sum(y_lo * y_lo, axis=1) + tl.sum(y_hi * y_hi, axis=1))
     unit = tl.sqrt(D * 1.0) / tl.maximum(norm, 1e-30)
     c_lo, lv_lo = _nearest_level(y_lo * unit[:, None], lv_ptr, bd_ptr)
@@ -72,16 +67,43 @@ def _append_rows(x_ptr, sign_ptr, h_ptr, lv_ptr, bd_ptr, codes_ptr, scale_ptr, r
 
 
 @triton.jit
-def _times_h(xs, h, BF16: tl.constexpr, INTERPRET: tl.constexpr):
-    """xs @ h for h of +-1 in bf16 (exact): fp32 under the interpreter; else x = hi + lo in bf16 (lo = 0 for bf16
-    inputs), ~16 significant bits on bf16 tensor cores."""
-    if INTERPRET:
-        return tl.dot(xs, h.to(tl.float32), input_precision="ieee")
-    hi = xs.to(tl.bfloat16)
-    y = tl.dot(hi, h)
-    if not BF16:
-        y += tl.dot((xs - hi.to(tl.float32)).to(tl.bfloat16), h)
-    return y
+def _sylvester(N: tl.constexpr):
+    """The Sylvester Hadamard matrix H_N [N, N] (N <= 16) from indices, fp32: H[i, j] = (-1)^popcount(i & j)."""
+    i = tl.arange(0, N)
+    x = i[:, None] & i[None, :]
+    x = x ^ (x >> 2)
+    x = x ^ (x >> 1)  # bit 0: the parity of the 4 low bits
+    return 1.0 - 2.0 * (x & 1).to(tl.float32)
+
+
+@triton.jit
+def _times_sylvester(x, N: tl.constexpr):
+    """x [M, N] @ H_N: an fp32 FMA product (tensor-core shapes need M, N >= 16), else products summed."""
+    if x.shape[0] >= 16 and N >= 16:
+        return tl.dot(x, _sylvester(N), input_precision="ieee")
+    return tl.sum(x[:, :, None] * _sylvester(N)[None, :, :], axis=1)
+
+
+@triton.jit
+def _hadamard_rows(x, D: tl.constexpr):
+    """x [R, D] fp32 @ H_D (unnormalised), in registers: H_D = H_A (x) H_B with B = min(D, 16), A = D / B
+    (coordinate i = B i1 + i0), so the product is H_B applied along i0 and H_A along i1: two small products and
+    no D x D matrix read from memory."""
+    R: tl.constexpr = x.shape[0]
+    B: tl.constexpr = min(D, 16)
+    A: tl.constexpr = D // B
+    y = _times_sylvester(tl.reshape(x, (R * A, B)), B)
+    if A > 1:
+        y = tl.reshape(tl.permute(tl.reshape(y, (R, A, B)), (0, 2, 1)), (R * B, A))
+        y = _times_sylvester(y, A)
+        y = tl.permute(tl.reshape(y, (R, B, A)), (0, 2, 1))
+    return tl.reshape(y, (R, D))
+
+
+@triton.jit
+def _halves(y, D: tl.constexpr):
+    """y [R, D] -> (y[:, :D/2], y[:, D/2:])."""
+    return tl.split(tl.permute(tl.reshape(y, (y.shape[0], 2, D // 2)), (0, 2, 1)))
 
 
 @triton.jit
@@ -99,14 +121,12 @@ def _nearest_level(yn, lv_ptr, bd_ptr):
 
 
 @triton.jit
-def _rotate_kernel(x_ptr, y_ptr, sign_ptr, h_ptr, n_rows, stride_xr, D: tl.constexpr, INVERSE: tl.constexpr,
-                   BF16: tl.constexpr, INTERPRET: tl.constexpr):
-    _rotate_rows(x_ptr, y_ptr, sign_ptr, h_ptr, n_rows, stride_xr, D, INVERSE, BF16, INTERPRET)
+def _rotate_kernel(x_ptr, y_ptr, sign_ptr, n_rows, stride_xr, D: tl.constexpr, INVERSE: tl.constexpr):
+    _rotate_rows(x_ptr, y_ptr, sign_ptr, n_rows, stride_xr, D, INVERSE)
 
 
 @triton.jit
-def _rotate_rows(x_ptr, y_ptr, sign_ptr, h_ptr, n_rows, stride_xr, D: tl.constexpr, INVERSE: tl.constexpr,
-                 BF16: tl.constexpr, INTERPRET: tl.constexpr):
+def _rotate_rows(x_ptr, y_ptr, sign_ptr, n_rows, stride_xr, D: tl.constexpr, INVERSE: tl.constexpr):
     """16 rows: y = (x * s) H / sqrt(d) (R x), or with INVERSE y = (x H) * s / sqrt(d) (R^T x); fp32 out."""
     rows = tl.program_id(0) * 16 + tl.arange(0, 16)
     ok = rows < n_rows
@@ -114,12 +134,10 @@ def _rotate_rows(x_ptr, y_ptr, sign_ptr, h_ptr, n_rows, stride_xr, D: tl.constex
     x = tl.load(x_ptr + rows[:, None] * stride_xr + d[None, :], mask=ok[:, None], other=0.0).to(tl.float32)
     if not INVERSE:
         x = x * tl.load(sign_ptr + d)[None, :]
-    for half in tl.static_range(2):  # H's column halves one at a time (half the shared memory)
-        dh = half * (D // 2) + tl.arange(0, D // 2)
-        y = _times_h(x, tl.load(h_ptr + d[:, None] * D + dh[None, :]), BF16, INTERPRET) * (1.0 / tl.sqrt(D * 1.0))
-        if INVERSE:
-            y = y * tl.load(sign_ptr + dh)[None, :]
-        tl.store(y_ptr + rows[:, None] * D + dh[None, :], y, mask=ok[:, None])
+    y = _hadamard_rows(x, D) * (1.0 / tl.sqrt(D * 1.0))
+    if INVERSE:
+        y = y * tl.load(sign_ptr + d)[None, :]
+    tl.store(y_ptr + rows[:, None] * D + d[None, :], y, mask=ok[:, None])
 
 
 _TABLES: dict = {}
@@ -128,23 +146,20 @@ _TABLES: dict = {}
 def _tables(D: int, device):
     key = (D, device)
     if key not in _TABLES:
-        _TABLES[key] = (reference.signs(D, device), reference.hadamard(D, device).to(torch.bfloat16).contiguous(),
-                        reference.codebook(device), reference.boundaries(device))
+        _TABLES[key] = (reference.signs(D, device), reference.codebook(device), reference.boundaries(device))
     return _TABLES[key]
 
 
 def rotate(x: torch.Tensor, inverse: bool = False, num_warps: int | None = None) -> torch.Tensor:
-    """reference.rotate (or with inverse, reference.unrotate) over the last dim on the GPU, one launch: fp32 out.
-    (cuBLAS took ~30 us for the [16, 256] x [256, 256] fp32 product of one decode step.)"""
+    """reference.rotate (or with inverse, reference.unrotate) over the last dim on the GPU, one launch: fp32 out."""
     D = x.shape[-1]
     rows = x.reshape(-1, D)
     if rows.stride(-1) != 1:
         rows = rows.contiguous()
     y = torch.empty(rows.shape, dtype=torch.float32, device=x.device)
-    signs, hadamard, _, _ = _tables(D, x.device)
-    _rotate_kernel[(triton.cdiv(rows.shape[0], 16),)](rows, y, signs, hadamard, rows.shape[0], rows.stride(0), D=D,
-                                                      INVERSE=inverse, BF16=x.dtype == torch.bfloat16,
-                                                      INTERPRET=INTERPRET, num_warps=num_warps or _warps(D))
+    signs, _, _ = _tables(D, x.device)
+    _rotate_kernel[(triton.cdiv(rows.shape[0], 16),)](rows, y, signs, rows.shape[0], rows.stride(0), D=D,
+                                                      INVERSE=inverse, num_warps=num_warps or _warps(D))
     return y.reshape(x.shape)
 
 
@@ -181,11 +196,11 @@ def _launch_append(k, v, q, k_codes, v_codes, k_scale, v_scale, k_ring, v_ring, 
             raise ValueError("quantize_append: cache tensors need a unit last stride and K, V the same layout")
     kr, vr = k.reshape(-1, D).contiguous(), v.reshape(-1, D).contiguous()
     qrows = q.reshape(-1, D).contiguous() if q is not None else kr
-    signs, hadamard, levels, bounds = _tables(D, k.device)
+    signs, levels, bounds = _tables(D, k.device)
     grid = (triton.cdiv(max(kr.shape[0], qrows.shape[0]), 16), jobs)
     _append_kernel[grid](
-        kr, vr, qrows, qr if qr is not None else kr, signs, hadamard, levels, bounds, k_codes, v_codes, k_scale,
+        kr, vr, qrows, qr if qr is not None else kr, signs, levels, bounds, k_codes, v_codes, k_scale,
         v_scale, k_ring, v_ring, kr.shape[0], qrows.shape[0], Hkv, slot, ring_slot, kr.stride(0), qrows.stride(0),
         k_codes.stride(0), k_codes.stride(1), k_codes.stride(2), k_scale.stride(0), k_scale.stride(1),
         k_ring.stride(0), k_ring.stride(1), k_ring.stride(2),
-        D=D, BF16=k.dtype == torch.bfloat16, INTERPRET=INTERPRET, num_warps=num_warps or _warps(D))
+        D=D, num_warps=num_warps or _warps(D))
