@@ -1,7 +1,9 @@
 """Decode attention on the GPU: our split-K Triton kernel on the dense bf16 cache and on the TurboQuant 4-bit cache,
 against PyTorch SDPA (bf16, GQA) and against the bandwidth floor.
 
-    python benchmarks/attention_gpu.py [--json out.json] [--sweep]
+    python benchmarks/attention_gpu.py [--json out.json] [--sweep | --tq-sweep]
+
+(--sweep: launch options at 32k after the table; --tq-sweep: only the checks, the appends and the TurboQuant sweep.)
 
 Shapes: Qwen3-Next's full attention (16 query heads, 2 KV heads, D = 256) and an 8-KV-head D = 128 layer (32
 query heads); contexts 4k, 32k, 128k; batch 1 and 16. One query per sequence at the last position. Cold L2: the
@@ -103,6 +105,14 @@ def check(res):
         p = torch.softmax((q.float()[:, :, None] * kk.repeat_interleave(Hq // Hkv, 1)).sum(-1) * scale, -1)
         ref = (p[..., None] * vv.repeat_interleave(Hq // Hkv, 1)).sum(2)
         row["turboquant_rel"] = float((ours(q, qc, pos, scale, S, True).float() - ref).norm() / ref.norm())
+        import sluice.kernels.attention.triton as at
+
+        default_int8 = at.INT8_PRODUCTS
+        for int8 in (0, 1, 2):  # the product variants (the sweep times them)
+            at.INT8_PRODUCTS = int8
+            row[f"turboquant_rel_int8_{int8}"] = float((ours(q, qc, pos, scale, S, True).float() - ref).norm()
+                                                       / ref.norm())
+        at.INT8_PRODUCTS = default_int8
         row["ok"] = row["dense_rel"] < 1e-2 and row["turboquant_rel"] < 1e-2
         res["correctness"].append(row)
         print(f"check {row}", flush=True)
@@ -152,33 +162,43 @@ def time_case(res, copy_bw, name, Hq, Hkv, D, S, B):
 
 SWEEP_DENSE = [dict(block_n=bn, num_warps=w, num_stages=st) for bn in (32, 64, 128) for w in (4, 8)
                for st in (2, 3, 4)]
-SWEEP_TQ = [dict(block_n=bn, num_warps=w, num_stages=st) for bn in (32, 64, 128) for w in (4, 8) for st in (1, 2)]
+SWEEP_TQ = [dict(block_n=bn, num_warps=w, num_stages=2) for bn in (32, 64, 128) for w in (4, 8)]
 
 
-def sweep(res, copy_bw):
-    """Launch options and split counts at 32k context: the time of each, so the defaults can be checked."""
+def sweep(res, copy_bw, dense=True):
+    """Launch options, split counts and (TurboQuant) the int8 product variants at 32k context: the time of each
+    (TurboQuant: the kernel alone, q rotated beforehand), so the defaults can be checked."""
+    import sluice.kernels.attention.triton as at
+
+    default_int8 = at.INT8_PRODUCTS
     for name, (Hq, Hkv, D) in SHAPES.items():
         for B in BATCHES:
             S = 32768
             g = torch.Generator(device="cuda").manual_seed(7)
             q = torch.randn(B, Hq, D, device="cuda", generator=g, dtype=BF16)
             pos = torch.full((B,), S - 1, dtype=torch.int32, device="cuda")
-            for quant, configs in ((False, SWEEP_DENSE), (True, SWEEP_TQ)):
+            for quant, configs in ((False, SWEEP_DENSE), (True, SWEEP_TQ))[0 if dense else 1:]:
                 one = make_cache(B, Hkv, S, D, quant, g)
                 n = max(1, math.ceil(4 * L2_BYTES / cache_bytes(one)))
                 caches = [one] + [make_cache(B, Hkv, S, D, quant, g) for _ in range(n - 1)]
                 auto = num_splits(B * Hkv, S, q.device)
                 runs = [(launch, auto) for launch in configs] + [({}, max(1, auto // 2)), ({}, 2 * auto)]
-                for launch, ns in runs:
-                    try:
-                        t = graph_time([lambda c=c: ours(q, c, pos, D ** -0.5, S, quant, ns, **launch)
-                                        for c in caches]) * 1e6
-                    except Exception as e:  # noqa: BLE001 - a launch that does not fit is reported
-                        res["errors"].append(f"sweep {name} B={B} {launch} splits={ns}: {type(e).__name__}: {e}")
-                        continue
-                    row = dict(shape=name, batch=B, quant=quant, splits=ns, us=t, **launch)
-                    res["sweep"].append(row)
-                    print(f"sweep {row}", flush=True)
+                qq = rotate(q) if quant else q
+                for int8 in ((0, 1, 2) if quant else (None,)):
+                    if int8 is not None:
+                        at.INT8_PRODUCTS = int8
+                    for launch, ns in runs:
+                        try:
+                            t = graph_time([lambda c=c: ours(qq, c, pos, D ** -0.5, S, quant, ns, **launch)
+                                            for c in caches]) * 1e6
+                        except Exception as e:  # noqa: BLE001 - a launch that does not fit is reported
+                            res["errors"].append(f"sweep {name} B={B} {launch} splits={ns} int8={int8}: "
+                                                 f"{type(e).__name__}: {e}")
+                            continue
+                        row = dict(shape=name, batch=B, quant=quant, int8=int8, splits=ns, us=t, **launch)
+                        res["sweep"].append(row)
+                        print(f"sweep {row}", flush=True)
+                at.INT8_PRODUCTS = default_int8
                 del caches, one
                 torch.cuda.empty_cache()
 
@@ -199,14 +219,14 @@ def append_time(res):
 
 
 def main():
-    a, dev, res = start_run("correctness", "timings", "errors", "sweep", "append", flags=("--sweep",))
+    a, dev, res = start_run("correctness", "timings", "errors", "sweep", "append", flags=("--sweep", "--tq-sweep"))
     copy_bw = copy_bandwidth(dev)
     res["copy_bandwidth_Bps"] = copy_bw
     print(f"# {res['gpu']}, copy {copy_bw / 1e12:.2f} TB/s", flush=True)
     try:
         check(res)
         append_time(res)
-        for name, (Hq, Hkv, D) in SHAPES.items():
+        for name, (Hq, Hkv, D) in SHAPES.items() if not a.tq_sweep else ():
             for S in CONTEXTS:
                 for B in BATCHES:
                     try:
@@ -215,12 +235,12 @@ def main():
                         res["errors"].append(f"{name} S={S} B={B}: {type(e).__name__}: {e}")
                         print(traceback.format_exc(limit=3), flush=True)
                         torch.cuda.empty_cache()
-        if a.sweep:
-            sweep(res, copy_bw)
+        if a.sweep or a.tq_sweep:
+            sweep(res, copy_bw, dense=not a.tq_sweep)
     finally:
         best = {}
         for r in res["sweep"]:
-            key = (r["shape"], r["batch"], r["quant"])
+            key = (r["shape"], r["batch"], r["quant"], r["int8"])
             if key not in best or r["us"] < best[key]["us"]:
                 best[key] = r
         for r in best.values():

@@ -28,6 +28,7 @@ from sluice.kernels.turboquant import reference
 from sluice.kernels.turboquant.triton import _hadamard_rows, _tables
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+INT8_PRODUCTS = 1  # TurboQuant products on int8 tensor cores: 0 none, 1 the scores, 2 also P V
 
 
 @triton.jit
@@ -37,7 +38,7 @@ def _decode_split_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, kr_ptr, vr_ptr, lv
                          stride_rb, stride_rh, stride_rt,
                          G: tl.constexpr, BG: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
                          QUANT: tl.constexpr, RING: tl.constexpr, WINDOW: tl.constexpr, RECENT: tl.constexpr,
-                         TC: tl.constexpr, PDL: tl.constexpr):
+                         INT8: tl.constexpr, TC: tl.constexpr, PDL: tl.constexpr):
     _pdl_start(PDL)  # q and the cache come from the kernels before
     bh = tl.program_id(0)
     split = tl.program_id(1)
@@ -65,7 +66,12 @@ def _decode_split_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, kr_ptr, vr_ptr, lv
         q_max = tl.maximum(tl.maximum(tl.max(tl.max(tl.abs(q_lo), 1), 0), tl.max(tl.max(tl.abs(q_hi), 1), 0)), 1e-30)
         q_lo = q_lo / q_max
         q_hi = q_hi / q_max
-        k_factor = scale * q_max * LEVEL_STEP
+        # INT8 >= 1: the scores on int8 tensor cores, q as 128 a + b with int8 a, b (|q| <= Q_INT: 15 bits) and the
+        # key levels int8 straight from the byte permutes, exact int32 sums; INT8 = 2: so are the probabilities
+        # times the values. Else fp16 products.
+        qa_lo, qb_lo = _int8_pair(q_lo)
+        qa_hi, qb_hi = _int8_pair(q_hi)
+        k_factor = scale * q_max * LEVEL_STEP / (Q_INT if INT8 >= 1 else 1)
         acc_lo = tl.zeros((BG, D // 2), dtype=tl.float32)
         acc_hi = tl.zeros((BG, D // 2), dtype=tl.float32)
         s_base = b.to(tl.int64) * stride_sb + h * stride_sh
@@ -75,17 +81,30 @@ def _decode_split_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, kr_ptr, vr_ptr, lv
             valid = j < coded_stop
             slot = j % cap if RING else j
             c_off = kv_base + slot[:, None] * stride_kt + dh[None, :]
-            k_lo, k_hi = _int_levels(tl.load(k_ptr + c_off, mask=valid[:, None], other=0), lv_ptr, TC)
-            s = _dot16(q_lo, tl.trans(k_lo), TC) + _dot16(q_hi, tl.trans(k_hi), TC)
+            k_codes = tl.load(k_ptr + c_off, mask=valid[:, None], other=0)
+            if INT8 >= 1:
+                k_lo, k_hi = _int8_levels(k_codes, lv_ptr, TC)
+                s = _int8_dot(qa_lo, qb_lo, tl.trans(k_lo)) + _int8_dot(qa_hi, qb_hi, tl.trans(k_hi))
+            else:
+                k_lo, k_hi = _int_levels(k_codes, lv_ptr, TC)
+                s = _dot16(q_lo, tl.trans(k_lo), TC) + _dot16(q_hi, tl.trans(k_hi), TC)
             k_sc = tl.load(ks_ptr + s_base + slot, mask=valid, other=0.0)
             s = tl.where(valid[None, :], s * (k_sc * k_factor)[None, :], float("-inf"))
             pr, alpha, m, l = _online_softmax(s, m, l)
             v_sc = tl.load(vs_ptr + s_base + slot, mask=valid, other=0.0)
             v_max = tl.maximum(tl.max(v_sc, 0), 1e-30)
             pv = pr * (v_sc / v_max)[None, :]
-            v_lo, v_hi = _int_levels(tl.load(v_ptr + c_off, mask=valid[:, None], other=0), lv_ptr, TC)
-            acc_lo = acc_lo * alpha[:, None] + _dot16(pv, v_lo, TC) * (v_max * LEVEL_STEP)
-            acc_hi = acc_hi * alpha[:, None] + _dot16(pv, v_hi, TC) * (v_max * LEVEL_STEP)
+            v_codes = tl.load(v_ptr + c_off, mask=valid[:, None], other=0)
+            if INT8 == 2:
+                pa, pb = _int8_pair(pv)
+                v_lo, v_hi = _int8_levels(v_codes, lv_ptr, TC)
+                v_factor = v_max * (LEVEL_STEP / Q_INT)
+                acc_lo = acc_lo * alpha[:, None] + _int8_dot(pa, pb, v_lo) * v_factor
+                acc_hi = acc_hi * alpha[:, None] + _int8_dot(pa, pb, v_hi) * v_factor
+            else:
+                v_lo, v_hi = _int_levels(v_codes, lv_ptr, TC)
+                acc_lo = acc_lo * alpha[:, None] + _dot16(pv, v_lo, TC) * (v_max * LEVEL_STEP)
+                acc_hi = acc_hi * alpha[:, None] + _dot16(pv, v_hi, TC) * (v_max * LEVEL_STEP)
         r_base = b.to(tl.int64) * stride_rb + h * stride_rh
         # the newest: exact, from the ring (one block in one split: not worth pipeline buffers)
         for n0 in tl.range(tl.maximum(start, p - RECENT + 1), stop, BLOCK_N, num_stages=1):
@@ -183,7 +202,34 @@ def _levels_asm() -> str:
     }}"""
 
 
+def _int8_levels_asm() -> str:
+    """PTX that decodes 4 code bytes ($2) into the int8 levels of the low nibbles ($0) and of the high nibbles
+    ($1), byte i of each from code byte i: the table lookups of _levels_asm (levels as two's complement bytes),
+    then two permutes that gather the low-nibble and the high-nibble levels."""
+    u = [x & 0xFF for x in reference.int_levels()]
+    t = [f"{int.from_bytes(bytes(u[4 * w:4 * w + 4]), 'little'):#010x}" for w in range(4)]
+    return f"""{{
+    .reg .b32 q, qh, a, b, s, v0, v1;
+    and.b32 q, $2, 0x77777777;
+    shr.b32 qh, q, 16;
+    prmt.b32 a, {t[0]}, {t[1]}, q;
+    prmt.b32 b, {t[2]}, {t[3]}, q;
+    shr.b32 s, $2, 1;
+    lop3.b32 s, s, 0x4444, 0x3210, 0xea;
+    prmt.b32 v0, a, b, s;
+    prmt.b32 a, {t[0]}, {t[1]}, qh;
+    prmt.b32 b, {t[2]}, {t[3]}, qh;
+    shr.b32 s, $2, 17;
+    lop3.b32 s, s, 0x4444, 0x3210, 0xea;
+    prmt.b32 v1, a, b, s;
+    prmt.b32 $0, v0, v1, 0x6420;
+    prmt.b32 $1, v0, v1, 0x7531;
+    }}"""
+
+
 LEVELS_ASM: tl.constexpr = tl.constexpr(_levels_asm())
+INT8_LEVELS_ASM: tl.constexpr = tl.constexpr(_int8_levels_asm())
+Q_INT: tl.constexpr = tl.constexpr(127 * 128)
 LEVEL_STEP: tl.constexpr = tl.constexpr(reference.LEVEL_STEP)
 
 
@@ -199,6 +245,30 @@ def _int_levels(codes, lv_ptr, TC: tl.constexpr):
     lo = tl.reshape(tl.gather(levels, tl.reshape(c & 15, (c.shape[0] * c.shape[1],)), 0), c.shape)
     hi = tl.reshape(tl.gather(levels, tl.reshape(c >> 4, (c.shape[0] * c.shape[1],)), 0), c.shape)
     return lo.to(tl.float16), hi.to(tl.float16)
+
+
+@triton.jit
+def _int8_levels(codes, lv_ptr, TC: tl.constexpr):
+    """uint8 codes [N, D/2] -> (levels of the low nibbles, of the high nibbles) [N, D/2] int8."""
+    if TC:
+        return tl.inline_asm_elementwise(INT8_LEVELS_ASM, "=r,=r,r", [codes], dtype=(tl.int8, tl.int8),
+                                         is_pure=True, pack=4)
+    lo, hi = _int_levels(codes, lv_ptr, TC)
+    return lo.to(tl.int8), hi.to(tl.int8)
+
+
+@triton.jit
+def _int8_dot(a, b, y):
+    """(128 a + b) @ y as fp32, for int8 a, b, y: int32 tensor-core sums, exact."""
+    return (tl.dot(a, y, out_dtype=tl.int32) * 128 + tl.dot(b, y, out_dtype=tl.int32)).to(tl.float32)
+
+
+@triton.jit
+def _int8_pair(x):
+    """x in [-1, 1] -> int8 (a, b) with 128 a + b = round(Q_INT x) (a in -127..127, b in -64..64)."""
+    xs = tl.floor(x * Q_INT + 0.5)
+    a = tl.floor(xs / 128 + 0.5)
+    return a.to(tl.int8), (xs - 128 * a).to(tl.int8)
 
 
 @triton.jit
@@ -314,7 +384,7 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, position
         ks.stride(0) if quant else 0, ks.stride(1) if quant else 0,
         kr.stride(0) if quant else 0, kr.stride(1) if quant else 0, kr.stride(2) if quant else 0,
         G=G, BG=BG, D=D, BLOCK_N=block_n, QUANT=quant, RING=window is not None, WINDOW=window or 0,
-        RECENT=recent, TC=not INTERPRET, PDL=use_pdl, launch_pdl=use_pdl, num_warps=num_warps,
+        RECENT=recent, INT8=INT8_PRODUCTS, TC=not INTERPRET, PDL=use_pdl, launch_pdl=use_pdl, num_warps=num_warps,
         num_stages=num_stages)
     o = torch.empty((B, Hq, D), dtype=out_dtype or q.dtype, device=q.device)
     BD = D if unrotate else min(D, 64)
