@@ -162,7 +162,7 @@ def time_case(res, copy_bw, name, Hq, Hkv, D, S, B):
 
 SWEEP_DENSE = [dict(block_n=bn, num_warps=w, num_stages=st) for bn in (32, 64, 128) for w in (4, 8)
                for st in (2, 3, 4)]
-SWEEP_TQ = [dict(block_n=bn, num_warps=w, num_stages=2) for bn in (32, 64, 128) for w in (4, 8)]
+SWEEP_TQ = [dict(block_n=bn, num_warps=4, num_stages=2) for bn in (64, 128)]
 
 
 def sweep(res, copy_bw, dense=True):
@@ -182,9 +182,13 @@ def sweep(res, copy_bw, dense=True):
                 n = max(1, math.ceil(4 * L2_BYTES / cache_bytes(one)))
                 caches = [one] + [make_cache(B, Hkv, S, D, quant, g) for _ in range(n - 1)]
                 auto = num_splits(B * Hkv, S, q.device)
-                runs = [(launch, auto) for launch in configs] + [({}, max(1, auto // 2)), ({}, 2 * auto)]
+                if quant:  # each block size with split counts around the default, and the most one wave holds
+                    counts = sorted({max(1, auto // 2), auto, 2 * auto, 4 * auto, max(1, 2 * res["sms"] // (B * Hkv))})
+                    runs = [(launch, ns) for launch in configs for ns in counts]
+                else:
+                    runs = [(launch, auto) for launch in configs] + [({}, max(1, auto // 2)), ({}, 2 * auto)]
                 qq = rotate(q) if quant else q
-                for int8 in ((0, 1, 2) if quant else (None,)):
+                for int8 in ((1, 2) if quant else (None,)):
                     if int8 is not None:
                         at.INT8_PRODUCTS = int8
                     for launch, ns in runs:
