@@ -28,17 +28,17 @@ from sluice.kernels.turboquant import reference
 from sluice.kernels.turboquant.triton import _hadamard_rows, _tables
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-INT8_PRODUCTS = 1  # TurboQuant products on int8 tensor cores: 0 none, 1 the scores, 2 also P V
+INT8_PRODUCTS = 2  # TurboQuant products on int8 tensor cores: 0 none, 1 the scores, 2 also P V
 
 
 @triton.jit
-def _decode_split_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, kr_ptr, vr_ptr, lv_ptr, sign_ptr, pos_ptr, op_ptr,
-                         ml_ptr, scale, Hkv, cap, per_split, n_splits,
+def _decode_split_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, kr_ptr, vr_ptr, lv_ptr, pos_ptr, op_ptr, ml_ptr,
+                         scale, Hkv, cap, per_split, n_splits,
                          stride_qb, stride_qh, stride_kb, stride_kh, stride_kt, stride_sb, stride_sh,
                          stride_rb, stride_rh, stride_rt,
                          G: tl.constexpr, BG: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
                          QUANT: tl.constexpr, RING: tl.constexpr, WINDOW: tl.constexpr, RECENT: tl.constexpr,
-                         INT8: tl.constexpr, UNROTATE: tl.constexpr, TC: tl.constexpr, PDL: tl.constexpr):
+                         INT8: tl.constexpr, TC: tl.constexpr, PDL: tl.constexpr):
     _pdl_start(PDL)  # q and the cache come from the kernels before
     bh = tl.program_id(0)
     split = tl.program_id(1)
@@ -119,14 +119,8 @@ def _decode_split_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, kr_ptr, vr_ptr, lv
             acc_hi = acc_hi * alpha[:, None] + _dot(pr, tl.load(vr_ptr + r_off + D // 2, mask=valid[:, None],
                                                                other=0.0), TC)
         o_row = op_ptr + (part * BG + g[:, None]) * D
-        if UNROTATE:  # R^T o = (o H) * signs / sqrt(D) per split (linear: the merge's weighted sum commutes)
-            d = tl.arange(0, D)
-            o = tl.reshape(tl.permute(tl.join(acc_lo, acc_hi), (0, 2, 1)), (BG, D))
-            o = _hadamard_rows(o, D) * (tl.load(sign_ptr + d) / tl.sqrt(D * 1.0))[None, :]
-            tl.store(o_row + d[None, :], o, mask=g[:, None] < G)
-        else:
-            tl.store(o_row + dh[None, :], acc_lo, mask=g[:, None] < G)
-            tl.store(o_row + D // 2 + dh[None, :], acc_hi, mask=g[:, None] < G)
+        tl.store(o_row + dh[None, :], acc_lo, mask=g[:, None] < G)
+        tl.store(o_row + D // 2 + dh[None, :], acc_hi, mask=g[:, None] < G)
     else:
         d = tl.arange(0, D)
         q = tl.load(q_row + d[None, :], mask=g[:, None] < G, other=0.0)
@@ -278,11 +272,12 @@ def _int8_pair(x):
 
 
 @triton.jit
-def _merge_splits_kernel(op_ptr, ml_ptr, o_ptr, Hkv, n_splits, stride_ob, stride_oh,
+def _merge_splits_kernel(op_ptr, ml_ptr, o_ptr, sign_ptr, Hkv, n_splits, stride_ob, stride_oh,
                          G: tl.constexpr, BG: tl.constexpr, D: tl.constexpr, BD: tl.constexpr, NSP: tl.constexpr,
-                         SB: tl.constexpr, PDL: tl.constexpr):
+                         SB: tl.constexpr, UNROTATE: tl.constexpr, PDL: tl.constexpr):
     """Program (query head, BD coordinates): the splits' weights exp(m_s - M) from all (max, sum) at once, then
-    the weighted partial outputs SB splits at a time (a launch that is all latency: few, wide steps)."""
+    the weighted partial outputs SB splits at a time (a launch that is all latency: few, wide steps). UNROTATE
+    (TurboQuant, BD = D): the output rotated back, R^T o = (o H) * signs / sqrt(D), in registers."""
     _pdl_start(PDL)
     row = tl.program_id(0)
     bh = row // G
@@ -304,8 +299,10 @@ def _merge_splits_kernel(op_ptr, ml_ptr, o_ptr, Hkv, n_splits, stride_ob, stride
         part = tl.load(op_ptr + ((bh * n_splits + s[:, None]) * BG + g) * D + d[None, :],
                        mask=(s < n_splits)[:, None], other=0.0)
         acc += tl.sum(ws[:, None] * part, axis=0)
-    tl.store(o_ptr + b.to(tl.int64) * stride_ob + (h * G + g) * stride_oh + d,
-             (acc / denom).to(o_ptr.dtype.element_ty))
+    acc = acc / denom
+    if UNROTATE:
+        acc = tl.reshape(_hadamard_rows(tl.reshape(acc, (1, D)), D), (D,)) * (tl.load(sign_ptr + d) / tl.sqrt(D * 1.0))
+    tl.store(o_ptr + b.to(tl.int64) * stride_ob + (h * G + g) * stride_oh + d, acc.to(o_ptr.dtype.element_ty))
 
 
 _SM_COUNT: dict = {}
@@ -319,10 +316,14 @@ def _level_table(device) -> torch.Tensor:
     return _LEVEL_TABLES[device]
 
 
-def num_splits(batch_heads: int, visible: int, device, block_n: int = 64, min_per_split: int | None = None) -> int:
+def num_splits(batch_heads: int, visible: int, device, block_n: int = 64, min_per_split: int | None = None,
+               one_wave: bool = False) -> int:
     """Enough splits for about two programs per multiprocessor, each with >= `min_per_split` positions (default
     two blocks: at 4k positions, batch 1, 2 KV heads, 64 splits of 64 instead of 16 of 256 make D = 256 decode
-    ~1.5x faster on an H100, benchmarks/results/attention_gpu_sweep_h100.json)."""
+    ~1.5x faster on an H100, benchmarks/results/attention_gpu_sweep_h100.json). `one_wave`: at most two programs
+    per multiprocessor, never a few more (the TurboQuant kernel holds two per SM: at batch 16, 32k, 8 splits of
+    the 2-KV-head D = 256 shape took 213 us, the 9 that spill into a second wave 287 us;
+    benchmarks/results/attention_tq_sweep_h100.json)."""
     min_per_split = min_per_split or 2 * block_n
     if device.type == "cuda":
         if device.index not in _SM_COUNT:
@@ -330,7 +331,7 @@ def num_splits(batch_heads: int, visible: int, device, block_n: int = 64, min_pe
         sms = _SM_COUNT[device.index]
     else:
         sms = 4
-    want = triton.cdiv(2 * sms, batch_heads)
+    want = 2 * sms // batch_heads if one_wave else triton.cdiv(2 * sms, batch_heads)
     return max(1, min(want, triton.cdiv(visible, min_per_split)))
 
 
@@ -365,12 +366,16 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, position
         raise ValueError("decode attention: unrotate is for the TurboQuant layout")
     if k.stride() != v.stride() or k.stride(-1) != 1 or q.stride(-1) != 1:
         raise ValueError("decode attention: k and v must share a layout with unit last strides")
-    # positions per step (the H100 sweep of benchmarks/attention_gpu.py): K and V tiles of D = 256 rows fill
-    # shared memory; the codes are a quarter of the bytes
-    block_n = block_n or ((128 if D <= 128 else 64) if quant else (64 if D <= 128 else 32))
+    # positions per step (the H100 sweeps of benchmarks/attention_gpu.py): K and V tiles of D = 256 rows fill
+    # shared memory; the codes are a quarter of the bytes, 128 positions a step unless D = 256 splits are short
+    if quant:
+        ns = splits or num_splits(B * Hkv, visible, q.device, block_n or 64, one_wave=True)
+        block_n = block_n or (128 if D <= 128 or triton.cdiv(visible, ns) >= 2048 else 64)
+    else:
+        block_n = block_n or (64 if D <= 128 else 32)
+        ns = splits or num_splits(B * Hkv, visible, q.device, block_n)
     # int8 tensor cores take 32 values along the summed dim: the scores need D / 2 >= 32, P V block_n >= 32
     int8 = 0 if not quant or D < 64 else min(INT8_PRODUCTS, 1 if block_n < 32 else 2)
-    ns = splits or num_splits(B * Hkv, visible, q.device, block_n)
     per_split = triton.cdiv(visible, ns)
     per_split = triton.cdiv(per_split, block_n) * block_n
     ns = triton.cdiv(visible, per_split)
@@ -383,18 +388,22 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, position
     recent = k_recent.shape[2] if quant else 1
     use_pdl = pdl(q.device)
     _decode_split_kernel[(B * Hkv, ns)](
-        q, k, v, ks, vs, kr, vr, _level_table(q.device) if quant else dummy,
-        _tables(D, q.device)[0] if unrotate else dummy, positions, op, ml, scale, Hkv, cap, per_split, ns,
+        q, k, v, ks, vs, kr, vr, _level_table(q.device) if quant else dummy, positions, op, ml, scale, Hkv, cap,
+        per_split, ns,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2),
         ks.stride(0) if quant else 0, ks.stride(1) if quant else 0,
         kr.stride(0) if quant else 0, kr.stride(1) if quant else 0, kr.stride(2) if quant else 0,
         G=G, BG=BG, D=D, BLOCK_N=block_n, QUANT=quant, RING=window is not None, WINDOW=window or 0,
-        RECENT=recent, INT8=int8, UNROTATE=unrotate, TC=not INTERPRET, PDL=use_pdl, launch_pdl=use_pdl,
-        num_warps=num_warps, num_stages=num_stages)
+        RECENT=recent, INT8=int8, TC=not INTERPRET, PDL=use_pdl, launch_pdl=use_pdl, num_warps=num_warps,
+        num_stages=num_stages)
     o = torch.empty((B, Hq, D), dtype=out_dtype or q.dtype, device=q.device)
-    BD = min(D, 64)
+    # unrotate: one program per query head and all D coordinates (the rotation mixes them), so wider
+    BD = D if unrotate else min(D, 64)
+    merge_warps = 8 if BD >= 128 else 4
     nsp = triton.next_power_of_2(ns)
-    _merge_splits_kernel[(B * Hq, D // BD)](op, ml, o, Hkv, ns, o.stride(0), o.stride(1), G=G, BG=BG, D=D, BD=BD,
-                                            NSP=nsp, SB=min(nsp, 64), PDL=use_pdl, launch_pdl=use_pdl,
-                                            num_warps=4)
+    signs = _tables(D, q.device)[0] if unrotate else dummy
+    _merge_splits_kernel[(B * Hq, D // BD)](op, ml, o, signs, Hkv, ns, o.stride(0), o.stride(1), G=G, BG=BG, D=D,
+                                            BD=BD, NSP=nsp, SB=min(nsp, 1024 * merge_warps // BD),
+                                            UNROTATE=unrotate, PDL=use_pdl, launch_pdl=use_pdl,
+                                            num_warps=merge_warps)
     return o
