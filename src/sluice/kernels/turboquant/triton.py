@@ -67,21 +67,28 @@ def _append_rows(x_ptr, sign_ptr, lv_ptr, bd_ptr, codes_ptr, scale_ptr, ring_ptr
 
 
 @triton.jit
-def _sylvester(N: tl.constexpr):
-    """The Sylvester Hadamard matrix H_N [N, N] (N <= 16) from indices, fp32: H[i, j] = (-1)^popcount(i & j)."""
+def _sylvester(N: tl.constexpr, A: tl.constexpr):
+    """[N, N] fp32 (N <= 16) with the Sylvester Hadamard matrix H_A on its diagonal blocks and zeros elsewhere
+    (A = N: H_N itself), from indices: H[i, j] = (-1)^popcount(i & j)."""
     i = tl.arange(0, N)
-    x = i[:, None] & i[None, :]
+    x = i[:, None] & i[None, :] & (A - 1)
     x = x ^ (x >> 2)
     x = x ^ (x >> 1)  # bit 0: the parity of the 4 low bits
-    return 1.0 - 2.0 * (x & 1).to(tl.float32)
+    h = 1.0 - 2.0 * (x & 1).to(tl.float32)
+    return tl.where(i[:, None] // A == i[None, :] // A, h, 0.0)
 
 
 @triton.jit
 def _times_sylvester(x, N: tl.constexpr):
-    """x [M, N] @ H_N: an fp32 FMA product (tensor-core shapes need M, N >= 16), else products summed."""
-    if x.shape[0] >= 16 and N >= 16:
-        return tl.dot(x, _sylvester(N), input_precision="ieee")
-    return tl.sum(x[:, :, None] * _sylvester(N)[None, :, :], axis=1)
+    """x [M, N] @ H_N (N <= 16) as an fp32 FMA product: rows of N < 16 taken 16 / N at a time against 16 / N
+    copies of H_N (tensor-core shapes need 16 rows and 16 columns); products summed when too few rows."""
+    M: tl.constexpr = x.shape[0]
+    if M * N >= 256 and N < 16:
+        y = tl.dot(tl.reshape(x, (M * N // 16, 16)), _sylvester(16, N), input_precision="ieee")
+        return tl.reshape(y, (M, N))
+    if M >= 16 and N == 16:
+        return tl.dot(x, _sylvester(16, 16), input_precision="ieee")
+    return tl.sum(x[:, :, None] * _sylvester(N, N)[None, :, :], axis=1)
 
 
 @triton.jit
