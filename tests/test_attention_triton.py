@@ -153,12 +153,14 @@ def test_caches_decode_through_the_kernel(monkeypatch, kind, window):
     assert rel(outs[True], outs[False]) < (TOL if kind == "dense" else TOL_INT8)
 
 
-@pytest.mark.parametrize("D,dtype", [(64, torch.float32), (128, torch.float32), (256, torch.bfloat16)])
-def test_quantize_append_matches_the_reference(D, dtype):
+@pytest.mark.parametrize("D,dtype,B,Hkv", [(64, torch.float32, 3, 7), (128, torch.float32, 3, 7),
+                                           (256, torch.bfloat16, 3, 7), (128, torch.float32, 1, 2),
+                                           (256, torch.float32, 1, 1)])
+def test_quantize_append_matches_the_reference(D, dtype, B, Hkv):
     from sluice.kernels.turboquant import triton as tqt
 
     g = torch.Generator().manual_seed(D)
-    B, Hkv, cap, R = 3, 7, 10, 4  # 21 vectors: two programs of 16
+    cap, R = 10, 4  # 21 vectors: two programs of 16; 2 and 1: one program that size
     x = (torch.randn(B, Hkv, D, generator=g) * 3 + 0.5).to(dtype)
     codes = torch.zeros(B, Hkv, cap, D // 2, dtype=torch.uint8, device=DEVICE)
     scales = torch.zeros(B, Hkv, cap, device=DEVICE)

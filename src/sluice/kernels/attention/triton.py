@@ -317,12 +317,12 @@ def _level_table(device) -> torch.Tensor:
 
 
 def num_splits(batch_heads: int, visible: int, device, block_n: int = 64, min_per_split: int | None = None,
-               one_wave: bool = False) -> int:
-    """Enough splits for about two programs per multiprocessor, each with >= `min_per_split` positions (default
-    two blocks: at 4k positions, batch 1, 2 KV heads, 64 splits of 64 instead of 16 of 256 make D = 256 decode
-    ~1.5x faster on an H100, benchmarks/results/attention_gpu_sweep_h100.json). `one_wave`: at most two programs
-    per multiprocessor, never a few more (the TurboQuant kernel holds two per SM: at batch 16, 32k, 8 splits of
-    the 2-KV-head D = 256 shape took 213 us, the 9 that spill into a second wave 287 us;
+               per_sm: int = 2, one_wave: bool = False) -> int:
+    """Enough splits for about `per_sm` programs per multiprocessor, each with >= `min_per_split` positions
+    (default two blocks: at 4k positions, batch 1, 2 KV heads, 64 splits of 64 instead of 16 of 256 make D = 256
+    decode ~1.5x faster on an H100, benchmarks/results/attention_gpu_sweep_h100.json). `one_wave`: at most that
+    many, never a few more (for a kernel that holds `per_sm` programs per SM: TurboQuant at batch 16, 32k, 8 splits
+    of the 2-KV-head D = 256 shape took 199 us, the 9 that spill into a second wave 263 us;
     benchmarks/results/attention_tq_sweep_h100.json)."""
     min_per_split = min_per_split or 2 * block_n
     if device.type == "cuda":
@@ -331,7 +331,7 @@ def num_splits(batch_heads: int, visible: int, device, block_n: int = 64, min_pe
         sms = _SM_COUNT[device.index]
     else:
         sms = 4
-    want = 2 * sms // batch_heads if one_wave else triton.cdiv(2 * sms, batch_heads)
+    want = per_sm * sms // batch_heads if one_wave else triton.cdiv(per_sm * sms, batch_heads)
     return max(1, min(want, triton.cdiv(visible, min_per_split)))
 
 
@@ -369,14 +369,15 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, position
     # positions per step (the H100 sweeps of benchmarks/attention_gpu.py): K and V tiles of D = 256 rows fill
     # shared memory; the codes are a quarter of the bytes, 128 positions a step unless D = 256 splits are short
     if quant:
-        ns = splits or num_splits(B * Hkv, visible, q.device, block_n or 64, one_wave=True)
+        # one wave of the programs an SM holds (registers: 2 at D = 256, 3 at D = 128)
+        ns = splits or num_splits(B * Hkv, visible, q.device, block_n or 64, per_sm=3 if D <= 128 else 2,
+                                  one_wave=True)
         block_n = block_n or (128 if D <= 128 or triton.cdiv(visible, ns) >= 2048 else 64)
     else:
         block_n = block_n or (64 if D <= 128 else 32)
         ns = splits or num_splits(B * Hkv, visible, q.device, block_n)
-    # int8 tensor cores take 32 values along the summed dim: the scores need D / 2 >= 32, P V block_n >= 32. P V
-    # on them too pays only for long splits (H100 sweep at 32k: -5..-8% at batch 16, +9% for D = 128 at batch 1)
-    int8 = 0 if not quant or D < 64 else min(INT8_PRODUCTS, 2 if block_n >= 32 and visible >= 2048 * ns else 1)
+    # int8 tensor cores take 32 values along the summed dim: the scores need D / 2 >= 32, P V block_n >= 32
+    int8 = 0 if not quant or D < 64 else min(INT8_PRODUCTS, 2 if block_n >= 32 else 1)
     per_split = triton.cdiv(visible, ns)
     per_split = triton.cdiv(per_split, block_n) * block_n
     ns = triton.cdiv(visible, per_split)

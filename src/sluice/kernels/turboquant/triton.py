@@ -2,7 +2,7 @@
 `decode_step_prep`), checked against `reference.quantize`; `rotate` for either direction (the decode kernel's
 merge rotates its output back itself).
 
-Program: up to 16 vectors (sequence, KV head) of the new position. y = (x * signs) @ H / sqrt(d) (H the +-1
+Program: up to 16 vectors (sequence, KV head) of the new position (as many as there are, to 16). y = (x * signs) @ H / sqrt(d) (H the +-1
 Sylvester Hadamard matrix, never stored: H_d = H_A (x) H_16, two small fp32 products in registers); the code of
 each coordinate of sqrt(d) y / |y| by 15 compares against the cell boundaries; scale = |x| / |levels[codes]|;
 codes packed two per byte (byte i: coordinate i low, i + d/2 high) into the cache slot, the scale beside them,
@@ -23,27 +23,27 @@ from sluice.kernels.turboquant import reference
 def _append_kernel(k_ptr, v_ptr, q_ptr, qr_ptr, sign_ptr, lv_ptr, bd_ptr, kc_ptr, vc_ptr, ks_ptr, vs_ptr,
                    kr_ptr, vr_ptr, n_rows, n_q_rows, Hkv, slot, rslot, stride_xr, stride_qr,
                    stride_cb, stride_ch, stride_ct, stride_sb, stride_sh, stride_rb, stride_rh, stride_rt,
-                   D: tl.constexpr):
+                   D: tl.constexpr, ROWS: tl.constexpr):
     """Job program_id(1): 0 appends the new keys (rows of k), 1 the new values, 2 rotates the queries into qr
-    (fp32): a decode step's three small jobs in one launch."""
+    (fp32): a decode step's three small jobs in one launch, ROWS vectors per program."""
     job = tl.program_id(1)
     if job == 0:
         _append_rows(k_ptr, sign_ptr, lv_ptr, bd_ptr, kc_ptr, ks_ptr, kr_ptr, n_rows, Hkv, slot, rslot,
                      stride_xr, stride_cb, stride_ch, stride_ct, stride_sb, stride_sh, stride_rb, stride_rh,
-                     stride_rt, D)
+                     stride_rt, D, ROWS)
     elif job == 1:
         _append_rows(v_ptr, sign_ptr, lv_ptr, bd_ptr, vc_ptr, vs_ptr, vr_ptr, n_rows, Hkv, slot, rslot,
                      stride_xr, stride_cb, stride_ch, stride_ct, stride_sb, stride_sh, stride_rb, stride_rh,
-                     stride_rt, D)
+                     stride_rt, D, ROWS)
     else:
-        _rotate_rows(q_ptr, qr_ptr, sign_ptr, n_q_rows, stride_qr, D, False)
+        _rotate_rows(q_ptr, qr_ptr, sign_ptr, n_q_rows, stride_qr, D, False, ROWS)
 
 
 @triton.jit
 def _append_rows(x_ptr, sign_ptr, lv_ptr, bd_ptr, codes_ptr, scale_ptr, ring_ptr, n_rows, Hkv, slot, rslot,
                  stride_xr, stride_cb, stride_ch, stride_ct, stride_sb, stride_sh, stride_rb, stride_rh, stride_rt,
-                 D: tl.constexpr):
-    rows = tl.program_id(0) * 16 + tl.arange(0, 16)
+                 D: tl.constexpr, ROWS: tl.constexpr):
+    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     ok = rows < n_rows
     d = tl.arange(0, D)
     dh = tl.arange(0, D // 2)
@@ -129,13 +129,14 @@ def _nearest_level(yn, lv_ptr, bd_ptr):
 
 @triton.jit
 def _rotate_kernel(x_ptr, y_ptr, sign_ptr, n_rows, stride_xr, D: tl.constexpr, INVERSE: tl.constexpr):
-    _rotate_rows(x_ptr, y_ptr, sign_ptr, n_rows, stride_xr, D, INVERSE)
+    _rotate_rows(x_ptr, y_ptr, sign_ptr, n_rows, stride_xr, D, INVERSE, 16)
 
 
 @triton.jit
-def _rotate_rows(x_ptr, y_ptr, sign_ptr, n_rows, stride_xr, D: tl.constexpr, INVERSE: tl.constexpr):
-    """16 rows: y = (x * s) H / sqrt(d) (R x), or with INVERSE y = (x H) * s / sqrt(d) (R^T x); fp32 out."""
-    rows = tl.program_id(0) * 16 + tl.arange(0, 16)
+def _rotate_rows(x_ptr, y_ptr, sign_ptr, n_rows, stride_xr, D: tl.constexpr, INVERSE: tl.constexpr,
+                 ROWS: tl.constexpr):
+    """ROWS rows: y = (x * s) H / sqrt(d) (R x), or with INVERSE y = (x H) * s / sqrt(d) (R^T x); fp32 out."""
+    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     ok = rows < n_rows
     d = tl.arange(0, D)
     x = tl.load(x_ptr + rows[:, None] * stride_xr + d[None, :], mask=ok[:, None], other=0.0).to(tl.float32)
@@ -204,10 +205,13 @@ def _launch_append(k, v, q, k_codes, v_codes, k_scale, v_scale, k_ring, v_ring, 
     kr, vr = k.reshape(-1, D).contiguous(), v.reshape(-1, D).contiguous()
     qrows = q.reshape(-1, D).contiguous() if q is not None else kr
     signs, levels, bounds = _tables(D, k.device)
-    grid = (triton.cdiv(max(kr.shape[0], qrows.shape[0]), 16), jobs)
+    # vectors per program: up to 16, no more than the new keys (batch 1, 2 KV heads: 2, not 16 of which 14 are
+    # padding, in the ~7000-instruction quantization of each program at D = 256)
+    rows = min(16, triton.next_power_of_2(kr.shape[0]))
+    grid = (triton.cdiv(max(kr.shape[0], qrows.shape[0]), rows), jobs)
     _append_kernel[grid](
         kr, vr, qrows, qr if qr is not None else kr, signs, levels, bounds, k_codes, v_codes, k_scale,
         v_scale, k_ring, v_ring, kr.shape[0], qrows.shape[0], Hkv, slot, ring_slot, kr.stride(0), qrows.stride(0),
         k_codes.stride(0), k_codes.stride(1), k_codes.stride(2), k_scale.stride(0), k_scale.stride(1),
         k_ring.stride(0), k_ring.stride(1), k_ring.stride(2),
-        D=D, num_warps=num_warps or _warps(D))
+        D=D, ROWS=rows, num_warps=num_warps or _warps(D))
