@@ -162,18 +162,18 @@ def time_case(res, copy_bw, name, Hq, Hkv, D, S, B):
 
 SWEEP_DENSE = [dict(block_n=bn, num_warps=w, num_stages=st) for bn in (32, 64, 128) for w in (4, 8)
                for st in (2, 3, 4)]
-SWEEP_TQ = [dict(block_n=bn, num_warps=4, num_stages=2) for bn in (64, 128)]
+SWEEP_TQ = [dict(block_n=bn, num_warps=w, num_stages=2) for bn in (64, 128) for w in (4, 8)]
+SWEEP_TQ_INT8 = (2,)  # the product variants the sweep times (1 and 2 compared in the 2026-11-25 runs)
 
 
 def sweep(res, copy_bw, dense=True):
-    """Launch options, split counts and (TurboQuant) the int8 product variants at 32k context: the time of each
-    (TurboQuant: the kernel alone, q rotated beforehand), so the defaults can be checked."""
+    """Launch options, split counts and (TurboQuant) the int8 product variants at 32k context (TurboQuant: also
+    4k): the time of each (TurboQuant: the kernel alone, q rotated beforehand), so the defaults can be checked."""
     import sluice.kernels.attention.triton as at
 
     default_int8 = at.INT8_PRODUCTS
     for name, (Hq, Hkv, D) in SHAPES.items():
-        for B in BATCHES:
-            S = 32768
+        for B, S in [(B, S) for B in BATCHES for S in ((32768,) if dense else (4096, 32768))]:
             g = torch.Generator(device="cuda").manual_seed(7)
             q = torch.randn(B, Hq, D, device="cuda", generator=g, dtype=BF16)
             pos = torch.full((B,), S - 1, dtype=torch.int32, device="cuda")
@@ -182,13 +182,14 @@ def sweep(res, copy_bw, dense=True):
                 n = max(1, math.ceil(4 * L2_BYTES / cache_bytes(one)))
                 caches = [one] + [make_cache(B, Hkv, S, D, quant, g) for _ in range(n - 1)]
                 auto = num_splits(B * Hkv, S, q.device)
-                if quant:  # each block size with split counts around the default, and the most one wave holds
-                    counts = sorted({max(1, auto // 2), auto, 2 * auto, 4 * auto, max(1, 2 * res["sms"] // (B * Hkv))})
-                    runs = [(launch, ns) for launch in configs for ns in counts]
+                if quant:  # the defaults (splits None), then each launch with split counts around the default's
+                    auto = num_splits(B * Hkv, S, q.device, per_sm=3 if D <= 128 else 2, one_wave=True)
+                    counts = sorted({max(1, auto // 2), auto, 2 * auto, 4 * auto})
+                    runs = [({}, None)] + [(launch, ns) for launch in configs for ns in counts]
                 else:
                     runs = [(launch, auto) for launch in configs] + [({}, max(1, auto // 2)), ({}, 2 * auto)]
                 qq = rotate(q) if quant else q
-                for int8 in ((1, 2) if quant else (None,)):
+                for int8 in (SWEEP_TQ_INT8 if quant else (None,)):
                     if int8 is not None:
                         at.INT8_PRODUCTS = int8
                     for launch, ns in runs:
@@ -199,7 +200,7 @@ def sweep(res, copy_bw, dense=True):
                             res["errors"].append(f"sweep {name} B={B} {launch} splits={ns} int8={int8}: "
                                                  f"{type(e).__name__}: {e}")
                             continue
-                        row = dict(shape=name, batch=B, quant=quant, int8=int8, splits=ns, us=t, **launch)
+                        row = dict(shape=name, batch=B, context=S, quant=quant, int8=int8, splits=ns, us=t, **launch)
                         res["sweep"].append(row)
                         print(f"sweep {row}", flush=True)
                 at.INT8_PRODUCTS = default_int8
@@ -244,7 +245,7 @@ def main():
     finally:
         best = {}
         for r in res["sweep"]:
-            key = (r["shape"], r["batch"], r["quant"], r["int8"])
+            key = (r["shape"], r["batch"], r.get("context"), r["quant"], r["int8"])
             if key not in best or r["us"] < best[key]["us"]:
                 best[key] = r
         for r in best.values():
