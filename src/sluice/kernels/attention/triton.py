@@ -367,12 +367,13 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, position
     if k.stride() != v.stride() or k.stride(-1) != 1 or q.stride(-1) != 1:
         raise ValueError("decode attention: k and v must share a layout with unit last strides")
     # positions per step (the H100 sweeps of benchmarks/attention_gpu.py): K and V tiles of D = 256 rows fill
-    # shared memory; the codes are a quarter of the bytes, 128 positions a step unless D = 256 splits are short
+    # shared memory; the codes are a quarter of the bytes, 128 positions a step unless splits are short (D = 128:
+    # one block, 4k at batch 1: 19.3 -> 16.1 us with two of 64; benchmarks/results/attention_tq_sweep2_h100.json)
     if quant:
         # one wave of the programs an SM holds (registers: 2 at D = 256, 3 at D = 128)
         ns = splits or num_splits(B * Hkv, visible, q.device, block_n or 64, per_sm=3 if D <= 128 else 2,
                                   one_wave=True)
-        block_n = block_n or (128 if D <= 128 or triton.cdiv(visible, ns) >= 2048 else 64)
+        block_n = block_n or (128 if triton.cdiv(visible, ns) >= (256 if D <= 128 else 2048) else 64)
     else:
         block_n = block_n or (64 if D <= 128 else 32)
         ns = splits or num_splits(B * Hkv, visible, q.device, block_n)
