@@ -47,7 +47,8 @@ def make_cache(B, Hkv, S, D, quant, g):
                                   dtype=torch.int32).to(torch.uint8)
     scales = lambda: torch.rand(B, Hkv, S, device="cuda", generator=g) * 0.2 + 0.05  # noqa: E731
     ring = lambda: torch.randn(B, Hkv, RECENT, D, device="cuda", generator=g, dtype=BF16)  # noqa: E731
-    return dict(k=codes(), v=codes(), k_scale=scales(), v_scale=scales(), k_recent=ring(), v_recent=ring())
+    return dict(k=codes(), v=tq.interleave(codes()), k_scale=scales(), v_scale=scales(), k_recent=ring(),
+                v_recent=ring())
 
 
 def cache_bytes(c):
@@ -99,7 +100,7 @@ def check(res):
         kc, ks = tq.quantize(x)
         vc, vs = tq.quantize(y)
         ring = lambda t: tq.rotate(t[:, :, S - RECENT:]).roll(S % RECENT, dims=2)  # noqa: E731  slot j % RECENT
-        qc = dict(k=kc, v=vc, k_scale=ks, v_scale=vs, k_recent=ring(x).to(BF16), v_recent=ring(y).to(BF16))
+        qc = dict(k=kc, v=tq.interleave(vc), k_scale=ks, v_scale=vs, k_recent=ring(x).to(BF16), v_recent=ring(y).to(BF16))
         kk = torch.cat([tq.dequantize(kc, ks)[:, :, :S - RECENT], x[:, :, S - RECENT:]], 2)
         vv = torch.cat([tq.dequantize(vc, vs)[:, :, :S - RECENT], y[:, :, S - RECENT:]], 2)
         p = torch.softmax((q.float()[:, :, None] * kk.repeat_interleave(Hq // Hkv, 1)).sum(-1) * scale, -1)

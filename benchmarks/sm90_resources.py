@@ -166,7 +166,8 @@ def attention():
         sc, ring = torch.zeros(B, Hkv, S), torch.zeros(B, Hkv, 64, D, dtype=torch.bfloat16)
         launches = _capture_all(at, at_names, lambda: at.decode_attention(q, kv, kv, pos, 0.1, S, splits=4))
         launches += _capture_all(at, at_names, lambda: at.decode_attention(
-            q.float(), codes, codes, pos, 0.1, S, splits=4, k_scale=sc, v_scale=sc, k_recent=ring, v_recent=ring))
+            q.float(), codes, codes.reshape(B, Hkv, S // 4, D // 2, 4), pos, 0.1, S, splits=4, k_scale=sc,
+            v_scale=sc, k_recent=ring, v_recent=ring))
         launches += _capture_all(tqt, ["_append_kernel"],
                                  lambda: tqt.quantize_append(kv[:, :, 0], codes, sc, ring, 3, 3))
         for name, fn, (grid, args, kw) in launches:

@@ -89,7 +89,7 @@ def test_turboquant_decode_equals_attention_over_the_dequantized_cache(monkeypat
     qr = tq.rotate(q)
     kq, vq = tq.dequantize_rotated(kc, ks), tq.dequantize_rotated(vc, vs)
     d = lambda x: x.to(DEVICE)  # noqa: E731
-    o = at.decode_attention(d(qr), d(codes_k), d(codes_v), d(pos), 0.125, visible=cap, window=window,
+    o = at.decode_attention(d(qr), d(codes_k), d(tq.interleave(codes_v)), d(pos), 0.125, visible=cap, window=window,
                             splits=splits, block_n=16, k_scale=d(scale_k), v_scale=d(scale_v), k_recent=d(ring_k),
                             v_recent=d(ring_v)).cpu()
     for b in range(B):
@@ -112,7 +112,7 @@ def test_turboquant_decode_rotates_its_output_back(D):
     ring = torch.randn(2, B, Hkv, recent, D, generator=g)
     q, pos = torch.randn(B, Hq, D, generator=g), torch.tensor([39, 20])
     d = lambda x: x.to(DEVICE)  # noqa: E731
-    args = (d(q), d(codes[0]), d(codes[1]), d(pos), D ** -0.5, cap)
+    args = (d(q), d(codes[0]), d(tq.interleave(codes[1])), d(pos), D ** -0.5, cap)
     kw = dict(splits=3, block_n=16, k_scale=d(scales[0]), v_scale=d(scales[1]), k_recent=d(ring[0]),
               v_recent=d(ring[1]))
     o = at.decode_attention(*args, **kw).cpu()
@@ -131,7 +131,8 @@ def test_bad_shapes_raise():
         at.decode_attention(q, k[:, :2], k[:, :2], torch.tensor([0.0], device=DEVICE), 1.0, visible=1)
 
 
-@pytest.mark.parametrize("kind,window", [("dense", None), ("dense", 6), ("turboquant4", None), ("turboquant4", 20)])
+@pytest.mark.parametrize("kind,window", [("dense", None), ("dense", 6), ("turboquant4", None), ("turboquant4", 20),
+                                         ("turboquant4", 22)])
 def test_caches_decode_through_the_kernel(monkeypatch, kind, window):
     """The caches' decode path (the kernel, as on a GPU) equals their reference path, step by step."""
     from sluice.cache.kv import KVCache, make_kv_cache
@@ -153,19 +154,23 @@ def test_caches_decode_through_the_kernel(monkeypatch, kind, window):
     assert rel(outs[True], outs[False]) < (TOL if kind == "dense" else TOL_INT8)
 
 
-@pytest.mark.parametrize("D,dtype,B,Hkv", [(64, torch.float32, 3, 7), (128, torch.float32, 3, 7),
-                                           (256, torch.bfloat16, 3, 7), (128, torch.float32, 1, 2),
-                                           (256, torch.float32, 1, 1)])
-def test_quantize_append_matches_the_reference(D, dtype, B, Hkv):
+@pytest.mark.parametrize("D,dtype,B,Hkv,interleaved", [(64, torch.float32, 3, 7, False),
+                                                       (128, torch.float32, 3, 7, True),
+                                                       (256, torch.bfloat16, 3, 7, False),
+                                                       (128, torch.float32, 1, 2, False),
+                                                       (256, torch.float32, 1, 1, True)])
+def test_quantize_append_matches_the_reference(D, dtype, B, Hkv, interleaved):
     from sluice.kernels.turboquant import triton as tqt
 
     g = torch.Generator().manual_seed(D)
-    cap, R = 10, 4  # 21 vectors: two programs of 16; 2 and 1: one program that size
+    cap, R = 12, 4  # 21 vectors: two programs of 16; 2 and 1: one program that size
     x = (torch.randn(B, Hkv, D, generator=g) * 3 + 0.5).to(dtype)
-    codes = torch.zeros(B, Hkv, cap, D // 2, dtype=torch.uint8, device=DEVICE)
+    shape = (B, Hkv, cap // 4, D // 2, 4) if interleaved else (B, Hkv, cap, D // 2)
+    stored = torch.zeros(shape, dtype=torch.uint8, device=DEVICE)
     scales = torch.zeros(B, Hkv, cap, device=DEVICE)
     ring = torch.zeros(B, Hkv, R, D, dtype=dtype, device=DEVICE)
-    tqt.quantize_append(x.to(DEVICE), codes, scales, ring, 6, 2)
+    tqt.quantize_append(x.to(DEVICE), stored, scales, ring, 6, 2)
+    codes = tq.deinterleave(stored) if interleaved else stored
     ref_codes, ref_scale = tq.quantize(x.float())
     same = (tq.unpack(codes[:, :, 6].cpu()) == tq.unpack(ref_codes)).double().mean()
     assert same > 0.999  # rounding may move a coordinate sitting on a cell boundary
@@ -192,11 +197,11 @@ def test_decode_step_prep_appends_k_and_v_and_rotates_q():
     B, Hq, Hkv, D, cap = 2, 4, 2, 64, 8
     q, k, v = (torch.randn(B, h, D, generator=g) for h in (Hq, Hkv, Hkv))
     z = lambda *s, dt=torch.float32: torch.zeros(*s, dtype=dt, device=DEVICE)  # noqa: E731
-    kc, vc = z(B, Hkv, cap, D // 2, dt=torch.uint8), z(B, Hkv, cap, D // 2, dt=torch.uint8)
+    kc, vc = z(B, Hkv, cap, D // 2, dt=torch.uint8), z(B, Hkv, cap // 4, D // 2, 4, dt=torch.uint8)
     ks, vs, kr, vr = z(B, Hkv, cap), z(B, Hkv, cap), z(B, Hkv, 4, D), z(B, Hkv, 4, D)
     qr = tqt.decode_step_prep(q.to(DEVICE), k.to(DEVICE), v.to(DEVICE), kc, vc, ks, vs, kr, vr, 5, 1)
     assert rel(qr.cpu(), tq.rotate(q)) < 1e-5
-    for x, codes, scales, ring in ((k, kc, ks, kr), (v, vc, vs, vr)):
+    for x, codes, scales, ring in ((k, kc, ks, kr), (v, tq.deinterleave(vc), vs, vr)):  # values: interleaved
         ref_codes, ref_scale = tq.quantize(x)
         assert (codes[:, :, 5].cpu() == ref_codes).float().mean() > 0.999
         assert rel(scales[:, :, 5].cpu(), ref_scale) < 1e-3

@@ -208,7 +208,7 @@ def test_turboquant_prefill_in_query_blocks(monkeypatch):
     assert rel(out, ref) < 1e-5
 
 
-@pytest.mark.parametrize("window", [None, 20])
+@pytest.mark.parametrize("window", [None, 20, 22])
 def test_turboquant_cpu_decode_kernel_equals_the_torch_path(window):
     """One-token steps on the CPU go through the C kernel (codes read in place); the torch path gives the same."""
     from sluice.cache.turboquant import TurboQuantKVCache

@@ -29,12 +29,15 @@ class TurboQuantKVCache(KVCache):
         if head_dim < 2 or head_dim & (head_dim - 1):
             raise ValueError(f"the TurboQuant KV cache needs a power-of-two head dim, this model has {head_dim}")
         super().__init__(num_layers, batch, num_kv_heads, head_dim, capacity, window)
+        self.capacity = -(-self.capacity // 4) * 4  # slots in fours: the values interleave four positions
         self.recent = recent
         codes = (batch, num_kv_heads, self.capacity, head_dim // 2)
         scales = (batch, num_kv_heads, self.capacity)
         ring = (batch, num_kv_heads, recent, head_dim)
         z = lambda shape, dt: [torch.zeros(shape, dtype=dt, device=device) for _ in range(num_layers)]  # noqa: E731
-        self.k_codes, self.v_codes = z(codes, torch.uint8), z(codes, torch.uint8)
+        # keys [B, Hkv, cap, D/2]; values [B, Hkv, cap/4, D/2, 4] (reference.interleave)
+        self.k_codes = z(codes, torch.uint8)
+        self.v_codes = z((batch, num_kv_heads, self.capacity // 4, head_dim // 2, 4), torch.uint8)
         self.k_scale, self.v_scale = z(scales, torch.float32), z(scales, torch.float32)
         self.k_recent, self.v_recent = z(ring, dtype), z(ring, dtype)  # rotated, slot p % recent
 
@@ -61,7 +64,7 @@ class TurboQuantKVCache(KVCache):
         kq = torch.cat([tq.dequantize_rotated(self.k_codes[layer].index_select(2, old),
                                               self.k_scale[layer].index_select(2, old)),
                         tq.dequantize_rotated(kc, ks)], dim=2)
-        vq = torch.cat([tq.dequantize_rotated(self.v_codes[layer].index_select(2, old),
+        vq = torch.cat([tq.dequantize_rotated(self._value_codes(layer, old),
                                               self.v_scale[layer].index_select(2, old)),
                         tq.dequantize_rotated(vc, vs)], dim=2)
         e0 = max(first, start - self.recent + 1)
@@ -91,14 +94,19 @@ class TurboQuantKVCache(KVCache):
         # store: codes of the chunk (its last `capacity` positions), exact rotated copies of its last `recent`
         keep = len(slots)
         slots = slots.to(q.device)
-        for codes, scales, c, sc in ((self.k_codes, self.k_scale, kc, ks), (self.v_codes, self.v_scale, vc, vs)):
-            codes[layer].index_copy_(2, slots, c[:, :, T - keep:])
-            scales[layer].index_copy_(2, slots, sc[:, :, T - keep:])
+        self.k_codes[layer].index_copy_(2, slots, kc[:, :, T - keep:])
+        self.v_codes[layer][:, :, slots // 4, :, slots % 4] = vc[:, :, T - keep:].permute(2, 0, 1, 3)
+        self.k_scale[layer].index_copy_(2, slots, ks[:, :, T - keep:])
+        self.v_scale[layer].index_copy_(2, slots, vs[:, :, T - keep:])
         r = min(T, self.recent)
         ring = (torch.arange(end - r, end) % self.recent).to(q.device)
         self.k_recent[layer].index_copy_(2, ring, ke[:, :, -r:].to(self.k_recent[layer].dtype))
         self.v_recent[layer].index_copy_(2, ring, ve[:, :, -r:].to(self.v_recent[layer].dtype))
         return tq.unrotate(o).to(q.dtype)
+
+    def _value_codes(self, layer: int, slots: torch.Tensor) -> torch.Tensor:
+        """The value codes of `slots` as [B, Hkv, n, D/2] (out of their interleaved layout)."""
+        return self.v_codes[layer][:, :, slots // 4, :, slots % 4].permute(1, 2, 0, 3)
 
     def _decode(self, layer, q, k, v, start, scale):
         """One query per sequence: quantize-on-append, then the split-K kernel on the codes and the ring."""

@@ -26,12 +26,14 @@ def turboquant_decode_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_
     """A TurboQuant decode step of B sequences in one call (`cache/turboquant.py`, codec in
     `kernels/turboquant/reference.py`): quantize the new k, v [B, Hkv, D] into their slot (pos, or pos % cap when
     `ring`) and the exact ring [B, Hkv, R, D] (slot pos % R), then attend q [B, Hq, D] over positions first..pos
-    from the codes [B, Hkv, cap, D/2] and scales [B, Hkv, cap] (the R newest exact). Rotations by a fast
-    Walsh-Hadamard transform. fp32 / uint8 caches, contiguous, written in place; returns [B, Hq, D] fp32."""
+    from the key codes [B, Hkv, cap, D/2], value codes [B, Hkv, cap/4, D/2, 4] (`reference.interleave`) and scales
+    [B, Hkv, cap] (the R newest exact). Rotations by a fast Walsh-Hadamard transform. fp32 / uint8 caches,
+    contiguous, written in place; returns [B, Hq, D] fp32."""
     B, Hq, D = q.shape
     Hkv, cap = k_codes.shape[1], k_codes.shape[2]
     caches = (k_codes, k_scale, v_codes, v_scale, k_ring, v_ring)
     if (D > 512 or D & (D - 1) or Hq % Hkv or k_codes.shape[-1] != D // 2 or k_ring.dtype != torch.float32
+            or tuple(v_codes.shape) != (B, Hkv, cap // 4, D // 2, 4) or cap % 4
             or not all(t.is_contiguous() for t in caches)):
         raise ValueError(f"TurboQuant CPU decode: unsupported shapes (Hq={Hq}, Hkv={Hkv}, D={D}) or cache layout")
     q, k, v = (t.float().contiguous() for t in (q, k, v))

@@ -9,7 +9,8 @@ each one's launch and set-up overlap the end of the kernel before it.
 
 TurboQuant (QUANT): keys and values of positions p - j >= RECENT come from the 4-bit codes (byte i of a vector
 holds coordinates i and i + D/2, so the two halves of q and of the output meet the low and the high nibbles with
-no shuffling; value = level[code] * scale, the scale applied to the scores and to the probabilities rather than
+no shuffling; value codes sit four positions side by side, `reference.interleave`, as the P V product's int8
+operand wants them; value = level[code] * scale, the scale applied to the scores and to the probabilities rather than
 to every coordinate), the RECENT newest from the exact ring (slot j % RECENT); all in the rotated domain: the
 caller rotates q and rotates the output back (`cache/turboquant.py`). The codes become integer levels in
 registers by byte permutes (`_levels_asm`): no table lookups in memory, and the products run on fp16 tensor cores.
@@ -34,7 +35,8 @@ INT8_PRODUCTS = 2  # TurboQuant products on int8 tensor cores: 0 none, 1 the sco
 @triton.jit
 def _decode_split_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, kr_ptr, vr_ptr, lv_ptr, pos_ptr, op_ptr, ml_ptr,
                          scale, Hkv, cap, per_split, n_splits,
-                         stride_qb, stride_qh, stride_kb, stride_kh, stride_kt, stride_sb, stride_sh,
+                         stride_qb, stride_qh, stride_kb, stride_kh, stride_kt, stride_vb, stride_vh, stride_vt,
+                         stride_sb, stride_sh,
                          stride_rb, stride_rh, stride_rt,
                          G: tl.constexpr, BG: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
                          QUANT: tl.constexpr, RING: tl.constexpr, WINDOW: tl.constexpr, RECENT: tl.constexpr,
@@ -76,9 +78,12 @@ def _decode_split_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, kr_ptr, vr_ptr, lv
         acc_hi = tl.zeros((BG, D // 2), dtype=tl.float32)
         s_base = b.to(tl.int64) * stride_sb + h * stride_sh
         coded_stop = tl.minimum(stop, p - RECENT + 1)  # older positions: from the codes
-        for n0 in range(start, coded_stop, BLOCK_N):
+        v_base = b.to(tl.int64) * stride_vb + h * stride_vh
+        t4 = tl.arange(0, BLOCK_N // 4)
+        r4 = tl.arange(0, 4)
+        for n0 in range(start - start % 4, coded_stop, BLOCK_N):  # blocks from a multiple of 4: the value groups
             j = n0 + tl.arange(0, BLOCK_N)
-            valid = j < coded_stop
+            valid = (j >= start) & (j < coded_stop)
             slot = j % cap if RING else j
             c_off = kv_base + slot[:, None] * stride_kt + dh[None, :]
             k_codes = tl.load(k_ptr + c_off, mask=valid[:, None], other=0)
@@ -94,7 +99,13 @@ def _decode_split_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, kr_ptr, vr_ptr, lv
             v_sc = tl.load(vs_ptr + s_base + slot, mask=valid, other=0.0)
             v_max = tl.maximum(tl.max(v_sc, 0), 1e-30)
             pv = pr * (v_sc / v_max)[None, :]
-            v_codes = tl.load(v_ptr + c_off, mask=valid[:, None], other=0)
+            # the value codes [BLOCK_N / 4, D / 2, 4] (four positions of a byte column side by side, cap a multiple
+            # of 4) as [BLOCK_N, D / 2]; whole groups (a group's positions outside the split have probability 0)
+            g4 = (n0 + 4 * t4) % cap // 4 if RING else n0 // 4 + t4
+            g_ok = (n0 + 4 * t4 < coded_stop) & (n0 + 4 * t4 + 4 > start)
+            v_codes = tl.load(v_ptr + v_base + g4[:, None, None] * stride_vt + dh[None, :, None] * 4
+                              + r4[None, None, :], mask=g_ok[:, None, None], other=0)
+            v_codes = tl.reshape(tl.permute(v_codes, (0, 2, 1)), (BLOCK_N, D // 2))
             if INT8 == 2:
                 pa, pb = _int8_pair(pv)
                 v_lo, v_hi = _int8_levels(v_codes, lv_ptr, TC)
@@ -133,7 +144,8 @@ def _decode_split_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, kr_ptr, vr_ptr, lv
             s = _dot(q, tl.trans(tl.load(k_ptr + off, mask=valid[:, None], other=0.0)), TC)
             s = tl.where(valid[None, :], s * scale, float("-inf"))
             pr, alpha, m, l = _online_softmax(s, m, l)
-            acc = acc * alpha[:, None] + _dot(pr, tl.load(v_ptr + off, mask=valid[:, None], other=0.0), TC)
+            v_off = b.to(tl.int64) * stride_vb + h * stride_vh + slot[:, None] * stride_vt + d[None, :]
+            acc = acc * alpha[:, None] + _dot(pr, tl.load(v_ptr + v_off, mask=valid[:, None], other=0.0), TC)
         tl.store(op_ptr + (part * BG + g[:, None]) * D + d[None, :], acc, mask=g[:, None] < G)
     tl.store(ml_ptr + (part * 2) * BG + g, m)
     tl.store(ml_ptr + (part * 2 + 1) * BG + g, l)
@@ -340,7 +352,8 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, position
                      k_scale=None, v_scale=None, k_recent=None, v_recent=None, out_dtype=None,
                      unrotate: bool = False, num_warps: int = 4, num_stages: int = 2) -> torch.Tensor:
     """q [B, Hq, D] (one query per sequence, at positions[b]); dense k, v [B, Hkv, capacity, D], or with k_scale
-    etc. the TurboQuant layout: k, v codes [B, Hkv, capacity, D/2] uint8, k_scale, v_scale [B, Hkv, capacity]
+    etc. the TurboQuant layout: k codes [B, Hkv, capacity, D/2] uint8, v codes [B, Hkv, capacity/4, D/2, 4]
+    (`turboquant.reference.interleave`), k_scale, v_scale [B, Hkv, capacity]
     fp32, k_recent, v_recent [B, Hkv, RECENT, D] exact (rotated; the codec's levels are built in). A ring (slot =
     position % capacity) when window is set. `visible`: the most keys any query sees (a host int: sizes the
     splits without a sync). Returns [B, Hq, D] in out_dtype (default q's); with `unrotate` (TurboQuant) rotated
@@ -355,17 +368,20 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, position
         raise ValueError(f"decode attention: positions must be int [B={B}], got {positions.dtype} "
                          f"{tuple(positions.shape)}")
     if quant:
-        if k.dtype != torch.uint8 or k.shape[-1] != D // 2 or k_recent is None or D < 32:
-            raise ValueError("decode attention: TurboQuant needs uint8 codes [B, Hkv, cap, D/2] with D >= 32, "
-                             "scales and the recent ring")
+        if (k.dtype != torch.uint8 or k.shape[-1] != D // 2 or k.stride(-1) != 1 or k_recent is None or D < 32
+                or cap % 4 or v.dtype != torch.uint8 or tuple(v.shape) != (B, Hkv, cap // 4, D // 2, 4)
+                or v.stride(-1) != 1 or v.stride(-2) != 4):
+            raise ValueError("decode attention: TurboQuant needs uint8 key codes [B, Hkv, cap, D/2] and value codes "
+                             "[B, Hkv, cap/4, D/2, 4] (cap a multiple of 4) with D >= 32, scales and the recent ring")
         if k_scale.stride() != v_scale.stride() or k_recent.stride() != v_recent.stride():
             raise ValueError("decode attention: K and V tensors must share their layout")
-    elif k.shape[-1] != D:
-        raise ValueError(f"decode attention: k, v must be [B, Hkv, cap, {D}], got {tuple(k.shape)}")
+    elif k.shape[-1] != D or k.stride() != v.stride() or k.stride(-1) != 1:
+        raise ValueError(f"decode attention: k, v must be [B, Hkv, cap, {D}] with one layout and unit last strides, "
+                         f"got {tuple(k.shape)}")
     if unrotate and not quant:
         raise ValueError("decode attention: unrotate is for the TurboQuant layout")
-    if k.stride() != v.stride() or k.stride(-1) != 1 or q.stride(-1) != 1:
-        raise ValueError("decode attention: k and v must share a layout with unit last strides")
+    if q.stride(-1) != 1:
+        raise ValueError("decode attention: q needs a unit last stride")
     # positions per step (the H100 sweeps of benchmarks/attention_gpu.py): K and V tiles of D = 256 rows fill
     # shared memory; the codes are a quarter of the bytes, 128 positions a step unless splits are short (D = 128:
     # one block, 4k at batch 1: 19.3 -> 16.1 us with two of 64; benchmarks/results/attention_tq_sweep2_h100.json)
@@ -393,7 +409,7 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, position
     _decode_split_kernel[(B * Hkv, ns)](
         q, k, v, ks, vs, kr, vr, _level_table(q.device) if quant else dummy, positions, op, ml, scale, Hkv, cap,
         per_split, ns,
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2),
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
         ks.stride(0) if quant else 0, ks.stride(1) if quant else 0,
         kr.stride(0) if quant else 0, kr.stride(1) if quant else 0, kr.stride(2) if quant else 0,
         G=G, BG=BG, D=D, BLOCK_N=block_n, QUANT=quant, RING=window is not None, WINDOW=window or 0,

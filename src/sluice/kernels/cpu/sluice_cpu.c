@@ -247,26 +247,35 @@ void attn_decode(const float *qkv, const float *cos, const float *sin, float *kc
     }
 }
 
+/* Where slot s of KV head j starts in a code array: keys row by row ([cap, D/2]: byte i of slot s at s D/2 + i),
+ * values four slots interleaved ([cap/4, D/2, 4]: byte i of slot s at (s / 4) 2D + 4 i + s % 4;
+ * reference.interleave). Bytes i and i + 1 lie `tq_step(interleaved)` apart. */
+static inline int64_t tq_code_offset(int64_t j, int64_t s, int64_t cap, int64_t Dh, int interleaved) {
+    return interleaved ? j * cap * Dh + (s / 4) * 4 * Dh + s % 4 : (j * cap + s) * Dh;
+}
+
+static inline int64_t tq_step(int interleaved) { return interleaved ? 4 : 1; }
+
 /* Position x's key or value row of KV head j in the rotated domain: exact from the ring (pos - x < R) or decoded
  * from its codes (byte i: coordinate i low nibble, i + D/2 high) times its scale. */
 static const float *tq_row(const uint8_t *codes, const float *scales, const float *ring_rows, const float *levels,
                            int64_t j, int64_t x, int64_t pos, int64_t D, int64_t cap, int64_t R, int32_t ring,
-                           float *buf) {
+                           int interleaved, float *buf) {
     if (pos - x < R) return ring_rows + (j * R + x % R) * D;
-    const int64_t slot = ring ? x % cap : x, Dh = D / 2;
-    const uint8_t *c = codes + (j * cap + slot) * Dh;
+    const int64_t slot = ring ? x % cap : x, Dh = D / 2, step = tq_step(interleaved);
+    const uint8_t *c = codes + tq_code_offset(j, slot, cap, Dh, interleaved);
     const float sc = scales[j * cap + slot];
     for (int64_t i = 0; i < Dh; i++) {
-        buf[i] = levels[c[i] & 15] * sc;
-        buf[i + Dh] = levels[c[i] >> 4] * sc;
+        buf[i] = levels[c[i * step] & 15] * sc;
+        buf[i + Dh] = levels[c[i * step] >> 4] * sc;
     }
     return buf;
 }
 
 /* TurboQuant KV-cache decode attention for one sequence, in the rotated domain (kernels/turboquant/reference.py):
- * q [Hq, D] (rotated), codes [Hkv, cap, D/2], scales [Hkv, cap], the exact rings [Hkv, R, D] (position x at slot
- * x % R), levels[16]; positions first..pos at slot x (or x % cap when `ring`). Each KV head's rows are decoded
- * once for its Hq / Hkv query heads. out [Hq, D] (rotated). */
+ * q [Hq, D] (rotated), key codes [Hkv, cap, D/2], value codes [Hkv, cap/4, D/2, 4], scales [Hkv, cap], the exact
+ * rings [Hkv, R, D] (position x at slot x % R), levels[16]; positions first..pos at slot x (or x % cap when
+ * `ring`). Each KV head's rows are decoded once for its Hq / Hkv query heads. out [Hq, D] (rotated). */
 static void tq_attn_decode(const float *q, const uint8_t *kc, const float *ks, const uint8_t *vc, const float *vs,
                            const float *kr, const float *vr, const float *levels, int64_t Hq, int64_t Hkv, int64_t D,
                            int64_t cap, int64_t R, int64_t first, int64_t pos, int32_t ring, float scale,
@@ -277,7 +286,7 @@ static void tq_attn_decode(const float *q, const uint8_t *kc, const float *ks, c
         float buf[512];
         float *p = (float *)malloc(rep * S * sizeof(float));
         for (int64_t t = 0; t < S; t++) {
-            const float *k = tq_row(kc, ks, kr, levels, j, first + t, pos, D, cap, R, ring, buf);
+            const float *k = tq_row(kc, ks, kr, levels, j, first + t, pos, D, cap, R, ring, 0, buf);
             for (int64_t g = 0; g < rep; g++) p[g * S + t] = dot(q + (j * rep + g) * D, k, (int)D) * scale;
         }
         for (int64_t g = 0; g < rep; g++) {
@@ -288,7 +297,7 @@ static void tq_attn_decode(const float *q, const uint8_t *kc, const float *ks, c
             for (int64_t i = 0; i < D; i++) out[(j * rep + g) * D + i] = 0.f;
         }
         for (int64_t t = 0; t < S; t++) {
-            const float *v = tq_row(vc, vs, vr, levels, j, first + t, pos, D, cap, R, ring, buf);
+            const float *v = tq_row(vc, vs, vr, levels, j, first + t, pos, D, cap, R, ring, 1, buf);
             for (int64_t g = 0; g < rep; g++) {
                 const float w = p[g * S + t];
                 float *o = out + (j * rep + g) * D;
@@ -318,9 +327,10 @@ static void tq_rotate(const float *x, const float *signs, int64_t D, int inverse
     for (int64_t i = 0; i < D; i++) y[i] *= inverse ? inv * signs[i] : inv;
 }
 
-/* reference.quantize of one vector into its cache slot, and its rotation into the exact ring slot. */
+/* reference.quantize of one vector into its cache slot (its bytes `step` apart), and its rotation into the exact
+ * ring slot. */
 static void tq_append(const float *x, const float *signs, const float *levels, const float *bounds, int64_t D,
-                      uint8_t *codes, float *scale, float *ring_row) {
+                      uint8_t *codes, int64_t step, float *scale, float *ring_row) {
     float y[512];
     uint8_t c[512];
     tq_rotate(x, signs, D, 0, y);
@@ -336,7 +346,7 @@ static void tq_append(const float *x, const float *signs, const float *levels, c
         c[i] = (uint8_t)code;
         lsq += levels[code] * levels[code];
     }
-    for (int64_t i = 0; i < D / 2; i++) codes[i] = (uint8_t)(c[i] | (c[i + D / 2] << 4));
+    for (int64_t i = 0; i < D / 2; i++) codes[i * step] = (uint8_t)(c[i] | (c[i + D / 2] << 4));
     *scale = nrm / fmaxf(sqrtf(lsq), 1e-30f);
 }
 
@@ -349,10 +359,10 @@ static void tq_decode_step(const float *q, const float *kn, const float *vn, con
                            int64_t first, int64_t pos, int32_t ring, float scale, float *out) {
     const int64_t slot = ring ? pos % cap : pos, rslot = pos % R;
     for (int64_t j = 0; j < Hkv; j++) {
-        tq_append(kn + j * D, signs, levels, bounds, D, kc + (j * cap + slot) * (D / 2), ks + j * cap + slot,
-                  kr + (j * R + rslot) * D);
-        tq_append(vn + j * D, signs, levels, bounds, D, vc + (j * cap + slot) * (D / 2), vs + j * cap + slot,
-                  vr + (j * R + rslot) * D);
+        tq_append(kn + j * D, signs, levels, bounds, D, kc + tq_code_offset(j, slot, cap, D / 2, 0), tq_step(0),
+                  ks + j * cap + slot, kr + (j * R + rslot) * D);
+        tq_append(vn + j * D, signs, levels, bounds, D, vc + tq_code_offset(j, slot, cap, D / 2, 1), tq_step(1),
+                  vs + j * cap + slot, vr + (j * R + rslot) * D);
     }
     float *qr = (float *)malloc(2 * Hq * D * sizeof(float)), *orot = qr + Hq * D;
     for (int64_t h = 0; h < Hq; h++) tq_rotate(q + h * D, signs, D, 0, qr + h * D);

@@ -5,7 +5,8 @@ matrix, s fixed pseudo-random signs: a randomised Hadamard transform, orthonorma
 y / |x| are close to N(0, 1/d) whatever x was. Each coordinate of sqrt(d) y / |x| is then replaced by the
 nearest of the 16 Lloyd-Max levels c[0..15] for N(0, 1) (rounded to an int8 grid, below) and stored as a 4-bit
 code, two per byte: byte i holds coordinate i (low nibble) and coordinate i + d/2 (high nibble), so a kernel meets
-each half of the vector in one nibble without shuffling coordinates. One fp32 scale per vector, |x| / |c[codes]|, makes the reconstruction
+each half of the vector in one nibble without shuffling coordinates (a value cache interleaves four positions:
+`interleave`). One fp32 scale per vector, |x| / |c[codes]|, makes the reconstruction
 
     y_hat = scale * c[codes]        (in the rotated domain; x_hat = R^T y_hat)
 
@@ -137,6 +138,20 @@ def pack(codes: torch.Tensor) -> torch.Tensor:
 def unpack(packed: torch.Tensor) -> torch.Tensor:
     """[..., d/2] uint8 -> [..., d] codes (int64)."""
     return torch.cat([(packed & 0xF).long(), (packed >> 4).long()], dim=-1)
+
+
+def interleave(packed: torch.Tensor) -> torch.Tensor:
+    """Packed codes of positions [..., n, d/2] (n a multiple of 4) -> [..., n/4, d/2, 4]: the value cache's layout,
+    four positions of each byte column side by side (the decode kernel's P V product sums over positions, and its
+    int8 tensor cores take four consecutive positions per register)."""
+    *lead, n, h = packed.shape
+    return packed.reshape(*lead, n // 4, 4, h).transpose(-1, -2).contiguous()
+
+
+def deinterleave(codes: torch.Tensor) -> torch.Tensor:
+    """The inverse of interleave: [..., n/4, d/2, 4] -> [..., n, d/2]."""
+    *lead, g, h, four = codes.shape
+    return codes.transpose(-1, -2).reshape(*lead, 4 * g, h)
 
 
 def quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

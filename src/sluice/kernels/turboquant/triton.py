@@ -2,11 +2,12 @@
 `decode_step_prep`), checked against `reference.quantize`; `rotate` for either direction (the decode kernel's
 merge rotates its output back itself).
 
-Program: up to 16 vectors (sequence, KV head) of the new position (as many as there are, to 16). y = (x * signs) @ H / sqrt(d) (H the +-1
-Sylvester Hadamard matrix, never stored: H_d = H_A (x) H_16, two small fp32 products in registers); the code of
-each coordinate of sqrt(d) y / |y| by 15 compares against the cell boundaries; scale = |x| / |levels[codes]|;
-codes packed two per byte (byte i: coordinate i low, i + d/2 high) into the cache slot, the scale beside them,
-and the exact rotated vector into the recent ring.
+Program: up to 16 vectors (sequence, KV head) of the new position, as many as there are. y = (x * signs) H /
+sqrt(d) (H the +-1 Sylvester Hadamard matrix, never stored: H_d = H_A (x) H_16, two small fp32 products in
+registers); the code of each coordinate of sqrt(d) y / |y| by 15 compares against the cell boundaries; scale =
+|x| / |levels[codes]|; codes packed two per byte (byte i: coordinate i low, i + d/2 high) into the cache slot
+(values: four positions interleaved, reference.interleave), the scale beside them, and the exact rotated vector
+into the recent ring.
 """
 
 from __future__ import annotations
@@ -22,19 +23,21 @@ from sluice.kernels.turboquant import reference
 @triton.jit
 def _append_kernel(k_ptr, v_ptr, q_ptr, qr_ptr, sign_ptr, lv_ptr, bd_ptr, kc_ptr, vc_ptr, ks_ptr, vs_ptr,
                    kr_ptr, vr_ptr, n_rows, n_q_rows, Hkv, slot, rslot, stride_xr, stride_qr,
-                   stride_cb, stride_ch, stride_ct, stride_sb, stride_sh, stride_rb, stride_rh, stride_rt,
-                   D: tl.constexpr, ROWS: tl.constexpr):
+                   stride_kcb, stride_kch, stride_kct, stride_vcb, stride_vch, stride_vct,
+                   stride_sb, stride_sh, stride_rb, stride_rh, stride_rt,
+                   D: tl.constexpr, ROWS: tl.constexpr, K_LANES: tl.constexpr, V_LANES: tl.constexpr):
     """Job program_id(1): 0 appends the new keys (rows of k), 1 the new values, 2 rotates the queries into qr
-    (fp32): a decode step's three small jobs in one launch, ROWS vectors per program."""
+    (fp32): a decode step's three small jobs in one launch, ROWS vectors per program. LANES: positions interleaved
+    in the code array (1: row by row; 4: reference.interleave)."""
     job = tl.program_id(1)
     if job == 0:
         _append_rows(k_ptr, sign_ptr, lv_ptr, bd_ptr, kc_ptr, ks_ptr, kr_ptr, n_rows, Hkv, slot, rslot,
-                     stride_xr, stride_cb, stride_ch, stride_ct, stride_sb, stride_sh, stride_rb, stride_rh,
-                     stride_rt, D, ROWS)
+                     stride_xr, stride_kcb, stride_kch, stride_kct, stride_sb, stride_sh, stride_rb, stride_rh,
+                     stride_rt, D, ROWS, K_LANES)
     elif job == 1:
         _append_rows(v_ptr, sign_ptr, lv_ptr, bd_ptr, vc_ptr, vs_ptr, vr_ptr, n_rows, Hkv, slot, rslot,
-                     stride_xr, stride_cb, stride_ch, stride_ct, stride_sb, stride_sh, stride_rb, stride_rh,
-                     stride_rt, D, ROWS)
+                     stride_xr, stride_vcb, stride_vch, stride_vct, stride_sb, stride_sh, stride_rb, stride_rh,
+                     stride_rt, D, ROWS, V_LANES)
     else:
         _rotate_rows(q_ptr, qr_ptr, sign_ptr, n_q_rows, stride_qr, D, False, ROWS)
 
@@ -42,7 +45,7 @@ def _append_kernel(k_ptr, v_ptr, q_ptr, qr_ptr, sign_ptr, lv_ptr, bd_ptr, kc_ptr
 @triton.jit
 def _append_rows(x_ptr, sign_ptr, lv_ptr, bd_ptr, codes_ptr, scale_ptr, ring_ptr, n_rows, Hkv, slot, rslot,
                  stride_xr, stride_cb, stride_ch, stride_ct, stride_sb, stride_sh, stride_rb, stride_rh, stride_rt,
-                 D: tl.constexpr, ROWS: tl.constexpr):
+                 D: tl.constexpr, ROWS: tl.constexpr, LANES: tl.constexpr):
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     ok = rows < n_rows
     d = tl.arange(0, D)
@@ -58,7 +61,8 @@ def _append_rows(x_ptr, sign_ptr, lv_ptr, bd_ptr, codes_ptr, scale_ptr, ring_ptr
     scale = norm / tl.maximum(tl.sqrt(tl.sum(lv_lo * lv_lo, axis=1) + tl.sum(lv_hi * lv_hi, axis=1)), 1e-30)
     b = rows // Hkv
     hh = rows % Hkv
-    tl.store(codes_ptr + b[:, None].to(tl.int64) * stride_cb + hh[:, None] * stride_ch + slot * stride_ct + dh[None, :],
+    c_off = (slot // LANES) * stride_ct + dh[None, :] * LANES + slot % LANES
+    tl.store(codes_ptr + b[:, None].to(tl.int64) * stride_cb + hh[:, None] * stride_ch + c_off,
              (c_lo | (c_hi << 4)).to(tl.uint8), mask=ok[:, None])
     tl.store(scale_ptr + b.to(tl.int64) * stride_sb + hh * stride_sh + slot, scale, mask=ok)
     ring = ring_ptr + b[:, None].to(tl.int64) * stride_rb + hh[:, None] * stride_rh + rslot * stride_rt + dh[None, :]
@@ -173,15 +177,17 @@ def rotate(x: torch.Tensor, inverse: bool = False, num_warps: int | None = None)
 
 def quantize_append(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, ring: torch.Tensor, slot: int,
                     ring_slot: int) -> None:
-    """x [B, Hkv, D] (the new position's keys or values) -> codes[:, :, slot] (uint8 [B, Hkv, cap, D/2]),
-    scales[:, :, slot] (fp32 [B, Hkv, cap]) and ring[:, :, ring_slot] (the rotated x, [B, Hkv, R, D])."""
+    """x [B, Hkv, D] (the new position's keys or values) -> its codes at `slot` (uint8 [B, Hkv, cap, D/2], or
+    interleaved [B, Hkv, cap/4, D/2, 4] as values are: reference.interleave), scales[:, :, slot] (fp32 [B, Hkv,
+    cap]) and ring[:, :, ring_slot] (the rotated x, [B, Hkv, R, D])."""
     _launch_append(x, x, None, codes, codes, scales, scales, ring, ring, slot, ring_slot, None, jobs=1)
 
 
 def decode_step_prep(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_codes, v_codes, k_scale, v_scale, k_ring,
                      v_ring, slot: int, ring_slot: int, num_warps: int | None = None) -> torch.Tensor:
     """One launch for a decode step's TurboQuant bookkeeping: append the new k and v [B, Hkv, D] (as
-    quantize_append does) and return the rotated queries q [B, Hq, D] (fp32, as `rotate`)."""
+    quantize_append does; key codes row by row, value codes interleaved) and return the rotated queries q [B, Hq,
+    D] (fp32, as `rotate`)."""
     qr = torch.empty(q.shape, dtype=torch.float32, device=q.device)
     _launch_append(k, v, q, k_codes, v_codes, k_scale, v_scale, k_ring, v_ring, slot, ring_slot, qr, 3, num_warps)
     return qr
@@ -195,11 +201,12 @@ def _warps(D: int) -> int:
 
 def _launch_append(k, v, q, k_codes, v_codes, k_scale, v_scale, k_ring, v_ring, slot, ring_slot, qr, jobs,
                    num_warps=None):
-    """`_append_kernel`'s jobs 0 .. jobs-1 (K, V, q); K and V tensors share their layouts."""
+    """`_append_kernel`'s jobs 0 .. jobs-1 (K, V, q); K and V scales and rings share their layouts."""
     B, Hkv, D = k.shape
-    if D & (D - 1) or D < 16 or D > 256 or k_codes.shape[-1] != D // 2 or k_codes.dtype != torch.uint8:
-        raise ValueError(f"quantize_append: D = {D} must be a power of two in 16..256 and codes uint8 [..., D/2]")
-    for a, b in ((k_codes, v_codes), (k_scale, v_scale), (k_ring, v_ring)):
+    if D & (D - 1) or D < 16 or D > 256:
+        raise ValueError(f"quantize_append: D = {D} must be a power of two in 16..256")
+    (k_strides, k_lanes), (v_strides, v_lanes) = _code_layout(k_codes, D), _code_layout(v_codes, D)
+    for a, b in ((k_scale, v_scale), (k_ring, v_ring)):
         if a.stride(-1) != 1 or b.stride() != a.stride():
             raise ValueError("quantize_append: cache tensors need a unit last stride and K, V the same layout")
     kr, vr = k.reshape(-1, D).contiguous(), v.reshape(-1, D).contiguous()
@@ -212,6 +219,17 @@ def _launch_append(k, v, q, k_codes, v_codes, k_scale, v_scale, k_ring, v_ring, 
     _append_kernel[grid](
         kr, vr, qrows, qr if qr is not None else kr, signs, levels, bounds, k_codes, v_codes, k_scale,
         v_scale, k_ring, v_ring, kr.shape[0], qrows.shape[0], Hkv, slot, ring_slot, kr.stride(0), qrows.stride(0),
-        k_codes.stride(0), k_codes.stride(1), k_codes.stride(2), k_scale.stride(0), k_scale.stride(1),
-        k_ring.stride(0), k_ring.stride(1), k_ring.stride(2),
-        D=D, ROWS=rows, num_warps=num_warps or _warps(D))
+        *k_strides, *v_strides, k_scale.stride(0), k_scale.stride(1), k_ring.stride(0), k_ring.stride(1),
+        k_ring.stride(2), D=D, ROWS=rows, K_LANES=k_lanes, V_LANES=v_lanes, num_warps=num_warps or _warps(D))
+
+
+def _code_layout(codes: torch.Tensor, D: int) -> tuple[tuple[int, int, int], int]:
+    """((batch, head, slot-group strides), positions interleaved) of a code array: [B, Hkv, cap, D/2] (1) or
+    [B, Hkv, cap/4, D/2, 4] (4, reference.interleave)."""
+    lanes = 4 if codes.dim() == 5 else 1
+    if (codes.dtype != torch.uint8 or codes.dim() not in (4, 5) or codes.shape[3 if lanes == 4 else -1] != D // 2
+            or (lanes == 4 and (codes.shape[-1] != 4 or codes.stride(-1) != 1 or codes.stride(-2) != 4))
+            or codes.stride(-1) != 1):
+        raise ValueError(f"TurboQuant codes must be uint8 [B, Hkv, cap, {D // 2}] or [B, Hkv, cap/4, {D // 2}, 4] "
+                         f"with unit innermost strides, got {codes.dtype} {tuple(codes.shape)}")
+    return (codes.stride(0), codes.stride(1), codes.stride(2)), lanes
