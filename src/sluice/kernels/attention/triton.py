@@ -80,7 +80,6 @@ def _decode_split_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, kr_ptr, vr_ptr, lv
         coded_stop = tl.minimum(stop, p - RECENT + 1)  # older positions: from the codes
         v_base = b.to(tl.int64) * stride_vb + h * stride_vh
         t4 = tl.arange(0, BLOCK_N // 4)
-        r4 = tl.arange(0, 4)
         for n0 in range(start - start % 4, coded_stop, BLOCK_N):  # blocks from a multiple of 4: the value groups
             j = n0 + tl.arange(0, BLOCK_N)
             valid = (j >= start) & (j < coded_stop)
@@ -103,9 +102,10 @@ def _decode_split_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, kr_ptr, vr_ptr, lv
             # of 4) as [BLOCK_N, D / 2]; whole groups (a group's positions outside the split have probability 0)
             g4 = (n0 + 4 * t4) % cap // 4 if RING else n0 // 4 + t4
             g_ok = (n0 + 4 * t4 < coded_stop) & (n0 + 4 * t4 + 4 > start)
-            v_codes = tl.load(v_ptr + v_base + g4[:, None, None] * stride_vt + dh[None, :, None] * 4
-                              + r4[None, None, :], mask=g_ok[:, None, None], other=0)
-            v_codes = tl.reshape(tl.permute(v_codes, (0, 2, 1)), (BLOCK_N, D // 2))
+            v_codes = tl.load(v_ptr + v_base + g4[:, None] * stride_vt + tl.arange(0, 2 * D)[None, :],
+                              mask=g_ok[:, None], other=0)  # a group's 2D bytes at once: 16-byte loads
+            v_codes = tl.reshape(tl.permute(tl.reshape(v_codes, (BLOCK_N // 4, D // 2, 4)), (0, 2, 1)),
+                                 (BLOCK_N, D // 2))
             if INT8 == 2:
                 pa, pb = _int8_pair(pv)
                 v_lo, v_hi = _int8_levels(v_codes, lv_ptr, TC)
