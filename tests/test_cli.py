@@ -4,6 +4,8 @@ import json
 import subprocess
 import sys
 
+import torch
+
 from helpers import save_hf_dir, tiny_llama
 from sluice.cli import main
 
@@ -47,9 +49,10 @@ def test_bench_and_kv_cache_option(tmp_path, capsys):
     rows = json.loads(capsys.readouterr().out)
     assert [r["kv_cache"] for r in rows] == ["dense", "turboquant4"]
     assert all(r["prefill_tok_s"] > 0 and r["decode_tok_s"] > 0 for r in rows)
-    assert rows[0]["kv_cache_bytes_per_token_layer"] == 2 * 2 * 16 * 4
+    size = torch.tensor([], dtype=getattr(torch, rows[0]["dtype"])).element_size()  # fp32 on a CPU, bf16 on a GPU
+    assert rows[0]["kv_cache_bytes_per_token_layer"] == 2 * 2 * 16 * size
     assert rows[1]["kv_cache_bytes_per_token_layer"] == 2 * 2 * 12
-    assert rows[0]["kv_cache_fixed_bytes"] == 0 and rows[1]["kv_cache_fixed_bytes"] == 2 * 2 * 64 * 2 * 16 * 4
+    assert rows[0]["kv_cache_fixed_bytes"] == 0 and rows[1]["kv_cache_fixed_bytes"] == 2 * 2 * 64 * 2 * 16 * size
     assert main(["bench", "--model", str(d), "--prompt-tokens", "0"]) == 2
     assert main(["info", str(d), "--kv-cache", "turboquant4"]) == 0
     assert "turboquant4; 48 B per token in each of 2 attention layers" in capsys.readouterr().out
