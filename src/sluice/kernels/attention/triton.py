@@ -179,30 +179,36 @@ def _dot16(a, b, TC: tl.constexpr):
     return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
 
 
-def _levels_asm() -> str:
-    """PTX that decodes 4 code bytes (8 nibbles, $4) into the integer levels of the low and of the high nibbles,
-    two fp16 pairs each ($0, $1 and $2, $3). A byte permute (prmt) picks bytes from an 8-byte table by 3-bit
-    selectors: levels 0-7 and 8-15 are looked up separately and a third prmt keeps, per nibble, the one its bit
-    3 names. Each level is stored as the byte level + 128; placed under the fp16 exponent byte 0x64 it reads
-    1024 + byte exactly, and subtracting 1152 leaves the level."""
-    u = [x + 128 for x in reference.int_levels()]
-    t = [f"{int.from_bytes(bytes(u[4 * w:4 * w + 4]), 'little'):#010x}" for w in range(4)]
-    return f"""{{
-    .reg .b32 q, qh, a, b, s, v0, v1, k64, off;
-    mov.b32 k64, 0x64646464;
-    mov.b32 off, 0x64806480;
-    and.b32 q, $4, 0x77777777;
+def _lookup_ptx(src: str, table: list[int]) -> str:
+    """PTX lines that look up the 8 nibbles of the 32-bit `src` in a 16-byte table: v0 gets the bytes of nibbles
+    0-3, v1 those of nibbles 4-7 (in nibble order: low, high nibble of one byte, then the next byte's). A byte
+    permute (prmt) picks bytes from an 8-byte table by 3-bit selectors: entries 0-7 and 8-15 are looked up
+    separately and a third prmt keeps, per nibble, the one its bit 3 names. Registers q, qh, a, b, s."""
+    t = [f"{int.from_bytes(bytes(table[4 * w:4 * w + 4]), 'little'):#010x}" for w in range(4)]
+    return f"""and.b32 q, {src}, 0x77777777;
     shr.b32 qh, q, 16;
     prmt.b32 a, {t[0]}, {t[1]}, q;
     prmt.b32 b, {t[2]}, {t[3]}, q;
-    shr.b32 s, $4, 1;
+    shr.b32 s, {src}, 1;
     lop3.b32 s, s, 0x4444, 0x3210, 0xea;
     prmt.b32 v0, a, b, s;
     prmt.b32 a, {t[0]}, {t[1]}, qh;
     prmt.b32 b, {t[2]}, {t[3]}, qh;
-    shr.b32 s, $4, 17;
+    shr.b32 s, {src}, 17;
     lop3.b32 s, s, 0x4444, 0x3210, 0xea;
-    prmt.b32 v1, a, b, s;
+    prmt.b32 v1, a, b, s;"""
+
+
+def _levels_asm() -> str:
+    """PTX that decodes 4 code bytes (8 nibbles, $4) into the integer levels of the low and of the high nibbles,
+    two fp16 pairs each ($0, $1 and $2, $3), by `_lookup_ptx`. Each level is stored as the byte level + 128;
+    placed under the fp16 exponent byte 0x64 it reads 1024 + byte exactly, and subtracting 1152 leaves the
+    level."""
+    return f"""{{
+    .reg .b32 q, qh, a, b, s, v0, v1, k64, off;
+    mov.b32 k64, 0x64646464;
+    mov.b32 off, 0x64806480;
+    {_lookup_ptx("$4", [x + 128 for x in reference.int_levels()])}
     prmt.b32 $0, v0, k64, 0x4240;
     prmt.b32 $1, v1, k64, 0x4240;
     prmt.b32 $2, v0, k64, 0x4341;
@@ -216,24 +222,11 @@ def _levels_asm() -> str:
 
 def _int8_levels_asm() -> str:
     """PTX that decodes 4 code bytes ($2) into the int8 levels of the low nibbles ($0) and of the high nibbles
-    ($1), byte i of each from code byte i: the table lookups of _levels_asm (levels as two's complement bytes),
-    then two permutes that gather the low-nibble and the high-nibble levels."""
-    u = [x & 0xFF for x in reference.int_levels()]
-    t = [f"{int.from_bytes(bytes(u[4 * w:4 * w + 4]), 'little'):#010x}" for w in range(4)]
+    ($1), byte i of each from code byte i: `_lookup_ptx` on the levels as two's complement bytes, then two
+    permutes that gather the low-nibble and the high-nibble levels."""
     return f"""{{
     .reg .b32 q, qh, a, b, s, v0, v1;
-    and.b32 q, $2, 0x77777777;
-    shr.b32 qh, q, 16;
-    prmt.b32 a, {t[0]}, {t[1]}, q;
-    prmt.b32 b, {t[2]}, {t[3]}, q;
-    shr.b32 s, $2, 1;
-    lop3.b32 s, s, 0x4444, 0x3210, 0xea;
-    prmt.b32 v0, a, b, s;
-    prmt.b32 a, {t[0]}, {t[1]}, qh;
-    prmt.b32 b, {t[2]}, {t[3]}, qh;
-    shr.b32 s, $2, 17;
-    lop3.b32 s, s, 0x4444, 0x3210, 0xea;
-    prmt.b32 v1, a, b, s;
+    {_lookup_ptx("$2", [x & 0xFF for x in reference.int_levels()])}
     prmt.b32 $0, v0, v1, 0x6420;
     prmt.b32 $1, v0, v1, 0x7531;
     }}"""
