@@ -163,7 +163,7 @@ def time_case(res, copy_bw, name, Hq, Hkv, D, S, B):
 
 SWEEP_DENSE = [dict(block_n=bn, num_warps=w, num_stages=st) for bn in (32, 64, 128) for w in (4, 8)
                for st in (2, 3, 4)]
-SWEEP_TQ = [dict(block_n=bn, num_warps=w, num_stages=2) for bn in (64, 128) for w in (4, 8)]
+SWEEP_TQ = [dict(block_n=bn, num_warps=w, num_stages=st) for bn in (64, 128) for w in (4, 8) for st in (2, 3)]
 SWEEP_TQ_INT8 = (2,)  # the product variants the sweep times (1 and 2 compared in the 2026-11-25 runs)
 
 
