@@ -100,7 +100,8 @@ def check(res):
         kc, ks = tq.quantize(x)
         vc, vs = tq.quantize(y)
         ring = lambda t: tq.rotate(t[:, :, S - RECENT:]).roll(S % RECENT, dims=2)  # noqa: E731  slot j % RECENT
-        qc = dict(k=kc, v=tq.interleave(vc), k_scale=ks, v_scale=vs, k_recent=ring(x).to(BF16), v_recent=ring(y).to(BF16))
+        qc = dict(k=kc, v=tq.interleave(vc), k_scale=ks, v_scale=vs, k_recent=ring(x).to(BF16),
+                  v_recent=ring(y).to(BF16))
         kk = torch.cat([tq.dequantize(kc, ks)[:, :, :S - RECENT], x[:, :, S - RECENT:]], 2)
         vv = torch.cat([tq.dequantize(vc, vs)[:, :, :S - RECENT], y[:, :, S - RECENT:]], 2)
         p = torch.softmax((q.float()[:, :, None] * kk.repeat_interleave(Hq // Hkv, 1)).sum(-1) * scale, -1)
