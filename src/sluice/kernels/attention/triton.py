@@ -343,7 +343,7 @@ def num_splits(batch_heads: int, visible: int, device, block_n: int = 64, min_pe
 def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, scale: float,
                      visible: int, window: int | None = None, splits: int | None = None, block_n: int | None = None,
                      k_scale=None, v_scale=None, k_recent=None, v_recent=None, out_dtype=None,
-                     unrotate: bool = False, num_warps: int = 4, num_stages: int = 2) -> torch.Tensor:
+                     unrotate: bool = False, num_warps: int = 4, num_stages: int | None = None) -> torch.Tensor:
     """q [B, Hq, D] (one query per sequence, at positions[b]); dense k, v [B, Hkv, capacity, D], or with k_scale
     etc. the TurboQuant layout: k codes [B, Hkv, capacity, D/2] uint8, v codes [B, Hkv, capacity/4, D/2, 4]
     (`turboquant.reference.interleave`), k_scale, v_scale [B, Hkv, capacity]
@@ -383,9 +383,13 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, position
         ns = splits or num_splits(B * Hkv, visible, q.device, block_n or 64, per_sm=3 if D <= 128 else 2,
                                   one_wave=True)
         block_n = block_n or (128 if triton.cdiv(visible, ns) >= (256 if D <= 128 else 2048) else 64)
+        # long splits stream: a third block in flight (batch 16, 32k, D = 256: 190 -> 176 us; short ones lose;
+        # benchmarks/results/attention_tq_sweep3_h100.json)
+        num_stages = num_stages or (3 if triton.cdiv(visible, ns) >= 2048 else 2)
     else:
         block_n = block_n or (64 if D <= 128 else 32)
         ns = splits or num_splits(B * Hkv, visible, q.device, block_n)
+        num_stages = num_stages or 2
     # int8 tensor cores take 32 values along the summed dim: the scores need D / 2 >= 32, P V block_n >= 32
     int8 = 0 if not quant or D < 64 else min(INT8_PRODUCTS, 2 if block_n >= 32 else 1)
     per_split = triton.cdiv(visible, ns)
