@@ -81,43 +81,55 @@ def sdpa(q, c, scale):
     return F.scaled_dot_product_attention(q[:, :, None], c["k"], c["v"], scale=scale, enable_gqa=True)[:, :, 0]
 
 
+def _attention_fp32(q, k, v, scale):
+    """q [B, Hq, D], k, v [B, Hkv, S, D]: fp32 softmax attention, GQA by grouping q (no repeated K, V)."""
+    B, Hq, D = q.shape
+    Hkv = k.shape[1]
+    qg = q.float().reshape(B, Hkv, Hq // Hkv, D)
+    p = torch.softmax(qg @ k.float().transpose(-1, -2) * scale, -1)
+    return (p @ v.float()).reshape(B, Hq, D)
+
+
 def check(res):
-    """Real shapes, 4k context: ours (bf16 cache) vs fp32 attention; TurboQuant vs attention over the
-    dequantized cache with the recent positions exact."""
+    """Real shapes, 4k context at batch 2 and 32k at batch 16 (the long-split launch): ours (bf16 cache) vs fp32
+    attention; TurboQuant vs attention over the dequantized cache with the recent positions exact."""
+    import sluice.kernels.attention.triton as at
+
     g = torch.Generator(device="cuda").manual_seed(0)
     for name, (Hq, Hkv, D) in SHAPES.items():
-        B, S = 2, 4096
-        q = torch.randn(B, Hq, D, device="cuda", generator=g, dtype=BF16)
-        pos = torch.full((B,), S - 1, dtype=torch.int32, device="cuda")
-        scale = D ** -0.5
-        c = make_cache(B, Hkv, S, D, False, g)
-        ref = torch.softmax((q.float()[:, :, None] * c["k"].float().repeat_interleave(Hq // Hkv, 1)).sum(-1)
-                            * scale, -1)
-        ref = (ref[..., None] * c["v"].float().repeat_interleave(Hq // Hkv, 1)).sum(2)
-        row = {"case": name, "dense_rel": float((ours(q, c, pos, scale, S, False).float() - ref).norm() / ref.norm())}
-        x = torch.randn(B, Hkv, S, D, device="cuda", generator=g)
-        y = torch.randn(B, Hkv, S, D, device="cuda", generator=g)
-        kc, ks = tq.quantize(x)
-        vc, vs = tq.quantize(y)
-        ring = lambda t: tq.rotate(t[:, :, S - RECENT:]).roll(S % RECENT, dims=2)  # noqa: E731  slot j % RECENT
-        qc = dict(k=kc, v=tq.interleave(vc), k_scale=ks, v_scale=vs, k_recent=ring(x).to(BF16),
-                  v_recent=ring(y).to(BF16))
-        kk = torch.cat([tq.dequantize(kc, ks)[:, :, :S - RECENT], x[:, :, S - RECENT:]], 2)
-        vv = torch.cat([tq.dequantize(vc, vs)[:, :, :S - RECENT], y[:, :, S - RECENT:]], 2)
-        p = torch.softmax((q.float()[:, :, None] * kk.repeat_interleave(Hq // Hkv, 1)).sum(-1) * scale, -1)
-        ref = (p[..., None] * vv.repeat_interleave(Hq // Hkv, 1)).sum(2)
-        row["turboquant_rel"] = float((ours(q, qc, pos, scale, S, True).float() - ref).norm() / ref.norm())
-        import sluice.kernels.attention.triton as at
-
-        default_int8 = at.INT8_PRODUCTS
-        for int8 in (0, 1, 2):  # the product variants (the sweep times them)
-            at.INT8_PRODUCTS = int8
-            row[f"turboquant_rel_int8_{int8}"] = float((ours(q, qc, pos, scale, S, True).float() - ref).norm()
-                                                       / ref.norm())
-        at.INT8_PRODUCTS = default_int8
-        row["ok"] = row["dense_rel"] < 1e-2 and row["turboquant_rel"] < 1e-2
-        res["correctness"].append(row)
-        print(f"check {row}", flush=True)
+        for B, S in ((2, 4096), (16, 32768)):
+            q = torch.randn(B, Hq, D, device="cuda", generator=g, dtype=BF16)
+            pos = torch.full((B,), S - 1, dtype=torch.int32, device="cuda")
+            scale = D ** -0.5
+            c = make_cache(B, Hkv, S, D, False, g)
+            ref = _attention_fp32(q, c["k"], c["v"], scale)
+            row = {"case": name, "batch": B, "context": S,
+                   "dense_rel": float((ours(q, c, pos, scale, S, False).float() - ref).norm() / ref.norm())}
+            del c
+            x = torch.randn(B, Hkv, S, D, device="cuda", generator=g)
+            y = torch.randn(B, Hkv, S, D, device="cuda", generator=g)
+            kc, ks = tq.quantize(x)
+            vc, vs = tq.quantize(y)
+            ring = lambda t: tq.rotate(t[:, :, S - RECENT:]).roll(S % RECENT, dims=2)  # noqa: E731  slot j % RECENT
+            qc = dict(k=kc, v=tq.interleave(vc), k_scale=ks, v_scale=vs, k_recent=ring(x).to(BF16),
+                      v_recent=ring(y).to(BF16))
+            kk = torch.cat([tq.dequantize(kc, ks)[:, :, :S - RECENT], x[:, :, S - RECENT:]], 2)
+            vv = torch.cat([tq.dequantize(vc, vs)[:, :, :S - RECENT], y[:, :, S - RECENT:]], 2)
+            del x, y
+            ref = _attention_fp32(q, kk, vv, scale)
+            del kk, vv
+            row["turboquant_rel"] = float((ours(q, qc, pos, scale, S, True).float() - ref).norm() / ref.norm())
+            default_int8 = at.INT8_PRODUCTS
+            for int8 in (0, 1, 2):  # the product variants (the sweep times them)
+                at.INT8_PRODUCTS = int8
+                row[f"turboquant_rel_int8_{int8}"] = float((ours(q, qc, pos, scale, S, True).float() - ref).norm()
+                                                           / ref.norm())
+            at.INT8_PRODUCTS = default_int8
+            row["ok"] = row["dense_rel"] < 1e-2 and row["turboquant_rel"] < 1e-2
+            res["correctness"].append(row)
+            print(f"check {row}", flush=True)
+            del qc
+            torch.cuda.empty_cache()
 
 
 def time_case(res, copy_bw, name, Hq, Hkv, D, S, B):
