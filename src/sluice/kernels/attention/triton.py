@@ -10,10 +10,12 @@ each one's launch and set-up overlap the end of the kernel before it.
 TurboQuant (QUANT): keys and values of positions p - j >= RECENT come from the 4-bit codes (byte i of a vector
 holds coordinates i and i + D/2, so the two halves of q and of the output meet the low and the high nibbles with
 no shuffling; value codes sit four positions side by side, `reference.interleave`, as the P V product's int8
-operand wants them; value = level[code] * scale, the scale applied to the scores and to the probabilities rather than
-to every coordinate), the RECENT newest from the exact ring (slot j % RECENT); all in the rotated domain: the
-caller rotates q and rotates the output back (`cache/turboquant.py`). The codes become integer levels in
-registers by byte permutes (`_levels_asm`): no table lookups in memory, and the products run on fp16 tensor cores.
+operand wants them; value = level[code] * scale, the scale applied to the scores and to the probabilities
+rather than to every coordinate), the RECENT newest from the exact ring (slot j % RECENT); all in the rotated
+domain: the caller rotates q (`turboquant.triton.decode_step_prep`), the merge kernel rotates the output back
+(`unrotate`). The codes become integer levels in registers by byte permutes (`_lookup_ptx`): no table lookups in
+memory. The products run on int8 tensor cores (`INT8_PRODUCTS`: q and the probabilities as int8 pairs 128 a + b,
+exact int32 sums), on fp16 ones where the int8 shapes do not fit.
 """
 
 from __future__ import annotations
