@@ -55,11 +55,12 @@ def cache_bytes(c):
     return sum(t.numel() * t.element_size() for t in c.values())
 
 
-def ours(q, c, pos, scale, S, quant, splits=None, **launch):
+def ours(q, c, pos, scale, S, quant, splits=None, rotated=False, **launch):
+    """Our kernel; TurboQuant: q rotated first (a launch) unless `rotated`, the output rotated back by the merge."""
     if not quant:
         return decode_attention(q, c["k"], c["v"], pos, scale, S, splits=splits, **launch)
-    return decode_attention(rotate(q) if q.dtype != torch.float32 else q, c["k"], c["v"], pos, scale, S,
-                            splits=splits, k_scale=c["k_scale"], v_scale=c["v_scale"], k_recent=c["k_recent"],
+    return decode_attention(q if rotated else rotate(q), c["k"], c["v"], pos, scale, S, splits=splits,
+                            k_scale=c["k_scale"], v_scale=c["v_scale"], k_recent=c["k_recent"],
                             v_recent=c["v_recent"], unrotate=True, out_dtype=BF16, **launch)
 
 
@@ -152,7 +153,7 @@ def time_case(res, copy_bw, name, Hq, Hkv, D, S, B):
                                               for c in caches]) * 1e6
         if quant:  # the kernel alone: q already rotated (a decode step rotates it in the append launch)
             qr = rotate(q)
-            row["kernel_turboquant4_us"] = graph_time([lambda c=c: ours(qr, c, pos, scale, S, quant)
+            row["kernel_turboquant4_us"] = graph_time([lambda c=c: ours(qr, c, pos, scale, S, quant, rotated=True)
                                                        for c in caches]) * 1e6
         else:
             try:
@@ -208,8 +209,8 @@ def sweep(res, copy_bw, dense=True):
                         at.INT8_PRODUCTS = int8
                     for launch, ns in runs:
                         try:
-                            t = graph_time([lambda c=c: ours(qq, c, pos, D ** -0.5, S, quant, ns, **launch)
-                                            for c in caches]) * 1e6
+                            t = graph_time([lambda c=c: ours(qq, c, pos, D ** -0.5, S, quant, ns, rotated=quant,
+                                                             **launch) for c in caches]) * 1e6
                         except Exception as e:  # noqa: BLE001 - a launch that does not fit is reported
                             res["errors"].append(f"sweep {name} B={B} {launch} splits={ns} int8={int8}: "
                                                  f"{type(e).__name__}: {e}")

@@ -131,6 +131,21 @@ def test_bad_shapes_raise():
         at.decode_attention(q, k[:, :2], k[:, :2], torch.tensor([0.0], device=DEVICE), 1.0, visible=1)
 
 
+def test_turboquant_layouts_are_checked():
+    """Value codes must come interleaved (reference.interleave), code arrays must have D/2 bytes per position."""
+    from sluice.kernels.turboquant import triton as tqt
+
+    B, Hq, Hkv, D, cap = 1, 4, 2, 64, 8
+    z = lambda *s, dt=torch.float32: torch.zeros(*s, dtype=dt, device=DEVICE)  # noqa: E731
+    codes = z(B, Hkv, cap, D // 2, dt=torch.uint8)
+    kw = dict(k_scale=z(B, Hkv, cap), v_scale=z(B, Hkv, cap), k_recent=z(B, Hkv, 4, D), v_recent=z(B, Hkv, 4, D))
+    pos = torch.tensor([3], device=DEVICE)
+    with pytest.raises(ValueError, match="value codes"):  # values row by row, as keys are
+        at.decode_attention(z(B, Hq, D), codes, codes, pos, 1.0, 4, **kw)
+    with pytest.raises(ValueError, match="TurboQuant codes"):
+        tqt.quantize_append(z(B, Hkv, D), z(B, Hkv, cap, D, dt=torch.uint8), kw["k_scale"], kw["k_recent"], 0, 0)
+
+
 @pytest.mark.parametrize("kind,window", [("dense", None), ("dense", 6), ("turboquant4", None), ("turboquant4", 20),
                                          ("turboquant4", 22)])
 def test_caches_decode_through_the_kernel(monkeypatch, kind, window):

@@ -56,6 +56,7 @@ def _decode_split_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, kr_ptr, vr_ptr, lv
     stop = tl.minimum(start + per_split, p + 1)
     g = tl.arange(0, BG)
     kv_base = b.to(tl.int64) * stride_kb + h * stride_kh
+    v_base = b.to(tl.int64) * stride_vb + h * stride_vh
     q_row = q_ptr + b.to(tl.int64) * stride_qb + (h * G + g[:, None]) * stride_qh
     m = tl.full((BG,), float("-inf"), dtype=tl.float32)
     l = tl.zeros((BG,), dtype=tl.float32)
@@ -73,14 +74,14 @@ def _decode_split_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, kr_ptr, vr_ptr, lv
         # INT8 >= 1: the scores on int8 tensor cores, q as 128 a + b with int8 a, b (|q| <= Q_INT: 15 bits) and the
         # key levels int8 straight from the byte permutes, exact int32 sums; INT8 = 2: so are the probabilities
         # times the values. Else fp16 products.
-        qa_lo, qb_lo = _int8_pair(q_lo)
-        qa_hi, qb_hi = _int8_pair(q_hi)
+        if INT8 >= 1:
+            qa_lo, qb_lo = _int8_pair(q_lo)
+            qa_hi, qb_hi = _int8_pair(q_hi)
         k_factor = scale * q_max * LEVEL_STEP / (Q_INT if INT8 >= 1 else 1)
         acc_lo = tl.zeros((BG, D // 2), dtype=tl.float32)
         acc_hi = tl.zeros((BG, D // 2), dtype=tl.float32)
         s_base = b.to(tl.int64) * stride_sb + h * stride_sh
         coded_stop = tl.minimum(stop, p - RECENT + 1)  # older positions: from the codes
-        v_base = b.to(tl.int64) * stride_vb + h * stride_vh
         t4 = tl.arange(0, BLOCK_N // 4)
         for n0 in range(start - start % 4, coded_stop, BLOCK_N):  # blocks from a multiple of 4: the value groups
             j = n0 + tl.arange(0, BLOCK_N)
@@ -146,7 +147,7 @@ def _decode_split_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, kr_ptr, vr_ptr, lv
             s = _dot(q, tl.trans(tl.load(k_ptr + off, mask=valid[:, None], other=0.0)), TC)
             s = tl.where(valid[None, :], s * scale, float("-inf"))
             pr, alpha, m, l = _online_softmax(s, m, l)
-            v_off = b.to(tl.int64) * stride_vb + h * stride_vh + slot[:, None] * stride_vt + d[None, :]
+            v_off = v_base + slot[:, None] * stride_vt + d[None, :]
             acc = acc * alpha[:, None] + _dot(pr, tl.load(v_ptr + v_off, mask=valid[:, None], other=0.0), TC)
         tl.store(op_ptr + (part * BG + g[:, None]) * D + d[None, :], acc, mask=g[:, None] < G)
     tl.store(ml_ptr + (part * 2) * BG + g, m)

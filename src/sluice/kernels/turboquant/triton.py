@@ -19,7 +19,6 @@ import triton.language as tl
 from sluice.kernels.turboquant import reference
 
 
-
 @triton.jit
 def _append_kernel(k_ptr, v_ptr, q_ptr, qr_ptr, sign_ptr, lv_ptr, bd_ptr, kc_ptr, vc_ptr, ks_ptr, vs_ptr,
                    kr_ptr, vr_ptr, n_rows, n_q_rows, Hkv, slot, rslot, stride_xr, stride_qr,
@@ -227,9 +226,9 @@ def _code_layout(codes: torch.Tensor, D: int) -> tuple[tuple[int, int, int], int
     """((batch, head, slot-group strides), positions interleaved) of a code array: [B, Hkv, cap, D/2] (1) or
     [B, Hkv, cap/4, D/2, 4] (4, reference.interleave)."""
     lanes = 4 if codes.dim() == 5 else 1
-    if (codes.dtype != torch.uint8 or codes.dim() not in (4, 5) or codes.shape[3 if lanes == 4 else -1] != D // 2
-            or (lanes == 4 and (codes.shape[-1] != 4 or codes.stride(-1) != 1 or codes.stride(-2) != 4))
-            or codes.stride(-1) != 1):
+    row = (D // 2, 4) if lanes == 4 else (D // 2,)  # the innermost dims, contiguous
+    if (codes.dtype != torch.uint8 or codes.dim() not in (4, 5) or tuple(codes.shape[-len(row):]) != row
+            or codes.stride(-1) != 1 or (lanes == 4 and codes.stride(-2) != 4)):
         raise ValueError(f"TurboQuant codes must be uint8 [B, Hkv, cap, {D // 2}] or [B, Hkv, cap/4, {D // 2}, 4] "
                          f"with unit innermost strides, got {codes.dtype} {tuple(codes.shape)}")
     return (codes.stride(0), codes.stride(1), codes.stride(2)), lanes
