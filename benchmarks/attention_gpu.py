@@ -1,7 +1,7 @@
 """Decode attention on the GPU: our split-K Triton kernel on the dense bf16 cache and on the TurboQuant 4-bit cache,
 against PyTorch SDPA (bf16, GQA) and against the bandwidth floor.
 
-    python benchmarks/attention_gpu.py [--json out.json] [--sweep | --tq-sweep]
+    python benchmarks/attention_gpu.py [--json out.json] [--sweep | --tq-sweep] [--contexts 32768,...]
 
 (--sweep: launch options at 32k after the table; --tq-sweep: only the checks, the appends and the TurboQuant sweep.)
 
@@ -147,6 +147,8 @@ def time_case(res, copy_bw, name, Hq, Hkv, D, S, B):
         row[f"{label}_bytes"] = nbytes
         row[f"{label}_floor_us"] = nbytes / copy_bw * 1e6
         row[f"ours_{label}_us"] = graph_time([lambda c=c: ours(q, c, pos, scale, S, quant) for c in caches]) * 1e6
+        row[f"ours_{label}_legacy_timing_us"] = graph_time([lambda c=c: ours(q, c, pos, scale, S, quant)
+                                                            for c in caches], legacy=True) * 1e6
         kv_new = (torch.randn(B, Hkv, D, device="cuda", generator=g, dtype=BF16),
                   torch.randn(B, Hkv, D, device="cuda", generator=g, dtype=BF16))
         row[f"step_{label}_us"] = graph_time([lambda c=c: step(q, kv_new, c, pos, scale, S, quant)
@@ -239,7 +241,9 @@ def append_time(res):
 
 
 def main():
-    a, dev, res = start_run("correctness", "timings", "errors", "sweep", "append", flags=("--sweep", "--tq-sweep"))
+    a, dev, res = start_run("correctness", "timings", "errors", "sweep", "append", flags=("--sweep", "--tq-sweep"),
+                            values=("--contexts",))
+    contexts = [int(c) for c in a.contexts.split(",")] if a.contexts else CONTEXTS
     copy_bw = copy_bandwidth(dev)
     res["copy_bandwidth_Bps"] = copy_bw
     print(f"# {res['gpu']}, copy {copy_bw / 1e12:.2f} TB/s", flush=True)
@@ -247,7 +251,7 @@ def main():
         check(res)
         append_time(res)
         for name, (Hq, Hkv, D) in SHAPES.items() if not a.tq_sweep else ():
-            for S in CONTEXTS:
+            for S in contexts:
                 for B in BATCHES:
                     try:
                         time_case(res, copy_bw, name, Hq, Hkv, D, S, B)

@@ -1,6 +1,6 @@
 """Sparse MoE block on the GPU: our Triton kernels vs the memory-bandwidth floor (decode) and cuBLAS bf16 (prefill).
 
-    python benchmarks/moe_gpu.py [--json out.json] [--decode-only] [--chain-only]
+    python benchmarks/moe_gpu.py [--json out.json] [--decode-only] [--chain-only] [--quick]
 
 One run, at Qwen3-Next-80B-A3B and Qwen3.5-397B-A17B shapes (4-bit g64 experts and shared expert; router and
 shared-expert gate 8-bit g64 or bf16), random weights built directly in the packed layout:
@@ -8,10 +8,11 @@ shared-expert gate 8-bit g64 or bf16), random weights built directly in the pack
   prefill (T = 4096), the experts given the reference's ids (bf16 logits tie; the router is checked on its own);
 - decode, one token: the whole SparseMoE layer (router -> top-k -> expert GEMVs -> combine, shared expert and its
   gate included) under CUDA-graph replay, rotating over enough layer copies to exceed L2 ~4x: the one-launch
-  decode (kernels/moe/fused_decode.py, checked against the reference first) and the multi-launch decode it
-  replaced; the floor is the bytes that must be read (k experts, shared expert, router, shared gate) over the
+  decode (kernels/moe/fused_decode.py) and the multi-launch decode, with the shared expert as a slot of the
+  routed launches or on its own stream (each checked against the reference first); the floor is the bytes that must be read (k experts, shared expert, router, shared gate) over the
   measured copy bandwidth; a sweep of the one-launch kernel's warps and tile size;
 - the multi-launch decode's critical path: graph time of its first n launches (with --chain-only: only this);
+- --quick: the chain, the checks and the decode table only (no one-launch timeline or sweep, nothing else);
 - (not with --decode-only) the multi-launch kernels: router and expert GEMV checks, their launch sweep;
 - routed experts at T = 1, 4, 16: decode GEMVs vs prefill grouped GEMMs (where to switch);
 - prefill, T = 4096: routed experts (a small block-size sweep; effective TFLOP/s vs cuBLAS bf16 GEMMs of the same
@@ -124,26 +125,49 @@ def check_fused(res, name, layers, k):
               f"{'ok' if row['ok'] else 'FAILED'}", flush=True)
 
 
+DECODE_PATHS = {  # label: (one launch, shared expert on its own stream)
+    "one launch": (True, False), "multi-launch, shared as a slot": (False, False),
+    "multi-launch, shared branch": (False, True)}
+
+
+def check_layer(res, name, layers, k):
+    """The layer's decode paths at the real shape against its reference path (fp32 x: no router near-ties)."""
+    for kind in ROUTERS:
+        layer = layers[kind][0]
+        x = torch.randn(1, layer.gate_up.shape[2], device="cuda")
+        ref = layer._forward_reference(x)
+        for label, (one, branch) in DECODE_PATHS.items():
+            fd.ENABLED, mt.SHARED_BRANCH = one, branch
+            row = {"model": name, "T": 1, "path": f"{label}, {kind} router", "rel_err": rel_err(layer(x), ref)}
+            row["ok"] = row["rel_err"] <= 1e-2
+            res["correctness"].append(row)
+            print(f"check {name} {label} ({kind} router): rel err {row['rel_err']:.2e}, "
+                  f"{'ok' if row['ok'] else 'FAILED'}", flush=True)
+    fd.ENABLED, mt.SHARED_BRANCH = True, True
+
+
 def time_decode(res, name, layers, k, copy_bw):
     """The whole layer for one token, each call on its own layer copy (cold L2): the one-launch decode and the
-    multi-launch decode (`fd.ENABLED` picks which one SparseMoE runs)."""
+    multi-launch decode with the shared expert as a slot of the routed launches or on its own stream
+    (`fd.ENABLED`, `mt.SHARED_BRANCH` pick what SparseMoE runs); the slot path also with the timing of the
+    runs before 2026-11-26 (`graph_time(legacy=True)`), which charged the replay's launch gap to few calls."""
     for kind in ROUTERS:
         rot = layers[kind]
         xs = [torch.randn(1, rot[0].gate_up.shape[2], device="cuda", dtype=BF16) for _ in rot]
-        times = {}
-        for on in (True, False):
-            fd.ENABLED = on
-            times[on] = graph_time([lambda m=m, x=x: m(x) for m, x in zip(rot, xs)])
-        fd.ENABLED = True
+        calls = [lambda m=m, x=x: m(x) for m, x in zip(rot, xs)]
         nbytes = decode_floor_bytes(rot[0], k)
         floor = nbytes / copy_bw
-        row = {"model": name, "router": kind, "us": times[True] * 1e6, "floor_bytes": nbytes, "floor_us": floor * 1e6,
-               "pct_floor": floor / times[True], "multi_launch_us": times[False] * 1e6,
-               "multi_launch_pct_floor": floor / times[False], "copies": len(rot)}
+        row = {"model": name, "router": kind, "floor_bytes": nbytes, "floor_us": floor * 1e6, "copies": len(rot)}
+        for label, (one, branch) in DECODE_PATHS.items():
+            fd.ENABLED, mt.SHARED_BRANCH = one, branch
+            row[f"{label} us"] = graph_time(calls) * 1e6
+            if label == "multi-launch, shared as a slot":
+                row["slot path, legacy timing us"] = graph_time(calls, legacy=True) * 1e6
+        fd.ENABLED, mt.SHARED_BRANCH = True, True
         res["decode"].append(row)
-        print(f"decode {name} router {kind}: one launch {row['us']:.1f} us, floor {row['floor_us']:.1f} us "
-              f"({row['pct_floor'] * 100:.0f}%); multi-launch {row['multi_launch_us']:.1f} us "
-              f"({row['multi_launch_pct_floor'] * 100:.0f}%)", flush=True)
+        print(f"decode {name} router {kind}: floor {row['floor_us']:.1f} us; " + "; ".join(
+            f"{key} {v:.1f} ({floor * 1e6 / v * 100:.0f}%)" for key, v in row.items() if key.endswith(" us")),
+            flush=True)
 
 
 FUSED_CONFIGS = [  # (num_warps, item_words, programs per multiprocessor, router rows per program)
@@ -248,9 +272,11 @@ def chain_ablation(res, name, layers, k):
         res["chain"].append(row)
         print(f"chain {name} {n} launches (+ {row['last']}): {row.get('us', float('nan')):.1f} us "
               f"(+{row['added_us']:.1f})", flush=True)
+    mt.SHARED_BRANCH = False
     full = graph_time([lambda m=m, x=x: m(x) for m, x in zip(rot, xs)]) * 1e6
+    mt.SHARED_BRANCH = True
     res["chain"].append({"model": name, "launches": "layer", "us": full})
-    print(f"chain {name} the layer itself: {full:.1f} us", flush=True)
+    print(f"chain {name} the layer itself (shared expert as a slot): {full:.1f} us", flush=True)
     fd.ENABLED = True
 
 
@@ -325,11 +351,11 @@ def time_prefill(res, name, layer, H, E, I, k):
 def print_tables(res):
     print(f"\n{res['gpu']}; copy bandwidth {res['copy_bandwidth_Bps'] / 1e12:.2f} TB/s; "
           f"bf16 GEMM {res['bf16_gemm_flops'] / 1e12:.0f} TFLOP/s")
-    print(f"{'MoE decode, 1 token (4-bit g64)':30s} {'router':>6s} {'floor us':>8s} {'one launch':>10s} {'%floor':>7s} "
-          f"{'multi-launch':>12s} {'%floor':>7s}")
+    print(f"{'MoE decode, 1 token (4-bit g64)':30s} {'router':>6s} {'floor us':>8s}  us (% of floor)")
     for r in res["decode"]:
-        print(f"{r['model']:30s} {r['router']:>6s} {r['floor_us']:8.1f} {r['us']:10.1f} {r['pct_floor'] * 100:6.0f}% "
-              f"{r['multi_launch_us']:12.1f} {r['multi_launch_pct_floor'] * 100:6.0f}%")
+        print(f"{r['model']:30s} {r['router']:>6s} {r['floor_us']:8.1f}  " + "; ".join(
+            f"{key[:-3]} {v:.1f} ({r['floor_us'] / v * 100:.0f}%)" for key, v in r.items() if key.endswith(" us")
+            and key != "floor_us"))
     print(f"\n{'decode launch sweep':30s} {'kernel':>18s} {'block_n/words':>13s} {'warps':>5s} {'per SM':>6s} "
           f"{'router rows':>11s} {'us':>7s}")
     for r in sorted(res["sweep"], key=lambda r: (r["model"], r["kernel"], r.get("us", 1e9))):
@@ -359,7 +385,7 @@ def print_tables(res):
 def main():
     fd.ENABLED = True  # the one-launch decode is measured whatever the layer's default
     a, dev, res = start_run("correctness", "decode", "sweep", "crossover", "prefill", "errors", "timeline", "chain",
-                            flags=("--decode-only", "--chain-only"))
+                            flags=("--decode-only", "--chain-only", "--quick"))
     copy_bw = copy_bandwidth(dev)
     A = torch.randn(8192, 8192, device=dev, dtype=BF16)
     res["copy_bandwidth_Bps"], res["bf16_gemm_flops"] = copy_bw, 2 * 8192 ** 3 / events_time(lambda: A @ A, reps=10)
@@ -384,7 +410,10 @@ def main():
             if a.chain_only:
                 continue
             case(res, f"{name} correctness", lambda: check_fused(res, name, layers, k))
+            case(res, f"{name} layer correctness", lambda: check_layer(res, name, layers, k))
             case(res, f"{name} decode", lambda: time_decode(res, name, layers, k, copy_bw))
+            if a.quick:
+                continue
             case(res, f"{name} one-launch timeline", lambda: fused_timeline(res, name, layers, k))
             case(res, f"{name} one-launch sweep", lambda: sweep_fused(res, name, layers, k))
             if not a.decode_only:

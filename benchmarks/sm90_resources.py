@@ -1,7 +1,7 @@
 """Compile our Triton kernels for sm_90 (H100/H200) on a machine without a GPU and print what ptxas reports:
 registers, spill bytes, shared memory. Costs no device time; run it before a device run.
 
-    PYTHONPATH=/path/to/triton-3.6 python benchmarks/sm90_resources.py [gdn | attention | moe]
+    PYTHONPATH=/path/to/triton-3.6 python benchmarks/sm90_resources.py [gdn | attention | moe | decode]
 
 `attention` also prints the instruction mix of each decode kernel's longest loop (SASS, cuobjdump): per position
 of a block, what the kernel must issue whatever the memory does.
@@ -230,5 +230,52 @@ def moe():
         print(f"{name:28s} {shape:>12s} {router:>6s} {w:5d}  {res}")
 
 
+def decode():
+    """The multi-launch MoE decode (x prep, router GEMV, route, expert GEMVs with the shared expert as a slot or
+    as its own branch, SwiGLU prep, combine) at the Qwen3.5 shape: every distinct launch compiles."""
+    from sluice.kernels.moe import triton as mt
+    from sluice.kernels.qmatmul import triton as qt
+    from sluice.quant.affine import QuantizedTensor
+
+    def q(E, N, K, bits=4, gs=64):
+        parts = (torch.zeros(1, N, K * bits // 32, dtype=torch.int32), torch.zeros(1, N, K // gs).bfloat16(),
+                 torch.zeros(1, N, K // gs).bfloat16())
+        return QuantizedTensor(*(t.expand(E, *t.shape[1:]) if E else t[0] for t in parts), bits, gs)
+
+    H, I, E, k = 4096, 1024, 512, 10
+    gate_up, down, pair = q(E, 2 * I, H), q(E, H, I), (q(0, 2 * I, H), q(0, H, I))
+
+    def run():
+        x = torch.zeros(1, H).bfloat16()
+        logits = qt.qgemv_partials(x, q(0, E + 1, H, 8))
+        ids, w = mt.route(logits[..., :E], k, True, logits[..., E])
+        mt.moe_decode(x, ids, w, gate_up, down, shared_expert=pair)
+        mt.moe_decode(x, ids, w, gate_up, down, shared=mt.SharedExpertBranch(x, pair, down, k + 1))
+
+    interp, qt.INTERPRET = qt.INTERPRET, True  # passes the device checks; the kernel flags are set below
+    inner = []
+    try:
+        launches = _capture_all(qt, ["_prep_x_kernel", "_gemv_kernel"], lambda: inner.extend(_capture_all(
+            mt, ["_route_kernel", "_combine_kernel"], run)))
+        launches += inner
+    finally:
+        qt.INTERPRET = interp
+    seen = set()
+    for name, fn, (grid, args, kw) in launches:
+        kw = dict(kw, **{f: True for f in ("ASM", "PDL") if f in kw})
+        if "PREFETCH" in kw:
+            kw["PREFETCH"] = not kw["INDEXED"] or kw["SKIP_EXTRA"] or kw["EXTRA"]
+        key = (name, tuple(sorted((a, str(b)) for a, b in kw.items())))
+        if key in seen:
+            continue
+        seen.add(key)
+        try:
+            r = compile_launch(fn, args, kw)
+        except Exception as e:  # noqa: BLE001 - report and go on
+            r = f"{type(e).__name__}: {str(e)[-1500:]}"
+        flags = " ".join(f for f in ("INDEXED", "EXTRA", "SKIP_EXTRA", "SWIGLU") if kw.get(f))
+        print(f"{name:16s} {flags:28s} grid {grid}: {r}", flush=True)
+
+
 if __name__ == "__main__":
-    {"gdn": gdn, "attention": attention, "moe": moe}[sys.argv[1] if len(sys.argv) > 1 else "gdn"]()
+    {"gdn": gdn, "attention": attention, "moe": moe, "decode": decode}[sys.argv[1] if len(sys.argv) > 1 else "gdn"]()

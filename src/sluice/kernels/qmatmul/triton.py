@@ -189,14 +189,15 @@ def _gemv_kernel(xp_ptr, w_ptr, s_ptr, b_ptr, y_ptr, ids_ptr, wx_ptr, sx_ptr, bx
                  n_experts, stride_pm, stride_we, stride_wn, stride_se, stride_sn, stride_ys, stride_ym,
                  BITS: tl.constexpr, GS: tl.constexpr, BLOCK_N: tl.constexpr, KB: tl.constexpr,
                  EVEN_N: tl.constexpr, EVEN_K: tl.constexpr, INDEXED: tl.constexpr, EXTRA: tl.constexpr,
-                 ASM: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr):
+                 SKIP_EXTRA: tl.constexpr, ASM: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr):
     """y[split, row, n] = sum over this split's words of x[row] . W[n]. Program (n-block, split, row); each step
     reads a [BLOCK_N, KB words] tile of W.
     Layout: KB = 128 words per warp, so the threads lie along K (4 words, one 16-byte load, each) and every
     thread holds all BLOCK_N rows of its columns: x is loaded once per step and reused BLOCK_N times from
     registers. (x traffic through L1 is what capped earlier layouts at ~55% of the memory bandwidth.)
     INDEXED: W, scales and biases are stacked over experts and row r uses expert ids[r] and x row r // x_div;
-    with EXTRA, id n_experts means one more expert stored apart (wx, sx, bx: the shared expert, same shape).
+    with EXTRA, id n_experts means one more expert stored apart (wx, sx, bx: the shared expert, same shape); with
+    SKIP_EXTRA its rows are left to another launch (the programs of id n_experts return at once).
     PREFETCH (with PDL): the ids and weights were written two launches back or earlier (x was prepared by the
     launch just before), so the first step's weights are asked of L2 while the previous kernel still runs."""
     EPW: tl.constexpr = 32 // BITS
@@ -212,6 +213,9 @@ def _gemv_kernel(xp_ptr, w_ptr, s_ptr, b_ptr, y_ptr, ids_ptr, wx_ptr, sx_ptr, bx
         _pdl_start(PDL)
     if INDEXED:
         e = tl.load(ids_ptr + row).to(tl.int64)
+        if SKIP_EXTRA:
+            if e == n_experts:
+                return
         w_ptr += e * stride_we
         s_ptr += e * stride_se
         b_ptr += e * stride_se
@@ -457,7 +461,7 @@ def gemv_used_splits(K, bits, split_k, num_warps=1) -> tuple[int, int]:
 
 
 def gemv_launch(xp, w, s, b, out, ids, rows, N, K, bits, gs, split_k, x_div=1, block_n=4, num_warps=1, extra=None,
-                ids_ready=False):
+                ids_ready=False, skip_extra=False):
     """Launch `_gemv_kernel` for `rows` output rows: xp from `prep_x`, launched just before; W [E?, N, KW] int32,
     scales/biases [E?, N, K/GS]; ids [rows] expert indices (INDEXED) or None; out [split_k', rows, N] (fp32 when
     split); extra: (W, scales, biases) [N, ...] of the expert that id E stands for (row strides as the stacked
@@ -474,7 +478,7 @@ def gemv_launch(xp, w, s, b, out, ids, rows, N, K, bits, gs, split_k, x_div=1, b
         w.shape[0] if indexed else 0, xp.stride(0), w.stride(0) if indexed else 0, w.stride(-2),
         s.stride(0) if indexed else 0, s.stride(-2), out.stride(0), out.stride(1), BITS=bits, GS=gs,
         BLOCK_N=block_n, KB=kb, EVEN_N=N % block_n == 0, EVEN_K=kw % kb == 0 and w_per_split % kb == 0,
-        INDEXED=indexed, EXTRA=extra is not None, ASM=not INTERPRET, PDL=use_pdl,
+        INDEXED=indexed, EXTRA=extra is not None, SKIP_EXTRA=indexed and skip_extra, ASM=not INTERPRET, PDL=use_pdl,
         PREFETCH=use_pdl and (not indexed or ids_ready), launch_pdl=use_pdl, num_warps=num_warps, num_stages=1)
     return used
 
