@@ -179,18 +179,18 @@ def time_case(res, copy_bw, name, Hq, Hkv, D, S, B):
 
 SWEEP_DENSE = [dict(block_n=bn, num_warps=w, num_stages=st) for bn in (32, 64, 128) for w in (4, 8)
                for st in (2, 3, 4)]
-SWEEP_TQ = [dict(block_n=bn, num_warps=w, num_stages=st) for bn in (64, 128) for w in (4, 8) for st in (2, 3)]
+SWEEP_TQ = [dict(block_n=bn, num_warps=w, num_stages=st) for bn in (32, 64, 128) for w in (4, 8) for st in (2, 3)]
 SWEEP_TQ_INT8 = (2,)  # the product variants the sweep times (1 and 2 compared in the 2026-11-25 runs)
 
 
-def sweep(res, copy_bw, dense=True):
+def sweep(res, copy_bw, dense=True, contexts=None):
     """Launch options, split counts and (TurboQuant) the int8 product variants at 32k context (TurboQuant: also
     4k): the time of each (TurboQuant: the kernel alone, q rotated beforehand), so the defaults can be checked."""
     import sluice.kernels.attention.triton as at
 
     default_int8 = at.INT8_PRODUCTS
     for name, (Hq, Hkv, D) in SHAPES.items():
-        for B, S in [(B, S) for B in BATCHES for S in ((32768,) if dense else (4096, 32768))]:
+        for B, S in [(B, S) for B in BATCHES for S in contexts or ((32768,) if dense else (4096, 32768))]:
             g = torch.Generator(device="cuda").manual_seed(7)
             q = torch.randn(B, Hq, D, device="cuda", generator=g, dtype=BF16)
             pos = torch.full((B,), S - 1, dtype=torch.int32, device="cuda")
@@ -201,7 +201,7 @@ def sweep(res, copy_bw, dense=True):
                 auto = num_splits(B * Hkv, S, q.device)
                 if quant:  # the defaults (splits None), then each launch with split counts around the default's
                     auto = num_splits(B * Hkv, S, q.device, per_sm=3 if D <= 128 else 2, one_wave=True)
-                    counts = sorted({max(1, auto // 2), auto, 2 * auto, 4 * auto})
+                    counts = sorted({max(1, auto // 2), auto, 3 * auto // 2, 2 * auto, 4 * auto})
                     runs = [({}, None)] + [(launch, ns) for launch in configs for ns in counts]
                 else:
                     runs = [(launch, auto) for launch in configs] + [({}, max(1, auto // 2)), ({}, 2 * auto)]
@@ -260,7 +260,7 @@ def main():
                         print(traceback.format_exc(limit=3), flush=True)
                         torch.cuda.empty_cache()
         if a.sweep or a.tq_sweep:
-            sweep(res, copy_bw, dense=not a.tq_sweep)
+            sweep(res, copy_bw, dense=not a.tq_sweep, contexts=a.contexts and contexts)
     finally:
         best = {}
         for r in res["sweep"]:

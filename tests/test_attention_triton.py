@@ -29,7 +29,9 @@ def reference(q, keys, values, scale):
 
 @pytest.mark.parametrize("splits", [1, 2, 7, None])
 @pytest.mark.parametrize("Hq,Hkv,D", [(4, 2, 64), (9, 3, 64), (16, 2, 128)])
-def test_dense_decode(splits, Hq, Hkv, D):
+def test_dense_decode(splits, Hq, Hkv, D, monkeypatch):
+    if splits == 7:  # the merge reads the splits in several loads
+        monkeypatch.setattr(at, "MERGE_ELEMS", 32)
     g = torch.Generator().manual_seed(Hq * 10 + D)
     B, cap = 3, 150
     q = torch.randn(B, Hq, D, generator=g)
@@ -102,9 +104,13 @@ def test_turboquant_decode_equals_attention_over_the_dequantized_cache(monkeypat
         assert rel(o[b], reference(qr[b], keys, vals, 0.125)) < (TOL if int8 == 0 else TOL_INT8)
 
 
-@pytest.mark.parametrize("D", [32, 128, 256])
-def test_turboquant_decode_rotates_its_output_back(D):
-    """unrotate: the merge kernel returns R^T o, the output of the codec's domain rotated back."""
+@pytest.mark.parametrize("D,merge_elems", [(32, None), (128, None), (256, None), (128, 32)])
+def test_turboquant_decode_rotates_its_output_back(D, merge_elems, monkeypatch):
+    """unrotate: the merge kernel returns R^T o, the output of the codec's domain rotated back (D > 64: each
+    head's coordinate blocks merged by their own programs, the last one rotating the row; merge_elems: the
+    splits read in several loads)."""
+    if merge_elems:
+        monkeypatch.setattr(at, "MERGE_ELEMS", merge_elems)
     g = torch.Generator().manual_seed(D)
     B, Hq, Hkv, cap, recent = 2, 4, 2, 40, 8
     codes = torch.randint(0, 256, (2, B, Hkv, cap, D // 2), generator=g, dtype=torch.int32).to(torch.uint8)

@@ -32,29 +32,33 @@ from sluice.kernels.turboquant.triton import _hadamard_rows, _tables
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 INT8_PRODUCTS = 2  # TurboQuant products on int8 tensor cores: 0 none, 1 the scores, 2 also P V
+MERGE_ELEMS = 16384  # partial-output values one merge program loads at once (64 KB of fp32)
 
 
 @triton.jit
 def _decode_split_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, kr_ptr, vr_ptr, lv_ptr, pos_ptr, op_ptr, ml_ptr,
-                         scale, Hkv, cap, per_split, n_splits,
+                         cnt_ptr, scale, Hkv, cap, per_split, n_splits,
                          stride_qb, stride_qh, stride_kb, stride_kh, stride_kt, stride_vb, stride_vh, stride_vt,
                          stride_sb, stride_sh,
                          stride_rb, stride_rh, stride_rt,
                          G: tl.constexpr, BG: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
                          QUANT: tl.constexpr, RING: tl.constexpr, WINDOW: tl.constexpr, RECENT: tl.constexpr,
-                         INT8: tl.constexpr, TC: tl.constexpr, PDL: tl.constexpr):
+                         INT8: tl.constexpr, TC: tl.constexpr, ZERO_CNT: tl.constexpr, PDL: tl.constexpr):
     _pdl_start(PDL)  # q and the cache come from the kernels before
     bh = tl.program_id(0)
     split = tl.program_id(1)
     b = bh // Hkv
     h = bh % Hkv
+    g = tl.arange(0, BG)
+    if ZERO_CNT:  # the merge's per-head counters (unrotate), for the launch after this one
+        if split == 0:
+            tl.store(cnt_ptr + bh * G + g, 0, mask=g < G)
     p = tl.load(pos_ptr + b)
     first = 0
     if WINDOW > 0:
         first = tl.maximum(p - WINDOW + 1, 0)
     start = first + split * per_split
     stop = tl.minimum(start + per_split, p + 1)
-    g = tl.arange(0, BG)
     kv_base = b.to(tl.int64) * stride_kb + h * stride_kh
     v_base = b.to(tl.int64) * stride_vb + h * stride_vh
     q_row = q_ptr + b.to(tl.int64) * stride_qb + (h * G + g[:, None]) * stride_qh
@@ -280,12 +284,16 @@ def _int8_pair(x):
 
 
 @triton.jit
-def _merge_splits_kernel(op_ptr, ml_ptr, o_ptr, sign_ptr, Hkv, n_splits, stride_ob, stride_oh,
+def _merge_splits_kernel(op_ptr, ml_ptr, o_ptr, sign_ptr, rot_ptr, cnt_ptr, Hkv, n_splits, stride_ob, stride_oh,
                          G: tl.constexpr, BG: tl.constexpr, D: tl.constexpr, BD: tl.constexpr, NSP: tl.constexpr,
                          SB: tl.constexpr, UNROTATE: tl.constexpr, PDL: tl.constexpr):
-    """Program (query head, BD coordinates): the splits' weights exp(m_s - M) from all (max, sum) at once, then
-    the weighted partial outputs SB splits at a time (a launch that is all latency: few, wide steps). UNROTATE
-    (TurboQuant, BD = D): the output rotated back, R^T o = (o H) * signs / sqrt(D), in registers."""
+    """Program (query head, BD coordinates): the splits' weights exp(m_s - M) and the weighted partial outputs.
+    A launch that is all latency, so every load is issued at once: all (max, sum) pairs and (SB >= splits, the
+    usual case) all partial outputs in one round trip. UNROTATE (TurboQuant): the merged block goes to rot
+    (fp32 [query heads, D]) and the program of a head that finishes last (a counter per head, zeroed by the
+    split kernel) reads the whole row back and rotates it, R^T o = (o H) * signs / sqrt(D): the rotation mixes
+    all D coordinates, and one program per head reading every split's D partials was slow (B = 1, D = 256:
+    16 programs, ~11 us)."""
     _pdl_start(PDL)
     row = tl.program_id(0)
     bh = row // G
@@ -295,22 +303,37 @@ def _merge_splits_kernel(op_ptr, ml_ptr, o_ptr, sign_ptr, Hkv, n_splits, stride_
     sp = tl.arange(0, NSP)
     ml = ml_ptr + (bh * n_splits) * 2 * BG + g
     m = tl.load(ml + sp * 2 * BG, mask=sp < n_splits, other=float("-inf"))
+    lsum = tl.load(ml + sp * 2 * BG + BG, mask=sp < n_splits, other=0.0)
+    d = tl.program_id(1) * BD + tl.arange(0, BD)
+    parts = op_ptr + ((bh * n_splits) * BG + g) * D + d[None, :]
+    sb = tl.arange(0, SB)
+    first = tl.load(parts + sb[:, None] * BG * D, mask=(sb < n_splits)[:, None], other=0.0)
     M = tl.max(m, axis=0)
     w = tl.where(m == float("-inf"), 0.0, tl.exp(m - M))  # splits that saw no key weigh nothing
-    denom = tl.sum(w * tl.load(ml + sp * 2 * BG + BG, mask=sp < n_splits, other=0.0), axis=0)
-    d = tl.program_id(1) * BD + tl.arange(0, BD)
-    acc = tl.zeros((BD,), dtype=tl.float32)
-    for s0 in range(0, n_splits, SB):
-        s = s0 + tl.arange(0, SB)
+    denom = tl.sum(w * lsum, axis=0)
+    ws = tl.load(ml + sb * 2 * BG, mask=sb < n_splits, other=float("-inf"))
+    acc = tl.sum(tl.where(ws == float("-inf"), 0.0, tl.exp(ws - M))[:, None] * first, axis=0)
+    for s0 in range(SB, n_splits, SB):  # more splits than one load holds
+        s = s0 + sb
         ms = tl.load(ml + s * 2 * BG, mask=s < n_splits, other=float("-inf"))
-        ws = tl.where(ms == float("-inf"), 0.0, tl.exp(ms - M))
-        part = tl.load(op_ptr + ((bh * n_splits + s[:, None]) * BG + g) * D + d[None, :],
-                       mask=(s < n_splits)[:, None], other=0.0)
-        acc += tl.sum(ws[:, None] * part, axis=0)
+        part = tl.load(parts + s[:, None] * BG * D, mask=(s < n_splits)[:, None], other=0.0)
+        acc += tl.sum(tl.where(ms == float("-inf"), 0.0, tl.exp(ms - M))[:, None] * part, axis=0)
     acc = acc / denom
+    out = o_ptr + b.to(tl.int64) * stride_ob + (h * G + g) * stride_oh
     if UNROTATE:
-        acc = tl.reshape(_hadamard_rows(tl.reshape(acc, (1, D)), D), (D,)) * (tl.load(sign_ptr + d) / tl.sqrt(D * 1.0))
-    tl.store(o_ptr + b.to(tl.int64) * stride_ob + (h * G + g) * stride_oh + d, acc.to(o_ptr.dtype.element_ty))
+        if BD < D:
+            tl.store(rot_ptr + row * D + d, acc)
+            tl.debug_barrier()  # every thread's part stored before the release
+            if tl.atomic_add(cnt_ptr + row, 1, sem="acq_rel", scope="gpu") == D // BD - 1:
+                dd = tl.arange(0, D)
+                merged = tl.load(rot_ptr + row * D + dd, cache_modifier=".cg")  # the other programs' parts, past L1
+                y = tl.reshape(_hadamard_rows(tl.reshape(merged, (1, D)), D), (D,))
+                tl.store(out + dd, (y * (tl.load(sign_ptr + dd) / tl.sqrt(D * 1.0))).to(o_ptr.dtype.element_ty))
+        else:
+            y = tl.reshape(_hadamard_rows(tl.reshape(acc, (1, D)), D), (D,))
+            tl.store(out + d, (y * (tl.load(sign_ptr + d) / tl.sqrt(D * 1.0))).to(o_ptr.dtype.element_ty))
+    else:
+        tl.store(out + d, acc.to(o_ptr.dtype.element_ty))
 
 
 _SM_COUNT: dict = {}
@@ -324,6 +347,14 @@ def _level_table(device) -> torch.Tensor:
     return _LEVEL_TABLES[device]
 
 
+def _sm_count(device) -> int:
+    if device.type != "cuda":
+        return 4
+    if device.index not in _SM_COUNT:
+        _SM_COUNT[device.index] = torch.cuda.get_device_properties(device).multi_processor_count
+    return _SM_COUNT[device.index]
+
+
 def num_splits(batch_heads: int, visible: int, device, block_n: int = 64, min_per_split: int | None = None,
                per_sm: int = 2, one_wave: bool = False) -> int:
     """Enough splits for about `per_sm` programs per multiprocessor, each with >= `min_per_split` positions
@@ -333,12 +364,7 @@ def num_splits(batch_heads: int, visible: int, device, block_n: int = 64, min_pe
     of the 2-KV-head D = 256 shape took 199 us, the 9 that spill into a second wave 263 us;
     benchmarks/results/attention_tq_sweep_h100.json)."""
     min_per_split = min_per_split or 2 * block_n
-    if device.type == "cuda":
-        if device.index not in _SM_COUNT:
-            _SM_COUNT[device.index] = torch.cuda.get_device_properties(device).multi_processor_count
-        sms = _SM_COUNT[device.index]
-    else:
-        sms = 4
+    sms = _sm_count(device)
     want = per_sm * sms // batch_heads if one_wave else triton.cdiv(per_sm * sms, batch_heads)
     return max(1, min(want, triton.cdiv(visible, min_per_split)))
 
@@ -402,27 +428,33 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, position
     op = torch.empty((B * Hkv, ns, BG, D), dtype=torch.float32, device=q.device)
     ml = torch.empty((B * Hkv, ns, 2, BG), dtype=torch.float32, device=q.device)
     dummy = op
+    rot = cnt = dummy
+    if unrotate:  # the merged rotated rows and a counter per query head (zeroed by the split kernel)
+        rot = torch.empty((B * Hq, D), dtype=torch.float32, device=q.device)
+        cnt = torch.empty((B * Hq,), dtype=torch.int32, device=q.device)
     ks, vs = (k_scale, v_scale) if quant else (dummy, dummy)
     kr, vr = (k_recent, v_recent) if quant else (dummy, dummy)
     recent = k_recent.shape[2] if quant else 1
     use_pdl = pdl(q.device)
     _decode_split_kernel[(B * Hkv, ns)](
-        q, k, v, ks, vs, kr, vr, _level_table(q.device) if quant else dummy, positions, op, ml, scale, Hkv, cap,
-        per_split, ns,
+        q, k, v, ks, vs, kr, vr, _level_table(q.device) if quant else dummy, positions, op, ml, cnt, scale, Hkv,
+        cap, per_split, ns,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
         ks.stride(0) if quant else 0, ks.stride(1) if quant else 0,
         kr.stride(0) if quant else 0, kr.stride(1) if quant else 0, kr.stride(2) if quant else 0,
         G=G, BG=BG, D=D, BLOCK_N=block_n, QUANT=quant, RING=window is not None, WINDOW=window or 0,
-        RECENT=recent, INT8=int8, TC=not INTERPRET, PDL=use_pdl, launch_pdl=use_pdl, num_warps=num_warps,
-        num_stages=num_stages)
+        RECENT=recent, INT8=int8, TC=not INTERPRET, ZERO_CNT=unrotate, PDL=use_pdl, launch_pdl=use_pdl,
+        num_warps=num_warps, num_stages=num_stages)
     o = torch.empty((B, Hq, D), dtype=out_dtype or q.dtype, device=q.device)
-    # unrotate: one program per query head and all D coordinates (the rotation mixes them), so wider
-    BD = D if unrotate else min(D, 64)
-    merge_warps = 8 if BD >= 128 else 4
+    # the merge: coordinate blocks small enough that one load holds every split's partials (<= 64 KB a program);
+    # with unrotate the blocks of a head meet through `rot` and the head's counter
     nsp = triton.next_power_of_2(ns)
+    BD = min(D, 64, max(16, MERGE_ELEMS // nsp))
+    while BD > 16 and B * Hq * (D // BD) < _sm_count(q.device):  # few heads (batch 1): narrower blocks, more SMs
+        BD //= 2
+    sb = min(nsp, max(1, MERGE_ELEMS // BD))
     signs = _tables(D, q.device)[0] if unrotate else dummy
-    _merge_splits_kernel[(B * Hq, D // BD)](op, ml, o, signs, Hkv, ns, o.stride(0), o.stride(1), G=G, BG=BG, D=D,
-                                            BD=BD, NSP=nsp, SB=min(nsp, 1024 * merge_warps // BD),
-                                            UNROTATE=unrotate, PDL=use_pdl, launch_pdl=use_pdl,
-                                            num_warps=merge_warps)
+    _merge_splits_kernel[(B * Hq, D // BD)](op, ml, o, signs, rot, cnt, Hkv, ns, o.stride(0), o.stride(1), G=G,
+                                            BG=BG, D=D, BD=BD, NSP=nsp, SB=sb, UNROTATE=unrotate, PDL=use_pdl,
+                                            launch_pdl=use_pdl, num_warps=8 if sb * BD >= 8192 else 4)
     return o
