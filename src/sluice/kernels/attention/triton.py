@@ -50,9 +50,9 @@ def _decode_split_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, kr_ptr, vr_ptr, lv
     b = bh // Hkv
     h = bh % Hkv
     g = tl.arange(0, BG)
-    if ZERO_CNT:  # the merge's per-head counters (unrotate), for the launch after this one
+    if ZERO_CNT:  # the merge's counter of this KV head (unrotate), for the launch after this one
         if split == 0:
-            tl.store(cnt_ptr + bh * G + g, 0, mask=g < G)
+            tl.store(cnt_ptr + bh, 0)
     p = tl.load(pos_ptr + b)
     first = 0
     if WINDOW > 0:
@@ -290,10 +290,10 @@ def _merge_splits_kernel(op_ptr, ml_ptr, o_ptr, sign_ptr, rot_ptr, cnt_ptr, Hkv,
     """Program (query head, BD coordinates): the splits' weights exp(m_s - M) and the weighted partial outputs.
     A launch that is all latency, so every load is issued at once: all (max, sum) pairs and (SB >= splits, the
     usual case) all partial outputs in one round trip. UNROTATE (TurboQuant): the merged block goes to rot
-    (fp32 [query heads, D]) and the program of a head that finishes last (a counter per head, zeroed by the
-    split kernel) reads the whole row back and rotates it, R^T o = (o H) * signs / sqrt(D): the rotation mixes
-    all D coordinates, and one program per head reading every split's D partials was slow (B = 1, D = 256:
-    16 programs, ~11 us)."""
+    (fp32 [query heads, D]) and the program of the KV head's G query heads that finishes last (a counter per KV
+    head, zeroed by the split kernel) reads their rows back and rotates them, R^T o = (o H) * signs / sqrt(D).
+    (One program per query head doing both, as before, took 6-16 us on an H100: few programs, each reading
+    every split's D partials, and a one-row rotation.)"""
     _pdl_start(PDL)
     row = tl.program_id(0)
     bh = row // G
@@ -319,21 +319,21 @@ def _merge_splits_kernel(op_ptr, ml_ptr, o_ptr, sign_ptr, rot_ptr, cnt_ptr, Hkv,
         part = tl.load(parts + s[:, None] * BG * D, mask=(s < n_splits)[:, None], other=0.0)
         acc += tl.sum(tl.where(ms == float("-inf"), 0.0, tl.exp(ms - M))[:, None] * part, axis=0)
     acc = acc / denom
-    out = o_ptr + b.to(tl.int64) * stride_ob + (h * G + g) * stride_oh
     if UNROTATE:
-        if BD < D:
-            tl.store(rot_ptr + row * D + d, acc)
-            tl.debug_barrier()  # every thread's part stored before the release
-            if tl.atomic_add(cnt_ptr + row, 1, sem="acq_rel", scope="gpu") == D // BD - 1:
-                dd = tl.arange(0, D)
-                merged = tl.load(rot_ptr + row * D + dd, cache_modifier=".cg")  # the other programs' parts, past L1
-                y = tl.reshape(_hadamard_rows(tl.reshape(merged, (1, D)), D), (D,))
-                tl.store(out + dd, (y * (tl.load(sign_ptr + dd) / tl.sqrt(D * 1.0))).to(o_ptr.dtype.element_ty))
-        else:
-            y = tl.reshape(_hadamard_rows(tl.reshape(acc, (1, D)), D), (D,))
-            tl.store(out + d, (y * (tl.load(sign_ptr + d) / tl.sqrt(D * 1.0))).to(o_ptr.dtype.element_ty))
+        # the rotation mixes all D coordinates: the program of this KV head's query heads that finishes last
+        # rotates all of them at once ([BG, D]: tensor-core shapes; one row at a time was slow)
+        tl.store(rot_ptr + row * D + d, acc)
+        tl.debug_barrier()  # every thread's part stored before the release
+        if tl.atomic_add(cnt_ptr + bh, 1, sem="acq_rel", scope="gpu") == G * (D // BD) - 1:
+            gg = tl.arange(0, BG)
+            dd = tl.arange(0, D)
+            merged = tl.load(rot_ptr + (bh * G + gg[:, None]) * D + dd[None, :], mask=gg[:, None] < G, other=0.0,
+                             cache_modifier=".cg")  # the other programs' parts, past L1
+            y = _hadamard_rows(merged, D) * (tl.load(sign_ptr + dd) / tl.sqrt(D * 1.0))[None, :]
+            tl.store(o_ptr + b.to(tl.int64) * stride_ob + (h * G + gg[:, None]) * stride_oh + dd[None, :],
+                     y.to(o_ptr.dtype.element_ty), mask=gg[:, None] < G)
     else:
-        tl.store(out + d, acc.to(o_ptr.dtype.element_ty))
+        tl.store(o_ptr + b.to(tl.int64) * stride_ob + (h * G + g) * stride_oh + d, acc.to(o_ptr.dtype.element_ty))
 
 
 _SM_COUNT: dict = {}
@@ -429,9 +429,9 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, position
     ml = torch.empty((B * Hkv, ns, 2, BG), dtype=torch.float32, device=q.device)
     dummy = op
     rot = cnt = dummy
-    if unrotate:  # the merged rotated rows and a counter per query head (zeroed by the split kernel)
+    if unrotate:  # the merged rotated rows and a counter per KV head (zeroed by the split kernel)
         rot = torch.empty((B * Hq, D), dtype=torch.float32, device=q.device)
-        cnt = torch.empty((B * Hq,), dtype=torch.int32, device=q.device)
+        cnt = torch.empty((B * Hkv,), dtype=torch.int32, device=q.device)
     ks, vs = (k_scale, v_scale) if quant else (dummy, dummy)
     kr, vr = (k_recent, v_recent) if quant else (dummy, dummy)
     recent = k_recent.shape[2] if quant else 1
@@ -447,7 +447,7 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, position
         num_warps=num_warps, num_stages=num_stages)
     o = torch.empty((B, Hq, D), dtype=out_dtype or q.dtype, device=q.device)
     # the merge: coordinate blocks small enough that one load holds every split's partials (<= 64 KB a program);
-    # with unrotate the blocks of a head meet through `rot` and the head's counter
+    # with unrotate the blocks of a KV head's query heads meet through `rot` and the KV head's counter
     nsp = triton.next_power_of_2(ns)
     BD = min(D, 64, max(16, MERGE_ELEMS // nsp))
     while BD > 16 and B * Hq * (D // BD) < _sm_count(q.device):  # few heads (batch 1): narrower blocks, more SMs
