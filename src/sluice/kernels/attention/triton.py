@@ -286,7 +286,7 @@ def _int8_pair(x):
 @triton.jit
 def _merge_splits_kernel(op_ptr, ml_ptr, o_ptr, sign_ptr, rot_ptr, cnt_ptr, Hkv, n_splits, stride_ob, stride_oh,
                          G: tl.constexpr, BG: tl.constexpr, D: tl.constexpr, BD: tl.constexpr, NSP: tl.constexpr,
-                         SB: tl.constexpr, UNROTATE: tl.constexpr, PDL: tl.constexpr):
+                         SB: tl.constexpr, UNROTATE: tl.constexpr, PREC: tl.constexpr, PDL: tl.constexpr):
     """Program (query head, BD coordinates): the splits' weights exp(m_s - M) and the weighted partial outputs.
     A launch that is all latency, so every load is issued at once: all (max, sum) pairs and (SB >= splits, the
     usual case) all partial outputs in one round trip. UNROTATE (TurboQuant): the merged block goes to rot
@@ -329,7 +329,8 @@ def _merge_splits_kernel(op_ptr, ml_ptr, o_ptr, sign_ptr, rot_ptr, cnt_ptr, Hkv,
             dd = tl.arange(0, D)
             merged = tl.load(rot_ptr + (bh * G + gg[:, None]) * D + dd[None, :], mask=gg[:, None] < G, other=0.0,
                              cache_modifier=".cg")  # the other programs' parts, past L1
-            y = _hadamard_rows(merged, D) * (tl.load(sign_ptr + dd) / tl.sqrt(D * 1.0))[None, :]
+            # on tensor cores (tf32x3: fp32 accuracy to a few ulps); as FMAs it took microseconds
+            y = _hadamard_rows(merged, D, PREC) * (tl.load(sign_ptr + dd) / tl.sqrt(D * 1.0))[None, :]
             tl.store(o_ptr + b.to(tl.int64) * stride_ob + (h * G + gg[:, None]) * stride_oh + dd[None, :],
                      y.to(o_ptr.dtype.element_ty), mask=gg[:, None] < G)
     else:
@@ -455,6 +456,7 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, position
     sb = min(nsp, max(1, MERGE_ELEMS // BD))
     signs = _tables(D, q.device)[0] if unrotate else dummy
     _merge_splits_kernel[(B * Hq, D // BD)](op, ml, o, signs, rot, cnt, Hkv, ns, o.stride(0), o.stride(1), G=G,
-                                            BG=BG, D=D, BD=BD, NSP=nsp, SB=sb, UNROTATE=unrotate, PDL=use_pdl,
+                                            BG=BG, D=D, BD=BD, NSP=nsp, SB=sb, UNROTATE=unrotate,
+                                            PREC="ieee" if INTERPRET else "tf32x3", PDL=use_pdl,
                                             launch_pdl=use_pdl, num_warps=8 if sb * BD >= 8192 else 4)
     return o

@@ -82,30 +82,31 @@ def _sylvester(N: tl.constexpr, A: tl.constexpr):
 
 
 @triton.jit
-def _times_sylvester(x, N: tl.constexpr):
-    """x [M, N] @ H_N (N <= 16) as an fp32 FMA product: rows of N < 16 taken 16 / N at a time against 16 / N
-    copies of H_N (tensor-core shapes need 16 rows and 16 columns); products summed when too few rows."""
+def _times_sylvester(x, N: tl.constexpr, PREC: tl.constexpr = "ieee"):
+    """x [M, N] @ H_N (N <= 16) as an fp32 product (PREC: the dot's input precision; "ieee" runs on FMAs, "tf32x3"
+    on tensor cores to about fp32 accuracy): rows of N < 16 taken 16 / N at a time against 16 / N copies of H_N
+    (tensor-core shapes need 16 rows and 16 columns); products summed when too few rows."""
     M: tl.constexpr = x.shape[0]
     if M * N >= 256 and N < 16:
-        y = tl.dot(tl.reshape(x, (M * N // 16, 16)), _sylvester(16, N), input_precision="ieee")
+        y = tl.dot(tl.reshape(x, (M * N // 16, 16)), _sylvester(16, N), input_precision=PREC)
         return tl.reshape(y, (M, N))
     if M >= 16 and N == 16:
-        return tl.dot(x, _sylvester(16, 16), input_precision="ieee")
+        return tl.dot(x, _sylvester(16, 16), input_precision=PREC)
     return tl.sum(x[:, :, None] * _sylvester(N, N)[None, :, :], axis=1)
 
 
 @triton.jit
-def _hadamard_rows(x, D: tl.constexpr):
+def _hadamard_rows(x, D: tl.constexpr, PREC: tl.constexpr = "ieee"):
     """x [R, D] fp32 @ H_D (unnormalised), in registers: H_D = H_A (x) H_B with B = min(D, 16), A = D / B
     (coordinate i = B i1 + i0), so the product is H_B applied along i0 and H_A along i1: two small products and
     no D x D matrix read from memory."""
     R: tl.constexpr = x.shape[0]
     B: tl.constexpr = min(D, 16)
     A: tl.constexpr = D // B
-    y = _times_sylvester(tl.reshape(x, (R * A, B)), B)
+    y = _times_sylvester(tl.reshape(x, (R * A, B)), B, PREC)
     if A > 1:
         y = tl.reshape(tl.permute(tl.reshape(y, (R, A, B)), (0, 2, 1)), (R * B, A))
-        y = _times_sylvester(y, A)
+        y = _times_sylvester(y, A, PREC)
         y = tl.permute(tl.reshape(y, (R, B, A)), (0, 2, 1))
     return tl.reshape(y, (R, D))
 
