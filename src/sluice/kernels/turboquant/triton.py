@@ -51,7 +51,7 @@ def _append_rows(x_ptr, sign_ptr, lv_ptr, bd_ptr, codes_ptr, scale_ptr, ring_ptr
     dh = tl.arange(0, D // 2)
     x = tl.load(x_ptr + rows[:, None] * stride_xr + d[None, :], mask=ok[:, None], other=0.0).to(tl.float32)
     # y = (x * signs) H / sqrt(d); its two halves go to the low and the high nibbles
-    y = _hadamard_rows(x * tl.load(sign_ptr + d)[None, :], D) * (1.0 / tl.sqrt(D * 1.0))
+    y = _hadamard_rows(x * tl.load(sign_ptr + d)[None, :], D, "ieee") * (1.0 / tl.sqrt(D * 1.0))
     y_lo, y_hi = _halves(y, D)
     norm = tl.sqrt(tl.sum(y_lo * y_lo, axis=1) + tl.sum(y_hi * y_hi, axis=1))
     unit = tl.sqrt(D * 1.0) / tl.maximum(norm, 1e-30)
@@ -82,7 +82,7 @@ def _sylvester(N: tl.constexpr, A: tl.constexpr):
 
 
 @triton.jit
-def _times_sylvester(x, N: tl.constexpr, PREC: tl.constexpr = "ieee"):
+def _times_sylvester(x, N: tl.constexpr, PREC: tl.constexpr):
     """x [M, N] @ H_N (N <= 16) as an fp32 product (PREC: the dot's input precision; "ieee" runs on FMAs, "tf32x3"
     on tensor cores to about fp32 accuracy): rows of N < 16 taken 16 / N at a time against 16 / N copies of H_N
     (tensor-core shapes need 16 rows and 16 columns); products summed when too few rows."""
@@ -96,7 +96,7 @@ def _times_sylvester(x, N: tl.constexpr, PREC: tl.constexpr = "ieee"):
 
 
 @triton.jit
-def _hadamard_rows(x, D: tl.constexpr, PREC: tl.constexpr = "ieee"):
+def _hadamard_rows(x, D: tl.constexpr, PREC: tl.constexpr):
     """x [R, D] fp32 @ H_D (unnormalised), in registers: H_D = H_A (x) H_B with B = min(D, 16), A = D / B
     (coordinate i = B i1 + i0), so the product is H_B applied along i0 and H_A along i1: two small products and
     no D x D matrix read from memory."""
@@ -146,7 +146,7 @@ def _rotate_rows(x_ptr, y_ptr, sign_ptr, n_rows, stride_xr, D: tl.constexpr, INV
     x = tl.load(x_ptr + rows[:, None] * stride_xr + d[None, :], mask=ok[:, None], other=0.0).to(tl.float32)
     if not INVERSE:
         x = x * tl.load(sign_ptr + d)[None, :]
-    y = _hadamard_rows(x, D) * (1.0 / tl.sqrt(D * 1.0))
+    y = _hadamard_rows(x, D, "ieee") * (1.0 / tl.sqrt(D * 1.0))
     if INVERSE:
         y = y * tl.load(sign_ptr + d)[None, :]
     tl.store(y_ptr + rows[:, None] * D + d[None, :], y, mask=ok[:, None])
