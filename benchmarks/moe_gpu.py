@@ -8,8 +8,8 @@ shared-expert gate 8-bit g64 or bf16), random weights built directly in the pack
   prefill (T = 4096), the experts given the reference's ids (bf16 logits tie; the router is checked on its own);
 - decode, one token: the whole SparseMoE layer (router -> top-k -> expert GEMVs -> combine, shared expert and its
   gate included) under CUDA-graph replay, rotating over enough layer copies to exceed L2 ~4x: the one-launch
-  decode (kernels/moe/fused_decode.py) and the multi-launch decode, with the shared expert as a slot of the
-  routed launches or on its own stream (each checked against the reference first); the floor is the bytes that must be read (k experts, shared expert, router, shared gate) over the
+  decode (kernels/moe/fused_decode.py) and the multi-launch decode, with and without the gate_up GEMV asking
+  L2 for the down weights (each checked against the reference first); the floor is the bytes that must be read (k experts, shared expert, router, shared gate) over the
   measured copy bandwidth; a sweep of the one-launch kernel's warps and tile size;
 - the multi-launch decode's critical path: graph time of its first n launches (with --chain-only: only this);
 - --quick: the chain, the checks and the decode table only (no one-launch timeline or sweep, nothing else);
@@ -125,9 +125,8 @@ def check_fused(res, name, layers, k):
               f"{'ok' if row['ok'] else 'FAILED'}", flush=True)
 
 
-DECODE_PATHS = {  # label: (one launch, shared expert on its own stream)
-    "one launch": (True, False), "multi-launch, shared as a slot": (False, False),
-    "multi-launch, shared branch": (False, True)}
+DECODE_PATHS = {  # label: (one launch, the gate_up GEMV asking L2 for the down weights)
+    "one launch": (True, False), "multi-launch": (False, True), "multi-launch, no down prefetch": (False, False)}
 
 
 def check_layer(res, name, layers, k):
@@ -136,21 +135,20 @@ def check_layer(res, name, layers, k):
         layer = layers[kind][0]
         x = torch.randn(1, layer.gate_up.shape[2], device="cuda")
         ref = layer._forward_reference(x)
-        for label, (one, branch) in DECODE_PATHS.items():
-            fd.ENABLED, mt.SHARED_BRANCH = one, branch
+        for label, (one, then) in DECODE_PATHS.items():
+            fd.ENABLED, mt.PREFETCH_DOWN = one, then
             row = {"model": name, "T": 1, "path": f"{label}, {kind} router", "rel_err": rel_err(layer(x), ref)}
             row["ok"] = row["rel_err"] <= 1e-2
             res["correctness"].append(row)
             print(f"check {name} {label} ({kind} router): rel err {row['rel_err']:.2e}, "
                   f"{'ok' if row['ok'] else 'FAILED'}", flush=True)
-    fd.ENABLED, mt.SHARED_BRANCH = True, True
+    fd.ENABLED, mt.PREFETCH_DOWN = True, True
 
 
 def time_decode(res, name, layers, k, copy_bw):
     """The whole layer for one token, each call on its own layer copy (cold L2): the one-launch decode and the
-    multi-launch decode with the shared expert as a slot of the routed launches or on its own stream
-    (`fd.ENABLED`, `mt.SHARED_BRANCH` pick what SparseMoE runs); the slot path also with the timing of the
-    runs before 2026-11-26 (`graph_time(legacy=True)`), which charged the replay's launch gap to few calls."""
+    multi-launch decode with and without the down weights asked of L2 by the gate_up GEMV (`fd.ENABLED`,
+    `mt.PREFETCH_DOWN` pick what SparseMoE runs)."""
     for kind in ROUTERS:
         rot = layers[kind]
         xs = [torch.randn(1, rot[0].gate_up.shape[2], device="cuda", dtype=BF16) for _ in rot]
@@ -158,12 +156,10 @@ def time_decode(res, name, layers, k, copy_bw):
         nbytes = decode_floor_bytes(rot[0], k)
         floor = nbytes / copy_bw
         row = {"model": name, "router": kind, "floor_bytes": nbytes, "floor_us": floor * 1e6, "copies": len(rot)}
-        for label, (one, branch) in DECODE_PATHS.items():
-            fd.ENABLED, mt.SHARED_BRANCH = one, branch
+        for label, (one, then) in DECODE_PATHS.items():
+            fd.ENABLED, mt.PREFETCH_DOWN = one, then
             row[f"{label} us"] = graph_time(calls) * 1e6
-            if label == "multi-launch, shared as a slot":
-                row["slot path, legacy timing us"] = graph_time(calls, legacy=True) * 1e6
-        fd.ENABLED, mt.SHARED_BRANCH = True, True
+        fd.ENABLED, mt.PREFETCH_DOWN = True, True
         res["decode"].append(row)
         print(f"decode {name} router {kind}: floor {row['floor_us']:.1f} us; " + "; ".join(
             f"{key} {v:.1f} ({floor * 1e6 / v * 100:.0f}%)" for key, v in row.items() if key.endswith(" us")),
@@ -244,7 +240,7 @@ def chain_prefix(m, x, k, n):
     xp = tq_.prep_x(x, m.gate_up.bits, m.gate_up.group_size)
     if n == 4:
         return
-    y_gu = mt._expert_gemv(xp, m.gate_up, ids.view(-1), k + 1, extra[0])
+    y_gu = mt._expert_gemv(xp, m.gate_up, ids.view(-1), k + 1, extra[0], then=m.down if mt.PREFETCH_DOWN else None)
     if n == 5:
         return
     hp = mt.swiglu_prep(y_gu, m.down.bits, m.down.group_size)
@@ -272,11 +268,9 @@ def chain_ablation(res, name, layers, k):
         res["chain"].append(row)
         print(f"chain {name} {n} launches (+ {row['last']}): {row.get('us', float('nan')):.1f} us "
               f"(+{row['added_us']:.1f})", flush=True)
-    mt.SHARED_BRANCH = False
     full = graph_time([lambda m=m, x=x: m(x) for m, x in zip(rot, xs)]) * 1e6
-    mt.SHARED_BRANCH = True
     res["chain"].append({"model": name, "launches": "layer", "us": full})
-    print(f"chain {name} the layer itself (shared expert as a slot): {full:.1f} us", flush=True)
+    print(f"chain {name} the layer itself: {full:.1f} us", flush=True)
     fd.ENABLED = True
 
 

@@ -71,12 +71,10 @@ def test_route_adds_split_k_partials(S, n_exp):
     torch.testing.assert_close(weights, ref_w)
 
 
-@pytest.mark.parametrize("branch", [False, True])
 @pytest.mark.parametrize("T,bits,gs", [(1, 4, 64), (3, 8, 32), (2, 2, 64)])
-def test_decode_runs_the_shared_expert_as_one_more_slot(T, bits, gs, branch):
-    """moe_decode with the shared expert as expert id E (stored apart), either as one more slot of the routed
-    launches or started beforehand as a `SharedExpertBranch` (its own launches, on a second stream on a GPU),
-    equals the reference with the shared expert's output computed on its own."""
+def test_decode_runs_the_shared_expert_as_one_more_slot(T, bits, gs):
+    """moe_decode with the shared expert as expert id E (stored apart) equals the reference with the shared
+    expert's output computed on its own."""
     g = torch.Generator().manual_seed(T + bits)
     gate_up, down = experts(g, bits, gs, gs)
     sh_gu = quantize(torch.randn(2 * I, H, generator=g) * 0.1, bits, gs)
@@ -86,16 +84,10 @@ def test_decode_runs_the_shared_expert_as_one_more_slot(T, bits, gs, branch):
     gu = x.float() @ sh_gu.dequantize(torch.float32).T
     shared_out = (torch.nn.functional.silu(gu[:, :I]) * gu[:, I:]) @ sh_down.dequantize(torch.float32).T
     ref = reference.moe_reference(x, logits, gate_up, down, 2, True, shared_out, gate[:, None])
-    pair = (on_device(sh_gu), on_device(sh_down))
-    shared = mt.SharedExpertBranch(x.to(DEVICE), pair, on_device(down), 3) if branch else None
     ids, weights = mt.route(logits.to(DEVICE), 2, True, gate.to(DEVICE))
     out = mt.moe_decode(x.to(DEVICE), ids, weights, on_device(gate_up), on_device(down),
-                        shared_expert=None if branch else pair, shared=shared)
+                        shared_expert=(on_device(sh_gu), on_device(sh_down)))
     assert rel_err(out.cpu(), ref) <= 1e-2
-    if branch:
-        with pytest.raises(ValueError, match="branch comes alone"):
-            mt.moe_decode(x.to(DEVICE), ids[:, :2].contiguous(), weights[:, :2].contiguous(), on_device(gate_up),
-                          on_device(down), shared=shared)
     with pytest.raises(ValueError, match="stored like one routed expert"):
         mt.moe_decode(x.to(DEVICE), ids, weights, on_device(gate_up), on_device(down),
                       shared_expert=(on_device(sh_down), on_device(sh_gu)))

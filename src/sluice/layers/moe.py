@@ -110,10 +110,6 @@ class SparseMoE(nn.Module):
                                         fused[1])
         shared_expert = self._shared_as_expert(kernels) if x2.shape[0] <= kernels.DECODE_MAX_TOKENS else None
         if shared_expert is not None:  # decode: the shared expert is slot k of every token
-            if kernels.SHARED_BRANCH:  # started first, on its own stream: it streams while the router routes
-                branch = kernels.SharedExpertBranch(x2, shared_expert, self.down, self.top_k + 1)
-                ids, weights = self._route_with_shared_slot(x2, kernels)
-                return kernels.moe_decode(x2, ids, weights, self.gate_up, self.down, shared=branch)
             ids, weights = self._route_with_shared_slot(x2, kernels)
             return kernels.moe_decode(x2, ids, weights, self.gate_up, self.down, shared_expert=shared_expert)
         E = self.num_experts

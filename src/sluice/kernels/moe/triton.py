@@ -6,8 +6,6 @@ Everything stays on the device (no host synchronisation, so a decode step can be
 - `moe_decode` (a few tokens): the T*k (token, expert) slots are rows of ONE indexed GEMV per projection
   (`qmatmul.triton.gemv_launch` with expert ids read on the device); between them `swiglu_prep` (`prep_x` in
   its SwiGLU mode) turns the gate_up partial sums into h = silu(g) * u already in the GEMV's prepared-activation layout.
-  The shared expert either rides along as one more slot (id E) or, as a `SharedExpertBranch`, runs on a second
-  CUDA stream beside the routing (it needs nothing the router computes).
 - `moe_prefill` (many tokens): slots sorted by expert, a table of BLOCK_M-row tiles (expert, first row) built on
   the device, ONE grouped tensor-core GEMM launch per projection (W tiles dequantized in registers), SwiGLU
   fused into the gate_up epilogue.
@@ -16,8 +14,6 @@ Everything stays on the device (no host synchronisation, so a decode step can be
 """
 
 from __future__ import annotations
-
-import contextlib
 
 import torch
 import triton
@@ -29,7 +25,6 @@ from sluice.quant.affine import QuantizedTensor
 MAX_TOP_K = 16
 MAX_EXPERTS = 1024
 DECODE_MAX_TOKENS = 4  # up to this many tokens the indexed GEMVs; beyond, the grouped GEMMs
-SHARED_BRANCH = True  # decode: the shared expert on a second stream beside the routing (else a slot of the GEMVs)
 
 
 # ---------------------------------------------------------------------------------------------------- router
@@ -157,119 +152,45 @@ def swiglu_prep(y: torch.Tensor, bits: int, group_size: int) -> torch.Tensor:
     return tq.prep_x(y, bits, group_size, swiglu=True)
 
 
-def _gemv_splits(qt: QuantizedTensor, rows: int, block_n: int, device, num_warps: int = 1) -> tuple[int, int]:
-    """(split_k asked, splits used) of an expert GEMV over `rows` rows: K is split only when the rows and N-blocks
-    alone leave multiprocessors idle."""
-    split_k = tq.gemv_split_k(qt.out_features, qt.in_features, qt.bits, rows, block_n, num_warps, device=device)
-    return split_k, tq.gemv_used_splits(qt.in_features, qt.bits, split_k, num_warps)[0]
-
-
 def _expert_gemv(xp: torch.Tensor, qt: QuantizedTensor, ids: torch.Tensor, x_div: int,
                  extra: QuantizedTensor | None = None, block_n: int | None = None, num_warps: int = 1,
-                 skip_extra: bool = False, out: torch.Tensor | None = None,
-                 split_k: int | None = None) -> torch.Tensor:
+                 then: QuantizedTensor | None = None) -> torch.Tensor:
     """Partials [splits, rows, N] fp32 of row r = xp[r // x_div] @ W[ids[r]]^T: one indexed GEMV launch, right
     after the launch that prepared xp (so the ids are ready before it: the GEMV may prefetch). Id E (one past
-    the stacked experts) stands for `extra`, or with `skip_extra` is left alone (written into `out` by another
-    launch, with the same `split_k`)."""
+    the stacked experts) stands for `extra`. `then`: the stacked weights the next launch reads by the same ids
+    (down after gate_up), asked of L2 by the programs as they finish (`gemv_launch`'s `then`)."""
     rows = ids.numel()
     N, K = qt.out_features, qt.in_features
     block_n = block_n or tq.gemv_block_n(N, rows, xp.device)
-    if split_k is None:
-        split_k, used = _gemv_splits(qt, rows, block_n, xp.device, num_warps)
-    else:
-        used = tq.gemv_used_splits(K, qt.bits, split_k, num_warps)[0]
-    if out is None:
-        out = torch.empty((used, rows, N), dtype=torch.float32, device=xp.device)
+    # K is split only when the rows and N-blocks alone leave multiprocessors idle
+    split_k = tq.gemv_split_k(N, K, qt.bits, rows, block_n, num_warps, device=xp.device)
+    used = tq.gemv_used_splits(K, qt.bits, split_k, num_warps)[0]
+    out = torch.empty((used, rows, N), dtype=torch.float32, device=xp.device)
     tq.gemv_launch(xp, qt.weight.view(torch.int32), qt.scales, qt.biases, out, ids, rows, N, K, qt.bits,
                    qt.group_size, split_k, x_div=x_div, block_n=block_n, num_warps=num_warps, ids_ready=True,
                    extra=None if extra is None else (extra.weight.view(torch.int32), extra.scales, extra.biases),
-                   skip_extra=skip_extra)
+                   then=None if then is None else (then.weight.view(torch.int32), then.scales, then.biases))
     return out
 
 
-def _plain_gemv(xp: torch.Tensor, qt: QuantizedTensor, rows: int, out: torch.Tensor | None = None,
-                split_k: int | None = None) -> torch.Tensor:
-    """Partials [splits, rows, N] fp32 of xp[r] @ W^T for a 2-D W (the shared expert), into `out` when given."""
-    N, K = qt.out_features, qt.in_features
-    block_n = tq.gemv_block_n(N, rows, xp.device)
-    if split_k is None:
-        split_k, used = _gemv_splits(qt, rows, block_n, xp.device)
-    else:
-        used = tq.gemv_used_splits(K, qt.bits, split_k)[0]
-    if out is None:
-        out = torch.empty((used, rows, N), dtype=torch.float32, device=xp.device)
-    tq.gemv_launch(xp, qt.weight.view(torch.int32), qt.scales, qt.biases, out, None, rows, N, K, qt.bits,
-                   qt.group_size, split_k, block_n=block_n)
-    return out
-
-
-_SIDE_STREAMS: dict = {}
-
-
-@contextlib.contextmanager
-def _forked(device):
-    """Launches inside run on this device's second stream, after everything already on the current one (a
-    branch of the graph under CUDA-graph capture); without CUDA (the interpreter) they run in place."""
-    if device.type != "cuda":
-        yield None
-        return
-    if device not in _SIDE_STREAMS:
-        _SIDE_STREAMS[device] = torch.cuda.Stream(device)
-    side = _SIDE_STREAMS[device]
-    side.wait_stream(torch.cuda.current_stream(device))
-    with torch.cuda.stream(side):
-        yield side
-
-
-class SharedExpertBranch:
-    """The shared expert of a decode step, started before the router: its own launches (x prep, gate_up GEMV,
-    SwiGLU prep, down GEMV) on a second CUDA stream, so that its weights stream while the routing chain (router
-    GEMV, top-k: launches that leave the memory system mostly idle) runs. Its down projection lands in the rows
-    of slot k (`slots` - 1) of `y`, the routed down projection's output, which `moe_decode(..., shared=branch)`
-    fills around it (its GEMV programs for id E return at once) and joins before the combine. The shared
-    expert is stored like one routed expert (`shared_expert_fits`)."""
-
-    def __init__(self, x: torch.Tensor, shared_expert: tuple[QuantizedTensor, QuantizedTensor],
-                 down: QuantizedTensor, slots: int):
-        gate_up_s, down_s = shared_expert
-        T = x.shape[0]
-        self.rows, self.device = T * slots, x.device
-        block_n = tq.gemv_block_n(down.out_features, self.rows, x.device)
-        self.down_split, used = _gemv_splits(down, self.rows, block_n, x.device)
-        self.y = torch.empty((used, self.rows, down.out_features), dtype=torch.float32, device=x.device)
-        with _forked(x.device) as self.stream:
-            xp = tq.prep_x(x.contiguous(), gate_up_s.bits, gate_up_s.group_size)
-            h = swiglu_prep(_plain_gemv(xp, gate_up_s, T), down_s.bits, down_s.group_size)
-            _plain_gemv(h, down_s, T, out=self.y[:, slots - 1::slots], split_k=self.down_split)
-
-    def join(self) -> None:
-        """The current stream waits for the branch (before anything reads `y`)."""
-        if self.stream is not None:
-            torch.cuda.current_stream(self.device).wait_stream(self.stream)
+PREFETCH_DOWN = True  # decode: the gate_up GEMV asks L2 for the chosen experts' down weights as its programs end
 
 
 def moe_decode(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_up: QuantizedTensor,
                down: QuantizedTensor, shared_out: torch.Tensor | None = None,
                shared_gate_logit: torch.Tensor | None = None,
-               shared_expert: tuple[QuantizedTensor, QuantizedTensor] | None = None,
-               shared: SharedExpertBranch | None = None) -> torch.Tensor:
+               shared_expert: tuple[QuantizedTensor, QuantizedTensor] | None = None) -> torch.Tensor:
     """MoE output [T, H] in x's dtype for a few tokens (T <= ~4): five launches whatever k is. With
     `shared_expert` (its gate_up [2I, H] and down [H, I], stored like the routed experts) the ids and weights
     come from `route(..., shared_gate_logit)`: id E is the shared expert, run as one more slot of the same
-    launches. With `shared` (the same ids and weights) that slot was started on its own stream instead."""
+    launches."""
     _check_moe(x, ids, weights, gate_up, down, shared_out, shared_gate_logit, shared_expert)
-    if shared is not None and (shared_expert is not None or shared_out is not None or shared.rows != ids.numel()):
-        raise ValueError(f"moe: a shared-expert branch comes alone, for ids of {shared.rows} slots")
     ids = ids.contiguous().view(-1)
     gu_extra, down_extra = shared_expert if shared_expert is not None else (None, None)
-    skip = shared is not None
     xp = tq.prep_x(x.contiguous(), gate_up.bits, gate_up.group_size)
-    y_gu = _expert_gemv(xp, gate_up, ids, x_div=weights.shape[1], extra=gu_extra, skip_extra=skip)
-    y = _expert_gemv(swiglu_prep(y_gu, down.bits, down.group_size), down, ids, x_div=1, extra=down_extra,
-                     skip_extra=skip, out=shared.y if skip else None, split_k=shared.down_split if skip else None)
-    if skip:
-        shared.join()
+    y_gu = _expert_gemv(xp, gate_up, ids, x_div=weights.shape[1], extra=gu_extra,
+                        then=down if PREFETCH_DOWN and tq.pdl(x.device) else None)
+    y = _expert_gemv(swiglu_prep(y_gu, down.bits, down.group_size), down, ids, x_div=1, extra=down_extra)
     return combine(y, weights, x.dtype, shared_out, shared_gate_logit)
 
 
