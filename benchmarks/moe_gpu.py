@@ -8,8 +8,7 @@ shared-expert gate 8-bit g64 or bf16), random weights built directly in the pack
   prefill (T = 4096), the experts given the reference's ids (bf16 logits tie; the router is checked on its own);
 - decode, one token: the whole SparseMoE layer (router -> top-k -> expert GEMVs -> combine, shared expert and its
   gate included) under CUDA-graph replay, rotating over enough layer copies to exceed L2 ~4x: the one-launch
-  decode (kernels/moe/fused_decode.py) and the multi-launch decode, with and without the gate_up GEMV asking
-  L2 for the down weights (each checked against the reference first); the floor is the bytes that must be read (k experts, shared expert, router, shared gate) over the
+  decode (kernels/moe/fused_decode.py) and the multi-launch decode (each checked against the reference first); the floor is the bytes that must be read (k experts, shared expert, router, shared gate) over the
   measured copy bandwidth; a sweep of the one-launch kernel's warps and tile size;
 - the multi-launch decode's critical path: graph time of its first n launches (with --chain-only: only this);
 - --quick: the chain, the checks and the decode table only (no one-launch timeline or sweep, nothing else);
@@ -125,8 +124,7 @@ def check_fused(res, name, layers, k):
               f"{'ok' if row['ok'] else 'FAILED'}", flush=True)
 
 
-DECODE_PATHS = {  # label: (one launch, the gate_up GEMV asking L2 for the down weights)
-    "one launch": (True, False), "multi-launch": (False, True), "multi-launch, no down prefetch": (False, False)}
+DECODE_PATHS = {"one launch": True, "multi-launch": False}  # label: fd.ENABLED
 
 
 def check_layer(res, name, layers, k):
@@ -135,20 +133,19 @@ def check_layer(res, name, layers, k):
         layer = layers[kind][0]
         x = torch.randn(1, layer.gate_up.shape[2], device="cuda")
         ref = layer._forward_reference(x)
-        for label, (one, then) in DECODE_PATHS.items():
-            fd.ENABLED, mt.PREFETCH_DOWN = one, then
+        for label, one in DECODE_PATHS.items():
+            fd.ENABLED = one
             row = {"model": name, "T": 1, "path": f"{label}, {kind} router", "rel_err": rel_err(layer(x), ref)}
             row["ok"] = row["rel_err"] <= 1e-2
             res["correctness"].append(row)
             print(f"check {name} {label} ({kind} router): rel err {row['rel_err']:.2e}, "
                   f"{'ok' if row['ok'] else 'FAILED'}", flush=True)
-    fd.ENABLED, mt.PREFETCH_DOWN = True, True
+    fd.ENABLED = True
 
 
 def time_decode(res, name, layers, k, copy_bw):
     """The whole layer for one token, each call on its own layer copy (cold L2): the one-launch decode and the
-    multi-launch decode with and without the down weights asked of L2 by the gate_up GEMV (`fd.ENABLED`,
-    `mt.PREFETCH_DOWN` pick what SparseMoE runs)."""
+    multi-launch decode (`fd.ENABLED` picks which one SparseMoE runs)."""
     for kind in ROUTERS:
         rot = layers[kind]
         xs = [torch.randn(1, rot[0].gate_up.shape[2], device="cuda", dtype=BF16) for _ in rot]
@@ -156,10 +153,10 @@ def time_decode(res, name, layers, k, copy_bw):
         nbytes = decode_floor_bytes(rot[0], k)
         floor = nbytes / copy_bw
         row = {"model": name, "router": kind, "floor_bytes": nbytes, "floor_us": floor * 1e6, "copies": len(rot)}
-        for label, (one, then) in DECODE_PATHS.items():
-            fd.ENABLED, mt.PREFETCH_DOWN = one, then
+        for label, one in DECODE_PATHS.items():
+            fd.ENABLED = one
             row[f"{label} us"] = graph_time(calls) * 1e6
-        fd.ENABLED, mt.PREFETCH_DOWN = True, True
+        fd.ENABLED = True
         res["decode"].append(row)
         print(f"decode {name} router {kind}: floor {row['floor_us']:.1f} us; " + "; ".join(
             f"{key} {v:.1f} ({floor * 1e6 / v * 100:.0f}%)" for key, v in row.items() if key.endswith(" us")),
@@ -240,7 +237,7 @@ def chain_prefix(m, x, k, n):
     xp = tq_.prep_x(x, m.gate_up.bits, m.gate_up.group_size)
     if n == 4:
         return
-    y_gu = mt._expert_gemv(xp, m.gate_up, ids.view(-1), k + 1, extra[0], then=m.down if mt.PREFETCH_DOWN else None)
+    y_gu = mt._expert_gemv(xp, m.gate_up, ids.view(-1), k + 1, extra[0])
     if n == 5:
         return
     hp = mt.swiglu_prep(y_gu, m.down.bits, m.down.group_size)

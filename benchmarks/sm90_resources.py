@@ -231,9 +231,8 @@ def moe():
 
 
 def decode():
-    """The multi-launch MoE decode (x prep, router GEMV, route, expert GEMVs with the shared expert as a slot, the
-    gate_up one asking L2 for the down weights, SwiGLU prep, combine) at the Qwen3.5 shape: every distinct launch
-    compiles."""
+    """The multi-launch MoE decode (x prep, router GEMV, route, expert GEMVs with the shared expert as a slot,
+    SwiGLU prep, combine) at the Qwen3.5 shape: every distinct launch compiles."""
     from sluice.kernels.moe import triton as mt
     from sluice.kernels.qmatmul import triton as qt
     from sluice.quant.affine import QuantizedTensor
@@ -263,8 +262,6 @@ def decode():
     seen = set()
     for name, fn, (grid, args, kw) in launches:
         kw = dict(kw, **{f: True for f in ("ASM", "PDL", "PREFETCH") if f in kw})
-        if kw.get("INDEXED") and grid[0] * 4 == 2 * I:  # the gate_up GEMV, as with PDL: down's lines asked of L2
-            kw.update(THEN_W=64, THEN_S=4)
         key = (name, tuple(sorted((a, str(b)) for a, b in kw.items())))
         if key in seen:
             continue
@@ -273,7 +270,7 @@ def decode():
             r = compile_launch(fn, args, kw)
         except Exception as e:  # noqa: BLE001 - report and go on
             r = f"{type(e).__name__}: {str(e)[-1500:]}"
-        flags = " ".join(f for f in ("INDEXED", "EXTRA", "THEN_W", "SWIGLU") if kw.get(f))
+        flags = " ".join(f for f in ("INDEXED", "EXTRA", "SWIGLU") if kw.get(f))
         print(f"{name:16s} {flags:28s} grid {grid}: {r}", flush=True)
 
 

@@ -1,8 +1,7 @@
 """Where a decode step's time goes: every kernel's start and end (µs, from the first kernel of the call) under
 CUDA-graph replay, read from the CUDA profiler (CUPTI), for
 
-- the MoE decode layer at both models' shapes (8-bit router), with and without the gate_up GEMV asking L2 for
-  the down weights (`moe_triton.PREFETCH_DOWN`);
+- the MoE decode layer (the multi-launch decode) at both models' shapes, 8-bit router;
 - decode attention at 32k context, batch 1 and 16, dense bf16 and TurboQuant caches, both shapes of
   `attention_gpu.py` (the kernel and its merge; TurboQuant q rotated beforehand).
 
@@ -68,17 +67,12 @@ def moe(res):
     from moe_gpu import MODELS, build_layers
 
     from sluice.kernels.moe import fused_decode as fd
-    from sluice.kernels.moe import triton as mt
 
     fd.ENABLED = False
     for name, (H, E, I, k, Is) in MODELS.items():
         layers = [build_layers(H, E, I, k, Is)["8-bit"] for _ in range(COPIES)]
         xs = [torch.randn(1, H, device="cuda", dtype=torch.bfloat16) for _ in layers]
-        for then in (False, True):
-            mt.PREFETCH_DOWN = then
-            show(res, f"MoE decode {name}, {'with' if then else 'without'} the down weights asked of L2 early",
-                 kernel_timeline([lambda m=m, x=x: m(x) for m, x in zip(layers, xs)]))
-        mt.PREFETCH_DOWN = True
+        show(res, f"MoE decode {name}", kernel_timeline([lambda m=m, x=x: m(x) for m, x in zip(layers, xs)]))
         del layers
         torch.cuda.empty_cache()
 

@@ -153,12 +153,10 @@ def swiglu_prep(y: torch.Tensor, bits: int, group_size: int) -> torch.Tensor:
 
 
 def _expert_gemv(xp: torch.Tensor, qt: QuantizedTensor, ids: torch.Tensor, x_div: int,
-                 extra: QuantizedTensor | None = None, block_n: int | None = None, num_warps: int = 1,
-                 then: QuantizedTensor | None = None) -> torch.Tensor:
+                 extra: QuantizedTensor | None = None, block_n: int | None = None, num_warps: int = 1) -> torch.Tensor:
     """Partials [splits, rows, N] fp32 of row r = xp[r // x_div] @ W[ids[r]]^T: one indexed GEMV launch, right
     after the launch that prepared xp (so the ids are ready before it: the GEMV may prefetch). Id E (one past
-    the stacked experts) stands for `extra`. `then`: the stacked weights the next launch reads by the same ids
-    (down after gate_up), asked of L2 by the programs as they finish (`gemv_launch`'s `then`)."""
+    the stacked experts) stands for `extra`."""
     rows = ids.numel()
     N, K = qt.out_features, qt.in_features
     block_n = block_n or tq.gemv_block_n(N, rows, xp.device)
@@ -168,12 +166,8 @@ def _expert_gemv(xp: torch.Tensor, qt: QuantizedTensor, ids: torch.Tensor, x_div
     out = torch.empty((used, rows, N), dtype=torch.float32, device=xp.device)
     tq.gemv_launch(xp, qt.weight.view(torch.int32), qt.scales, qt.biases, out, ids, rows, N, K, qt.bits,
                    qt.group_size, split_k, x_div=x_div, block_n=block_n, num_warps=num_warps, ids_ready=True,
-                   extra=None if extra is None else (extra.weight.view(torch.int32), extra.scales, extra.biases),
-                   then=None if then is None else (then.weight.view(torch.int32), then.scales, then.biases))
+                   extra=None if extra is None else (extra.weight.view(torch.int32), extra.scales, extra.biases))
     return out
-
-
-PREFETCH_DOWN = True  # decode: the gate_up GEMV asks L2 for the chosen experts' down weights as its programs end
 
 
 def moe_decode(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_up: QuantizedTensor,
@@ -188,8 +182,7 @@ def moe_decode(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_u
     ids = ids.contiguous().view(-1)
     gu_extra, down_extra = shared_expert if shared_expert is not None else (None, None)
     xp = tq.prep_x(x.contiguous(), gate_up.bits, gate_up.group_size)
-    y_gu = _expert_gemv(xp, gate_up, ids, x_div=weights.shape[1], extra=gu_extra,
-                        then=down if PREFETCH_DOWN and tq.pdl(x.device) else None)
+    y_gu = _expert_gemv(xp, gate_up, ids, x_div=weights.shape[1], extra=gu_extra)
     y = _expert_gemv(swiglu_prep(y_gu, down.bits, down.group_size), down, ids, x_div=1, extra=down_extra)
     return combine(y, weights, x.dtype, shared_out, shared_gate_logit)
 

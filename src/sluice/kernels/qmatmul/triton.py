@@ -185,13 +185,11 @@ def prep_len(K: int, group_size: int) -> int:
 
 
 @triton.jit
-def _gemv_kernel(xp_ptr, w_ptr, s_ptr, b_ptr, y_ptr, ids_ptr, wx_ptr, sx_ptr, bx_ptr, tw_ptr, ts_ptr, tb_ptr, N, KW,
-                 w_per_split, x_div, n_experts, stride_pm, stride_we, stride_wn, stride_se, stride_sn, stride_ys,
-                 stride_ym, then_words, then_groups, stride_twe, stride_tse,
+def _gemv_kernel(xp_ptr, w_ptr, s_ptr, b_ptr, y_ptr, ids_ptr, wx_ptr, sx_ptr, bx_ptr, N, KW, w_per_split, x_div,
+                 n_experts, stride_pm, stride_we, stride_wn, stride_se, stride_sn, stride_ys, stride_ym,
                  BITS: tl.constexpr, GS: tl.constexpr, BLOCK_N: tl.constexpr, KB: tl.constexpr,
                  EVEN_N: tl.constexpr, EVEN_K: tl.constexpr, INDEXED: tl.constexpr, EXTRA: tl.constexpr,
-                 THEN_W: tl.constexpr, THEN_S: tl.constexpr, ASM: tl.constexpr, PDL: tl.constexpr,
-                 PREFETCH: tl.constexpr):
+                 ASM: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr):
     """y[split, row, n] = sum over this split's words of x[row] . W[n]. Program (n-block, split, row); each step
     reads a [BLOCK_N, KB words] tile of W.
     Layout: KB = 128 words per warp, so the threads lie along K (4 words, one 16-byte load, each) and every
@@ -199,10 +197,6 @@ def _gemv_kernel(xp_ptr, w_ptr, s_ptr, b_ptr, y_ptr, ids_ptr, wx_ptr, sx_ptr, bx
     registers. (x traffic through L1 is what capped earlier layouts at ~55% of the memory bandwidth.)
     INDEXED: W, scales and biases are stacked over experts and row r uses expert ids[r] and x row r // x_div;
     with EXTRA, id n_experts means one more expert stored apart (wx, sx, bx: the shared expert, same shape).
-    THEN_W > 0 (INDEXED, PDL): the stacked weights the next launch reads by the same ids (tw, ts, tb: down after
-    gate_up) are asked of L2 as each program ends, its share of them (THEN_W lines of words, THEN_S of scales and
-    of biases): so the memory system streams them through this launch's tail and the launch between. (An
-    evict-first hint on this launch's own loads cost their 16-byte vectorisation in Triton 3.6: not used.)
     PREFETCH (with PDL): the ids and weights were written two launches back or earlier (x was prepared by the
     launch just before), so the first step's weights are asked of L2 while the previous kernel still runs."""
     EPW: tl.constexpr = 32 // BITS
@@ -286,17 +280,6 @@ def _gemv_kernel(xp_ptr, w_ptr, s_ptr, b_ptr, y_ptr, ids_ptr, wx_ptr, sx_ptr, bx
         accb += b * xg[None, :]
     y = tl.sum(tl.sum(acc, axis=2), axis=1) + tl.sum(accb, axis=1)
     tl.store(y_ptr + pid_k * stride_ys + row * stride_ym + offs_n, y.to(y_ptr.dtype.element_ty), mask=n_ok)
-    if THEN_W > 0:
-        if e < n_experts:  # (the shared expert, stored apart, is left alone)
-            share = pid_n * tl.num_programs(1) + pid_k
-            parts = tl.num_programs(0) * tl.num_programs(1)
-            cw = tl.cdiv(then_words, parts)  # this program's share of the words: 128-byte lines
-            ow = tl.minimum(share * cw + tl.arange(0, THEN_W) * 32, then_words - 1)
-            _prefetch_l2(tw_ptr + e * stride_twe + ow, PDL)
-            cs = tl.cdiv(then_groups, parts)  # and of the 2-byte scales and biases
-            o_s = tl.minimum(share * cs + tl.arange(0, THEN_S) * 64, then_groups - 1)
-            _prefetch_l2(ts_ptr + e * stride_tse + o_s, PDL)
-            _prefetch_l2(tb_ptr + e * stride_tse + o_s, PDL)
 
 
 @triton.jit
@@ -474,7 +457,7 @@ def gemv_used_splits(K, bits, split_k, num_warps=1) -> tuple[int, int]:
 
 
 def gemv_launch(xp, w, s, b, out, ids, rows, N, K, bits, gs, split_k, x_div=1, block_n=4, num_warps=1, extra=None,
-                ids_ready=False, then=None):
+                ids_ready=False):
     """Launch `_gemv_kernel` for `rows` output rows: xp from `prep_x`, launched just before; W [E?, N, KW] int32,
     scales/biases [E?, N, K/GS]; ids [rows] expert indices (INDEXED) or None; out [split_k', rows, N] (fp32 when
     split); extra: (W, scales, biases) [N, ...] of the expert that id E stands for (row strides as the stacked
@@ -486,19 +469,12 @@ def gemv_launch(xp, w, s, b, out, ids, rows, N, K, bits, gs, split_k, x_div=1, b
     indexed = ids is not None
     wx, sx, bx = extra if extra is not None else (w, s, b)
     use_pdl = pdl(xp.device)
-    grid = (triton.cdiv(N, block_n), used, rows)
-    then_w = then_s = 0
-    tw, ts, tb = then if then is not None and indexed and use_pdl else (w, s, b)
-    if tw is not w:  # lines per program: words and (2-byte) scales, each stacked expert's contiguous
-        then_w = triton.next_power_of_2(triton.cdiv(triton.cdiv(tw[0].numel(), grid[0] * grid[1]), 32))
-        then_s = triton.next_power_of_2(triton.cdiv(triton.cdiv(ts[0].numel(), grid[0] * grid[1]), 64))
-    _gemv_kernel[grid](
-        xp, w, s, b, out, ids if indexed else xp, wx, sx, bx, tw, ts, tb, N, kw, w_per_split, x_div,
+    _gemv_kernel[(triton.cdiv(N, block_n), used, rows)](
+        xp, w, s, b, out, ids if indexed else xp, wx, sx, bx, N, kw, w_per_split, x_div,
         w.shape[0] if indexed else 0, xp.stride(0), w.stride(0) if indexed else 0, w.stride(-2),
-        s.stride(0) if indexed else 0, s.stride(-2), out.stride(0), out.stride(1), tw[0].numel(), ts[0].numel(),
-        tw.stride(0), ts.stride(0), BITS=bits, GS=gs,
+        s.stride(0) if indexed else 0, s.stride(-2), out.stride(0), out.stride(1), BITS=bits, GS=gs,
         BLOCK_N=block_n, KB=kb, EVEN_N=N % block_n == 0, EVEN_K=kw % kb == 0 and w_per_split % kb == 0,
-        INDEXED=indexed, EXTRA=extra is not None, THEN_W=then_w, THEN_S=then_s, ASM=not INTERPRET, PDL=use_pdl,
+        INDEXED=indexed, EXTRA=extra is not None, ASM=not INTERPRET, PDL=use_pdl,
         PREFETCH=use_pdl and (not indexed or ids_ready), launch_pdl=use_pdl, num_warps=num_warps, num_stages=1)
     return used
 
