@@ -76,7 +76,8 @@ def events_time(fn, reps=20, warmup=3, lead=False):
 GRAPH_MIN_US = 300  # a replay's fixed GPU-side start is shared by at least this much work
 
 
-def _replay_time(calls, reps, lead):
+def capture_graph(calls):
+    """The calls run once (warm-up, compilation), then captured in order into one CUDA graph."""
     for c in calls:
         c()
     torch.cuda.synchronize()
@@ -84,7 +85,11 @@ def _replay_time(calls, reps, lead):
     with torch.cuda.graph(g):
         for c in calls:
             c()
-    return events_time(g.replay, reps=reps, lead=lead) / len(calls)
+    return g
+
+
+def _replay_time(calls, reps, lead):
+    return events_time(capture_graph(calls).replay, reps=reps, lead=lead) / len(calls)
 
 
 def graph_time(calls, reps=20, legacy=False):

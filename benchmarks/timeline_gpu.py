@@ -21,7 +21,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from qmatmul_gpu import LEAD_CYCLES, end_run, start_run  # noqa: E402
+from qmatmul_gpu import LEAD_CYCLES, capture_graph, end_run, start_run  # noqa: E402
 
 COPIES = 4
 
@@ -32,13 +32,7 @@ def kernel_timeline(calls):
     from torch.profiler import ProfilerActivity, profile
 
     def record(fns):
-        for f in fns:
-            f()
-        torch.cuda.synchronize()
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            for f in fns:
-                f()
+        g = capture_graph(fns)
         g.replay()
         torch.cuda.synchronize()
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
