@@ -8,8 +8,9 @@ shared-expert gate 8-bit g64 or bf16), random weights built directly in the pack
   prefill (T = 4096), the experts given the reference's ids (bf16 logits tie; the router is checked on its own);
 - decode, one token: the whole SparseMoE layer (router -> top-k -> expert GEMVs -> combine, shared expert and its
   gate included) under CUDA-graph replay, rotating over enough layer copies to exceed L2 ~4x: the one-launch
-  decode (kernels/moe/fused_decode.py) and the multi-launch decode (each checked against the reference first); the floor is the bytes that must be read (k experts, shared expert, router, shared gate) over the
-  measured copy bandwidth; a sweep of the one-launch kernel's warps and tile size;
+  decode (kernels/moe/fused_decode.py) and the multi-launch decode (each checked against the reference first);
+  the floor is the bytes that must be read (k experts, shared expert, router, shared gate) over the measured copy
+  bandwidth; a sweep of the one-launch kernel's warps and tile size;
 - the multi-launch decode's critical path: graph time of its first n launches (with --chain-only: only this);
 - --quick: the chain, the checks and the decode table only (no one-launch timeline or sweep, nothing else);
 - (not with --decode-only) the multi-launch kernels: router and expert GEMV checks, their launch sweep;

@@ -26,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from sluice.kernels.qmatmul.triton import _pdl_start, pdl
+from sluice.kernels.qmatmul.triton import _num_sms, _pdl_start, pdl
 from sluice.kernels.turboquant import reference
 from sluice.kernels.turboquant.triton import _hadamard_rows, _tables
 
@@ -49,7 +49,6 @@ def _decode_split_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, kr_ptr, vr_ptr, lv
     split = tl.program_id(1)
     b = bh // Hkv
     h = bh % Hkv
-    g = tl.arange(0, BG)
     if ZERO_CNT:  # the merge's counter of this KV head (unrotate), for the launch after this one
         if split == 0:
             tl.store(cnt_ptr + bh, 0)
@@ -59,6 +58,7 @@ def _decode_split_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, kr_ptr, vr_ptr, lv
         first = tl.maximum(p - WINDOW + 1, 0)
     start = first + split * per_split
     stop = tl.minimum(start + per_split, p + 1)
+    g = tl.arange(0, BG)
     kv_base = b.to(tl.int64) * stride_kb + h * stride_kh
     v_base = b.to(tl.int64) * stride_vb + h * stride_vh
     q_row = q_ptr + b.to(tl.int64) * stride_qb + (h * G + g[:, None]) * stride_qh
@@ -309,15 +309,14 @@ def _merge_splits_kernel(op_ptr, ml_ptr, o_ptr, sign_ptr, rot_ptr, cnt_ptr, Hkv,
     sb = tl.arange(0, SB)
     first = tl.load(parts + sb[:, None] * BG * D, mask=(sb < n_splits)[:, None], other=0.0)
     M = tl.max(m, axis=0)
-    w = tl.where(m == float("-inf"), 0.0, tl.exp(m - M))  # splits that saw no key weigh nothing
-    denom = tl.sum(w * lsum, axis=0)
+    denom = tl.sum(_split_weight(m, M) * lsum, axis=0)
     ws = tl.load(ml + sb * 2 * BG, mask=sb < n_splits, other=float("-inf"))
-    acc = tl.sum(tl.where(ws == float("-inf"), 0.0, tl.exp(ws - M))[:, None] * first, axis=0)
+    acc = tl.sum(_split_weight(ws, M)[:, None] * first, axis=0)
     for s0 in range(SB, n_splits, SB):  # more splits than one load holds
         s = s0 + sb
         ms = tl.load(ml + s * 2 * BG, mask=s < n_splits, other=float("-inf"))
         part = tl.load(parts + s[:, None] * BG * D, mask=(s < n_splits)[:, None], other=0.0)
-        acc += tl.sum(tl.where(ms == float("-inf"), 0.0, tl.exp(ms - M))[:, None] * part, axis=0)
+        acc += tl.sum(_split_weight(ms, M)[:, None] * part, axis=0)
     acc = acc / denom
     if UNROTATE:
         # the rotation mixes all D coordinates: the program of this KV head's query heads that finishes last
@@ -337,7 +336,12 @@ def _merge_splits_kernel(op_ptr, ml_ptr, o_ptr, sign_ptr, rot_ptr, cnt_ptr, Hkv,
         tl.store(o_ptr + b.to(tl.int64) * stride_ob + (h * G + g) * stride_oh + d, acc.to(o_ptr.dtype.element_ty))
 
 
-_SM_COUNT: dict = {}
+@triton.jit
+def _split_weight(m, M):
+    """exp(m - M) for the splits' maxima m; a split that saw no key (m = -inf) weighs nothing."""
+    return tl.where(m == float("-inf"), 0.0, tl.exp(m - M))
+
+
 _LEVEL_TABLES: dict = {}
 
 
@@ -346,14 +350,6 @@ def _level_table(device) -> torch.Tensor:
     if device not in _LEVEL_TABLES:
         _LEVEL_TABLES[device] = torch.tensor(reference.int_levels(), dtype=torch.float32, device=device)
     return _LEVEL_TABLES[device]
-
-
-def _sm_count(device) -> int:
-    if device.type != "cuda":
-        return 4
-    if device.index not in _SM_COUNT:
-        _SM_COUNT[device.index] = torch.cuda.get_device_properties(device).multi_processor_count
-    return _SM_COUNT[device.index]
 
 
 def num_splits(batch_heads: int, visible: int, device, block_n: int = 64, min_per_split: int | None = None,
@@ -365,7 +361,7 @@ def num_splits(batch_heads: int, visible: int, device, block_n: int = 64, min_pe
     of the 2-KV-head D = 256 shape took 199 us, the 9 that spill into a second wave 263 us;
     benchmarks/results/attention_tq_sweep_h100.json)."""
     min_per_split = min_per_split or 2 * block_n
-    sms = _sm_count(device)
+    sms = _num_sms(device)
     want = per_sm * sms // batch_heads if one_wave else triton.cdiv(per_sm * sms, batch_heads)
     return max(1, min(want, triton.cdiv(visible, min_per_split)))
 
@@ -451,7 +447,7 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, position
     # with unrotate the blocks of a KV head's query heads meet through `rot` and the KV head's counter
     nsp = triton.next_power_of_2(ns)
     BD = min(D, 64, max(16, MERGE_ELEMS // nsp))
-    while BD > 16 and B * Hq * (D // BD) < _sm_count(q.device):  # few heads (batch 1): narrower blocks, more SMs
+    while BD > 16 and B * Hq * (D // BD) < _num_sms(q.device):  # few heads (batch 1): narrower blocks, more SMs
         BD //= 2
     sb = min(nsp, max(1, MERGE_ELEMS // BD))
     signs = _tables(D, q.device)[0] if unrotate else dummy
