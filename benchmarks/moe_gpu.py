@@ -125,7 +125,14 @@ def check_fused(res, name, layers, k):
               f"{'ok' if row['ok'] else 'FAILED'}", flush=True)
 
 
-DECODE_PATHS = {"one launch": True, "multi-launch": False}  # label: fd.ENABLED
+# label: (fd.ENABLED, tq.GEMV_PREFETCH, tq.GEMV_RAW_X); the last is the multi-launch decode as it was before
+# 2026-11-26 (the router's x prepared by a launch of its own, the GEMVs' first weights asked of L2)
+DECODE_PATHS = {"one launch": (True, 2, True), "multi-launch": (False, 2, True),
+                "multi-launch, before": (False, 1, False)}
+
+
+def use_path(settings=(True, 2, True)):
+    fd.ENABLED, tq.GEMV_PREFETCH, tq.GEMV_RAW_X = settings
 
 
 def check_layer(res, name, layers, k):
@@ -134,14 +141,14 @@ def check_layer(res, name, layers, k):
         layer = layers[kind][0]
         x = torch.randn(1, layer.gate_up.shape[2], device="cuda")
         ref = layer._forward_reference(x)
-        for label, one in DECODE_PATHS.items():
-            fd.ENABLED = one
+        for label, settings in DECODE_PATHS.items():
+            use_path(settings)
             row = {"model": name, "T": 1, "path": f"{label}, {kind} router", "rel_err": rel_err(layer(x), ref)}
             row["ok"] = row["rel_err"] <= 1e-2
             res["correctness"].append(row)
             print(f"check {name} {label} ({kind} router): rel err {row['rel_err']:.2e}, "
                   f"{'ok' if row['ok'] else 'FAILED'}", flush=True)
-    fd.ENABLED = True
+    use_path()
 
 
 def time_decode(res, name, layers, k, copy_bw):
@@ -154,10 +161,10 @@ def time_decode(res, name, layers, k, copy_bw):
         nbytes = decode_floor_bytes(rot[0], k)
         floor = nbytes / copy_bw
         row = {"model": name, "router": kind, "floor_bytes": nbytes, "floor_us": floor * 1e6, "copies": len(rot)}
-        for label, one in DECODE_PATHS.items():
-            fd.ENABLED = one
+        for label, settings in DECODE_PATHS.items():
+            use_path(settings)
             row[f"{label} us"] = graph_time(calls) * 1e6
-        fd.ENABLED = True
+        use_path()
         res["decode"].append(row)
         print(f"decode {name} router {kind}: floor {row['floor_us']:.1f} us; " + "; ".join(
             f"{key} {v:.1f} ({floor * 1e6 / v * 100:.0f}%)" for key, v in row.items() if key.endswith(" us")),
@@ -211,41 +218,32 @@ def fused_timeline(res, name, layers, k):
         print(f"timeline {name} {s_:20s} min {lo:7.2f} median {med:7.2f} max {hi:7.2f} us", flush=True)
 
 
-CHAIN = ["x prep (8-bit)", "router GEMV", "route (top-k)", "x prep (4-bit)", "gate_up GEMV", "SwiGLU prep",
+CHAIN = ["router GEMV (x prepared in it)", "route (top-k)", "x prep (4-bit)", "gate_up GEMV", "SwiGLU prep",
          "down GEMV", "combine"]
 
 
 def chain_prefix(m, x, k, n):
     """The first n launches of the multi-launch decode of layer m (8-bit router), as SparseMoE runs them."""
-    g, tq_ = m.gates.qt, tq
-    xp8 = tq_.prep_x(x, g.bits, g.group_size)
+    g = m.gates.qt
+    logits = tq.qgemv_partials(x, g)
     if n == 1:
-        return
-    N, K = g.weight.shape[0], g.in_features
-    bn = tq_.gemv_block_n(N, 1, x.device)
-    split = tq_.gemv_split_k(N, K, g.bits, 1, bn, 1, x.device)
-    used, _ = tq_.gemv_used_splits(K, g.bits, split, 1)
-    logits = torch.empty((used, 1, N), dtype=torch.float32, device=x.device)
-    tq_.gemv_launch(xp8, g.weight.view(torch.int32), g.scales, g.biases, logits, None, 1, N, K, g.bits,
-                    g.group_size, split, block_n=bn)
-    if n == 2:
         return
     E = m.num_experts
     ids, w = mt.route(logits[..., :E], k, True, logits[..., E])
-    if n == 3:
+    if n == 2:
         return
     extra = m._shared_as_expert(mt)
-    xp = tq_.prep_x(x, m.gate_up.bits, m.gate_up.group_size)
-    if n == 4:
+    xp = tq.prep_x(x, m.gate_up.bits, m.gate_up.group_size)
+    if n == 3:
         return
     y_gu = mt._expert_gemv(xp, m.gate_up, ids.view(-1), k + 1, extra[0])
-    if n == 5:
+    if n == 4:
         return
     hp = mt.swiglu_prep(y_gu, m.down.bits, m.down.group_size)
-    if n == 6:
+    if n == 5:
         return
     y = mt._expert_gemv(hp, m.down, ids.view(-1), 1, extra[1])
-    if n == 7:
+    if n == 6:
         return
     mt.combine(y, w, x.dtype)
 
@@ -255,7 +253,7 @@ def chain_ablation(res, name, layers, k):
     in the layer); the increments are each launch's cost on the critical path."""
     rot = layers["8-bit"]
     xs = [torch.randn(1, rot[0].gate_up.shape[2], device="cuda", dtype=BF16) for _ in rot]
-    fd.ENABLED = False
+    use_path(DECODE_PATHS["multi-launch"])
     prev = 0.0
     for n in range(1, len(CHAIN) + 1):
         calls = [lambda m=m, x=x, n=n: chain_prefix(m, x, k, n) for m, x in zip(rot, xs)]
@@ -269,7 +267,7 @@ def chain_ablation(res, name, layers, k):
     full = graph_time([lambda m=m, x=x: m(x) for m, x in zip(rot, xs)]) * 1e6
     res["chain"].append({"model": name, "launches": "layer", "us": full})
     print(f"chain {name} the layer itself: {full:.1f} us", flush=True)
-    fd.ENABLED = True
+    use_path()
 
 
 def sweep_decode_launches(res, name, layers, k):

@@ -41,8 +41,22 @@ GEMV_SHAPES = {  # name: (N, K)
 GEMM_SHAPES = {"q3next dense 16384x2048": (16384, 2048), "q3next qkvz 12288x2048": (12288, 2048),
                "q3.5 dense 8192x4096": (8192, 4096)}
 L2_BYTES = 60 << 20
-# M = 1, CUDA cores: (block_n, split_k (None = auto), num_warps)
-GEMV_CONFIGS = [(4, None, 1), (8, None, 1), (2, None, 4), (4, None, 2)]
+# M = 1, CUDA cores: (block_n, split_k (None = auto), num_warps, x prepared in the GEMV, PREFETCH); "default" is
+# what qgemv picks. (.., False, 1): the GEMV as it was before 2026-11-26 (x prep launch, first weights to L2).
+GEMV_CONFIGS = ["default", (4, None, 1, False, 1), (8, None, 1, False, 1), (8, None, 1, False, 2),
+                (4, None, 1, True, 2), (8, None, 1, True, 2), (8, None, 1, True, 1), (16, None, 1, True, 2),
+                (8, 2, 1, True, 2), (2, None, 4, True, 2), (4, None, 2, True, 2), (2, None, 4, False, 1)]
+
+
+def gemv_config(q, x, c):
+    """tq.qgemv with config c of GEMV_CONFIGS (PREFETCH is a module setting, read at launch: graph capture)."""
+    if c == "default":
+        return tq.qgemv(x, q)
+    before, tq.GEMV_PREFETCH = tq.GEMV_PREFETCH, c[4]
+    try:
+        return tq.qgemv(x, q, *c[:3], raw_x=c[3])
+    finally:
+        tq.GEMV_PREFETCH = before
 # M = 4, 16, tensor cores with swapped operands: (block_m, block_n, block_k, num_warps, num_stages)
 SMALL_M_CONFIGS = [(16, 64, 128, 4, 4), (16, 128, 128, 4, 3), (16, 64, 256, 4, 3), (16, 128, 64, 4, 4),
                    (16, 256, 128, 8, 3)]
@@ -203,7 +217,7 @@ def main():
             xs = [torch.randn(M, K, device=dev, dtype=torch.bfloat16) for _ in range(n)]
             t, cfg = None, None
             if M == 1:
-                cands = [(c, lambda q, x, c=c: tq.qgemv(x, q, *c)) for c in GEMV_CONFIGS]
+                cands = [(c, lambda q, x, c=c: gemv_config(q, x, c)) for c in GEMV_CONFIGS]
             else:
                 cands = [(c, lambda q, x, c=c: tq.qgemm(x, q, c[0], c[1], c[2], c[3], c[4], swap=True))
                          for c in SMALL_M_CONFIGS] + [("gemv per row", lambda q, x: tq.qgemv(x, q))]
@@ -214,15 +228,18 @@ def main():
                     print(f"  config {c} failed: {type(e).__name__}: {str(e)[:200]}", flush=True)
                     continue
                 res["sweep"].append({"shape": name, "M": M, "config": str(c), "us": tc * 1e6})
+                print(f"  {name} M={M} {c}: {tc * 1e6:.2f} us", flush=True)
                 if t is None or tc < t:
                     t, cfg = tc, c
+            default_us = next((r["us"] for r in res["sweep"] if r["shape"] == name and r["M"] == M
+                               and r["config"] == "default"), None)
             moved = nb + 2 * M * K + 2 * M * N
             t_cublas = graph_time([lambda w=w, x=x: torch.nn.functional.linear(x, w) for w, x in zip(ws, xs)])
             dense_moved = 2 * N * K + 2 * M * K + 2 * M * N
             row = {"shape": name, "M": M, "N": N, "K": K, "us": t * 1e6, "bytes": moved, "config": cfg,
                    "bandwidth_Bps": moved / t, "pct_copy_bw": moved / t / copy_bw,
                    "cublas_bf16_us": t_cublas * 1e6, "cublas_pct_copy_bw": dense_moved / t_cublas / copy_bw,
-                   "speedup_vs_cublas": t_cublas / t}
+                   "speedup_vs_cublas": t_cublas / t, "default_us": default_us}
             res["gemv"].append(row)
             print(f"gemv {name} M={M}: {row['us']:.1f} us, {row['pct_copy_bw'] * 100:.0f}% of copy BW, "
                   f"{row['speedup_vs_cublas']:.2f}x cuBLAS", flush=True)
@@ -256,11 +273,11 @@ def main():
 
     print(f"\n{res['gpu']}; copy bandwidth {copy_bw / 1e12:.2f} TB/s; bf16 GEMM {gemm_rate / 1e12:.0f} TFLOP/s")
     print(f"{'4-bit GEMV (g64, bf16)':36s} {'M':>3s} {'us':>8s} {'TB/s':>6s} {'%copy':>6s} {'cuBLAS us':>10s} "
-          f"{'cuBLAS %copy':>12s} {'speedup':>8s}")
+          f"{'cuBLAS %copy':>12s} {'speedup':>8s} {'default us':>10s}  best config")
     for r in res["gemv"]:
         print(f"{r['shape']:36s} {r['M']:3d} {r['us']:8.1f} {r['bandwidth_Bps'] / 1e12:6.2f} "
               f"{r['pct_copy_bw'] * 100:5.0f}% {r['cublas_bf16_us']:10.1f} {r['cublas_pct_copy_bw'] * 100:11.0f}% "
-              f"{r['speedup_vs_cublas']:7.2f}x  {r['config']}")
+              f"{r['speedup_vs_cublas']:7.2f}x {r.get('default_us') or float('nan'):10.1f}  {r['config']}")
     print(f"\n{'4-bit GEMM M=4096':36s} {'fused':>8s} {'%cuBLAS':>8s} {'deq+cuBLAS':>11s} {'%cuBLAS':>8s} "
           f"{'cuBLAS bf16':>12s}  fused config (TFLOP/s)")
     for r in res["gemm"]:

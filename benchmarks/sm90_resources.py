@@ -261,7 +261,7 @@ def decode():
         qt.INTERPRET = interp
     seen = set()
     for name, fn, (grid, args, kw) in launches:
-        kw = dict(kw, **{f: True for f in ("ASM", "PDL", "PREFETCH") if f in kw})
+        kw = dict(kw, **{f: True for f in ("ASM", "PDL") if f in kw})  # PREFETCH as the wrapper chose
         key = (name, tuple(sorted((a, str(b)) for a, b in kw.items())))
         if key in seen:
             continue
@@ -274,5 +274,36 @@ def decode():
         print(f"{name:16s} {flags:28s} grid {grid}: {r}", flush=True)
 
 
+def gemv():
+    """The dense M = 1 GEMV at the benchmark's Qwen3-Next shapes: x prepared by its own launch or in the GEMV
+    (RAW_X), the first step's weights asked of L2 or loaded into registers before the wait (PREFETCH 1 / 2);
+    registers and the instruction mix of the steps' loop."""
+    from sluice.kernels.qmatmul import triton as qt
+    from sluice.quant.affine import QuantizedTensor
+
+    for N, K, bits, gs in ((16384, 2048, 4, 64), (2048, 512, 4, 64), (4096, 4096, 8, 64), (4096, 4096, 2, 32)):
+        w = QuantizedTensor(torch.zeros(N, K * bits // 32, dtype=torch.int32).view(torch.uint32),
+                            torch.zeros(N, K // gs).bfloat16(), torch.zeros(N, K // gs).bfloat16(), bits, gs)
+        for raw in (False, True):
+            for block_n in (4, 8):
+                interp, qt.INTERPRET = qt.INTERPRET, True
+                try:
+                    launches = _capture_all(qt, ["_gemv_kernel", "_prep_x_kernel"], lambda: qt.qgemv(
+                        torch.zeros(1, K).bfloat16(), w, block_n=block_n, raw_x=raw))
+                finally:
+                    qt.INTERPRET = interp
+                (name, fn, (grid, args, kw)), = [la for la in launches if la[0] == "_gemv_kernel"]
+                for prefetch in (1, 2):
+                    kw = dict(kw, ASM=True, PDL=True, PREFETCH=prefetch)
+                    try:
+                        r = compile_launch(fn, args, kw, want_sass=True)
+                        body = longest_loop(r[3])
+                        r = f"regs {r[0]} spill {r[1]}; loop {len(body)}: {opcode_mix(body)}"
+                    except Exception as e:  # noqa: BLE001 - report and go on
+                        r = f"{type(e).__name__}: {str(e)[-1500:]}"
+                    print(f"{N}x{K} {bits}-bit g{gs} RAW_X={raw} BLOCK_N={block_n} PREFETCH={prefetch}: {r}",
+                          flush=True)
+
+
 if __name__ == "__main__":
-    {"gdn": gdn, "attention": attention, "moe": moe, "decode": decode}[sys.argv[1] if len(sys.argv) > 1 else "gdn"]()
+    {"gdn": gdn, "attention": attention, "moe": moe, "decode": decode, "gemv": gemv}[sys.argv[1] if len(sys.argv) > 1 else "gdn"]()

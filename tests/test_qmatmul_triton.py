@@ -64,6 +64,34 @@ def test_gemv_several_steps_per_split(bits, group_size):
         assert rel_err(out.cpu(), ref) < 1e-2
 
 
+@pytest.mark.parametrize("prefetch", [0, 1, 2])
+def test_gemv_preparing_x_itself_matches_prep_x(prefetch, monkeypatch):
+    """The one-launch GEMV (x rounded to int16 per group in registers, RAW_X) computes what prep_x + GEMV does,
+    whether the first step's weights are read before the dependency wait into L2 (1), registers (2) or not (0);
+    several steps per split, split or not, masked steps, ragged N. 2-bit g32 (a group inside one thread's
+    words) takes prep_x."""
+    monkeypatch.setattr(tq, "GEMV_PREFETCH", prefetch)
+    g = torch.Generator().manual_seed(prefetch)
+    for bits, gs, K in ((4, 64, 2304), (8, 32, 1024), (2, 128, 4096), (4, 32, 320)):
+        qt = quantize(torch.randn(20, K, generator=g), bits=bits, group_size=gs)
+        qt = type(qt)(*(t.to(DEVICE) for t in (qt.weight, qt.scales, qt.biases)), bits, gs)
+        x = (torch.randn(2, K, generator=g) * torch.rand(1, K, generator=g) * 4).bfloat16().to(DEVICE)
+        ref = reference.qmatmul(x.float().cpu(), type(qt)(*(t.cpu() for t in (qt.weight, qt.scales, qt.biases)),
+                                                          bits, gs))
+        for split in (1, 2):
+            raw = tq.qgemv_partials(x, qt, block_n=8, split_k=split, raw_x=True).sum(0)
+            prepped = tq.qgemv_partials(x, qt, block_n=8, split_k=split, raw_x=False).sum(0)
+            assert rel_err(raw.cpu(), prepped.cpu()) < 1e-4, (bits, gs, split)
+            assert rel_err(raw.cpu(), ref) < 1e-2, (bits, gs, split)
+    assert not tq.raw_x_supported(2, 32) and tq.raw_x_supported(2, 64) and tq.raw_x_supported(8, 32)
+    cpu = quantize(torch.randn(8, 256, generator=g), bits=2, group_size=32)
+    qt = type(cpu)(*(t.to(DEVICE) for t in (cpu.weight, cpu.scales, cpu.biases)), 2, 32)
+    x = torch.randn(1, 256, generator=g)
+    with pytest.raises(ValueError, match="cannot be prepared"):
+        tq.qgemv(x.to(DEVICE), qt, raw_x=True)
+    assert rel_err(tq.qgemv(x.to(DEVICE), qt).cpu(), reference.qmatmul(x, cpu)) < 1e-2  # prep_x, then the GEMV
+
+
 def unpack_prepared(xp: torch.Tensor, bits: int, gs: int, K: int):
     """prep_x's int32 rows -> (x rounded to int16 per group, in natural order [M, K], x scales, group sums)."""
     epw, d, kw, ng = 32 // bits, 8 // bits, K // (32 // bits), K // gs

@@ -32,6 +32,8 @@ INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 X_INT_MAX = 32767  # x is rounded to int16 per group: x ~= xq * amax / X_INT_MAX
 _X_INT_MAX = tl.constexpr(X_INT_MAX)
 USE_PDL = True  # programmatic dependent launch on sm_90+ (see `_pdl_start`); off: every launch waits in full
+GEMV_RAW_X = True  # dense GEMVs prepare x inside the GEMV (`_raw_x_step`), not in a launch of their own
+GEMV_PREFETCH = 2  # `_gemv_kernel`'s PREFETCH where the weights may be read before the wait: 1 L2, 2 registers
 
 
 @triton.jit
@@ -185,26 +187,131 @@ def prep_len(K: int, group_size: int) -> int:
 
 
 @triton.jit
+def _gemv_tiles(w_rows, s_rows, b_rows, w0, w_end, offs_k, offs_g, WPG: tl.constexpr, EVEN_K: tl.constexpr):
+    """One step's packed words [BLOCK_N, KB] and its scales and biases, fp32 [BLOCK_N, KB / WPG]."""
+    kk = w0 + offs_k
+    grp = w0 // WPG + offs_g
+    if EVEN_K:
+        words = tl.load(w_rows + kk[None, :])
+        s = tl.load(s_rows + grp[None, :]).to(tl.float32)
+        b = tl.load(b_rows + grp[None, :]).to(tl.float32)
+    else:
+        words = tl.load(w_rows + kk[None, :], mask=(kk < w_end)[None, :], other=0)
+        g_ok = (grp < w_end // WPG)[None, :]
+        s = tl.load(s_rows + grp[None, :], mask=g_ok, other=0.0).to(tl.float32)
+        b = tl.load(b_rows + grp[None, :], mask=g_ok, other=0.0).to(tl.float32)
+    return words, s, b
+
+
+@triton.jit
+def _raw_x_step(x_row, w0, w_end, KB: tl.constexpr, BITS: tl.constexpr, GS: tl.constexpr, EVEN_K: tl.constexpr):
+    """One GEMV step's x prepared from x itself, in registers: (x rounded as int16 per group, [4, KB/4, 4, 8/BITS]
+    int32 whose low 16 bits hold it; the group's x scales and sums [KB/WPG]). What `prep_x` would write, but ties
+    round to even. Each program prepares the x of its own steps (from L2, as it would read the prepared x): no
+    launch of its own, no round trip through memory.
+    Layout: word 4t + r of the step sits at [r, t], so each thread holds its 4 words' elements as it holds their
+    codes (`_gemv_kernel`); groups of WPG >= 4 words (`raw_x_supported`) are whole threads."""
+    EPW: tl.constexpr = 32 // BITS
+    D: tl.constexpr = 8 // BITS
+    T: tl.constexpr = KB // 4
+    TPG: tl.constexpr = GS // EPW // 4  # threads per group
+    G: tl.constexpr = T // TPG
+    word = w0 + 4 * tl.arange(0, T)[None, :, None] + tl.arange(0, 4)[:, None, None]
+    offs = word * EPW + tl.arange(0, EPW)[None, None, :]
+    if EVEN_K:
+        xv = tl.load(x_row + offs).to(tl.float32)
+    else:
+        xv = tl.load(x_row + offs, mask=word < w_end, other=0.0).to(tl.float32)
+    amax = tl.max(tl.reshape(tl.max(tl.max(tl.abs(xv), axis=2), axis=0), (G, TPG)), axis=1)
+    xg = tl.sum(tl.reshape(tl.sum(tl.sum(xv, axis=2), axis=0), (G, TPG)), axis=1)
+    inv = tl.where(amax > 0, _X_INT_MAX / tl.maximum(amax, 1e-30), 0.0)
+    inv_t = tl.reshape(tl.broadcast_to(inv[:, None], (G, TPG)), (T,))
+    # + 1.5 * 2^23: the float's low mantissa bits are the nearest integer (|x * inv| <= 32767), no conversion
+    q = (xv * inv_t[None, :, None] + 12582912.0).to(tl.int32, bitcast=True)
+    return tl.reshape(q, (4, T, 4, D)), amax / _X_INT_MAX, xg
+
+
+@triton.jit
+def _plane(q4, i: tl.constexpr, h: tl.constexpr):
+    """Plane 2i+h of `_raw_x_step`'s x (elements j*D + i of each word, D = 8/BITS): int16 pairs (j = 2h, 2h+1)
+    as int32, [KB] in word order."""
+    offs_j = tl.arange(0, 4)[None, None, :, None]
+    offs_i = tl.arange(0, q4.shape[3])[None, None, None, :]
+    lo = tl.sum(tl.sum(tl.where((offs_j == 2 * h) & (offs_i == i), q4, 0), axis=3), axis=2)
+    hi = tl.sum(tl.sum(tl.where((offs_j == 2 * h + 1) & (offs_i == i), q4, 0), axis=3), axis=2)
+    return tl.reshape(tl.trans((lo & 0xFFFF) | (hi << 16)), (q4.shape[0] * q4.shape[1],))
+
+
+@triton.jit
+def _gemv_step(xp_ptr, xf_ptr, KW, NG, words, s, b, w0, w_end, offs_k, offs_g, acc, accb, BITS: tl.constexpr,
+               GS: tl.constexpr, EVEN_K: tl.constexpr, RAW_X: tl.constexpr, ASM: tl.constexpr):
+    """acc, accb after one step (the words, scales and biases of `_gemv_tiles` at word w0) of `_gemv_kernel`."""
+    EPW: tl.constexpr = 32 // BITS
+    D: tl.constexpr = 8 // BITS
+    WPG: tl.constexpr = GS // EPW
+    V: tl.constexpr = 4 if WPG >= 4 else WPG  # words of one group held by one thread
+    BLOCK_N: tl.constexpr = words.shape[0]
+    KB: tl.constexpr = words.shape[1]
+    G: tl.constexpr = KB // WPG
+    BYTE_MASK: tl.constexpr = ((1 << BITS) - 1) * 0x01010101
+    kk = w0 + offs_k
+    grp = w0 // WPG + offs_g
+    k_ok = kk < w_end
+    if RAW_X:
+        q4, xs, xg = _raw_x_step(xp_ptr, w0, w_end, KB, BITS, GS, EVEN_K)
+    elif EVEN_K:
+        xs = tl.load(xf_ptr + grp)
+        xg = tl.load(xf_ptr + NG + grp)
+    else:
+        g_ok = grp < w_end // WPG
+        xs = tl.load(xf_ptr + grp, mask=g_ok, other=0.0)
+        xg = tl.load(xf_ptr + NG + grp, mask=g_ok, other=0.0)
+    dot = tl.zeros((BLOCK_N, KB), dtype=tl.int32)
+    for i in tl.static_range(D):
+        if BITS == 8:
+            a = words
+        else:
+            a = (words >> (i * BITS)) & BYTE_MASK
+        if RAW_X:
+            x_lo = _plane(q4, i, 0)
+            x_hi = _plane(q4, i, 1)
+        elif EVEN_K:
+            x_lo = tl.load(xp_ptr + (2 * i) * KW + kk)
+            x_hi = tl.load(xp_ptr + (2 * i + 1) * KW + kk)
+        else:
+            x_lo = tl.load(xp_ptr + (2 * i) * KW + kk, mask=k_ok, other=0)
+            x_hi = tl.load(xp_ptr + (2 * i + 1) * KW + kk, mask=k_ok, other=0)
+        dot = _dp2a(x_lo[None, :], a, dot, False, ASM)
+        dot = _dp2a(x_hi[None, :], a, dot, True, ASM)
+    part = tl.sum(tl.reshape(dot, (BLOCK_N, G, WPG // V, V)), axis=3)  # within each thread's 16 bytes
+    acc += part.to(tl.float32) * (s * xs[None, :])[:, :, None]
+    accb += b * xg[None, :]
+    return acc, accb
+
+
+@triton.jit
 def _gemv_kernel(xp_ptr, w_ptr, s_ptr, b_ptr, y_ptr, ids_ptr, wx_ptr, sx_ptr, bx_ptr, N, KW, w_per_split, x_div,
                  n_experts, stride_pm, stride_we, stride_wn, stride_se, stride_sn, stride_ys, stride_ym,
                  BITS: tl.constexpr, GS: tl.constexpr, BLOCK_N: tl.constexpr, KB: tl.constexpr,
                  EVEN_N: tl.constexpr, EVEN_K: tl.constexpr, INDEXED: tl.constexpr, EXTRA: tl.constexpr,
-                 ASM: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr):
+                 RAW_X: tl.constexpr, ASM: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr):
     """y[split, row, n] = sum over this split's words of x[row] . W[n]. Program (n-block, split, row); each step
     reads a [BLOCK_N, KB words] tile of W.
     Layout: KB = 128 words per warp, so the threads lie along K (4 words, one 16-byte load, each) and every
     thread holds all BLOCK_N rows of its columns: x is loaded once per step and reused BLOCK_N times from
     registers. (x traffic through L1 is what capped earlier layouts at ~55% of the memory bandwidth.)
+    x: prepared by `_prep_x_kernel` (xp), or with RAW_X the activations themselves, prepared step by step in
+    registers (`_raw_x_step`): one launch instead of two.
     INDEXED: W, scales and biases are stacked over experts and row r uses expert ids[r] and x row r // x_div;
     with EXTRA, id n_experts means one more expert stored apart (wx, sx, bx: the shared expert, same shape).
-    PREFETCH (with PDL): the ids and weights were written two launches back or earlier (x was prepared by the
-    launch just before), so the first step's weights are asked of L2 while the previous kernel still runs."""
-    EPW: tl.constexpr = 32 // BITS
-    D: tl.constexpr = 8 // BITS
-    WPG: tl.constexpr = GS // EPW
-    V: tl.constexpr = 4 if WPG >= 4 else WPG  # words of one group held by one thread
+    PREFETCH (with PDL): the weights (and ids) were written long before, so they are read before the wait for
+    the previous kernel. 1: the first step's tiles are asked of L2 (ids and weights two launches back or
+    earlier: x was prepared by the launch just before). 2: the first step's tiles are loaded into registers:
+    the previous kernel's last programs and this one's first loads overlap, no memory round trip after the
+    wait but x's."""
+    WPG: tl.constexpr = GS // (32 // BITS)
+    V: tl.constexpr = 4 if WPG >= 4 else WPG
     G: tl.constexpr = KB // WPG
-    BYTE_MASK: tl.constexpr = ((1 << BITS) - 1) * 0x01010101
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     row = tl.program_id(2)
@@ -221,7 +328,7 @@ def _gemv_kernel(xp_ptr, w_ptr, s_ptr, b_ptr, y_ptr, ids_ptr, wx_ptr, sx_ptr, bx
         xp_ptr += (row // x_div).to(tl.int64) * stride_pm
     else:
         xp_ptr += row.to(tl.int64) * stride_pm
-    xf_ptr = xp_ptr.to(tl.pointer_type(tl.float32)) + 2 * D * KW  # x scales, then group sums
+    xf_ptr = xp_ptr.to(tl.pointer_type(tl.float32)) + 2 * (8 // BITS) * KW  # x scales, then group sums (xp)
     NG = KW // WPG
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < N
@@ -234,50 +341,27 @@ def _gemv_kernel(xp_ptr, w_ptr, s_ptr, b_ptr, y_ptr, ids_ptr, wx_ptr, sx_ptr, bx
     b_rows = b_ptr + rows[:, None] * stride_sn
     w_start = pid_k * w_per_split
     w_end = tl.minimum(w_start + w_per_split, KW)
-    if PREFETCH:
+    acc = tl.zeros((BLOCK_N, G, WPG // V), dtype=tl.float32)
+    accb = tl.zeros((BLOCK_N, G), dtype=tl.float32)
+    first = w_start
+    if PREFETCH == 1:
         kk = tl.minimum(w_start + offs_k, w_end - 1)
         grp = tl.minimum(w_start // WPG + offs_g, w_end // WPG - 1)
         _prefetch_l2(w_rows + kk[None, :], PDL)
         _prefetch_l2(s_rows + grp[None, :], PDL)
         _prefetch_l2(b_rows + grp[None, :], PDL)
         _pdl_start(PDL)
-    acc = tl.zeros((BLOCK_N, G, WPG // V), dtype=tl.float32)
-    accb = tl.zeros((BLOCK_N, G), dtype=tl.float32)
-    for w0 in range(w_start, w_end, KB):
+    elif PREFETCH == 2:
+        words, s, b = _gemv_tiles(w_rows, s_rows, b_rows, w_start, w_end, offs_k, offs_g, WPG, EVEN_K)
+        _pdl_start(PDL)
+        acc, accb = _gemv_step(xp_ptr, xf_ptr, KW, NG, words, s, b, w_start, w_end, offs_k, offs_g, acc, accb,
+                               BITS, GS, EVEN_K, RAW_X, ASM)
+        first = w_start + KB
+    for w0 in range(first, w_end, KB):
         w0 = tl.multiple_of(w0, KB)
-        kk = w0 + offs_k
-        grp = w0 // WPG + offs_g
-        if EVEN_K:
-            words = tl.load(w_rows + kk[None, :])
-            s = tl.load(s_rows + grp[None, :]).to(tl.float32)
-            b = tl.load(b_rows + grp[None, :]).to(tl.float32)
-            xs = tl.load(xf_ptr + grp)
-            xg = tl.load(xf_ptr + NG + grp)
-        else:
-            k_ok = kk < w_end
-            g_ok = grp < w_end // WPG
-            words = tl.load(w_rows + kk[None, :], mask=k_ok[None, :], other=0)
-            s = tl.load(s_rows + grp[None, :], mask=g_ok[None, :], other=0.0).to(tl.float32)
-            b = tl.load(b_rows + grp[None, :], mask=g_ok[None, :], other=0.0).to(tl.float32)
-            xs = tl.load(xf_ptr + grp, mask=g_ok, other=0.0)
-            xg = tl.load(xf_ptr + NG + grp, mask=g_ok, other=0.0)
-        dot = tl.zeros((BLOCK_N, KB), dtype=tl.int32)
-        for i in tl.static_range(D):
-            if BITS == 8:
-                a = words
-            else:
-                a = (words >> (i * BITS)) & BYTE_MASK
-            if EVEN_K:
-                x_lo = tl.load(xp_ptr + (2 * i) * KW + kk)
-                x_hi = tl.load(xp_ptr + (2 * i + 1) * KW + kk)
-            else:
-                x_lo = tl.load(xp_ptr + (2 * i) * KW + kk, mask=k_ok, other=0)
-                x_hi = tl.load(xp_ptr + (2 * i + 1) * KW + kk, mask=k_ok, other=0)
-            dot = _dp2a(x_lo[None, :], a, dot, False, ASM)
-            dot = _dp2a(x_hi[None, :], a, dot, True, ASM)
-        part = tl.sum(tl.reshape(dot, (BLOCK_N, G, WPG // V, V)), axis=3)  # within each thread's 16 bytes
-        acc += part.to(tl.float32) * (s * xs[None, :])[:, :, None]
-        accb += b * xg[None, :]
+        words, s, b = _gemv_tiles(w_rows, s_rows, b_rows, w0, w_end, offs_k, offs_g, WPG, EVEN_K)
+        acc, accb = _gemv_step(xp_ptr, xf_ptr, KW, NG, words, s, b, w0, w_end, offs_k, offs_g, acc, accb,
+                               BITS, GS, EVEN_K, RAW_X, ASM)
     y = tl.sum(tl.sum(acc, axis=2), axis=1) + tl.sum(accb, axis=1)
     tl.store(y_ptr + pid_k * stride_ys + row * stride_ym + offs_n, y.to(y_ptr.dtype.element_ty), mask=n_ok)
 
@@ -436,6 +520,11 @@ def prep_x(x: torch.Tensor, bits: int, group_size: int, swiglu: bool = False) ->
     return xp
 
 
+def raw_x_supported(bits: int, group_size: int) -> bool:
+    """Whether `_gemv_kernel` can prepare x itself (RAW_X): a group spans whole threads (4 words each)."""
+    return group_size // (32 // bits) >= 4
+
+
 def gemv_step_words(K: int, bits: int, num_warps: int) -> int:
     """Packed words per GEMV step: 128 per warp (4 per thread), fewer for short rows (a power of two >= 4)."""
     return max(4, min(128 * num_warps, triton.next_power_of_2(K // (32 // bits))))
@@ -457,11 +546,13 @@ def gemv_used_splits(K, bits, split_k, num_warps=1) -> tuple[int, int]:
 
 
 def gemv_launch(xp, w, s, b, out, ids, rows, N, K, bits, gs, split_k, x_div=1, block_n=4, num_warps=1, extra=None,
-                ids_ready=False):
-    """Launch `_gemv_kernel` for `rows` output rows: xp from `prep_x`, launched just before; W [E?, N, KW] int32,
-    scales/biases [E?, N, K/GS]; ids [rows] expert indices (INDEXED) or None; out [split_k', rows, N] (fp32 when
-    split); extra: (W, scales, biases) [N, ...] of the expert that id E stands for (row strides as the stacked
-    ones'); ids_ready: the ids were written before the launch of xp (so may be read before the dependency wait).
+                ids_ready=False, raw_x=False, prefetch=None):
+    """Launch `_gemv_kernel` for `rows` output rows: xp from `prep_x`, launched just before (or, raw_x, the
+    activations [rows / x_div, K] themselves, unit column stride); W [E?, N, KW] int32, scales/biases
+    [E?, N, K/GS]; ids [rows] expert indices (INDEXED) or None; out [split_k', rows, N] (fp32 when split); extra:
+    (W, scales, biases) [N, ...] of the expert that id E stands for (row strides as the stacked ones'); ids_ready:
+    the ids were written before the launch of xp (so may be read before the dependency wait); prefetch: the
+    kernel's PREFETCH where the weights may be read early (default GEMV_PREFETCH).
     Returns the split count actually used (<= split_k: every split covers whole steps)."""
     kw = K // (32 // bits)
     kb = gemv_step_words(K, bits, num_warps)
@@ -469,13 +560,15 @@ def gemv_launch(xp, w, s, b, out, ids, rows, N, K, bits, gs, split_k, x_div=1, b
     indexed = ids is not None
     wx, sx, bx = extra if extra is not None else (w, s, b)
     use_pdl = pdl(xp.device)
+    early = not indexed or ids_ready  # (without PDL the kernel just reads them first)
     _gemv_kernel[(triton.cdiv(N, block_n), used, rows)](
         xp, w, s, b, out, ids if indexed else xp, wx, sx, bx, N, kw, w_per_split, x_div,
         w.shape[0] if indexed else 0, xp.stride(0), w.stride(0) if indexed else 0, w.stride(-2),
         s.stride(0) if indexed else 0, s.stride(-2), out.stride(0), out.stride(1), BITS=bits, GS=gs,
         BLOCK_N=block_n, KB=kb, EVEN_N=N % block_n == 0, EVEN_K=kw % kb == 0 and w_per_split % kb == 0,
-        INDEXED=indexed, EXTRA=extra is not None, ASM=not INTERPRET, PDL=use_pdl,
-        PREFETCH=use_pdl and (not indexed or ids_ready), launch_pdl=use_pdl, num_warps=num_warps, num_stages=1)
+        INDEXED=indexed, EXTRA=extra is not None, RAW_X=raw_x, ASM=not INTERPRET, PDL=use_pdl,
+        PREFETCH=(GEMV_PREFETCH if prefetch is None else prefetch) if early else 0, launch_pdl=use_pdl,
+        num_warps=num_warps, num_stages=1)
     return used
 
 
@@ -489,28 +582,33 @@ def gemv_block_n(N: int, rows: int, device=None) -> int:
 
 
 def qgemv_partials(x: torch.Tensor, qt, block_n: int | None = None, split_k: int | None = None,
-                   num_warps: int = 1, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+                   num_warps: int = 1, dtype: torch.dtype = torch.float32, raw_x: bool | None = None) -> torch.Tensor:
     """[S, M, N]: the S split-K partial sums (fp32) of x [M, K] @ W^T, for a consumer that adds them itself
-    instead of paying a launch for it; when K is not split (S = 1) the result itself, in `dtype`."""
+    instead of paying a launch for it; when K is not split (S = 1) the result itself, in `dtype`. raw_x: the
+    GEMV prepares x itself, one launch (default GEMV_RAW_X), or `prep_x` runs first."""
     check(x, qt)
     M, K = x.shape
     N = qt.weight.shape[0]
     block_n = block_n or gemv_block_n(N, M, x.device)
-    xp = prep_x(x, qt.bits, qt.group_size)
+    if raw_x is None:
+        raw_x = GEMV_RAW_X and raw_x_supported(qt.bits, qt.group_size)
+    elif raw_x and not raw_x_supported(qt.bits, qt.group_size):
+        raise ValueError(f"triton qgemv: x cannot be prepared in the GEMV for {qt.bits}-bit group {qt.group_size}")
+    xp = x.contiguous() if raw_x else prep_x(x, qt.bits, qt.group_size)
     if split_k is None:
         split_k = gemv_split_k(N, K, qt.bits, M, block_n, num_warps, x.device)
     split, _ = gemv_used_splits(K, qt.bits, split_k, num_warps)
     out = torch.empty((split, M, N), dtype=dtype if split == 1 else torch.float32, device=x.device)
     gemv_launch(xp, qt.weight.view(torch.int32), qt.scales, qt.biases, out, None, M, N, K, qt.bits, qt.group_size,
-                split_k, block_n=block_n, num_warps=num_warps)
+                split_k, block_n=block_n, num_warps=num_warps, raw_x=raw_x)
     return out
 
 
 def qgemv(x: torch.Tensor, qt, block_n: int | None = None, split_k: int | None = None,
-          num_warps: int = 1) -> torch.Tensor:
+          num_warps: int = 1, raw_x: bool | None = None) -> torch.Tensor:
     """y [M, N] = x [M, K] @ W^T for a few rows on CUDA cores (each row its own programs; W is re-read per row,
     mostly from L2)."""
-    out = qgemv_partials(x, qt, block_n, split_k, num_warps, dtype=x.dtype)
+    out = qgemv_partials(x, qt, block_n, split_k, num_warps, dtype=x.dtype, raw_x=raw_x)
     return out[0] if out.shape[0] == 1 else out.sum(0).to(x.dtype)
 
 
