@@ -125,14 +125,16 @@ def check_fused(res, name, layers, k):
               f"{'ok' if row['ok'] else 'FAILED'}", flush=True)
 
 
-# label: (fd.ENABLED, tq.GEMV_PREFETCH, tq.GEMV_RAW_X); the last is the multi-launch decode as it was before
-# 2026-11-26 (the router's x prepared by a launch of its own, the GEMVs' first weights asked of L2)
-DECODE_PATHS = {"one launch": (True, 2, True), "multi-launch": (False, 2, True),
-                "multi-launch, before": (False, 1, False)}
+# label: (fd.ENABLED, tq.GEMV_PREFETCH, tq.GEMV_PREFETCH_INDEXED, tq.GEMV_RAW_X); the last is the multi-launch
+# decode as it was before 2026-11-26 (the router's x prepared by a launch of its own, the GEMVs' first weights
+# asked of L2)
+DEFAULT_PATH = (True, tq.GEMV_PREFETCH, tq.GEMV_PREFETCH_INDEXED, tq.GEMV_RAW_X)
+DECODE_PATHS = {"one launch": DEFAULT_PATH, "multi-launch": (False, *DEFAULT_PATH[1:]),
+                "multi-launch, expert PREFETCH 2": (False, 2, 2, True), "multi-launch, before": (False, 1, 1, False)}
 
 
-def use_path(settings=(True, 2, True)):
-    fd.ENABLED, tq.GEMV_PREFETCH, tq.GEMV_RAW_X = settings
+def use_path(settings=DEFAULT_PATH):
+    fd.ENABLED, tq.GEMV_PREFETCH, tq.GEMV_PREFETCH_INDEXED, tq.GEMV_RAW_X = settings
 
 
 def check_layer(res, name, layers, k):

@@ -34,6 +34,7 @@ _X_INT_MAX = tl.constexpr(X_INT_MAX)
 USE_PDL = True  # programmatic dependent launch on sm_90+ (see `_pdl_start`); off: every launch waits in full
 GEMV_RAW_X = True  # dense GEMVs prepare x inside the GEMV (`_raw_x_step`), not in a launch of their own
 GEMV_PREFETCH = 2  # `_gemv_kernel`'s PREFETCH where the weights may be read before the wait: 1 L2, 2 registers
+GEMV_PREFETCH_INDEXED = 1  # the same for the MoE expert GEMVs (2 measured no faster there: docs/PERF.md)
 
 
 @triton.jit
@@ -552,7 +553,7 @@ def gemv_launch(xp, w, s, b, out, ids, rows, N, K, bits, gs, split_k, x_div=1, b
     [E?, N, K/GS]; ids [rows] expert indices (INDEXED) or None; out [split_k', rows, N] (fp32 when split); extra:
     (W, scales, biases) [N, ...] of the expert that id E stands for (row strides as the stacked ones'); ids_ready:
     the ids were written before the launch of xp (so may be read before the dependency wait); prefetch: the
-    kernel's PREFETCH where the weights may be read early (default GEMV_PREFETCH).
+    kernel's PREFETCH where the weights may be read early (default GEMV_PREFETCH, GEMV_PREFETCH_INDEXED).
     Returns the split count actually used (<= split_k: every split covers whole steps)."""
     kw = K // (32 // bits)
     kb = gemv_step_words(K, bits, num_warps)
@@ -561,13 +562,15 @@ def gemv_launch(xp, w, s, b, out, ids, rows, N, K, bits, gs, split_k, x_div=1, b
     wx, sx, bx = extra if extra is not None else (w, s, b)
     use_pdl = pdl(xp.device)
     early = not indexed or ids_ready  # (without PDL the kernel just reads them first)
+    if prefetch is None:
+        prefetch = GEMV_PREFETCH_INDEXED if indexed else GEMV_PREFETCH
     _gemv_kernel[(triton.cdiv(N, block_n), used, rows)](
         xp, w, s, b, out, ids if indexed else xp, wx, sx, bx, N, kw, w_per_split, x_div,
         w.shape[0] if indexed else 0, xp.stride(0), w.stride(0) if indexed else 0, w.stride(-2),
         s.stride(0) if indexed else 0, s.stride(-2), out.stride(0), out.stride(1), BITS=bits, GS=gs,
         BLOCK_N=block_n, KB=kb, EVEN_N=N % block_n == 0, EVEN_K=kw % kb == 0 and w_per_split % kb == 0,
         INDEXED=indexed, EXTRA=extra is not None, RAW_X=raw_x, ASM=not INTERPRET, PDL=use_pdl,
-        PREFETCH=(GEMV_PREFETCH if prefetch is None else prefetch) if early else 0, launch_pdl=use_pdl,
+        PREFETCH=prefetch if early else 0, launch_pdl=use_pdl,
         num_warps=num_warps, num_stages=1)
     return used
 
@@ -581,17 +584,38 @@ def gemv_block_n(N: int, rows: int, device=None) -> int:
     return next((bn for bn in (4, 8, 16) if triton.cdiv(N, bn) * rows <= wave), 16)
 
 
+def gemv_plan(N: int, K: int, bits: int, group_size: int, rows: int, device=None) -> tuple[int, int, bool]:
+    """(block_n, num_warps, raw_x) of a dense GEMV, from an H100 sweep (docs/PERF.md, 2026-11-26):
+    - long (more than ~3 waves of 4-row programs: the lm_heads): x prepared by its own launch, which is then
+      nothing beside the GEMV, while preparing it in every program costs instructions at full bandwidth;
+    - short rows of many words (an expert-sized gate_up): one step covers the row, the warps split it;
+    - else one warp per program and the fewest rows per program (8 or 16) that keep the grid to one wave
+      (~12 programs per multiprocessor at the registers the in-kernel x prep takes)."""
+    sms = _num_sms(device)
+    fours = triton.cdiv(N, 4) * rows
+    if not (GEMV_RAW_X and raw_x_supported(bits, group_size)) or fours > 3 * 32 * sms:
+        return gemv_block_n(N, rows, device), 1, False
+    kw = K // (32 // bits)
+    if kw >= 256 and fours <= 4 * sms:
+        warps = min(4, kw // 128)
+        return 8 // warps, warps, True
+    return next((bn for bn in (8, 16) if triton.cdiv(N, bn) * rows <= 12 * sms), 16), 1, True
+
+
 def qgemv_partials(x: torch.Tensor, qt, block_n: int | None = None, split_k: int | None = None,
-                   num_warps: int = 1, dtype: torch.dtype = torch.float32, raw_x: bool | None = None) -> torch.Tensor:
+                   num_warps: int | None = None, dtype: torch.dtype = torch.float32,
+                   raw_x: bool | None = None) -> torch.Tensor:
     """[S, M, N]: the S split-K partial sums (fp32) of x [M, K] @ W^T, for a consumer that adds them itself
     instead of paying a launch for it; when K is not split (S = 1) the result itself, in `dtype`. raw_x: the
-    GEMV prepares x itself, one launch (default GEMV_RAW_X), or `prep_x` runs first."""
+    GEMV prepares x itself, one launch, or `prep_x` runs first. What is not given comes from `gemv_plan`."""
     check(x, qt)
     M, K = x.shape
     N = qt.weight.shape[0]
-    block_n = block_n or gemv_block_n(N, M, x.device)
+    plan = gemv_plan(N, K, qt.bits, qt.group_size, M, x.device)
+    block_n = block_n or plan[0]
+    num_warps = num_warps or plan[1]
     if raw_x is None:
-        raw_x = GEMV_RAW_X and raw_x_supported(qt.bits, qt.group_size)
+        raw_x = plan[2]
     elif raw_x and not raw_x_supported(qt.bits, qt.group_size):
         raise ValueError(f"triton qgemv: x cannot be prepared in the GEMV for {qt.bits}-bit group {qt.group_size}")
     xp = x.contiguous() if raw_x else prep_x(x, qt.bits, qt.group_size)
@@ -605,7 +629,7 @@ def qgemv_partials(x: torch.Tensor, qt, block_n: int | None = None, split_k: int
 
 
 def qgemv(x: torch.Tensor, qt, block_n: int | None = None, split_k: int | None = None,
-          num_warps: int = 1, raw_x: bool | None = None) -> torch.Tensor:
+          num_warps: int | None = None, raw_x: bool | None = None) -> torch.Tensor:
     """y [M, N] = x [M, K] @ W^T for a few rows on CUDA cores (each row its own programs; W is re-read per row,
     mostly from L2)."""
     out = qgemv_partials(x, qt, block_n, split_k, num_warps, dtype=x.dtype, raw_x=raw_x)
