@@ -1,6 +1,6 @@
 """Sparse MoE block on the GPU: our Triton kernels vs the memory-bandwidth floor (decode) and cuBLAS bf16 (prefill).
 
-    python benchmarks/moe_gpu.py [--json out.json] [--decode-only] [--chain-only] [--quick]
+    python benchmarks/moe_gpu.py [--json out.json] [--decode-only] [--chain-only] [--quick] [--gemv-sweep]
 
 One run, at Qwen3-Next-80B-A3B and Qwen3.5-397B-A17B shapes (4-bit g64 experts and shared expert; router and
 shared-expert gate 8-bit g64 or bf16), random weights built directly in the packed layout:
@@ -13,6 +13,7 @@ shared-expert gate 8-bit g64 or bf16), random weights built directly in the pack
   bandwidth; a sweep of the one-launch kernel's warps and tile size;
 - the multi-launch decode's critical path: graph time of its first n launches (with --chain-only: only this);
 - --quick: the chain, the checks and the decode table only (no one-launch timeline or sweep, nothing else);
+- --gemv-sweep: the chain and the expert GEMVs' launch sweep only;
 - (not with --decode-only) the multi-launch kernels: router and expert GEMV checks, their launch sweep;
 - routed experts at T = 1, 4, 16: decode GEMVs vs prefill grouped GEMMs (where to switch);
 - prefill, T = 4096: routed experts (a small block-size sweep; effective TFLOP/s vs cuBLAS bf16 GEMMs of the same
@@ -114,7 +115,9 @@ def check_fused(res, name, layers, k):
     for kind in ROUTERS:
         layer = layers[kind][0]
         x = torch.randn(1, layer.gate_up.shape[2], device="cuda")
+        use_path(DECODE_PATHS["one launch"])
         args = layer._fused_decode_args(mt)
+        use_path()
         assert args is not None, "the one-launch decode does not take this layer"
         out = fd.moe_decode_fused(x, args[0], layer.gate_up, layer.down, k, True, args[1])
         row = {"model": name, "T": 1, "path": f"one-launch decode, {kind} router",
@@ -125,16 +128,24 @@ def check_fused(res, name, layers, k):
               f"{'ok' if row['ok'] else 'FAILED'}", flush=True)
 
 
-# label: (fd.ENABLED, tq.GEMV_PREFETCH, tq.GEMV_PREFETCH_INDEXED, tq.GEMV_RAW_X); the last is the multi-launch
-# decode as it was before 2026-11-26 (the router's x prepared by a launch of its own, the GEMVs' first weights
-# asked of L2)
-DEFAULT_PATH = (True, tq.GEMV_PREFETCH, tq.GEMV_PREFETCH_INDEXED, tq.GEMV_RAW_X)
-DECODE_PATHS = {"one launch": DEFAULT_PATH, "multi-launch": (False, *DEFAULT_PATH[1:]),
-                "multi-launch, expert PREFETCH 2": (False, 2, 2, True), "multi-launch, before": (False, 1, 1, False)}
+# label: (fd.ENABLED, tq.GEMV_PREFETCH, tq.GEMV_PREFETCH_INDEXED, tq.GEMV_RAW_X, mt.expert_block_n); the last is
+# the multi-launch decode as it was before RAW_X, PREFETCH 2 and `expert_block_n` (the router's x prepared by a
+# launch of its own, the GEMVs' first weights asked of L2, the dense GEMVs' rows per program)
+DEFAULT_PATH = (fd.ENABLED, tq.GEMV_PREFETCH, tq.GEMV_PREFETCH_INDEXED, tq.GEMV_RAW_X, mt.expert_block_n)
+
+
+def _dense_rows(N, K, bits, rows):
+    return tq.gemv_block_n(N, rows, torch.device("cuda"))
+
+
+DECODE_PATHS = {"one launch": (True, *DEFAULT_PATH[1:]), "multi-launch": (False, *DEFAULT_PATH[1:]),
+                "multi-launch, expert PREFETCH 1": (False, DEFAULT_PATH[1], 1, *DEFAULT_PATH[3:]),
+                "multi-launch, dense rows rule": (False, *DEFAULT_PATH[1:4], _dense_rows),
+                "multi-launch, before": (False, 1, 1, False, _dense_rows)}
 
 
 def use_path(settings=DEFAULT_PATH):
-    fd.ENABLED, tq.GEMV_PREFETCH, tq.GEMV_PREFETCH_INDEXED, tq.GEMV_RAW_X = settings
+    fd.ENABLED, tq.GEMV_PREFETCH, tq.GEMV_PREFETCH_INDEXED, tq.GEMV_RAW_X, mt.expert_block_n = settings
 
 
 def check_layer(res, name, layers, k):
@@ -272,9 +283,14 @@ def chain_ablation(res, name, layers, k):
     use_path()
 
 
-def sweep_decode_launches(res, name, layers, k):
+# expert GEMV launches swept: (block_n, num_warps)
+EXPERT_GEMV_CONFIGS = [(bn, w) for bn in (4, 8, 16) for w in (1, 2)]
+
+
+def sweep_decode_launches(res, name, layers, k, route_too=True):
     """Launch options of the decode kernels at this model's shape (one token, k experts + the shared one):
-    the two expert GEMVs (rows per program x warps) and the router kernel (warps)."""
+    the two expert GEMVs (rows per program x warps) and the router kernel (warps). Each GEMV timing is also given
+    as % of copy bandwidth for its bytes."""
     rot = layers["8-bit"]
     xs = [torch.randn(1, rot[0].gate_up.shape[2], device="cuda", dtype=BF16) for _ in rot]
     routed = [m._route_with_shared_slot(x, mt) for m, x in zip(rot, xs)]
@@ -282,14 +298,22 @@ def sweep_decode_launches(res, name, layers, k):
     xps = [tq.prep_x(x, m.gate_up.bits, m.gate_up.group_size) for m, x in zip(rot, xs)]
     ys = [mt._expert_gemv(xp, m.gate_up, r[0].view(-1), k + 1, e[0]) for m, xp, r, e in zip(rot, xps, routed, extras)]
     hps = [mt.swiglu_prep(y, m.down.bits, m.down.group_size) for m, y in zip(rot, ys)]
+    copy_bw = res.get("copy_bandwidth_Bps")
     for proj, xin, x_div in (("gate_up", xps, k + 1), ("down", hps, 1)):
-        for bn, w in itertools.product((2, 4, 8, 16), (1, 2, 4)):
-            calls = [lambda m=m, xp=xp, r=r, e=e, bn=bn, w=w, proj=proj, x_div=x_div: mt._expert_gemv(
-                xp, getattr(m, proj), r[0].view(-1), x_div, e[0 if proj == "gate_up" else 1], block_n=bn, num_warps=w)
-                for m, xp, r, e in zip(rot, xin, routed, extras)]
-            row = {"model": name, "kernel": f"{proj} GEMV", "block_n": bn, "num_warps": w}
+        nbytes = (k + 1) * qt_bytes(getattr(rot[0], proj)) / rot[0].num_experts
+        for bn, w in EXPERT_GEMV_CONFIGS:
+            calls = [lambda m=m, xp=xp, r=r, e=e, bn=bn, w=w, proj=proj, x_div=x_div:
+                     mt._expert_gemv(xp, getattr(m, proj), r[0].view(-1), x_div, e[0 if proj == "gate_up" else 1],
+                                     block_n=bn, num_warps=w)
+                     for m, xp, r, e in zip(rot, xin, routed, extras)]
+            row = {"model": name, "kernel": f"{proj} GEMV", "block_n": bn, "num_warps": w, "bytes": nbytes}
             case(res, f"{name} sweep {row}", lambda: row.update(us=graph_time(calls) * 1e6))
+            if "us" in row and copy_bw:
+                row["pct_copy"] = nbytes / (row["us"] * 1e-6) / copy_bw * 100
             res["sweep"].append(row)
+            print(f"sweep {row}", flush=True)
+    if not route_too:
+        return
     logits = [torch.randn(1, rot[0].num_experts, device="cuda") for _ in rot]
     for w in (1, 2, 4, 8):
         calls = [lambda lg=lg, w=w: mt.route(lg, k, True, lg[:, 0], num_warps=w) for lg in logits]
@@ -349,11 +373,11 @@ def print_tables(res):
             f"{key[:-3]} {v:.1f} ({r['floor_us'] / v * 100:.0f}%)" for key, v in r.items() if key.endswith(" us")
             and key != "floor_us"))
     print(f"\n{'decode launch sweep':30s} {'kernel':>18s} {'block_n/words':>13s} {'warps':>5s} {'per SM':>6s} "
-          f"{'router rows':>11s} {'us':>7s}")
+          f"{'router rows':>11s} {'us':>7s} {'% copy':>6s}")
     for r in sorted(res["sweep"], key=lambda r: (r["model"], r["kernel"], r.get("us", 1e9))):
         print(f"{r['model']:30s} {r['kernel']:>18s} {r.get('block_n', r.get('item_words', '-'))!s:>13s} "
               f"{r['num_warps']:5d} {r.get('per_sm', '-')!s:>6s} {r.get('router_rows', '-')!s:>11s} "
-              f"{r.get('us', float('nan')):7.1f}")
+              f"{r.get('us', float('nan')):7.1f} {r.get('pct_copy', float('nan')):5.0f}%")
     print(f"\n{'routed experts':30s} {'T':>5s} {'GEMVs us':>9s} {'grouped us':>11s}")
     for r in res["crossover"]:
         print(f"{r['model']:30s} {r['T']:5d} {r['decode_us']:9.1f} {r['prefill_us']:11.1f}")
@@ -377,7 +401,7 @@ def print_tables(res):
 def main():
     fd.ENABLED = True  # the one-launch decode is measured whatever the layer's default
     a, dev, res = start_run("correctness", "decode", "sweep", "crossover", "prefill", "errors", "timeline", "chain",
-                            flags=("--decode-only", "--chain-only", "--quick"))
+                            flags=("--decode-only", "--chain-only", "--quick", "--gemv-sweep"))
     copy_bw = copy_bandwidth(dev)
     A = torch.randn(8192, 8192, device=dev, dtype=BF16)
     res["copy_bandwidth_Bps"], res["bf16_gemm_flops"] = copy_bw, 2 * 8192 ** 3 / events_time(lambda: A @ A, reps=10)
@@ -400,6 +424,10 @@ def main():
                 continue
             case(res, f"{name} multi-launch chain", lambda: chain_ablation(res, name, layers, k))
             if a.chain_only:
+                continue
+            if a.gemv_sweep:
+                case(res, f"{name} expert GEMV sweep",
+                     lambda: sweep_decode_launches(res, name, layers, k, route_too=False))
                 continue
             case(res, f"{name} correctness", lambda: check_fused(res, name, layers, k))
             case(res, f"{name} layer correctness", lambda: check_layer(res, name, layers, k))

@@ -284,7 +284,7 @@ def gemv():
     for N, K, bits, gs in ((16384, 2048, 4, 64), (2048, 512, 4, 64), (4096, 4096, 8, 64), (4096, 4096, 2, 32)):
         w = QuantizedTensor(torch.zeros(N, K * bits // 32, dtype=torch.int32).view(torch.uint32),
                             torch.zeros(N, K // gs).bfloat16(), torch.zeros(N, K // gs).bfloat16(), bits, gs)
-        for raw in (False, True):
+        for raw in (False, True) if qt.raw_x_supported(bits, gs) else (False,):
             for block_n in (4, 8):
                 interp, qt.INTERPRET = qt.INTERPRET, True
                 try:

@@ -152,6 +152,16 @@ def swiglu_prep(y: torch.Tensor, bits: int, group_size: int) -> torch.Tensor:
     return tq.prep_x(y, bits, group_size, swiglu=True)
 
 
+def expert_block_n(N: int, K: int, bits: int, rows: int) -> int:
+    """Rows per program of an expert GEMV ([N, K] per expert, `rows` slots): 8, or 16 when a row is one short step
+    (<= 64 packed words). From the H100 sweep at the decode shapes (11 slots; docs/PERF.md 2026-11-25, "GEMV and
+    MoE decode"): Qwen3.5 gate_up 19.7 us with 8 rows against 22.4 / 24.2 with 4 / 16, down 11.5 against
+    15.7 / 13.0; Qwen3-Next gate_up 6.0 against 7.7 / 7.8, down (64 words a row) 4.0 with 16 rows against 4.5
+    with 8. The grid-filling rule of dense GEMVs (`tq.gemv_block_n`, which takes N and rows) picked 16 / 4 / 8
+    rows there: the layer was 1.0-1.9 us slower with it."""
+    return 16 if K * bits // 32 <= 64 else 8
+
+
 def _expert_gemv(xp: torch.Tensor, qt: QuantizedTensor, ids: torch.Tensor, x_div: int,
                  extra: QuantizedTensor | None = None, block_n: int | None = None, num_warps: int = 1) -> torch.Tensor:
     """Partials [splits, rows, N] fp32 of row r = xp[r // x_div] @ W[ids[r]]^T: one indexed GEMV launch, right
@@ -159,7 +169,7 @@ def _expert_gemv(xp: torch.Tensor, qt: QuantizedTensor, ids: torch.Tensor, x_div
     the stacked experts) stands for `extra`."""
     rows = ids.numel()
     N, K = qt.out_features, qt.in_features
-    block_n = block_n or tq.gemv_block_n(N, rows, xp.device)
+    block_n = block_n or expert_block_n(N, K, qt.bits, rows)
     # K is split only when the rows and N-blocks alone leave multiprocessors idle
     split_k = tq.gemv_split_k(N, K, qt.bits, rows, block_n, num_warps, device=xp.device)
     used = tq.gemv_used_splits(K, qt.bits, split_k, num_warps)[0]

@@ -34,7 +34,7 @@ _X_INT_MAX = tl.constexpr(X_INT_MAX)
 USE_PDL = True  # programmatic dependent launch on sm_90+ (see `_pdl_start`); off: every launch waits in full
 GEMV_RAW_X = True  # dense GEMVs prepare x inside the GEMV (`_raw_x_step`), not in a launch of their own
 GEMV_PREFETCH = 2  # `_gemv_kernel`'s PREFETCH where the weights may be read before the wait: 1 L2, 2 registers
-GEMV_PREFETCH_INDEXED = 1  # the same for the MoE expert GEMVs (2 measured no faster there: docs/PERF.md)
+GEMV_PREFETCH_INDEXED = 2  # the same for the MoE expert GEMVs (with `moe.triton.expert_block_n`: docs/PERF.md)
 
 
 @triton.jit
@@ -585,10 +585,13 @@ def gemv_block_n(N: int, rows: int, device=None) -> int:
 
 
 def gemv_plan(N: int, K: int, bits: int, group_size: int, rows: int, device=None) -> tuple[int, int, bool]:
-    """(block_n, num_warps, raw_x) of a dense GEMV, from an H100 sweep (docs/PERF.md, 2026-11-26):
+    """(block_n, num_warps, raw_x) of a dense GEMV, from H100 sweeps (docs/PERF.md, 2026-11-25, "GEMV and MoE
+    decode"):
     - long (more than ~3 waves of 4-row programs: the lm_heads): x prepared by its own launch, which is then
       nothing beside the GEMV, while preparing it in every program costs instructions at full bandwidth;
-    - short rows of many words (an expert-sized gate_up): one step covers the row, the warps split it;
+    - short rows of many words (an expert-sized gate_up): one step covers the row, the warps split it, 16 rows
+      a program between them (2048 x 4096: 4 rows x 4 warps 3.3-3.6 us against 4.3 for 2 x 4; 1024 x 2048:
+      8 x 2 2.0 against 2.2 for 4 x 2);
     - else one warp per program and the fewest rows per program (8 or 16) that keep the grid to one wave
       (~12 programs per multiprocessor at the registers the in-kernel x prep takes)."""
     sms = _num_sms(device)
@@ -598,7 +601,7 @@ def gemv_plan(N: int, K: int, bits: int, group_size: int, rows: int, device=None
     kw = K // (32 // bits)
     if kw >= 256 and fours <= 4 * sms:
         warps = min(4, kw // 128)
-        return 8 // warps, warps, True
+        return 16 // warps, warps, True
     return next((bn for bn in (8, 16) if triton.cdiv(N, bn) * rows <= 12 * sms), 16), 1, True
 
 
