@@ -23,7 +23,6 @@ Each case runs in try/except: an error is printed and recorded and the run goes 
 
 from __future__ import annotations
 
-import itertools
 import json
 import sys
 import traceback
