@@ -127,12 +127,10 @@ def check_fused(res, name, layers, k):
               f"{'ok' if row['ok'] else 'FAILED'}", flush=True)
 
 
-# label: (fd.ENABLED, tq.GEMV_PREFETCH, tq.GEMV_PREFETCH_INDEXED, tq.GEMV_RAW_X, mt.expert_block_n,
-# tq.GEMV_MAXNREG_INDEXED); the last is the multi-launch decode as it was before RAW_X, PREFETCH 2 and
-# `expert_block_n` (the router's x prepared by a launch of its own, the GEMVs' first weights asked of L2, the dense
-# GEMVs' rows per program)
-DEFAULT_PATH = (fd.ENABLED, tq.GEMV_PREFETCH, tq.GEMV_PREFETCH_INDEXED, tq.GEMV_RAW_X, mt.expert_block_n,
-                tq.GEMV_MAXNREG_INDEXED)
+# label: (fd.ENABLED, tq.GEMV_PREFETCH, tq.GEMV_PREFETCH_INDEXED, tq.GEMV_RAW_X, mt.expert_block_n); the last is
+# the multi-launch decode as it was before RAW_X, PREFETCH 2 and `expert_block_n` (the router's x prepared by a
+# launch of its own, the GEMVs' first weights asked of L2, the dense GEMVs' rows per program)
+DEFAULT_PATH = (fd.ENABLED, tq.GEMV_PREFETCH, tq.GEMV_PREFETCH_INDEXED, tq.GEMV_RAW_X, mt.expert_block_n)
 
 
 def _dense_rows(N, K, bits, rows):
@@ -141,22 +139,18 @@ def _dense_rows(N, K, bits, rows):
 
 def _path(**change):
     """The multi-launch decode with some of DEFAULT_PATH's settings changed."""
-    names = ("fused", "prefetch", "prefetch_indexed", "raw_x", "rows", "maxnreg")
+    names = ("fused", "prefetch", "prefetch_indexed", "raw_x", "rows")
     return tuple(change.get(n, v) for n, v in zip(names, (False, *DEFAULT_PATH[1:])))
 
 
 DECODE_PATHS = {"one launch": (True, *DEFAULT_PATH[1:]), "multi-launch": _path(),
                 "multi-launch, expert PREFETCH 1": _path(prefetch_indexed=1),
-                "multi-launch, expert regs <= 168": _path(maxnreg=168),
-                "multi-launch, expert regs <= 128": _path(maxnreg=128),
-                "multi-launch, expert PREFETCH 1, regs <= 128": _path(prefetch_indexed=1, maxnreg=128),
                 "multi-launch, dense rows rule": _path(rows=_dense_rows),
                 "multi-launch, before": _path(prefetch=1, prefetch_indexed=1, raw_x=False, rows=_dense_rows)}
 
 
 def use_path(settings=DEFAULT_PATH):
-    (fd.ENABLED, tq.GEMV_PREFETCH, tq.GEMV_PREFETCH_INDEXED, tq.GEMV_RAW_X, mt.expert_block_n,
-     tq.GEMV_MAXNREG_INDEXED) = settings
+    fd.ENABLED, tq.GEMV_PREFETCH, tq.GEMV_PREFETCH_INDEXED, tq.GEMV_RAW_X, mt.expert_block_n = settings
 
 
 def check_layer(res, name, layers, k):

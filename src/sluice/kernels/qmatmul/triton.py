@@ -35,7 +35,6 @@ USE_PDL = True  # programmatic dependent launch on sm_90+ (see `_pdl_start`); of
 GEMV_RAW_X = True  # dense GEMVs prepare x inside the GEMV (`_raw_x_step`), not in a launch of their own
 GEMV_PREFETCH = 2  # `_gemv_kernel`'s PREFETCH where the weights may be read before the wait: 1 L2, 2 registers
 GEMV_PREFETCH_INDEXED = 2  # the same for the MoE expert GEMVs (with `moe.triton.expert_block_n`: docs/PERF.md)
-GEMV_MAXNREG_INDEXED = None  # registers per thread the expert GEMVs may take (None: what ptxas wants)
 
 
 @triton.jit
@@ -572,13 +571,8 @@ def gemv_launch(xp, w, s, b, out, ids, rows, N, K, bits, gs, split_k, x_div=1, b
         BLOCK_N=block_n, KB=kb, EVEN_N=N % block_n == 0, EVEN_K=kw % kb == 0 and w_per_split % kb == 0,
         INDEXED=indexed, EXTRA=extra is not None, RAW_X=raw_x, ASM=not INTERPRET, PDL=use_pdl,
         PREFETCH=prefetch if early else 0, launch_pdl=use_pdl,
-        num_warps=num_warps, num_stages=1, **_maxnreg(GEMV_MAXNREG_INDEXED if indexed else None))
+        num_warps=num_warps, num_stages=1)
     return used
-
-
-def _maxnreg(n: int | None) -> dict:
-    """The launch option capping registers per thread (not under the interpreter, which has no such option)."""
-    return {} if n is None or INTERPRET else {"maxnreg": n}
 
 
 def gemv_block_n(N: int, rows: int, device=None) -> int:
