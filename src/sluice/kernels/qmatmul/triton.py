@@ -146,6 +146,16 @@ def _rows_load(w_ptr, s_ptr, b_ptr, rows, stride_wn, stride_sn, K: tl.constexpr,
 
 
 @triton.jit
+def _code_bytes(words, i: tl.constexpr, BITS: tl.constexpr):
+    """Codes i, i + D, i + 2D, i + 3D of each word (D = 8 / BITS), one per byte: what `_dp2a` multiplies."""
+    if BITS == 8:
+        a = words
+    else:
+        a = (words >> (i * BITS)) & (((1 << BITS) - 1) * 0x01010101)
+    return a
+
+
+@triton.jit
 def _rows_dot_loaded(xp_row, words, s, b, K: tl.constexpr, BITS: tl.constexpr, GS: tl.constexpr, BN: tl.constexpr,
                      ASM: tl.constexpr):
     """[BN] fp32: the rows loaded by `_rows_load` . x prepared at xp_row (`_prep_groups`)."""
@@ -154,7 +164,6 @@ def _rows_dot_loaded(xp_row, words, s, b, K: tl.constexpr, BITS: tl.constexpr, G
     KW: tl.constexpr = K // EPW
     WPG: tl.constexpr = GS // EPW
     NG: tl.constexpr = K // GS
-    BYTE_MASK: tl.constexpr = ((1 << BITS) - 1) * 0x01010101
     offs_k = tl.arange(0, KW)
     offs_g = tl.arange(0, NG)
     xf = xp_row.to(tl.pointer_type(tl.float32)) + 2 * D * KW
@@ -162,10 +171,7 @@ def _rows_dot_loaded(xp_row, words, s, b, K: tl.constexpr, BITS: tl.constexpr, G
     xg = tl.load(xf + NG + offs_g)
     dot = tl.zeros((BN, KW), dtype=tl.int32)
     for i in tl.static_range(D):
-        if BITS == 8:
-            a = words
-        else:
-            a = (words >> (i * BITS)) & BYTE_MASK
+        a = _code_bytes(words, i, BITS)
         dot = _dp2a(tl.load(xp_row + (2 * i) * KW + offs_k)[None, :], a, dot, False, ASM)
         dot = _dp2a(tl.load(xp_row + (2 * i + 1) * KW + offs_k)[None, :], a, dot, True, ASM)
     part = tl.sum(tl.reshape(dot, (BN, NG, WPG)), axis=2)
@@ -254,7 +260,6 @@ def _gemv_step(xp_ptr, xf_ptr, KW, NG, words, s, b, w0, w_end, offs_k, offs_g, a
     BLOCK_N: tl.constexpr = words.shape[0]
     KB: tl.constexpr = words.shape[1]
     G: tl.constexpr = KB // WPG
-    BYTE_MASK: tl.constexpr = ((1 << BITS) - 1) * 0x01010101
     kk = w0 + offs_k
     grp = w0 // WPG + offs_g
     k_ok = kk < w_end
@@ -269,10 +274,7 @@ def _gemv_step(xp_ptr, xf_ptr, KW, NG, words, s, b, w0, w_end, offs_k, offs_g, a
         xg = tl.load(xf_ptr + NG + grp, mask=g_ok, other=0.0)
     dot = tl.zeros((BLOCK_N, KB), dtype=tl.int32)
     for i in tl.static_range(D):
-        if BITS == 8:
-            a = words
-        else:
-            a = (words >> (i * BITS)) & BYTE_MASK
+        a = _code_bytes(words, i, BITS)
         if RAW_X:
             x_lo = _plane(q4, i, 0)
             x_hi = _plane(q4, i, 1)
