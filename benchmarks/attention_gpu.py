@@ -29,6 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from qmatmul_gpu import end_run, L2_BYTES, copy_bandwidth, graph_time, start_run  # noqa: E402
 from sluice.cache.turboquant import RECENT  # noqa: E402
+from sluice.kernels.attention import cuda as tq_cuda  # noqa: E402
 from sluice.kernels.attention.triton import decode_attention, num_splits  # noqa: E402
 from sluice.kernels.turboquant import reference as tq  # noqa: E402
 from sluice.kernels.turboquant.triton import decode_step_prep, rotate  # noqa: E402
@@ -120,12 +121,14 @@ def check(res):
             ref = _attention_fp32(q, kk, vv, scale)
             del kk, vv
             row["turboquant_rel"] = float((ours(q, qc, pos, scale, S, True).float() - ref).norm() / ref.norm())
+            tq_cuda.ENABLED = False  # the Triton kernel and its product variants (the sweep times them)
             default_int8 = at.INT8_PRODUCTS
             for int8 in (0, 1, 2):  # the product variants (the sweep times them)
                 at.INT8_PRODUCTS = int8
                 row[f"turboquant_rel_int8_{int8}"] = float((ours(q, qc, pos, scale, S, True).float() - ref).norm()
                                                            / ref.norm())
             at.INT8_PRODUCTS = default_int8
+            tq_cuda.ENABLED = True
             row["ok"] = row["dense_rel"] < 1e-2 and row["turboquant_rel"] < 1e-2
             res["correctness"].append(row)
             print(f"check {row}", flush=True)
@@ -157,6 +160,12 @@ def time_case(res, copy_bw, name, Hq, Hkv, D, S, B):
             qr = rotate(q)
             row["kernel_turboquant4_us"] = graph_time([lambda c=c: ours(qr, c, pos, scale, S, quant, rotated=True)
                                                        for c in caches]) * 1e6
+            tq_cuda.ENABLED = False  # the Triton split kernel, same merge (A/B in one run)
+            try:
+                row["kernel_turboquant4_triton_us"] = graph_time(
+                    [lambda c=c: ours(qr, c, pos, scale, S, quant, rotated=True) for c in caches]) * 1e6
+            finally:
+                tq_cuda.ENABLED = True
         else:
             try:
                 row["sdpa_bf16_us"] = graph_time([lambda c=c: sdpa(q, c, scale) for c in caches]) * 1e6
@@ -271,13 +280,16 @@ def main():
             print(f"best {r}")
         print(f"\n{res['gpu']}; copy {copy_bw / 1e12:.2f} TB/s; CUDA-graph replay, cold L2; times in us")
         print(f"{'shape':24s} {'ctx':>6s} {'B':>3s} {'ours bf16':>9s} {'%copy':>6s} {'SDPA':>8s} {'TQ4':>8s} "
-              f"{'%copy':>6s} {'TQ/bf16':>7s} {'TQ/SDPA':>7s} {'TQ kern':>7s} {'step bf16':>9s} {'step TQ':>8s}")
+              f"{'%copy':>6s} {'TQ/bf16':>7s} {'TQ/SDPA':>7s} {'TQ kern':>7s} {'kern/bf16':>9s} {'Triton':>7s} "
+              f"{'step bf16':>9s} {'step TQ':>8s}")
         for r in res["timings"]:
             print(f"{r['shape']:24s} {r['context']:6d} {r['batch']:3d} {r['ours_bf16_us']:9.1f} "
                   f"{100 * r['bf16_pct_copy']:5.0f}% {r.get('sdpa_bf16_us', float('nan')):8.1f} "
                   f"{r['ours_turboquant4_us']:8.1f} {100 * r['turboquant_pct_copy']:5.0f}% "
                   f"{r['turboquant_vs_ours_bf16']:6.2f}x {r.get('turboquant_vs_sdpa', float('nan')):6.2f}x "
                   f"{r.get('kernel_turboquant4_us', float('nan')):7.1f} "
+                  f"{r['ours_bf16_us'] / r.get('kernel_turboquant4_us', float('nan')):8.2f}x "
+                  f"{r.get('kernel_turboquant4_triton_us', float('nan')):7.1f} "
                   f"{r['step_bf16_us']:9.1f} {r['step_turboquant4_us']:8.1f}")
         end_run(a, res)
 

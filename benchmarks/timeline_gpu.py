@@ -2,7 +2,7 @@
 CUDA-graph replay, read from the CUDA profiler (CUPTI), for
 
 - the MoE decode layer (the multi-launch decode) at both models' shapes, 8-bit router;
-- decode attention at 32k context, batch 1 and 16, dense bf16 and TurboQuant caches, both shapes of
+- decode attention at 4k context, batch 1, and 32k, batch 1 and 16, dense bf16 and TurboQuant caches, both shapes of
   `attention_gpu.py` (the kernel and its merge; TurboQuant q rotated beforehand).
 
     python benchmarks/timeline_gpu.py [--json out.json] [--only moe|attention]
@@ -76,16 +76,15 @@ def attention(res):
 
     from sluice.kernels.turboquant.triton import rotate
 
-    S = 32768
     for name, (Hq, Hkv, D) in SHAPES.items():
-        for B in (1, 16):
+        for S, B in ((4096, 1), (32768, 1), (32768, 16)):
             g = torch.Generator(device="cuda").manual_seed(B)
             q = torch.randn(B, Hq, D, device="cuda", generator=g, dtype=torch.bfloat16)
             pos = torch.full((B,), S - 1, dtype=torch.int32, device="cuda")
             for quant in (False, True):
                 caches = [make_cache(B, Hkv, S, D, quant, g) for _ in range(1 if B == 16 else COPIES)]
                 qq = rotate(q) if quant else q
-                show(res, f"attention {name} 32k B={B} {'TurboQuant (q rotated)' if quant else 'bf16'}",
+                show(res, f"attention {name} {S // 1024}k B={B} {'TurboQuant (q rotated)' if quant else 'bf16'}",
                      kernel_timeline([lambda c=c: ours(qq, c, pos, D ** -0.5, S, quant, rotated=quant)
                                       for c in caches]))
                 del caches

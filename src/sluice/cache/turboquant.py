@@ -29,7 +29,8 @@ class TurboQuantKVCache(KVCache):
         if head_dim < 2 or head_dim & (head_dim - 1):
             raise ValueError(f"the TurboQuant KV cache needs a power-of-two head dim, this model has {head_dim}")
         super().__init__(num_layers, batch, num_kv_heads, head_dim, capacity, window)
-        self.capacity = -(-self.capacity // 4) * 4  # slots in fours: the values interleave four positions
+        self.capacity = -(-self.capacity // 32) * 32  # slots in 32s: the values interleave four positions, the CUDA
+        # decode kernel (kernels/attention/cuda.py) reads blocks of 32
         self.recent = recent
         codes = (batch, num_kv_heads, self.capacity, head_dim // 2)
         scales = (batch, num_kv_heads, self.capacity)

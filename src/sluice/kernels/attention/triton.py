@@ -26,6 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
+from sluice.kernels.attention import cuda as tq_cuda
 from sluice.kernels.qmatmul.triton import _num_sms, _pdl_start, pdl
 from sluice.kernels.turboquant import reference
 from sluice.kernels.turboquant.triton import _hadamard_rows, _tables
@@ -404,7 +405,12 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, position
     # positions per step (the H100 sweeps of benchmarks/attention_gpu.py): K and V tiles of D = 256 rows fill
     # shared memory; the codes are a quarter of the bytes, 128 positions a step unless splits are short (D = 128:
     # one block, 4k at batch 1: 19.3 -> 16.1 us with two of 64; benchmarks/results/attention_tq_sweep2_h100.json)
-    if quant:
+    use_cuda = quant and not INTERPRET and tq_cuda.applies(q, k, v, k_scale, v_scale, k_recent, v_recent, positions)
+    if use_cuda:  # the CUDA C split kernel (cuda.py): same partials, same merge
+        n_coded, per_split, ns = tq_cuda.plan(B * Hkv, visible, k_recent.shape[2], D, G, k_recent.dtype,
+                                              positions.dtype, q.device, splits)
+        block_n = block_n or tq_cuda.BLOCK
+    elif quant:
         # one wave of the programs an SM holds (registers: 2 at D = 256, 3 at D = 128)
         ns = splits or num_splits(B * Hkv, visible, q.device, block_n or 64, per_sm=3 if D <= 128 else 2,
                                   one_wave=True)
@@ -418,30 +424,36 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, position
         num_stages = num_stages or 2
     # int8 tensor cores take 32 values along the summed dim: the scores need D / 2 >= 32, P V block_n >= 32
     int8 = 0 if not quant or D < 64 else min(INT8_PRODUCTS, 2 if block_n >= 32 else 1)
-    per_split = triton.cdiv(visible, ns)
-    per_split = triton.cdiv(per_split, block_n) * block_n
-    ns = triton.cdiv(visible, per_split)
+    if not use_cuda:
+        per_split = triton.cdiv(visible, ns)
+        per_split = triton.cdiv(per_split, block_n) * block_n
+        ns = triton.cdiv(visible, per_split)
     BG = max(16, triton.next_power_of_2(G))
     op = torch.empty((B * Hkv, ns, BG, D), dtype=torch.float32, device=q.device)
     ml = torch.empty((B * Hkv, ns, 2, BG), dtype=torch.float32, device=q.device)
     dummy = op
     rot = cnt = dummy
-    if unrotate:  # the merged rotated rows and a counter per KV head (zeroed by the split kernel)
+    if unrotate and not use_cuda:  # the merged rotated rows and a counter per KV head (zeroed by the split kernel)
         rot = torch.empty((B * Hq, D), dtype=torch.float32, device=q.device)
         cnt = torch.empty((B * Hkv,), dtype=torch.int32, device=q.device)
     ks, vs = (k_scale, v_scale) if quant else (dummy, dummy)
     kr, vr = (k_recent, v_recent) if quant else (dummy, dummy)
     recent = k_recent.shape[2] if quant else 1
     use_pdl = pdl(q.device)
-    _decode_split_kernel[(B * Hkv, ns)](
-        q, k, v, ks, vs, kr, vr, _level_table(q.device) if quant else dummy, positions, op, ml, cnt, scale, Hkv,
-        cap, per_split, ns,
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
-        ks.stride(0) if quant else 0, ks.stride(1) if quant else 0,
-        kr.stride(0) if quant else 0, kr.stride(1) if quant else 0, kr.stride(2) if quant else 0,
-        G=G, BG=BG, D=D, BLOCK_N=block_n, QUANT=quant, RING=window is not None, WINDOW=window or 0,
-        RECENT=recent, INT8=int8, TC=not INTERPRET, ZERO_CNT=unrotate, PDL=use_pdl, launch_pdl=use_pdl,
-        num_warps=num_warps, num_stages=num_stages)
+    if use_cuda:
+        tq_cuda.decode_split(q, k, v, k_scale, v_scale, k_recent, v_recent, positions, scale, window, op, ml,
+                             unrotate, n_coded, per_split, ns)
+        unrotate = False  # done per split
+    else:
+        _decode_split_kernel[(B * Hkv, ns)](
+            q, k, v, ks, vs, kr, vr, _level_table(q.device) if quant else dummy, positions, op, ml, cnt, scale, Hkv,
+            cap, per_split, ns,
+            q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
+            ks.stride(0) if quant else 0, ks.stride(1) if quant else 0,
+            kr.stride(0) if quant else 0, kr.stride(1) if quant else 0, kr.stride(2) if quant else 0,
+            G=G, BG=BG, D=D, BLOCK_N=block_n, QUANT=quant, RING=window is not None, WINDOW=window or 0,
+            RECENT=recent, INT8=int8, TC=not INTERPRET, ZERO_CNT=unrotate, PDL=use_pdl, launch_pdl=use_pdl,
+            num_warps=num_warps, num_stages=num_stages)
     o = torch.empty((B, Hq, D), dtype=out_dtype or q.dtype, device=q.device)
     # the merge: coordinate blocks small enough that one load holds every split's partials (<= 64 KB a program);
     # with unrotate the blocks of a KV head's query heads meet through `rot` and the KV head's counter
