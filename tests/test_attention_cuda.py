@@ -96,7 +96,7 @@ def test_cuda_kernel_unrotates_and_is_captured_by_a_graph():
     pos = torch.tensor([4095, 1000])
     kcodes, vcodes, cache, _ = build(B, Hkv, D, 4096, cap, recent, pos, torch.bfloat16, g)
     q = tq.rotate(torch.randn(B, Hq, D, generator=g)).cuda()
-    posd = pos.cuda().int()
+    posd = pos.cuda()  # int64 positions (the caches pass int32): the kernel reads either
     run = lambda: at.decode_attention(q, kcodes, vcodes, posd, 0.0625, 4096, unrotate=True, **cache)  # noqa: E731
     first = run()
     plain = at.decode_attention(q, kcodes, vcodes, posd, 0.0625, 4096, **cache)

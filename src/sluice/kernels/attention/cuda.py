@@ -47,10 +47,10 @@ def stages(D: int) -> int:
 
 def smem_bytes(D: int) -> int:
     """The stages, each warp's fp32 output sums, its probabilities (2 x 256 bytes) and (max, sum) per head, the
-    packed q fragments and their per-warp max and sums."""
+    packed q fragments and their per-warp max and sums, the rotation's signs."""
     stage = 2 * BLOCK * D // 2 + 2 * BLOCK * 4
     q_fragments = 32 * Q_PARTS * (D // 32) * 2 * 4 + WARPS * 8 * 4 + WARPS * 8 * Q_PARTS * 4
-    return stages(D) * WARPS * stage + WARPS * 8 * D * 4 + WARPS * 512 + 2 * WARPS * 8 * 4 + q_fragments
+    return stages(D) * WARPS * stage + WARPS * 8 * D * 4 + WARPS * 512 + 2 * WARPS * 8 * 4 + q_fragments + D * 4
 
 
 def kernel(D: int, G: int, ring_dtype: torch.dtype, pos_dtype: torch.dtype, device) -> nvrtc.Kernel:

@@ -8,15 +8,17 @@
 // Program: (sequence x KV head, split), W warps; each warp streams its own 32-position blocks (cp.async into
 // shared memory, STAGES deep) with its own online softmax, and the warps merge in shared memory at the end into
 // the split's partial (unnormalised output, max, sum) in the Triton kernel's layout, so the same merge kernel
-// finishes the job. Splits >= n_coded take the newest positions from the exact ring (fp32 FMAs).
+// finishes the job; with `unrotate` the partial is rotated back out of the codec's domain first (the merge is
+// linear). Splits >= n_coded take the newest positions from the exact ring (staged in shared memory, fp32 FMAs).
 //
 // Per block, with g = lane / 4 and t = lane % 4 (the mma fragment coordinates):
 //   scores S^T [32 positions x 8 heads] = K [positions x D] q^T: m16n8k32 int8, K as the A operand (rows are
 //     positions g, g + 8, 16 + g, 24 + g; the coordinates of the k slots are whatever the code words hold: q
 //     is packed to match once per program);
 //   P V as O^T [D x 8 heads] += V^T [D x 32 positions] P^T: V as the A operand (rows are coordinates), the
-//     probabilities as u8 (P = 255 * 2^(x - m) * vscale / vscale_max) in the B operand, moved there from the
-//     score layout through 256 bytes of shared memory; int32 sums kept across blocks until the max moves.
+//     probabilities in 16 bits (P = 65535 * 2^(x - m) * vscale / vscale_max) as two u8 B operands (high and low
+//     byte: two mma's, two int32 sums), moved there from the score layout through shared memory; the int32 sums
+//     are kept across blocks until a head's max or vscale_max moves, then added to fp32 sums in shared memory.
 // Codes to levels: code k < 8 has a negative level L(k), k >= 8 a positive one. prmt's sign-replicate mode
 // turns a selector nibble with bit 3 set into 0x00 / 0xFF, so for tables TA[j] = L(j) - 1 (all negative) and
 // TB[j] = L(8 + j) (all positive): prmt(TA, code) + prmt(TB, code ^ 8) = L(k) - 1 for every k. The two parts
@@ -171,6 +173,19 @@ extern "C" __global__ void __launch_bounds__(W * 32) tq_decode_split(
     const int bh = blockIdx.x, split = blockIdx.y;
     const int b = bh / Hkv, h = bh % Hkv;
     const int part = bh * n_splits + split;
+    const float* qrow = q + b * sqb + (i64)h * G * sqh;
+    // the coded splits' q values, loaded before anything waits: their latency overlaps the position's
+    constexpr int SPW = (WPT + W - 1) / W;  // q fragment steps a warp packs
+    float4 qx[SPW][2];
+#pragma unroll
+    for (int j = 0; j < SPW; j++)
+#pragma unroll
+        for (int hf = 0; hf < 2; hf++) {
+            const int s = warp + j * W;
+            qx[j][hf] = make_float4(0.f, 0.f, 0.f, 0.f);
+            if (split < n_coded && g < G && s < WPT)
+                qx[j][hf] = *(const float4*)(qrow + g * sqh + hf * DH + 4 * (WPT * t + s));
+        }
 #if POS64
     const int p = (int)((const i64*)pos_ptr)[b];
 #else
@@ -178,7 +193,6 @@ extern "C" __global__ void __launch_bounds__(W * 32) tq_decode_split(
 #endif
     const int first = window > 0 ? max(p - window + 1, 0) : 0;
     const int coded_stop = p - recent + 1;  // positions below come from the codes
-    const float* qrow = q + b * sqb + (i64)h * G * sqh;
 
     // shared memory: the stages, each warp's fp32 output sums [8 heads][D], its probabilities, (max, sum)
     float* Os = (float*)(smem + STAGES * W * STAGE_BYTES);                   // [W][8][D]
@@ -186,6 +200,12 @@ extern "C" __global__ void __launch_bounds__(W * 32) tq_decode_split(
     float* ms = (float*)(smem + STAGES * W * STAGE_BYTES + W * 8 * D * 4 + W * 512);   // [W][8]
     float* ls = ms + W * 8;                                                          // [W][8]
     float* Ow = Os + warp * 8 * D;
+    u32* Qs = (u32*)(ls + W * 8);                   // packed q fragments [lane][part][step][register]
+    float* qmx = (float*)(Qs + 32 * QP * WPT * 2);  // [W][8]
+    int* qsm = (int*)(qmx + W * 8);                 // [W][8][QP]
+    float* Sg = (float*)(qsm + W * 8 * QP);          // the rotation's signs [D]
+    if (unrotate && threadIdx.x < D / 4)  // for the epilogue: joins the first group of copies
+        cp16(smem_addr(Sg) + threadIdx.x * 16, signs + 4 * threadIdx.x);
 
     float m0 = -INF, m1 = -INF, l0 = 0.f, l1 = 0.f;  // heads 2t, 2t + 1 (log2 units)
 
@@ -244,19 +264,13 @@ extern "C" __global__ void __launch_bounds__(W * 32) tq_decode_split(
             // quantized once per program: warp w packs steps w, w + W, .. of every lane's fragment into shared
             // memory (Qs[lane][part][step][register]), then every warp reads all of them. Per head g: the max |q|
             // sets the scale; sum q starts the score accumulators (the levels come out as L - 1)
-            u32* Qs = (u32*)(ls + W * 8);
-            float* qmx = (float*)(Qs + 32 * QP * WPT * 2);  // [W][8]
-            int* qsm = (int*)(qmx + W * 8);                 // [W][8][QP]
-            constexpr int SPW = (WPT + W - 1) / W;
             float qv[SPW][2][4];  // [step][half][4 coordinates 4 (WPT t + s) ..]
             float mx = 0.f;
 #pragma unroll
             for (int j = 0; j < SPW; j++)
 #pragma unroll
                 for (int hf = 0; hf < 2; hf++) {
-                    const int s = warp + j * W;
-                    float4 x = make_float4(0.f, 0.f, 0.f, 0.f);
-                    if (g < G && s < WPT) x = *(const float4*)(qrow + g * sqh + hf * DH + 4 * (WPT * t + s));
+                    const float4 x = qx[j][hf];
                     qv[j][hf][0] = x.x; qv[j][hf][1] = x.y; qv[j][hf][2] = x.z; qv[j][hf][3] = x.w;
                     mx = fmaxf(mx, fmaxf(fmaxf(fabsf(x.x), fabsf(x.y)), fmaxf(fabsf(x.z), fabsf(x.w))));
                 }
@@ -625,7 +639,7 @@ extern "C" __global__ void __launch_bounds__(W * 32) tq_decode_split(
                 }
             const float norm = rsqrtf((float)D);
 #pragma unroll
-            for (int i = 0; i < VPL; i++) o[i] *= signs[VPL * lane + i] * norm;
+            for (int i = 0; i < VPL; i++) o[i] *= Sg[VPL * lane + i] * norm;
         }
         float* dst = op + ((i64)part * BG + hq) * D + VPL * lane;
 #pragma unroll
