@@ -81,6 +81,20 @@ def available(device=None) -> bool:
     return _nvrtc() is not None and _cuda() is not None
 
 
+def max_shared_per_block(device) -> int:
+    """Dynamic shared memory a program may opt in to on `device` (bytes; 227 KB on an H100, 99 KB on sm_86/89)."""
+    index = torch.device(device).index
+    index = torch.cuda.current_device() if index is None else index
+    key = ("smem", index)
+    if key not in _libs:
+        torch.cuda.init()
+        dev, n = ctypes.c_int(), ctypes.c_int()
+        _check(_cuda().cuDeviceGet(ctypes.byref(dev), index), "cuDeviceGet")
+        _check(_cuda().cuDeviceGetAttribute(ctypes.byref(n), 97, dev), "cuDeviceGetAttribute")  # ..._BLOCK_OPTIN
+        _libs[key] = n.value
+    return _libs[key]
+
+
 def compile_cubin(source: str, name: str, defines: dict, arch: str) -> bytes:
     """Compile `source` for `arch` ("sm_90") with -D defines; the cubin. Raises NvrtcError with the log."""
     lib = _nvrtc()

@@ -10,6 +10,7 @@ codes, scales and the ring contiguous per (sequence, KV head). SLUICE_TQ_CUDA=0 
 from __future__ import annotations
 
 import os
+import warnings
 from pathlib import Path
 
 import torch
@@ -78,7 +79,29 @@ def applies(q, k_codes, v_codes, k_scale, v_scale, k_recent, v_recent, positions
         return False
     if k_codes.stride(2) != D // 2 or v_codes.stride(2) != 2 * D or k_scale.stride(-1) != 1:
         return False
-    return positions.dtype in (torch.int32, torch.int64)
+    if positions.dtype not in (torch.int32, torch.int64):
+        return False
+    if smem_bytes(D) > nvrtc.max_shared_per_block(q.device):  # 108 KB at D = 256: not on sm_86 / sm_89 (99 KB)
+        return False
+    return _compiles(D, Hq // Hkv, k_recent.dtype, positions.dtype, q.device)
+
+
+_failed: set = set()
+
+
+def _compiles(D, G, ring_dtype, pos_dtype, device) -> bool:
+    """Compile (once) and say whether it worked; a failure is reported once and the Triton kernel takes over."""
+    key = (D, G, ring_dtype, pos_dtype, torch.device(device))
+    if key in _failed:
+        return False
+    try:
+        kernel(D, G, ring_dtype, pos_dtype, device)
+        return True
+    except nvrtc.NvrtcError as e:
+        _failed.add(key)
+        warnings.warn(f"sluice: the CUDA TurboQuant decode kernel is unavailable here, using the Triton one ({e})",
+                      RuntimeWarning, stacklevel=2)
+        return False
 
 
 def plan(batch_heads: int, visible: int, recent: int, D: int, G: int, ring_dtype, pos_dtype, device,

@@ -442,9 +442,11 @@ extern "C" __global__ void __launch_bounds__(W * 32) tq_decode_split(
                     bm1 = fmaxf(bm1, __shfl_xor_sync(0xffffffffu, bm1, o));
                     bv = fmaxf(bv, __shfl_xor_sync(0xffffffffu, bv, o));
                 }
-                const float n0 = fmaxf(m0, bm0), n1 = fmaxf(m1, bm1), nv = fmaxf(vmax, bv);
-                if (n0 > m0 || n1 > m1 || nv > vmax || since == FLUSH_BLOCKS) {
-                    // move the int32 sums into the fp32 ones, rescaled to the new maxima
+                if (bm0 > m0 || bm1 > m1 || bv > vmax || since == FLUSH_BLOCKS) {
+                    // move the int32 sums into the fp32 ones, rescaled to the new maxima. A maximum that moves
+                    // moves with headroom (x 2, 2 of P's 16 bits) so that the next blocks seldom move it again
+                    const float n0 = bm0 > m0 ? bm0 + 1.f : m0, n1 = bm1 > m1 ? bm1 + 1.f : m1;
+                    const float nv = bv > vmax ? 2.f * bv : vmax;
                     const float a0 = m0 == -INF ? 0.f : ex2(m0 - n0);
                     const float a1 = m1 == -INF ? 0.f : ex2(m1 - n1);
                     if (since > 0)  // (nothing to move before the first block)
@@ -457,7 +459,8 @@ extern "C" __global__ void __launch_bounds__(W * 32) tq_decode_split(
                     since = 0;
                 }
                 since++;
-                // probabilities as 16 bits P = 2^(x - m) vscale / vscale_max * 65535, its high and low bytes in
+                // probabilities in 16 bits, P = 2^(x - m) vscale / vscale_max * 65535 (m and vscale_max are bounds,
+                // not the maxima: the headroom above), its high and low bytes in
                 // this warp's [byte][head][position] area (8 bits alone lose too much where attention is flat)
                 const float pv = vmax > 0.f ? 65535.f / vmax : 0.f;
 #pragma unroll
