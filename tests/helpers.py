@@ -119,3 +119,16 @@ def save_llama_gguf(model, path: Path, qtype=None) -> Path:
     w.write_tensors_to_file()
     w.close()
     return path
+
+
+def rel(a, b) -> float:
+    """Relative error |a - b| / |b| (fp64)."""
+    return float((a.double() - b.double()).norm() / b.double().norm())
+
+
+def attention_reference(q, keys, values, scale):
+    """q [Hq, D]; keys, values [Hkv, S, D] (the visible ones): fp64 softmax attention, GQA."""
+    G = q.shape[0] // keys.shape[0]
+    k, v = keys.repeat_interleave(G, 0).double(), values.repeat_interleave(G, 0).double()
+    p = torch.softmax((q.double()[:, None, :] * k).sum(-1) * scale, dim=-1)
+    return (p[..., None] * v).sum(1)

@@ -11,19 +11,9 @@ from sluice.kernels import nvrtc  # noqa: E402
 from sluice.kernels.attention import cuda as tq_cuda  # noqa: E402
 from sluice.kernels.attention import triton as at  # noqa: E402
 from sluice.kernels.turboquant import reference as tq  # noqa: E402
+from helpers import attention_reference as reference, rel  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not nvrtc.available(), reason="needs an NVIDIA GPU and NVRTC")
-
-
-def rel(a, b):
-    return float((a.double() - b.double()).norm() / b.double().norm())
-
-
-def reference(q, keys, values, scale):
-    G = q.shape[0] // keys.shape[0]
-    k, v = keys.repeat_interleave(G, 0).double(), values.repeat_interleave(G, 0).double()
-    p = torch.softmax((q.double()[:, None, :] * k).sum(-1) * scale, dim=-1)
-    return (p[..., None] * v).sum(1)
 
 
 def build(B, Hkv, D, hist, cap, recent, pos, ring_dtype, g):

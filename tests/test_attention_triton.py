@@ -9,23 +9,11 @@ pytest.importorskip("triton")
 
 from sluice.kernels.attention import triton as at  # noqa: E402
 from sluice.kernels.turboquant import reference as tq  # noqa: E402
+from helpers import attention_reference as reference, rel  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TOL = 1e-2 if DEVICE == "cuda" else 1e-5  # the GPU multiplies on bf16 tensor cores, the interpreter in fp32
 TOL_INT8 = max(TOL, 3e-4)  # TurboQuant on int8 tensor cores: q (and the probabilities) to 15 bits
-
-
-def rel(a, b):
-    return float((a.double() - b.double()).norm() / b.double().norm())
-
-
-def reference(q, keys, values, scale):
-    """q [Hq, D]; keys, values [Hkv, S, D] (the visible ones): fp64 softmax attention, GQA."""
-    G = q.shape[0] // keys.shape[0]
-    k, v = keys.repeat_interleave(G, 0).double(), values.repeat_interleave(G, 0).double()
-    p = torch.softmax((q.double()[:, None, :] * k).sum(-1) * scale, dim=-1)
-    return (p[..., None] * v).sum(1)
-
 
 @pytest.mark.parametrize("splits", [1, 2, 7, None])
 @pytest.mark.parametrize("Hq,Hkv,D", [(4, 2, 64), (9, 3, 64), (16, 2, 128)])

@@ -69,7 +69,7 @@ def applies(q, k_codes, v_codes, k_scale, v_scale, k_recent, v_recent, positions
         return False
     if torch.cuda.get_device_capability(q.device) < (8, 0):
         return False
-    B, Hq, D = q.shape
+    _, Hq, D = q.shape
     Hkv, cap = k_codes.shape[1], k_codes.shape[2]
     if D not in (64, 128, 256) or Hq % Hkv or Hq // Hkv > 8 or cap % BLOCK:
         return False

@@ -15,7 +15,9 @@ rather than to every coordinate), the RECENT newest from the exact ring (slot j 
 domain: the caller rotates q (`turboquant.triton.decode_step_prep`), the merge kernel rotates the output back
 (`unrotate`). The codes become integer levels in registers by byte permutes (`_lookup_ptx`): no table lookups in
 memory. The products run on int8 tensor cores (`INT8_PRODUCTS`: q and the probabilities as int8 pairs 128 a + b,
-exact int32 sums), on fp16 ones where the int8 shapes do not fit.
+exact int32 sums), on fp16 ones where the int8 shapes do not fit. On NVIDIA GPUs `decode_attention` hands the
+TurboQuant split to the CUDA C kernel of `cuda.py` where it applies (same partials, same merge; it rotates each
+split's output back itself); this Triton kernel remains the path under the interpreter and everywhere else.
 """
 
 from __future__ import annotations
