@@ -200,7 +200,7 @@ extern "C" __global__ void __launch_bounds__(W * 32) tq_decode_split(
     float* ms = (float*)(smem + STAGES * W * STAGE_BYTES + W * 8 * D * 4 + W * 512);   // [W][8]
     float* ls = ms + W * 8;                                                          // [W][8]
     float* Ow = Os + warp * 8 * D;
-    u32* Qs = (u32*)(ls + W * 8);                   // packed q fragments [lane][part][step][register]
+    u32* Qs = (u32*)(ls + W * 8);                   // packed q fragments [part][step][register][lane]
     float* qmx = (float*)(Qs + 32 * QP * WPT * 2);  // [W][8]
     int* qsm = (int*)(qmx + W * 8);                 // [W][8][QP]
     float* Sg = (float*)(qsm + W * 8 * QP);          // the rotation's signs [D]
@@ -262,7 +262,7 @@ extern "C" __global__ void __launch_bounds__(W * 32) tq_decode_split(
         int qs0[QP], qs1[QP];
         {
             // quantized once per program: warp w packs steps w, w + W, .. of every lane's fragment into shared
-            // memory (Qs[lane][part][step][register]), then every warp reads all of them. Per head g: the max |q|
+            // memory (Qs, lanes side by side: no bank conflicts), then every warp reads all of them. Per head g: the max |q|
             // sets the scale; sum q starts the score accumulators (the levels come out as L - 1)
             float qv[SPW][2][4];  // [step][half][4 coordinates 4 (WPT t + s) ..]
             float mx = 0.f;
@@ -317,7 +317,7 @@ extern "C" __global__ void __launch_bounds__(W * 32) tq_decode_split(
                             }
                         }
 #pragma unroll
-                        for (int k = 0; k < QP; k++) Qs[((lane * QP + k) * WPT + s) * 2 + r] = pk[k];
+                        for (int k = 0; k < QP; k++) Qs[((k * WPT + s) * 2 + r) * 32 + lane] = pk[k];
                     }
                 }
             }
@@ -333,7 +333,7 @@ extern "C" __global__ void __launch_bounds__(W * 32) tq_decode_split(
 #pragma unroll
                 for (int s = 0; s < WPT; s++)
 #pragma unroll
-                    for (int r = 0; r < 2; r++) qf[k][s][r] = Qs[((lane * QP + k) * WPT + s) * 2 + r];
+                    for (int r = 0; r < 2; r++) qf[k][s][r] = Qs[((k * WPT + s) * 2 + r) * 32 + lane];
                 qs0[k] = qs1[k] = 0;
 #pragma unroll
                 for (int w = 0; w < W; w++) {
@@ -597,9 +597,10 @@ extern "C" __global__ void __launch_bounds__(W * 32) tq_decode_split(
         }
     }
     __syncthreads();
-    // the warps' partials into the split's: warp w takes heads w, w + W, ..; lane the VPL coordinates from VPL lane.
-    // Weights 2^(m_w - M) (a warp that saw nothing has m = -inf, weight 0); with unrotate, R^T o = signs * (H o) /
-    // sqrt(D) (linear: each split's partial may be rotated), a Walsh-Hadamard transform in registers and shuffles
+    // the warps' partials into the split's: warp w takes heads w, w + W, ..; lane the coordinates lane + 32 i
+    // (VPL of them; no bank conflicts). Weights 2^(m_w - M) (a warp that saw nothing has m = -inf, weight 0); with
+    // unrotate, R^T o = signs * (H o) / sqrt(D) (linear: each split's partial may be rotated), a Walsh-Hadamard
+    // transform in registers (the coordinate bits of i) and shuffles (those of the lane)
     constexpr int VPL = D / 32;
     for (int hq = warp; hq < G; hq += W) {
         float M = -INF;
@@ -614,18 +615,14 @@ extern "C" __global__ void __launch_bounds__(W * 32) tq_decode_split(
                 const float mw = ms[w * 8 + hq];
                 const float wt = mw == -INF ? 0.f : ex2(mw - M);
                 L += wt * ls[w * 8 + hq];
-                const float* src = Os + (w * 8 + hq) * D + VPL * lane;
+                const float* src = Os + (w * 8 + hq) * D + lane;
 #pragma unroll
-                for (int i = 0; i < VPL; i += 2) {
-                    const float2 x = *(const float2*)(src + i);
-                    o[i] = fmaf(wt, x.x, o[i]);
-                    o[i + 1] = fmaf(wt, x.y, o[i + 1]);
-                }
+                for (int i = 0; i < VPL; i++) o[i] = fmaf(wt, src[32 * i], o[i]);
             }
         }
         if (unrotate) {
 #pragma unroll
-            for (int len = 1; len < VPL; len <<= 1)  // within the lane
+            for (int len = 1; len < VPL; len <<= 1)
 #pragma unroll
                 for (int i = 0; i < VPL; i++)
                     if (!(i & len)) {
@@ -634,19 +631,18 @@ extern "C" __global__ void __launch_bounds__(W * 32) tq_decode_split(
                         o[i + len] = a - c;
                     }
 #pragma unroll
-            for (int bit = 1; bit < 32; bit <<= 1)  // across lanes: coordinate VPL lane + i, partner lane ^ bit
+            for (int bit = 1; bit < 32; bit <<= 1) {
+                const float sgn = (lane & bit) ? -1.f : 1.f;  // the upper of a pair: partner - own
 #pragma unroll
-                for (int i = 0; i < VPL; i++) {
-                    const float a = o[i], c = __shfl_xor_sync(0xffffffffu, a, bit);
-                    o[i] = (lane & bit) ? c - a : a + c;
-                }
+                for (int i = 0; i < VPL; i++) o[i] = fmaf(sgn, o[i], __shfl_xor_sync(0xffffffffu, o[i], bit));
+            }
             const float norm = rsqrtf((float)D);
 #pragma unroll
-            for (int i = 0; i < VPL; i++) o[i] *= Sg[VPL * lane + i] * norm;
+            for (int i = 0; i < VPL; i++) o[i] *= Sg[lane + 32 * i] * norm;
         }
-        float* dst = op + ((i64)part * BG + hq) * D + VPL * lane;
+        float* dst = op + ((i64)part * BG + hq) * D + lane;
 #pragma unroll
-        for (int i = 0; i < VPL; i += 2) *(float2*)(dst + i) = make_float2(o[i], o[i + 1]);
+        for (int i = 0; i < VPL; i++) dst[32 * i] = o[i];
         if (lane == 0) {
             ml[((i64)part * 2) * BG + hq] = M == -INF ? -INF : M * LN2;
             ml[((i64)part * 2 + 1) * BG + hq] = L;
