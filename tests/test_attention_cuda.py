@@ -1,6 +1,7 @@
 """The CUDA C TurboQuant decode kernel (kernels/attention/cuda.py, NVRTC) against fp64 attention over the
 dequantized cache with the newest positions exact, and against the Triton kernel: GPU only (CI has none; there the
-Triton kernel, which does the same math, runs under the interpreter)."""
+Triton kernel, which does the same math, runs under the interpreter); the byte-permute decode is checked on the CPU
+against an emulation of prmt."""
 
 import pytest
 import torch
@@ -13,7 +14,57 @@ from sluice.kernels.attention import triton as at  # noqa: E402
 from sluice.kernels.turboquant import reference as tq  # noqa: E402
 from helpers import attention_reference as reference, rel  # noqa: E402
 
-pytestmark = pytest.mark.skipif(not nvrtc.available(), reason="needs an NVIDIA GPU and NVRTC")
+gpu = pytest.mark.skipif(not nvrtc.available(), reason="needs an NVIDIA GPU and NVRTC")
+
+
+def _prmt(a: int, b: int, sel: int) -> int:
+    """PTX prmt.b32 (default mode): byte i of the result is byte (nibble i of sel) & 7 of {b, a}, or with the
+    nibble's bit 3 set that byte's sign replicated (0x00 / 0xFF)."""
+    src = a.to_bytes(4, "little") + b.to_bytes(4, "little")
+    out = 0
+    for i in range(4):
+        n = (sel >> (4 * i)) & 0xF
+        byte = src[n & 7]
+        if n & 8:
+            byte = 0xFF if byte & 0x80 else 0
+        out |= byte << (8 * i)
+    return out
+
+
+def _int8s(word: int) -> list[int]:
+    return [x - 256 if x > 127 else x for x in word.to_bytes(4, "little")]
+
+
+def _levels(w: int, tables) -> tuple[list[int], list[int]]:
+    """tq_decode.cu `levels`: the A and B parts (as int8 lists) of nibbles 0-3 and 4-7 of the code word w."""
+    ta0, ta1, tb0, tb1 = tables
+    x = w ^ 0x88888888
+    lo = [a + b for a, b in zip(_int8s(_prmt(ta0, ta1, w)), _int8s(_prmt(tb0, tb1, x)))]
+    hi = [a + b for a, b in zip(_int8s(_prmt(ta0, ta1, w >> 16)), _int8s(_prmt(tb0, tb1, x >> 16)))]
+    return lo, hi
+
+
+def test_byte_permutes_give_the_levels_minus_one():
+    """The kernel's decode: prmt(TA, code) + prmt(TB, code ^ 8) = L(code) - 1 for every code in every nibble, and
+    the value words' regrouping (0x6420 / 0x7531) gives each coordinate's levels at the four positions. CPU only:
+    an emulation of prmt on the kernel's own tables (cuda._tables)."""
+    levels = tq.int_levels()
+    tables = tq_cuda._tables()
+    g = torch.Generator().manual_seed(0)
+    for _ in range(200):
+        codes = torch.randint(0, 16, (8,), generator=g).tolist()
+        w = sum(c << (4 * i) for i, c in enumerate(codes))
+        lo, hi = _levels(w, tables)
+        assert lo + hi == [levels[c] - 1 for c in codes]
+        # a value word: byte i is position i, low nibble coordinate c, high nibble c + D/2
+        ta0, ta1, tb0, tb1 = tables
+        x = w ^ 0x88888888
+        for t_lo, t_hi, sel in ((ta0, ta1, w), (tb0, tb1, x)):
+            r1, r2 = _prmt(t_lo, t_hi, sel), _prmt(t_lo, t_hi, sel >> 16)
+            c_part, c2_part = _int8s(_prmt(r1, r2, 0x6420)), _int8s(_prmt(r1, r2, 0x7531))
+            ref1 = [_int8s(_prmt(t_lo, t_hi, (sel >> (8 * i)) & 0xF))[0] for i in range(4)]
+            ref2 = [_int8s(_prmt(t_lo, t_hi, (sel >> (8 * i + 4)) & 0xF))[0] for i in range(4)]
+            assert c_part == ref1 and c2_part == ref2
 
 
 def build(B, Hkv, D, hist, cap, recent, pos, ring_dtype, g):
@@ -38,6 +89,7 @@ def build(B, Hkv, D, hist, cap, recent, pos, ring_dtype, g):
     return d(codes_k), d(tq.interleave(codes_v)), cache, (k, v, kc, ks, vc, vs)
 
 
+@gpu
 @pytest.mark.parametrize("Hq,Hkv,D", [(16, 2, 256), (32, 8, 128), (9, 3, 64), (4, 1, 128)])
 @pytest.mark.parametrize("window", [None, 160])
 @pytest.mark.parametrize("ring_dtype", [torch.bfloat16, torch.float32])
@@ -79,6 +131,7 @@ def test_cuda_kernel_equals_attention_over_the_dequantized_cache(Hq, Hkv, D, win
     assert rel(outs[None], triton_out) < 5e-3
 
 
+@gpu
 def test_cuda_kernel_unrotates_and_is_captured_by_a_graph():
     """unrotate through the merge; the launch recorded by a CUDA graph replays with new inputs."""
     g = torch.Generator().manual_seed(7)
