@@ -262,8 +262,8 @@ extern "C" __global__ void __launch_bounds__(W * 32) tq_decode_split(
         int qs0[QP], qs1[QP];
         {
             // quantized once per program: warp w packs steps w, w + W, .. of every lane's fragment into shared
-            // memory (Qs, lanes side by side: no bank conflicts), then every warp reads all of them. Per head g: the max |q|
-            // sets the scale; sum q starts the score accumulators (the levels come out as L - 1)
+            // memory (Qs, lanes side by side: no bank conflicts), then every warp reads all of them. Per head g:
+            // the max |q| sets the scale; sum q starts the score accumulators (the levels come out as L - 1)
             float qv[SPW][2][4];  // [step][half][4 coordinates 4 (WPT t + s) ..]
             float mx = 0.f;
 #pragma unroll
