@@ -2,8 +2,9 @@
 launched through the CUDA driver API with ctypes: no nvcc, no build step, no extension module.
 
 Used where Triton cannot express a loop well enough (kernels/attention/tq_decode.cu). A kernel is compiled once
-per (source, defines, architecture) to a cubin and loaded once per device. Launches go to PyTorch's current
-stream, so CUDA-graph capture records them like any other kernel.
+per (source, defines, architecture, NVRTC version) to a cubin, kept under $SLUICE_HOME/kernels/nvrtc so that later
+processes skip the compile, and loaded once per device. Launches go to PyTorch's current stream, so CUDA-graph
+capture records them like any other kernel.
 
 `available()` is False without a CUDA device, without NVRTC, or with SLUICE_NVRTC=0; callers then use Triton.
 """
@@ -123,6 +124,34 @@ def compile_cubin(source: str, name: str, defines: dict, arch: str) -> bytes:
         lib.nvrtcDestroyProgram(ctypes.byref(prog))
 
 
+def _nvrtc_version() -> str:
+    major, minor = ctypes.c_int(), ctypes.c_int()
+    _nvrtc().nvrtcVersion(ctypes.byref(major), ctypes.byref(minor))
+    return f"{major.value}.{minor.value}"
+
+
+def cached_cubin(source: str, name: str, defines: dict, arch: str) -> bytes:
+    """compile_cubin through a file cache keyed by everything that goes into the cubin (a cache that cannot be
+    read or written is skipped: the compile then happens every process)."""
+    from sluice.formats.demo import cache_dir
+
+    key = hashlib.sha256(repr((source, name, sorted(defines.items()), arch, _nvrtc_version())).encode()).hexdigest()
+    path = cache_dir() / "kernels" / "nvrtc" / f"{name}-{key[:32]}.cubin"
+    try:
+        return path.read_bytes()
+    except OSError:
+        pass
+    cubin = compile_cubin(source, name, defines, arch)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_bytes(cubin)
+        os.replace(tmp, path)
+    except OSError:
+        pass
+    return cubin
+
+
 def _check_nvrtc(lib, res: int) -> None:
     if res != 0:
         lib.nvrtcGetErrorString.restype = ctypes.c_char_p
@@ -152,7 +181,7 @@ class Kernel:
                self.device.index)
         with _lock:
             if key not in _modules:
-                cubin = compile_cubin(source, name, defines, f"sm_{major}{minor}")
+                cubin = cached_cubin(source, name, defines, f"sm_{major}{minor}")
                 with torch.cuda.device(self.device):
                     torch.cuda.current_stream(self.device)  # the primary context, current on this thread
                     module, func = ctypes.c_void_p(), ctypes.c_void_p()
