@@ -24,6 +24,7 @@ from sluice.kernels.turboquant import triton as tq_triton
 SOURCE = Path(__file__).with_name("tq_decode.cu")
 WARPS = 4
 BLOCK = 32  # positions a warp takes at a time
+STAGES = 2  # blocks a warp has in flight (cp.async); 3 measured slower everywhere (docs/PERF.md)
 Q_PARTS = 2  # q as two int8 parts (15 bits), as the Triton kernel
 RECENT_SPLIT = 16  # newest positions a recent split takes (4 a warp)
 RECENT_COST = 6  # a recent position costs a warp about as much as this many coded ones (fp32 FMAs, shuffles)
@@ -42,22 +43,18 @@ def _tables() -> tuple[int, int, int, int]:
     return word(ta[:4]), word(ta[4:]), word(tb[:4]), word(tb[4:])
 
 
-def stages(D: int) -> int:
-    return 2
-
-
 def smem_bytes(D: int) -> int:
     """The stages, each warp's fp32 output sums, its probabilities (2 x 256 bytes) and (max, sum) per head, the
     packed q fragments and their per-warp max and sums, the rotation's signs."""
     stage = 2 * BLOCK * D // 2 + 2 * BLOCK * 4
     q_fragments = 32 * Q_PARTS * (D // 32) * 2 * 4 + WARPS * 8 * 4 + WARPS * 8 * Q_PARTS * 4
-    return stages(D) * WARPS * stage + WARPS * 8 * D * 4 + WARPS * 512 + 2 * WARPS * 8 * 4 + q_fragments + D * 4
+    return STAGES * WARPS * stage + WARPS * 8 * D * 4 + WARPS * 512 + 2 * WARPS * 8 * 4 + q_fragments + D * 4
 
 
 def kernel(D: int, G: int, ring_dtype: torch.dtype, pos_dtype: torch.dtype, device) -> nvrtc.Kernel:
     key = (D, G, ring_dtype, pos_dtype, torch.device(device))
     if key not in _kernels:
-        defines = dict(D=D, G=G, QP=Q_PARTS, W=WARPS, STAGES=stages(D), RING_BF16=ring_dtype == torch.bfloat16,
+        defines = dict(D=D, G=G, QP=Q_PARTS, W=WARPS, STAGES=STAGES, RING_BF16=ring_dtype == torch.bfloat16,
                        POS64=pos_dtype == torch.int64)
         _kernels[key] = nvrtc.Kernel(SOURCE.read_text(), "tq_decode_split", defines, SIGNATURE, device)
     return _kernels[key]
@@ -107,7 +104,7 @@ def _compiles(D, G, ring_dtype, pos_dtype, device) -> bool:
 def plan(batch_heads: int, visible: int, recent: int, D: int, G: int, ring_dtype, pos_dtype, device,
          splits: int | None = None) -> tuple[int, int, int]:
     """(coded splits, positions per coded split, all splits): one wave of the programs the GPU holds, each split
-    at least one block per warp; the newest `recent` positions in splits of 32 after them."""
+    at least one block per warp; the newest `recent` positions in splits of RECENT_SPLIT after them."""
     coded = max(visible - recent, 0)
     n_recent = max(1, triton.cdiv(min(visible, recent), RECENT_SPLIT))
     if splits is None:
