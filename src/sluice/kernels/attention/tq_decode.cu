@@ -30,7 +30,6 @@
 
 typedef unsigned int u32;
 typedef unsigned short u16;
-typedef unsigned long long u64;
 typedef long long i64;
 
 struct __align__(16) U4 { u32 x, y, z, w; };
@@ -82,13 +81,8 @@ __device__ __forceinline__ void cp16(u32 dst, const void* src) {
 }
 __device__ __forceinline__ void cp_commit() { asm volatile("cp.async.commit_group;"); }
 __device__ __forceinline__ void cp_wait_all() { asm volatile("cp.async.wait_group 0;" ::: "memory"); }
-#if STAGES == 2
-__device__ __forceinline__ void cp_wait_ahead() { asm volatile("cp.async.wait_group 0;" ::: "memory"); }
-#elif STAGES == 3
-__device__ __forceinline__ void cp_wait_ahead() { asm volatile("cp.async.wait_group 1;" ::: "memory"); }
-#else
-__device__ __forceinline__ void cp_wait_ahead() { asm volatile("cp.async.wait_group 2;" ::: "memory"); }
-#endif
+// the oldest of the STAGES - 1 blocks in flight has landed
+__device__ __forceinline__ void cp_wait_ahead() { asm volatile("cp.async.wait_group %0;" ::"n"(STAGES - 2) : "memory"); }
 
 __device__ __forceinline__ float ex2(float x) {
     float y;
