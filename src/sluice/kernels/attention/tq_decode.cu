@@ -82,7 +82,9 @@ __device__ __forceinline__ void cp16(u32 dst, const void* src) {
 __device__ __forceinline__ void cp_commit() { asm volatile("cp.async.commit_group;"); }
 __device__ __forceinline__ void cp_wait_all() { asm volatile("cp.async.wait_group 0;" ::: "memory"); }
 // the oldest of the STAGES - 1 blocks in flight has landed
-__device__ __forceinline__ void cp_wait_ahead() { asm volatile("cp.async.wait_group %0;" ::"n"(STAGES - 2) : "memory"); }
+__device__ __forceinline__ void cp_wait_ahead() {
+    asm volatile("cp.async.wait_group %0;" ::"n"(STAGES - 2) : "memory");
+}
 
 __device__ __forceinline__ float ex2(float x) {
     float y;
