@@ -17,6 +17,15 @@ from helpers import attention_reference as reference, rel  # noqa: E402
 gpu = pytest.mark.skipif(not nvrtc.available(), reason="needs an NVIDIA GPU and NVRTC")
 
 
+def test_a_wrong_nvrtc_library_path_says_so(monkeypatch, tmp_path):
+    from sluice.errors import InvalidOptionError
+
+    monkeypatch.setenv("SLUICE_NVRTC_LIB", str(tmp_path / "libnvrtc.so"))
+    monkeypatch.setattr(nvrtc, "_libs", {})
+    with pytest.raises(InvalidOptionError, match="SLUICE_NVRTC_LIB=.*unset it"):
+        nvrtc._nvrtc()
+
+
 def _prmt(a: int, b: int, sel: int) -> int:
     """PTX prmt.b32 (default mode): byte i of the result is byte (nibble i of sel) & 7 of {b, a}, or with the
     nibble's bit 3 set that byte's sign replicated (0x00 / 0xFF)."""

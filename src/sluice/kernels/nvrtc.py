@@ -24,20 +24,21 @@ import torch
 _lock = threading.Lock()
 _libs: dict = {}
 _modules: dict = {}
+_smem_optin: dict = {}
 
 
 class NvrtcError(RuntimeError):
     pass
 
 
-def _find(names: list[str], pattern: str):
+def _find(names: list[str], pattern: str | None = None):
+    """The first of `names` the loader finds, else the first match of `pattern` under site-packages and sys.path."""
     for name in names:
         try:
             return ctypes.CDLL(name)
         except OSError:
             pass
-    roots = [*site.getsitepackages(), site.getusersitepackages(), *sys.path]
-    for root in roots:
+    for root in [*site.getsitepackages(), site.getusersitepackages(), *sys.path] if pattern else []:
         for path in sorted(glob.glob(os.path.join(root, pattern)), reverse=True):
             try:
                 return ctypes.CDLL(path)
@@ -51,7 +52,13 @@ def _nvrtc():
         lib = None
         path = os.environ.get("SLUICE_NVRTC_LIB")
         if path:
-            lib = ctypes.CDLL(path)
+            try:
+                lib = ctypes.CDLL(path)
+            except OSError as e:
+                from sluice.errors import InvalidOptionError
+
+                raise InvalidOptionError(f"SLUICE_NVRTC_LIB={path} cannot be loaded ({e}); point it at a "
+                                         "libnvrtc.so, or unset it to use PyTorch's") from None
         if lib is None:
             try:  # PyTorch's own copy: the version its CUDA runtime was built with
                 from torch.cuda._utils import _get_nvrtc_library
@@ -59,17 +66,15 @@ def _nvrtc():
                 lib = _get_nvrtc_library()
             except Exception:
                 lib = None
-        if lib is None:
+        if lib is None:  # the pip wheels' copies (nvidia/cuda_nvrtc/lib, nvidia/cu13/lib)
             lib = _find(["libnvrtc.so.13", "libnvrtc.so.12", "libnvrtc.so"], "nvidia/cu*/lib/libnvrtc.so*")
-        if lib is None:
-            lib = _find([], "nvidia/cuda_nvrtc/lib/libnvrtc.so*")
         _libs["nvrtc"] = lib
     return _libs["nvrtc"]
 
 
 def _cuda():
     if "cuda" not in _libs:
-        _libs["cuda"] = _find(["libcuda.so.1", "libcuda.so"], "")
+        _libs["cuda"] = _find(["libcuda.so.1", "libcuda.so"])
     return _libs["cuda"]
 
 
@@ -86,14 +91,13 @@ def max_shared_per_block(device) -> int:
     """Dynamic shared memory a program may opt in to on `device` (bytes; 227 KB on an H100, 99 KB on sm_86/89)."""
     index = torch.device(device).index
     index = torch.cuda.current_device() if index is None else index
-    key = ("smem", index)
-    if key not in _libs:
+    if index not in _smem_optin:
         torch.cuda.init()
         dev, n = ctypes.c_int(), ctypes.c_int()
         _check(_cuda().cuDeviceGet(ctypes.byref(dev), index), "cuDeviceGet")
         _check(_cuda().cuDeviceGetAttribute(ctypes.byref(n), 97, dev), "cuDeviceGetAttribute")  # ..._BLOCK_OPTIN
-        _libs[key] = n.value
-    return _libs[key]
+        _smem_optin[index] = n.value
+    return _smem_optin[index]
 
 
 def compile_cubin(source: str, name: str, defines: dict, arch: str) -> bytes:

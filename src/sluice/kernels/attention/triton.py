@@ -411,7 +411,6 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, position
     if use_cuda:  # the CUDA C split kernel (cuda.py): same partials, same merge
         n_coded, per_split, ns = tq_cuda.plan(B * Hkv, visible, k_recent.shape[2], D, G, k_recent.dtype,
                                               positions.dtype, q.device, splits)
-        block_n = block_n or tq_cuda.BLOCK
     elif quant:
         # one wave of the programs an SM holds (registers: 2 at D = 256, 3 at D = 128)
         ns = splits or num_splits(B * Hkv, visible, q.device, block_n or 64, per_sm=3 if D <= 128 else 2,
@@ -425,8 +424,8 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, position
         ns = splits or num_splits(B * Hkv, visible, q.device, block_n)
         num_stages = num_stages or 2
     # int8 tensor cores take 32 values along the summed dim: the scores need D / 2 >= 32, P V block_n >= 32
-    int8 = 0 if not quant or D < 64 else min(INT8_PRODUCTS, 2 if block_n >= 32 else 1)
     if not use_cuda:
+        int8 = 0 if not quant or D < 64 else min(INT8_PRODUCTS, 2 if block_n >= 32 else 1)
         per_split = triton.cdiv(visible, ns)
         per_split = triton.cdiv(per_split, block_n) * block_n
         ns = triton.cdiv(visible, per_split)
