@@ -43,12 +43,12 @@ def _tables() -> tuple[int, int, int, int]:
     return word(ta[:4]), word(ta[4:]), word(tb[:4]), word(tb[4:])
 
 
-def smem_bytes(D: int) -> int:
-    """The stages, each warp's fp32 output sums, its probabilities (2 x 256 bytes) and (max, sum) per head, the
-    packed q fragments and their per-warp max and sums, the rotation's signs."""
+def smem_bytes(D: int, G: int) -> int:
+    """The stages, each warp's fp32 output sums (G heads), its probabilities (2 x 256 bytes) and (max, sum) per
+    head, the packed q fragments and their per-warp max and sums, the rotation's signs."""
     stage = 2 * BLOCK * D // 2 + 2 * BLOCK * 4
     q_fragments = 32 * Q_PARTS * (D // 32) * 2 * 4 + WARPS * 8 * 4 + WARPS * 8 * Q_PARTS * 4
-    return STAGES * WARPS * stage + WARPS * 8 * D * 4 + WARPS * 512 + 2 * WARPS * 8 * 4 + q_fragments + D * 4
+    return STAGES * WARPS * stage + WARPS * G * D * 4 + WARPS * 512 + 2 * WARPS * 8 * 4 + q_fragments + D * 4
 
 
 def kernel(D: int, G: int, ring_dtype: torch.dtype, pos_dtype: torch.dtype, device) -> nvrtc.Kernel:
@@ -78,7 +78,7 @@ def applies(q, k_codes, v_codes, k_scale, v_scale, k_recent, v_recent, positions
         return False
     if positions.dtype not in (torch.int32, torch.int64):
         return False
-    if smem_bytes(D) > nvrtc.max_shared_per_block(q.device):  # 108 KB at D = 256: not on sm_86 / sm_89 (99 KB)
+    if smem_bytes(D, Hq // Hkv) > nvrtc.max_shared_per_block(q.device):  # D = 256, G = 8: 108 KB, not on sm_86 / 89
         return False
     return _compiles(D, Hq // Hkv, k_recent.dtype, positions.dtype, q.device)
 
@@ -110,7 +110,7 @@ def plan(batch_heads: int, visible: int, recent: int, D: int, G: int, ring_dtype
     if splits is None:
         # one wave of coded splits, and the recent ones after them: when they do not fit the wave they run once
         # the first coded ones end, unless giving them slots of the wave costs less (few sequences and KV heads)
-        occ = max(1, kernel(D, G, ring_dtype, pos_dtype, device).occupancy(WARPS * 32, smem_bytes(D)))
+        occ = max(1, kernel(D, G, ring_dtype, pos_dtype, device).occupancy(WARPS * 32, smem_bytes(D, G)))
         slots = occ * _num_sms(device)
         splits = max(1, slots // batch_heads)
         spill = batch_heads * (splits + n_recent) > slots
@@ -138,7 +138,7 @@ def decode_split(q, k_codes, v_codes, k_scale, v_scale, k_recent, v_recent, posi
     ta0, ta1, tb0, tb1 = _tables()
     recent = k_recent.shape[2]
     signs = tq_triton._tables(D, q.device)[0]
-    kern((B * Hkv, n_splits), (WARPS * 32,), smem_bytes(D),
+    kern((B * Hkv, n_splits), (WARPS * 32,), smem_bytes(D, G),
          q, k_codes, v_codes, k_scale, v_scale, k_recent, v_recent, positions, op, ml, signs,
          scale * 1.4426950408889634, reference.LEVEL_STEP,
          Hkv, cap, per_split, n_coded, n_splits, recent, window or 0, int(window is not None), int(unrotate), BG,

@@ -145,9 +145,11 @@ __device__ __forceinline__ void flush(float* Ow, int (&ch)[NJJ][4][4], int (&cl)
         for (int tt = 0; tt < 4; tt++)
 #pragma unroll
             for (int e = 0; e < 4; e++) {
-                float* o = Ow + (2 * t + (e & 1)) * D + out_coord(jj, tt, e, g);
-                const float sum = (float)(ch[jj][tt][e] + psh[e]) * 256.f + (float)(cl[jj][tt][e] + psl[e]);
-                *o = ((wrote ? *o : 0.f) + sum * u) * ((e & 1) ? a1 : a0);
+                if (2 * t + (e & 1) < G) {  // (the mma's 8 head columns: those past G are padding)
+                    float* o = Ow + (2 * t + (e & 1)) * D + out_coord(jj, tt, e, g);
+                    const float sum = (float)(ch[jj][tt][e] + psh[e]) * 256.f + (float)(cl[jj][tt][e] + psl[e]);
+                    *o = ((wrote ? *o : 0.f) + sum * u) * ((e & 1) ? a1 : a0);
+                }
                 ch[jj][tt][e] = 0;
                 cl[jj][tt][e] = 0;
             }
@@ -190,12 +192,12 @@ extern "C" __global__ void __launch_bounds__(W * 32) tq_decode_split(
     const int first = window > 0 ? max(p - window + 1, 0) : 0;
     const int coded_stop = p - recent + 1;  // positions below come from the codes
 
-    // shared memory: the stages, each warp's fp32 output sums [8 heads][D], its probabilities, (max, sum)
-    float* Os = (float*)(smem + STAGES * W * STAGE_BYTES);                   // [W][8][D]
-    unsigned char* Ps = smem + STAGES * W * STAGE_BYTES + W * 8 * D * 4 + warp * 512;  // [2][8 heads][32]
-    float* ms = (float*)(smem + STAGES * W * STAGE_BYTES + W * 8 * D * 4 + W * 512);   // [W][8]
+    // shared memory: the stages, each warp's fp32 output sums [G heads][D], its probabilities, (max, sum)
+    float* Os = (float*)(smem + STAGES * W * STAGE_BYTES);                   // [W][G][D]
+    unsigned char* Ps = smem + STAGES * W * STAGE_BYTES + W * G * D * 4 + warp * 512;  // [2][8 heads][32]
+    float* ms = (float*)(smem + STAGES * W * STAGE_BYTES + W * G * D * 4 + W * 512);   // [W][8]
     float* ls = ms + W * 8;                                                          // [W][8]
-    float* Ow = Os + warp * 8 * D;
+    float* Ow = Os + warp * G * D;
     u32* Qs = (u32*)(ls + W * 8);                   // packed q fragments [part][step][register][lane]
     float* qmx = (float*)(Qs + 32 * QP * WPT * 2);  // [W][8]
     int* qsm = (int*)(qmx + W * 8);                 // [W][8][QP]
@@ -585,7 +587,7 @@ extern "C" __global__ void __launch_bounds__(W * 32) tq_decode_split(
 #pragma unroll
         for (int hq = 0; hq < G; hq++) {
 #pragma unroll
-            for (int r = 0; r < D / 32; r++) Os[(warp * 8 + hq) * D + lane + 32 * r] = o[hq][r];
+            for (int r = 0; r < D / 32; r++) Os[(warp * G + hq) * D + lane + 32 * r] = o[hq][r];
             if (lane == 0) {
                 ms[warp * 8 + hq] = m[hq];
                 ls[warp * 8 + hq] = l[hq];
@@ -620,7 +622,7 @@ extern "C" __global__ void __launch_bounds__(W * 32) tq_decode_split(
             const float mw = ms[w * 8 + hq];
             const float wt = mw == -INF ? 0.f : ex2(mw - M[k]);
             L[k] += wt * ls[w * 8 + hq];
-            const float* src = Os + (w * 8 + hq) * D + lane;
+            const float* src = Os + (w * G + hq) * D + lane;
 #pragma unroll
             for (int i = 0; i < VPL; i++) o[k][i] = fmaf(wt, src[32 * i], o[k][i]);
         }
