@@ -346,18 +346,7 @@ extern "C" __global__ void __launch_bounds__(W * 32) tq_decode_split(
             // P V sums since the last flush for P's high and low bytes, and sum P (a row of ones); the fp32 sums
             // (Ow, this thread's own elements) are written by the first flush, read and written by the next ones
             bool wrote = false;
-            int ch[NJJ][4][4], cl[NJJ][4][4], psh[4], psl[4];
-#pragma unroll
-            for (int jj = 0; jj < NJJ; jj++)
-#pragma unroll
-                for (int tt = 0; tt < 4; tt++)
-#pragma unroll
-                    for (int i = 0; i < 4; i++) {
-                        ch[jj][tt][i] = 0;
-                        cl[jj][tt][i] = 0;
-                    }
-#pragma unroll
-            for (int i = 0; i < 4; i++) psh[i] = psl[i] = 0;
+            int ch[NJJ][4][4] = {}, cl[NJJ][4][4] = {}, psh[4] = {}, psl[4] = {};
             float vmax = 0.f;
             int since = 0;
 
