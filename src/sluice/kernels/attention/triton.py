@@ -465,7 +465,8 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, position
     sb = min(nsp, max(1, MERGE_ELEMS // BD))
     signs = _tables(D, q.device)[0] if unrotate else dummy
     # a warp per 2048 values loaded at once: the merge is one round trip, and fewer warps start sooner (H100, 32k
-    # batch 1, the merge alone: D = 128 2.2 -> 1.8 us with 128 programs of 1 warp, D = 256 2.6 -> 2.3 with 4)
+    # batch 1, the merge alone: D = 128 2.2 -> 1.8 us with 128 programs of 1 warp, D = 256 2.6 -> 2.3 with 4);
+    # with unrotate the last program also rotates G rows of D on tensor cores, which wants 4-8 warps
     warps = (8 if sb * BD >= 8192 else 4) if unrotate else max(1, min(8, sb * BD // 2048))
     _merge_splits_kernel[(B * Hq, D // BD)](op, ml, o, signs, rot, cnt, Hkv, ns, o.stride(0), o.stride(1), G=G,
                                             BG=BG, D=D, BD=BD, NSP=nsp, SB=sb, UNROTATE=unrotate,
