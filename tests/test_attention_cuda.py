@@ -156,38 +156,8 @@ def test_cuda_kernel_unrotates_and_is_captured_by_a_graph():
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         out = run()
-    for _ in range(3):  # (the one-launch kernel's counters must be back at 0 after every launch)
+    for _ in range(3):
         q.copy_(tq.rotate(torch.randn(B, Hq, D, generator=g)).cuda())
         graph.replay()
         torch.cuda.synchronize()
         assert rel(out.cpu(), run().cpu()) < 1e-6
-
-
-fused = pytest.mark.skipif(not nvrtc.available() or torch.cuda.get_device_capability() < (9, 0),
-                           reason="needs an sm_90 GPU (thread-block clusters)")
-
-
-@fused
-@pytest.mark.parametrize("Hq,Hkv,D", [(16, 2, 256), (32, 8, 128), (12, 2, 64)])
-@pytest.mark.parametrize("unrotate,out_dtype", [(True, torch.bfloat16), (False, None)])
-def test_one_launch_kernel_equals_split_kernel_and_merge(Hq, Hkv, D, unrotate, out_dtype):
-    """The fused kernel (splits merged in clusters, the last cluster of a head finishing it) against the split
-    kernel + merge, for one cluster, several, and the planned count; a window makes the ring wrap."""
-    g = torch.Generator().manual_seed(D + Hq)
-    B, recent, cap = 2, 64, 2048
-    pos = torch.tensor([3000, 700])
-    kcodes, vcodes, cache, _ = build(B, Hkv, D, 3001, cap, recent, pos, torch.bfloat16, g)
-    q = tq.rotate(torch.randn(B, Hq, D, generator=g)).cuda()
-    args = (q, kcodes, vcodes, pos.cuda().int(), D ** -0.5, 2000)
-    for splits in (None, 1, 4, 21):
-        tq_cuda.FUSED = True
-        try:
-            assert tq_cuda.fuses(q, kcodes, out_dtype)
-            one = at.decode_attention(*args, window=2000, splits=splits, unrotate=unrotate, out_dtype=out_dtype,
-                                      **cache)
-        finally:
-            tq_cuda.FUSED = False
-        two = at.decode_attention(*args, window=2000, splits=splits, unrotate=unrotate, out_dtype=out_dtype, **cache)
-        assert one.dtype == two.dtype == (out_dtype or torch.float32)
-        # (splits=None: the two plans split differently, and P's 16 bits round per block)
-        assert rel(one.float().cpu(), two.float().cpu()) < (4e-3 if out_dtype or splits is None else 1e-5), splits

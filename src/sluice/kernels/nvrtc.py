@@ -212,25 +212,9 @@ class Kernel:
             self._smem_set[key] = n.value
         return self._smem_set[key]
 
-    def max_active_clusters(self, threads: int, smem: int, cluster: int) -> int:
-        """Clusters of `cluster` programs (along y) the whole device holds at once (0: such clusters do not fit)."""
-        key = ("clusters", threads, smem, cluster)
-        if key not in self._smem_set:
-            self._smem(smem)
-            attrs = (_LaunchAttribute * 1)()
-            attrs[0].id = _ATTR_CLUSTER
-            attrs[0].value[:3] = [1, cluster, 1]
-            config = _LaunchConfig(1, cluster, 1, threads, 1, 1, smem, None, attrs, 1)
-            n = ctypes.c_int()
-            with torch.cuda.device(self.device):
-                _check(_cuda().cuOccupancyMaxActiveClusters(ctypes.byref(n), self._func, ctypes.byref(config)),
-                       "cuOccupancyMaxActiveClusters")
-            self._smem_set[key] = n.value
-        return self._smem_set[key]
-
-    def __call__(self, grid, block, smem: int, *args, cluster: int = 1, pdl: bool = False) -> None:
-        """Launch on the current stream. `cluster`: programs along y per thread-block cluster (sm_90); `pdl`:
-        programmatic dependent launch (the kernel waits for the one before with griddepcontrol.wait)."""
+    def __call__(self, grid, block, smem: int, *args, pdl: bool = False) -> None:
+        """Launch on the current stream; `pdl`: with programmatic dependent launch (sm_90: the kernel may start
+        while the one before runs, and waits for it with griddepcontrol.wait)."""
         if len(args) != len(self.signature):
             raise TypeError(f"{self.name}: {len(args)} arguments for signature {self.signature!r}")
         self._smem(smem)
@@ -243,30 +227,18 @@ class Kernel:
         stream = torch.cuda.current_stream(self.device).cuda_stream
         g = tuple(grid) + (1,) * (3 - len(grid))
         b = tuple(block) + (1,) * (3 - len(block))
-        if cluster == 1 and not pdl:
+        if not pdl:
             _check(_cuda().cuLaunchKernel(self._func, *[ctypes.c_uint(x) for x in g], *[ctypes.c_uint(x) for x in b],
                                           ctypes.c_uint(smem), ctypes.c_void_p(stream), params, None),
                    "cuLaunchKernel")
             return
-        attrs = (_LaunchAttribute * 3)()
-        n = 0
-        if cluster > 1:
-            attrs[n].id = _ATTR_CLUSTER
-            attrs[n].value[:3] = [1, cluster, 1]
-            attrs[n + 1].id = _ATTR_CLUSTER_POLICY
-            attrs[n + 1].value[0] = CLUSTER_POLICY
-            n += 2
-        if pdl:
-            attrs[n].id = _ATTR_PDL
-            attrs[n].value[0] = 1
-            n += 1
-        config = _LaunchConfig(*g, *b, smem, stream, attrs, n)
+        attrs = (_LaunchAttribute * 1)()
+        attrs[0].id = _ATTR_PDL
+        attrs[0].value[0] = 1
+        config = _LaunchConfig(*g, *b, smem, stream, attrs, 1)
         _check(_cuda().cuLaunchKernelEx(ctypes.byref(config), self._func, params, None), "cuLaunchKernelEx")
 
 
-_ATTR_CLUSTER = 4  # CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION: value {x, y, z}
-_ATTR_CLUSTER_POLICY = 5  # CU_LAUNCH_ATTRIBUTE_CLUSTER_SCHEDULING_POLICY_PREFERENCE: 0 default, 1 spread
-CLUSTER_POLICY = 1
 _ATTR_PDL = 6  # CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION: value 1
 
 

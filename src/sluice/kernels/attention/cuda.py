@@ -24,16 +24,12 @@ from sluice.kernels.turboquant import triton as tq_triton
 SOURCE = Path(__file__).with_name("tq_decode.cu")
 WARPS = 4
 BLOCK = 32  # positions a warp takes at a time
-ISSUE_AHEAD = os.environ.get("SLUICE_TQ_AHEAD", "0") == "1"  # a warp's STAGES blocks all in flight (refilled after each block), not STAGES - 1
 STAGES = 2  # blocks a warp has in flight (cp.async); 3 measured slower everywhere (docs/PERF.md)
 Q_PARTS = 2  # q as two int8 parts (15 bits), as the Triton kernel
 RECENT_SPLIT = 16  # newest positions a recent split takes (4 a warp)
-RECENT_SPLIT_FUSED = 32  # the fused kernel's: its recent splits take slots of the clusters' wave (32 at most)
 RECENT_COST = 6  # a recent position costs a warp about as much as this many coded ones (fp32 FMAs, shuffles)
 ENABLED = os.environ.get("SLUICE_TQ_CUDA", "1") != "0"  # False: the Triton kernel everywhere (benchmarks A/B)
-FUSED = os.environ.get("SLUICE_TQ_FUSED", "0") == "1"  # sm_90: one launch, splits merged in clusters (slower: PERF)
-CLUSTER = 8  # splits a cluster (tq_decode.cu); 8 is the most every sm_90 GPU takes
-SIGNATURE = "p" * 11 + "ff" + "i" * 10 + "q" * 10 + "uuuu" + "pqqpi"
+SIGNATURE = "p" * 11 + "ff" + "i" * 10 + "q" * 10 + "uuuu"
 _kernels: dict = {}
 
 
@@ -55,12 +51,11 @@ def smem_bytes(D: int, G: int) -> int:
     return STAGES * WARPS * stage + WARPS * G * D * 4 + WARPS * 512 + 2 * WARPS * 8 * 4 + q_fragments + D * 4
 
 
-def kernel(D: int, G: int, ring_dtype: torch.dtype, pos_dtype: torch.dtype, device, fused: bool = False
-           ) -> nvrtc.Kernel:
-    key = (D, G, ring_dtype, pos_dtype, torch.device(device), fused and CLUSTER, ISSUE_AHEAD)
+def kernel(D: int, G: int, ring_dtype: torch.dtype, pos_dtype: torch.dtype, device) -> nvrtc.Kernel:
+    key = (D, G, ring_dtype, pos_dtype, torch.device(device))
     if key not in _kernels:
         defines = dict(D=D, G=G, QP=Q_PARTS, W=WARPS, STAGES=STAGES, RING_BF16=ring_dtype == torch.bfloat16,
-                       POS64=pos_dtype == torch.int64, FUSED=fused, CLUSTER=CLUSTER if fused else 1, AHEAD=ISSUE_AHEAD)
+                       POS64=pos_dtype == torch.int64)
         _kernels[key] = nvrtc.Kernel(SOURCE.read_text(), "tq_decode_split", defines, SIGNATURE, device)
     return _kernels[key]
 
@@ -106,50 +101,12 @@ def _compiles(D, G, ring_dtype, pos_dtype, device) -> bool:
         return False
 
 
-def fuses(q: torch.Tensor, k_codes: torch.Tensor, out_dtype) -> bool:
-    """Whether the call takes the one-launch kernel (FUSED: clusters, sm_90) rather than split kernel + merge."""
-    if not FUSED or torch.cuda.get_device_capability(q.device) < (9, 0) or out_dtype not in (None, torch.float32,
-                                                                                          torch.bfloat16):
-        return False
-    B, Hq, D = q.shape
-    G = Hq // k_codes.shape[1]
-    key = (D, G, q.device, CLUSTER, ISSUE_AHEAD)
-    if key not in _fused_ok:  # compiles, and a cluster of CLUSTER programs fits a GPC
-        try:
-            kern = kernel(D, G, torch.bfloat16, torch.int32, q.device, fused=True)
-            _fused_ok[key] = kern.max_active_clusters(WARPS * 32, smem_bytes(D, G), CLUSTER) > 0
-        except nvrtc.NvrtcError as e:
-            warnings.warn(f"sluice: the one-launch TurboQuant decode kernel is unavailable here ({e})",
-                          RuntimeWarning, stacklevel=2)
-            _fused_ok[key] = False
-    return _fused_ok[key]
-
-
-_fused_ok: dict = {}
-
-
-def _scratch_fits(D: int, G: int, n_splits: int) -> bool:
-    """The fused epilogue's shared memory (tq_decode.cu: a split's partial, the clusters' weights and sums, a row,
-    a flag) fits in the stages' space."""
-    return 4 * (G * D + 2 * G + 2 * (n_splits // CLUSTER) + D + 1) <= STAGES * WARPS * (BLOCK * D + 2 * BLOCK * 4)
-
-
 def plan(batch_heads: int, visible: int, recent: int, D: int, G: int, ring_dtype, pos_dtype, device,
-         splits: int | None = None, fused: bool = False) -> tuple[int, int, int]:
+         splits: int | None = None) -> tuple[int, int, int]:
     """(coded splits, positions per coded split, all splits): one wave of the programs the GPU holds, each split
-    at least one block per warp; the newest `recent` positions in splits of RECENT_SPLIT after them. `fused`: all
-    splits a multiple of CLUSTER (empty recent splits fill the last cluster), one wave of clusters."""
+    at least one block per warp; the newest `recent` positions in splits of RECENT_SPLIT after them."""
     coded = max(visible - recent, 0)
-    n_recent = max(1, triton.cdiv(min(visible, recent), RECENT_SPLIT_FUSED if fused else RECENT_SPLIT))
-    if fused:
-        if splits is None:
-            kern = kernel(D, G, ring_dtype, pos_dtype, device, fused=True)
-            clusters = kern.max_active_clusters(WARPS * 32, smem_bytes(D, G), CLUSTER)
-            splits = max(CLUSTER, CLUSTER * (clusters // batch_heads)) - n_recent
-        n_coded = max(1, min(splits, triton.cdiv(coded, WARPS * BLOCK)))
-        per_split = triton.cdiv(triton.cdiv(max(coded, 1), n_coded), BLOCK) * BLOCK
-        n_coded = max(1, triton.cdiv(coded, per_split))
-        return n_coded, per_split, triton.cdiv(n_coded + n_recent, CLUSTER) * CLUSTER
+    n_recent = max(1, triton.cdiv(min(visible, recent), RECENT_SPLIT))
     if splits is None:
         # one wave of coded splits, and the recent ones after them: when they do not fit the wave they run once
         # the first coded ones end, unless giving them slots of the wave costs less (few sequences and KV heads)
@@ -168,35 +125,17 @@ def plan(batch_heads: int, visible: int, recent: int, D: int, G: int, ring_dtype
     return n_coded, per_split, n_coded + n_recent
 
 
-_counters: dict = {}
-
-
-def counters(n: int, device) -> torch.Tensor:
-    """n int32 zeros that stay allocated (a CUDA graph may hold them): the fused kernel's counters, which the last
-    program of each head sets back to 0. (Calls on two streams at once would share them: one stream only.)"""
-    device = torch.device(device)
-    held = _counters.setdefault(device, [])
-    if not held or held[-1].numel() < n:
-        held.append(torch.zeros(max(n, 4096), dtype=torch.int32, device=device))  # the old ones stay alive
-    return held[-1]
-
-
 def decode_split(q, k_codes, v_codes, k_scale, v_scale, k_recent, v_recent, positions, scale: float, window,
-                 op, ml, unrotate: bool, n_coded: int, per_split: int, n_splits: int,
-                 out: torch.Tensor | None = None) -> None:
+                 op, ml, unrotate: bool, n_coded: int, per_split: int, n_splits: int) -> None:
     """The split kernel: partials into op [B Hkv, n_splits, BG, D] and ml [B Hkv, n_splits, 2, BG] (fp32, natural
     log units) as the Triton kernel writes them; with `unrotate` each partial is rotated back out of the codec's
-    domain already (the merge is linear), so the merge need not. With `out` [B, Hq, D] fp32 or bf16 (`fuses`): the one
-    launch, which writes the output itself, op and ml its scratch (>= B Hkv n_splits / CLUSTER (G D, 2 G) floats)."""
+    domain already (the merge is linear), so the merge need not. On sm_90 launched with programmatic dependent
+    launch, like the Triton kernels: it starts while the launch before ends and waits for it before reading."""
     B, Hq, D = q.shape
     Hkv, cap = k_codes.shape[1], k_codes.shape[2]
     G = Hq // Hkv
-    fused = out is not None
-    BG = op.shape[2] if not fused else G
-    if fused and (n_splits % CLUSTER or not _scratch_fits(D, G, n_splits)):
-        raise ValueError(f"fused TurboQuant decode: {n_splits} splits (a multiple of {CLUSTER}, few enough)")
-    kern = kernel(D, G, k_recent.dtype, positions.dtype, q.device, fused=fused)
-    cnt = counters(B * Hq, q.device) if fused else op
+    BG = op.shape[2]
+    kern = kernel(D, G, k_recent.dtype, positions.dtype, q.device)
     ta0, ta1, tb0, tb1 = _tables()
     recent = k_recent.shape[2]
     signs = tq_triton._tables(D, q.device)[0]
@@ -206,5 +145,4 @@ def decode_split(q, k_codes, v_codes, k_scale, v_scale, k_recent, v_recent, posi
          Hkv, cap, per_split, n_coded, n_splits, recent, window or 0, int(window is not None), int(unrotate), BG,
          q.stride(0), q.stride(1), k_codes.stride(0), k_codes.stride(1), v_codes.stride(0), v_codes.stride(1),
          k_scale.stride(0), k_scale.stride(1), k_recent.stride(0), k_recent.stride(1),
-         ta0, ta1, tb0, tb1, out if fused else op, out.stride(0) if fused else 0, out.stride(1) if fused else 0,
-         cnt, int(fused and out.dtype == torch.bfloat16), cluster=CLUSTER if fused else 1, pdl=pdl(q.device))
+         ta0, ta1, tb0, tb1, pdl=pdl(q.device))

@@ -85,9 +85,14 @@ __device__ __forceinline__ void cp_wait_all() { asm volatile("cp.async.wait_grou
 __device__ __forceinline__ void cp_wait_ahead() {
     asm volatile("cp.async.wait_group %0;" ::"n"(STAGES - 2) : "memory");
 }
-// AHEAD: the oldest of the STAGES blocks in flight has landed
-__device__ __forceinline__ void cp_wait_behind() {
-    asm volatile("cp.async.wait_group %0;" ::"n"(STAGES - 1) : "memory");
+
+// programmatic dependent launch (sm_90): this grid's programs may be placed while the kernel before still runs;
+// they wait here, before reading anything, for it to finish and its writes to be visible. (Issuing the first blocks
+// before the wait, legal for codes written two launches back, measured no faster: docs/PERF.md)
+__device__ __forceinline__ void grid_wait() {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
 }
 
 __device__ __forceinline__ float ex2(float x) {
@@ -166,38 +171,6 @@ __device__ __forceinline__ void unrotate_rows(float (&o)[N][D / 32], const float
     }
 }
 
-#if FUSED
-// thread-block clusters (sm_90) of CLUSTER splits: they read each other's shared memory
-__device__ __forceinline__ u32 cluster_rank() {
-    u32 r;
-    asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
-    return r;
-}
-// program `rank`'s shared memory at the address `p` has in this program's (a generic address: plain loads)
-__device__ __forceinline__ const float* peer(const float* p, int rank) {
-    unsigned long long a;
-    asm volatile("mapa.u64 %0, %1, %2;" : "=l"(a) : "l"(p), "r"(rank));
-    return (const float*)a;
-}
-__device__ __forceinline__ void cluster_arrive() { asm volatile("barrier.cluster.arrive.release.aligned;" ::: "memory"); }
-__device__ __forceinline__ void cluster_wait() { asm volatile("barrier.cluster.wait.acquire.aligned;" ::: "memory"); }
-// an output value as fp32 or as bf16 (round to nearest even)
-__device__ __forceinline__ void store_out(void* out, i64 i, float x, int bf16) {
-    if (bf16) {
-        const u32 u = __float_as_uint(x);
-        ((u16*)out)[i] = (u16)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
-    } else {
-        ((float*)out)[i] = x;
-    }
-}
-// written by other programs during this launch: from L2, never a stale L1 line
-__device__ __forceinline__ float ld_l2(const float* p) {
-    float v;
-    asm volatile("ld.global.cg.f32 %0, [%1];" : "=f"(v) : "l"(p));
-    return v;
-}
-#endif
-
 // one tile of P V: the levels (one part) times P's high and its low bytes
 __device__ __forceinline__ void pv_mma(int* ch, int* cl, u32 a0, u32 a1, u32 a2, u32 a3, u32 ph0, u32 ph1, u32 pl0,
                                        u32 pl1) {
@@ -235,19 +208,15 @@ extern "C" __global__ void __launch_bounds__(W * 32) tq_decode_split(
     float* __restrict__ ml, const float* __restrict__ signs, float scale_log2, float level_step, int Hkv, int cap,
     int per_split, int n_coded, int n_splits, int recent, int window, int ring, int unrotate, int BG,
     i64 sqb, i64 sqh, i64 skb, i64 skh, i64 svb, i64 svh, i64 ssb, i64 ssh, i64 srb, i64 srh,
-    u32 ta0, u32 ta1, u32 tb0, u32 tb1, void* __restrict__ out, i64 sob, i64 soh, int* __restrict__ counters, int out_bf16) {
+    u32 ta0, u32 ta1, u32 tb0, u32 tb1) {
     extern __shared__ __align__(16) unsigned char smem[];
-#if __CUDA_ARCH__ >= 900
-    // launched with programmatic dependent launch: this grid's programs may be placed while the kernel before
-    // runs; nothing is read before it has finished (q, the codes and the ring are its outputs)
-    asm volatile("griddepcontrol.wait;" ::: "memory");
-#endif
+    grid_wait();
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
     const int bh = blockIdx.x, split = blockIdx.y;
     const int b = bh / Hkv, h = bh % Hkv;
     const int part = bh * n_splits + split;
     const float* qrow = q + b * sqb + (i64)h * G * sqh;
-    // the coded splits' q values, loaded before anything waits: their latency overlaps the position's
+    // the coded splits' q values, loaded first: their latency overlaps the position's
     constexpr int SPW = (WPT + W - 1) / W;  // q fragment steps a warp packs
     float4 qx[SPW][2];
 #pragma unroll
@@ -326,7 +295,7 @@ extern "C" __global__ void __launch_bounds__(W * 32) tq_decode_split(
             cp_commit();
         };
 #pragma unroll
-        for (int i = 0; i < STAGES - 1 + AHEAD; i++) issue(i);
+        for (int i = 0; i < STAGES - 1; i++) issue(i);
 
         // q for head g, packed as the B operand of the score mma: k step s, register 0 holds the coordinates of
         // nibbles 0-3 of code word WPT t + s (4w, 4w + D/2, 4w + 1, 4w + 1 + D/2), register 1 those of nibbles 4-7
@@ -426,14 +395,9 @@ extern "C" __global__ void __launch_bounds__(W * 32) tq_decode_split(
             int since = 0;
 
             for (int i = 0; i < my_blocks; i++) {
-#if AHEAD
-                cp_wait_behind();
-                __syncwarp();
-#else
                 cp_wait_ahead();
                 __syncwarp();
                 issue(i + STAGES - 1);
-#endif
                 const unsigned char* st = stage0 + (i % STAGES) * STAGE_BYTES;
                 const float* ksc = (const float*)(st + 2 * CODE_BYTES);
                 const float* vsc = ksc + BLK;
@@ -574,10 +538,6 @@ extern "C" __global__ void __launch_bounds__(W * 32) tq_decode_split(
                     pv_mma(ch[jj][3], cl[jj][3], v02.a_hi, v03.a_hi, v12.a_hi, v13.a_hi, ph0, ph1, pl0, pl1);
                     pv_mma(ch[jj][3], cl[jj][3], v02.b_hi, v03.b_hi, v12.b_hi, v13.b_hi, ph0, ph1, pl0, pl1);
                 }
-#if AHEAD
-                __syncwarp();  // every lane is done with stage i % STAGES: block i + STAGES may land there
-                issue(i + STAGES);
-#endif
             }
             // the last sums
             flush(Ow, ch, cl, psh, psl, vmax * level_step * (1.f / 65535.f), 1.f, 1.f, g, t, wrote);
@@ -700,7 +660,6 @@ extern "C" __global__ void __launch_bounds__(W * 32) tq_decode_split(
             for (int i = 0; i < VPL; i++) o[k][i] = fmaf(wt, src[32 * i], o[k][i]);
         }
     }
-#if !FUSED
     if (unrotate) unrotate_rows<HPW>(o, Sg, lane);
 #pragma unroll
     for (int k = 0; k < HPW; k++) {
@@ -715,112 +674,4 @@ extern "C" __global__ void __launch_bounds__(W * 32) tq_decode_split(
             }
         }
     }
-#else
-    // One launch, no merge kernel. The CLUSTER splits of a cluster put their partials in shared memory (the
-    // stages' space, free now) and program `rank` of the cluster merges head `rank` of all of them (distributed
-    // shared memory) into the cluster's partial in op / ml ([B Hkv][cluster][G][D], [..][2][G], log2 units); the
-    // last cluster to finish a head (a counter per sequence, KV head and query head, set back to 0 by that
-    // program) merges the clusters' partials, divides by the sum, rotates back once and writes the output.
-    float* Pc = (float*)smem;       // [G][D] this split's partial
-    float* Pm = Pc + G * D;         // [G] its max (log2 units)
-    float* Pl = Pm + G;             // [G] its sum
-    float* Cm = Pl + G;             // [n_cl] the clusters' weights (the last program of a head)
-    float* Cl = Cm + n_splits / CLUSTER;  // [n_cl] their sums
-    float* Of = Cl + n_splits / CLUSTER;  // [D] the merged row, for the rotation
-    int* is_last = (int*)(Of + D);
-#pragma unroll
-    for (int k = 0; k < HPW; k++) {
-        const int hq = warp + k * W;
-        if (hq < G) {
-#pragma unroll
-            for (int i = 0; i < VPL; i++) Pc[hq * D + lane + 32 * i] = o[k][i];
-            if (lane == 0) {
-                Pm[hq] = M[k];
-                Pl[hq] = L[k];
-            }
-        }
-    }
-    cluster_arrive();
-    cluster_wait();  // every split of the cluster has its partial in shared memory
-    const int rank = (int)cluster_rank();
-    const int n_cl = n_splits / CLUSTER, cl = split / CLUSTER, tid = threadIdx.x;
-    float* cpart = op + ((i64)bh * n_cl + cl) * G * D;
-    float* cml = ml + ((i64)bh * n_cl + cl) * 2 * G;
-    const float* peers[CLUSTER];
-#pragma unroll
-    for (int j = 0; j < CLUSTER; j++) peers[j] = peer(Pc, j);
-    for (int hq = rank; hq < G; hq += CLUSTER) {  // (the same heads for all threads of a program)
-        float mr[CLUSTER], wr[CLUSTER], mx = -INF, lx = 0.f;
-#pragma unroll
-        for (int j = 0; j < CLUSTER; j++) {
-            mr[j] = peers[j][G * D + hq];
-            mx = fmaxf(mx, mr[j]);
-        }
-#pragma unroll
-        for (int j = 0; j < CLUSTER; j++) {
-            wr[j] = mr[j] == -INF ? 0.f : ex2(mr[j] - mx);
-            lx = fmaf(wr[j], peers[j][G * D + G + hq], lx);
-        }
-        for (int d = tid; d < D; d += W * 32) {
-            float acc = 0.f;
-#pragma unroll
-            for (int j = 0; j < CLUSTER; j++) acc = fmaf(wr[j], peers[j][hq * D + d], acc);
-            cpart[hq * D + d] = acc;
-        }
-        if (tid == 0) {
-            cml[hq] = mx;
-            cml[G + hq] = lx;
-        }
-    }
-    cluster_arrive();  // done with the others' shared memory (each waits for this before it exits)
-    for (int hq = rank; hq < G; hq += CLUSTER) {
-        __threadfence();  // this program's part of the cluster partial, before the counter says it is there
-        __syncthreads();
-        if (tid == 0) {
-            int* c = counters + (i64)bh * G + hq;
-            const int last = atomicAdd(c, 1) == n_cl - 1;
-            if (last) atomicExch(c, 0);  // for the next launch: every cluster has counted
-            *is_last = last;
-        }
-        __syncthreads();
-        if (*is_last) {
-            __threadfence();
-            const float* cm0 = ml + (i64)bh * n_cl * 2 * G;
-            for (int c = tid; c < n_cl; c += W * 32) {
-                Cm[c] = ld_l2(cm0 + (i64)c * 2 * G + hq);
-                Cl[c] = ld_l2(cm0 + (i64)c * 2 * G + G + hq);
-            }
-            __syncthreads();
-            float mx = -INF, lx = 0.f;
-            for (int c = 0; c < n_cl; c++) mx = fmaxf(mx, Cm[c]);
-            for (int c = 0; c < n_cl; c++) lx = fmaf(Cm[c] == -INF ? 0.f : ex2(Cm[c] - mx), Cl[c], lx);
-            const float inv = lx > 0.f ? 1.f / lx : 0.f;
-            __syncthreads();
-            for (int c = tid; c < n_cl; c += W * 32) Cm[c] = Cm[c] == -INF ? 0.f : ex2(Cm[c] - mx) * inv;
-            __syncthreads();
-            const float* cp0 = op + (i64)bh * n_cl * G * D + hq * D;
-            const i64 row = (i64)b * sob + ((i64)h * G + hq) * soh;
-            for (int d = tid; d < D; d += W * 32) {
-                float acc = 0.f;
-#pragma unroll 8
-                for (int c = 0; c < n_cl; c++) acc = fmaf(Cm[c], ld_l2(cp0 + (i64)c * G * D + d), acc);
-                if (unrotate) Of[d] = acc;
-                else store_out(out, row + d, acc, out_bf16);
-            }
-            if (unrotate) {
-                __syncthreads();
-                if (warp == 0) {
-                    float r[1][VPL];
-#pragma unroll
-                    for (int i = 0; i < VPL; i++) r[0][i] = Of[lane + 32 * i];
-                    unrotate_rows<1>(r, Sg, lane);
-#pragma unroll
-                    for (int i = 0; i < VPL; i++) store_out(out, row + lane + 32 * i, r[0][i], out_bf16);
-                }
-                __syncthreads();  // (Of and Cm are reused by the next head)
-            }
-        }
-    }
-    cluster_wait();  // the others have read this program's shared memory
-#endif
 }

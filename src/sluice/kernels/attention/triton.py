@@ -408,16 +408,6 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, position
     # shared memory; the codes are a quarter of the bytes, 128 positions a step unless splits are short (D = 128:
     # one block, 4k at batch 1: 19.3 -> 16.1 us with two of 64; benchmarks/results/attention_tq_sweep2_h100.json)
     use_cuda = quant and not INTERPRET and tq_cuda.applies(q, k, v, k_scale, v_scale, k_recent, v_recent, positions)
-    if use_cuda and tq_cuda.fuses(q, k, out_dtype):  # one launch: the splits merge in clusters (sm_90)
-        n_coded, per_split, ns = tq_cuda.plan(B * Hkv, visible, k_recent.shape[2], D, G, k_recent.dtype,
-                                              positions.dtype, q.device, splits, fused=True)
-        n_cl = ns // tq_cuda.CLUSTER
-        op = torch.empty((B * Hkv, n_cl, G, D), dtype=torch.float32, device=q.device)
-        ml = torch.empty((B * Hkv, n_cl, 2, G), dtype=torch.float32, device=q.device)
-        o = torch.empty((B, Hq, D), dtype=out_dtype or q.dtype, device=q.device)
-        tq_cuda.decode_split(q, k, v, k_scale, v_scale, k_recent, v_recent, positions, scale, window, op, ml,
-                             unrotate, n_coded, per_split, ns, out=o)
-        return o
     if use_cuda:  # the CUDA C split kernel (cuda.py): same partials, same merge
         n_coded, per_split, ns = tq_cuda.plan(B * Hkv, visible, k_recent.shape[2], D, G, k_recent.dtype,
                                               positions.dtype, q.device, splits)
