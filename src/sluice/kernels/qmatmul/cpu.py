@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from sluice.kernels.cpu import available, lib
+from sluice.kernels.cpu import available, lib  # noqa: F401  (available: re-exported, callers ask qmatmul.cpu)
 
 SUPPORTED_BITS = (2, 4, 8)
 _SCALE_DTYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
