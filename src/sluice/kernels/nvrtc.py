@@ -64,7 +64,7 @@ def _nvrtc():
                 from torch.cuda._utils import _get_nvrtc_library
 
                 lib = _get_nvrtc_library()
-            except Exception:
+            except Exception:  # noqa: BLE001 - any failure: the wheels' copies below
                 lib = None
         if lib is None:  # the pip wheels' copies (nvidia/cuda_nvrtc/lib, nvidia/cu13/lib)
             lib = _find(["libnvrtc.so.13", "libnvrtc.so.12", "libnvrtc.so"], "nvidia/cu*/lib/libnvrtc.so*")
@@ -227,19 +227,8 @@ class Kernel:
         stream = torch.cuda.current_stream(self.device).cuda_stream
         g = tuple(grid) + (1,) * (3 - len(grid))
         b = tuple(block) + (1,) * (3 - len(block))
-        if not pdl:
-            _check(_cuda().cuLaunchKernel(self._func, *[ctypes.c_uint(x) for x in g], *[ctypes.c_uint(x) for x in b],
-                                          ctypes.c_uint(smem), ctypes.c_void_p(stream), params, None),
-                   "cuLaunchKernel")
-            return
-        attrs = (_LaunchAttribute * 1)()
-        attrs[0].id = _ATTR_PDL
-        attrs[0].value[0] = 1
-        config = _LaunchConfig(*g, *b, smem, stream, attrs, 1)
+        config = _LaunchConfig(*g, *b, smem, stream, _PDL_ATTRS, int(pdl))  # no attribute: a plain launch
         _check(_cuda().cuLaunchKernelEx(ctypes.byref(config), self._func, params, None), "cuLaunchKernelEx")
-
-
-_ATTR_PDL = 6  # CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION: value 1
 
 
 class _LaunchAttribute(ctypes.Structure):
@@ -253,3 +242,8 @@ class _LaunchConfig(ctypes.Structure):
                 ("blockDimX", ctypes.c_uint), ("blockDimY", ctypes.c_uint), ("blockDimZ", ctypes.c_uint),
                 ("sharedMemBytes", ctypes.c_uint), ("hStream", ctypes.c_void_p),
                 ("attrs", ctypes.POINTER(_LaunchAttribute)), ("numAttrs", ctypes.c_uint)]
+
+
+_PDL_ATTRS = (_LaunchAttribute * 1)()  # CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION (6) = 1
+_PDL_ATTRS[0].id = 6
+_PDL_ATTRS[0].value[0] = 1
