@@ -52,6 +52,12 @@ def make_cache(B, Hkv, S, D, quant, g):
                 v_recent=ring())
 
 
+def cold_caches(B, Hkv, S, D, quant, g):
+    """One cache and enough copies of it that the copies exceed L2 four times (rotated over: cold L2)."""
+    first = make_cache(B, Hkv, S, D, quant, g)
+    return [first] + [make_cache(B, Hkv, S, D, quant, g) for _ in range(max(1, 4 * L2_BYTES // cache_bytes(first)))]
+
+
 def cache_bytes(c):
     return sum(t.numel() * t.element_size() for t in c.values())
 

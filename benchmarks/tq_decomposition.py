@@ -22,8 +22,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from attention_gpu import make_cache, ours  # noqa: E402
-from qmatmul_gpu import L2_BYTES, graph_time  # noqa: E402
+from attention_gpu import cold_caches, ours  # noqa: E402
+from qmatmul_gpu import graph_time  # noqa: E402
 from sluice.kernels.attention import cuda as tq_cuda  # noqa: E402
 
 CASES = [("Qwen3-Next 16q/2kv D256", 16, 2, 256, 32768, 1), ("8kv D128 (32q)", 32, 8, 128, 32768, 1),
@@ -63,9 +63,7 @@ def main():
     res = {"gpu": torch.cuda.get_device_name(), "rows": []}
     try:
         for shape, Hq, Hkv, D, S, B in CASES:
-            first = make_cache(B, Hkv, S, D, True, g)
-            per = sum(t.numel() * t.element_size() for t in first.values())
-            caches = [first] + [make_cache(B, Hkv, S, D, True, g) for _ in range(max(1, 4 * L2_BYTES // per))]
+            caches = cold_caches(B, Hkv, S, D, True, g)
             q = torch.randn(B, Hq, D, device="cuda", generator=g)  # fp32, as rotated: the CUDA kernel's input
             pos = torch.full((B,), S - 1, dtype=torch.int32, device="cuda")
             row = {"shape": shape, "context": S, "batch": B}
@@ -75,7 +73,7 @@ def main():
                                         for c in caches]) * 1e6
             res["rows"].append(row)
             print(row, flush=True)
-            del caches, first
+            del caches
             torch.cuda.empty_cache()
     finally:
         tq_cuda.SOURCE, tq_cuda._kernels = source, {}

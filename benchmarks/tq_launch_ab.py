@@ -23,20 +23,14 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from attention_gpu import make_cache, ours, sdpa, step  # noqa: E402
-from qmatmul_gpu import L2_BYTES, graph_time  # noqa: E402
+from attention_gpu import cold_caches, ours, sdpa, step  # noqa: E402
+from qmatmul_gpu import graph_time  # noqa: E402
 from sluice.kernels.attention import cuda as tq_cuda  # noqa: E402
 from sluice.kernels.qmatmul.triton import pdl  # noqa: E402
 
 CASES = [("qwen3-next 16q/2kv D256", 16, 2, 256), ("8kv D128 (32q)", 32, 8, 128)]
 SIZES = [(32768, 1), (4096, 1), (131072, 1), (32768, 16)]
 VARIANTS = {"no pdl": False, "pdl": True}
-
-
-def caches_for(B, Hkv, S, D, quant, g):
-    first = make_cache(B, Hkv, S, D, quant, g)
-    per = sum(t.numel() * t.element_size() for t in first.values())
-    return [first] + [make_cache(B, Hkv, S, D, quant, g) for _ in range(max(1, 4 * L2_BYTES // per))]
 
 
 def main():
@@ -50,7 +44,7 @@ def main():
             row = {"shape": shape, "context": S, "batch": B}
             scale = D ** -0.5
             pos = torch.full((B,), S - 1, dtype=torch.int32, device="cuda")
-            caches = caches_for(B, Hkv, S, D, True, g)
+            caches = cold_caches(B, Hkv, S, D, True, g)
             q = torch.randn(B, Hq, D, device="cuda", generator=g)  # as rotated: fp32
             qb = q.to(torch.bfloat16)
             kv_new = (torch.randn(B, Hkv, D, device="cuda", generator=g, dtype=torch.bfloat16),
@@ -70,7 +64,7 @@ def main():
                 tq_cuda.pdl = pdl
             del caches
             torch.cuda.empty_cache()
-            dense = caches_for(B, Hkv, S, D, False, g)
+            dense = cold_caches(B, Hkv, S, D, False, g)
             row["bf16"] = graph_time([lambda c=c: ours(qb, c, pos, scale, S, False) for c in dense]) * 1e6
             row["step bf16"] = graph_time([lambda c=c: step(qb, kv_new, c, pos, scale, S, False) for c in dense]) * 1e6
             row["sdpa"] = graph_time([lambda c=c: sdpa(qb, c, scale) for c in dense]) * 1e6
