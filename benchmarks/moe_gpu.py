@@ -37,6 +37,7 @@ from qmatmul_gpu import (copies_for, copy_bandwidth, events_time, graph_time, qt
 from sluice.kernels.moe import fused_decode as fd  # noqa: E402
 from sluice.kernels.moe import reference  # noqa: E402
 from sluice.kernels.moe import triton as mt  # noqa: E402
+from sluice.kernels import launch  # noqa: E402
 from sluice.kernels.qmatmul import triton as tq  # noqa: E402
 from sluice.layers.linear import Linear  # noqa: E402
 from sluice.layers.moe import SparseMoE, SwiGLU  # noqa: E402
@@ -218,7 +219,7 @@ def fused_timeline(res, name, layers, k):
     passed that point (some points only some programs pass: router rows, combine), of the time since the
     earliest program passed the PDL wait."""
     rot = layers["8-bit"]
-    G = fd.PER_SM * tq._num_sms(torch.device("cuda"))
+    G = fd.PER_SM * launch.num_sms(torch.device("cuda"))
     ts = torch.zeros(G, 16, dtype=torch.int64, device="cuda")
     for m in rot:
         a = m._fused_decode_args(mt)

@@ -28,6 +28,7 @@ import triton
 import triton.language as tl
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+from sluice.kernels import launch  # noqa: E402
 from sluice.kernels.qmatmul import reference  # noqa: E402
 from sluice.kernels.qmatmul import triton as tq  # noqa: E402
 from sluice.quant.affine import QuantizedTensor, quantize  # noqa: E402
@@ -147,7 +148,7 @@ def _read_kernel(w_ptr, out_ptr, n_words, CHUNK: tl.constexpr, PDL: tl.constexpr
     GEMV's setting (launched with PDL, its reads issued before the dependency wait, its write after)."""
     offs = tl.program_id(0).to(tl.int64) * CHUNK + tl.arange(0, CHUNK)
     v = tl.load(w_ptr + offs, mask=offs < n_words, other=0)
-    tq._pdl_start(PDL)
+    launch.pdl_start(PDL)
     tl.store(out_ptr + tl.program_id(0), tl.xor_sum(v, axis=0))
 
 
@@ -158,7 +159,7 @@ def read_ceiling(nbytes: int, n: int) -> float:
     bufs = [torch.randint(-2**31, 2**31 - 1, (words,), dtype=torch.int32, device="cuda") for _ in range(n)]
     grid = triton.cdiv(words, READ_WORDS)
     out = torch.empty(grid, dtype=torch.int32, device="cuda")
-    pdl = tq.pdl(out.device)
+    pdl = launch.pdl(out.device)
     return graph_time([lambda b=b: _read_kernel[(grid,)](b, out, words, CHUNK=READ_WORDS, PDL=pdl,
                                                          launch_pdl=pdl, num_warps=4) for b in bufs])
 

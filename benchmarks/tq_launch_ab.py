@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from attention_gpu import cold_caches, ours, sdpa, step  # noqa: E402
 from qmatmul_gpu import graph_time  # noqa: E402
 from sluice.kernels.attention import cuda as tq_cuda  # noqa: E402
-from sluice.kernels.qmatmul.triton import pdl  # noqa: E402
+from sluice.kernels.launch import pdl  # noqa: E402
 
 CASES = [("qwen3-next 16q/2kv D256", 16, 2, 256), ("8kv D128 (32q)", 32, 8, 128)]
 SIZES = [(32768, 1), (4096, 1), (131072, 1), (32768, 16)]

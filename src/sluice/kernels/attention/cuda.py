@@ -17,7 +17,7 @@ import torch
 import triton
 
 from sluice.kernels import nvrtc
-from sluice.kernels.qmatmul.triton import _num_sms, pdl
+from sluice.kernels.launch import num_sms, pdl
 from sluice.kernels.turboquant import reference
 from sluice.kernels.turboquant import triton as tq_triton
 
@@ -111,7 +111,7 @@ def plan(batch_heads: int, visible: int, recent: int, D: int, G: int, ring_dtype
         # one wave of coded splits, and the recent ones after them: when they do not fit the wave they run once
         # the first coded ones end, unless giving them slots of the wave costs less (few sequences and KV heads)
         occ = max(1, kernel(D, G, ring_dtype, pos_dtype, device).occupancy(WARPS * 32, smem_bytes(D, G)))
-        slots = occ * _num_sms(device)
+        slots = occ * num_sms(device)
         splits = max(1, slots // batch_heads)
         spill = batch_heads * (splits + n_recent) > slots
         warp_positions = lambda n: coded / (n * WARPS)  # noqa: E731  the coded positions each warp takes

@@ -4,7 +4,7 @@ One new query per sequence (position p, keys 0..p, or p-W+1..p with a sliding wi
 head, split): all G = Hq / Hkv query heads of the KV head at once (each K/V byte read once), over the split's
 positions in blocks, with an online softmax; it writes its partial output and (max, sum) per head. A second
 kernel merges the splits (a split that saw no key, max = -inf, weighs 0; no NaN). Positions map to slots p, or
-p % capacity in a ring. On Hopper both launch with programmatic dependent launch (`qmatmul.triton._pdl_start`):
+p % capacity in a ring. On Hopper both launch with programmatic dependent launch (`launch.pdl_start`):
 each one's launch and set-up overlap the end of the kernel before it.
 
 TurboQuant (QUANT): keys and values of positions p - j >= RECENT come from the 4-bit codes (byte i of a vector
@@ -29,7 +29,7 @@ import triton
 import triton.language as tl
 
 from sluice.kernels.attention import cuda as tq_cuda
-from sluice.kernels.qmatmul.triton import _num_sms, _pdl_start, pdl
+from sluice.kernels.launch import num_sms, pdl, pdl_start
 from sluice.kernels.turboquant import reference
 from sluice.kernels.turboquant.triton import _hadamard_rows, _tables
 
@@ -47,7 +47,7 @@ def _decode_split_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, kr_ptr, vr_ptr, lv
                          G: tl.constexpr, BG: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
                          QUANT: tl.constexpr, RING: tl.constexpr, WINDOW: tl.constexpr, RECENT: tl.constexpr,
                          INT8: tl.constexpr, TC: tl.constexpr, ZERO_CNT: tl.constexpr, PDL: tl.constexpr):
-    _pdl_start(PDL)  # q and the cache come from the kernels before
+    pdl_start(PDL)  # q and the cache come from the kernels before
     bh = tl.program_id(0)
     split = tl.program_id(1)
     b = bh // Hkv
@@ -297,7 +297,7 @@ def _merge_splits_kernel(op_ptr, ml_ptr, o_ptr, sign_ptr, rot_ptr, cnt_ptr, Hkv,
     head, zeroed by the split kernel) reads their rows back and rotates them, R^T o = (o H) * signs / sqrt(D).
     (One program per query head doing both, as before, took 6-16 us on an H100: few programs, each reading
     every split's D partials, and a one-row rotation.)"""
-    _pdl_start(PDL)
+    pdl_start(PDL)
     row = tl.program_id(0)
     bh = row // G
     g = row % G
@@ -364,7 +364,7 @@ def num_splits(batch_heads: int, visible: int, device, block_n: int = 64, min_pe
     of the 2-KV-head D = 256 shape took 199 us, the 9 that spill into a second wave 263 us;
     benchmarks/results/attention_tq_sweep_h100.json)."""
     min_per_split = min_per_split or 2 * block_n
-    sms = _num_sms(device)
+    sms = num_sms(device)
     want = per_sm * sms // batch_heads if one_wave else triton.cdiv(per_sm * sms, batch_heads)
     return max(1, min(want, triton.cdiv(visible, min_per_split)))
 
@@ -460,7 +460,7 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, position
     # with unrotate the blocks of a KV head's query heads meet through `rot` and the KV head's counter
     nsp = triton.next_power_of_2(ns)
     BD = min(D, 64, max(16, MERGE_ELEMS // nsp))
-    while BD > 16 and B * Hq * (D // BD) < _num_sms(q.device) // 2:  # few heads (batch 1): narrower blocks
+    while BD > 16 and B * Hq * (D // BD) < num_sms(q.device) // 2:  # few heads (batch 1): narrower blocks
         BD //= 2
     sb = min(nsp, max(1, MERGE_ELEMS // BD))
     signs = _tables(D, q.device)[0] if unrotate else dummy

@@ -41,8 +41,8 @@ import triton.language as tl
 
 # the rest of a GDN layer's kernels, so that the layer finds them all here
 from sluice.kernels.conv1d.triton import causal_conv1d, causal_conv1d_update  # noqa: F401
+from sluice.kernels.launch import capability, pdl, pdl_start
 from sluice.kernels.norm.triton import gated_rms_norm  # noqa: F401
-from sluice.kernels.qmatmul.triton import _capability, _pdl_start, pdl
 
 MAX_HEAD_DIM = 256
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"  # its bf16 tl.dot is wrong (Triton 3.9): fp32 operands there
@@ -340,7 +340,7 @@ def _chunk_scan_kernel(k_ptr, wq_ptr, u_ptr, p_ptr, G_ptr, rk_ptr, s_ptr, idx_pt
         S = exp(G_last) S + (kn exp(G_last - G))^T v_new
     k is read raw and its norm applied as a row factor. Neither v_new nor the chunk states ever reach memory.
     The final state is written in place. With PDL it launches while the prep kernel's last programs finish."""
-    _pdl_start(PDL)
+    pdl_start(PDL)
     pid_v = tl.program_id(0)
     h = tl.program_id(1)
     n = tl.program_id(2)
@@ -493,7 +493,7 @@ def _cache_hints(device) -> bool:
     """The prep kernel's inline PTX cache hints (`discard.global.L2` needs sm_80): NVIDIA Ampere or newer, not the
     interpreter."""
     return (device.type == "cuda" and not INTERPRET and torch.version.hip is None
-            and _capability(device.index or 0)[0] >= 8)
+            and capability(device.index or 0)[0] >= 8)
 
 
 def _value_block(V: int, programs_per_block: int, device) -> int:

@@ -38,6 +38,7 @@ import torch
 import triton
 import triton.language as tl
 
+from sluice.kernels import launch
 from sluice.kernels.moe import triton as mt
 from sluice.kernels.qmatmul import triton as tq
 from sluice.quant.affine import QuantizedTensor
@@ -86,9 +87,9 @@ def _prefetch_rows(w_ptr, s_ptr, b_ptr, rows, stride_wn, stride_sn, K: tl.conste
         KW: tl.constexpr = K // (32 // BITS)
         LINES: tl.constexpr = (KW + 31) // 32
         rows = rows.to(tl.int64)
-        tq._prefetch_l2(w_ptr + rows[:, None] * stride_wn + tl.arange(0, LINES)[None, :] * 32, True)
-        tq._prefetch_l2(s_ptr + rows * stride_sn, True)
-        tq._prefetch_l2(b_ptr + rows * stride_sn, True)
+        launch.prefetch_l2(w_ptr + rows[:, None] * stride_wn + tl.arange(0, LINES)[None, :] * 32, True)
+        launch.prefetch_l2(s_ptr + rows * stride_sn, True)
+        launch.prefetch_l2(b_ptr + rows * stride_sn, True)
 
 
 @triton.jit
@@ -219,7 +220,7 @@ def _fused_decode_kernel(x_ptr, out_ptr, rw_ptr, rs_ptr, rb_ptr, gw_ptr, gs_ptr,
             for i in range(pid, NB, G):
                 _prefetch_rows(sdw_ptr, sds_ptr, sdb_ptr, i * DBN + tl.arange(0, DBN), stride_dn, stride_dsn, I, BITS,
                                GS, PREFETCH)
-    tq._pdl_start(PDL)
+    launch.pdl_start(PDL)
     _stamp(ts_ptr, 1, TIMELINE)
 
     # the router rows, by the first programs, as early as possible: everything routed waits for them
@@ -409,7 +410,7 @@ def moe_decode_fused(x: torch.Tensor, router, gate_up: QuantizedTensor, down: Qu
         raise ValueError("moe_decode_fused: per_sm is 1, or 2 with at most 4 warps (so that every program is "
                          "resident at once: programs wait for each other)")
     # every program resident at once: 2 x 4 warps x 255 registers still fit one multiprocessor's register file
-    G = 1 if tq.INTERPRET else per_sm * tq._num_sms(x.device)
+    G = 1 if tq.INTERPRET else per_sm * launch.num_sms(x.device)
     dense_router = not isinstance(router, QuantizedTensor)
     r_own_x = not dense_router and (router.bits, router.group_size) != (bits, gs)
     ws = _workspace(x.device, G, slots, H, I, gs, router.group_size if r_own_x else 0)
@@ -424,7 +425,7 @@ def moe_decode_fused(x: torch.Tensor, router, gate_up: QuantizedTensor, down: Qu
         stride_rsn, rbits, rgs = router.scales.stride(0), router.bits, router.group_size
     if timeline is not None and (timeline.dtype != torch.int64 or tuple(timeline.shape) != (G, 16)):
         raise ValueError(f"moe_decode_fused: timeline must be int64 [{G}, 16]")
-    use_pdl = tq.pdl(x.device)
+    use_pdl = launch.pdl(x.device)
     _fused_decode_kernel[(G,)](
         x, out, rw, rs, rb, gate_up.weight.view(torch.int32), gate_up.scales, gate_up.biases,
         down.weight.view(torch.int32), down.scales, down.biases, *sh,

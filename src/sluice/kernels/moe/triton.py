@@ -19,6 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
+from sluice.kernels import launch
 from sluice.kernels.qmatmul import triton as tq
 from sluice.quant.affine import QuantizedTensor
 
@@ -72,7 +73,7 @@ def _route_kernel(logits_ptr, ids_ptr, w_ptr, gate_ptr, E, S, stride_ls, stride_
     """One token per program: softmax over its E logits, then top-k (`_softmax_topk`). The logits (and gate
     logit) may come as S split-K partials, summed here, SPC at a time by one load (one memory round trip, not
     one per partial). SHARED: one more slot, expert id E (the shared expert), weighted sigmoid(gate logit)."""
-    tq._pdl_start(PDL)
+    launch.pdl_start(PDL)
     t = tl.program_id(0)
     offs = tl.arange(0, BLOCK_E)
     ok = offs < E
@@ -133,7 +134,7 @@ def route(logits: torch.Tensor, top_k: int, norm_topk_prob: bool, shared_gate_lo
                         gate.stride(1), TOP_K=top_k, BLOCK_E=triton.next_power_of_2(E),
                         KP=triton.next_power_of_2(top_k + shared), NORM=norm_topk_prob, SHARED=shared,
                         SPC=min(triton.next_power_of_2(S), max(1, 4096 // triton.next_power_of_2(E))),
-                        PDL=tq.pdl(logits.device), launch_pdl=tq.pdl(logits.device), num_warps=num_warps)
+                        PDL=launch.pdl(logits.device), launch_pdl=launch.pdl(logits.device), num_warps=num_warps)
     return ids, weights
 
 
@@ -337,7 +338,7 @@ def _combine_kernel(y_ptr, w_ptr, shared_ptr, gate_ptr, out_ptr, H, S, stride_ys
                     PDL: tl.constexpr):
     """Program (token, column block): the token's TOP_K expert rows are loaded as one [KP, BLOCK_H] tile (one
     memory round trip, not TOP_K dependent ones: decode has only a few such programs)."""
-    tq._pdl_start(PDL)
+    launch.pdl_start(PDL)
     t = tl.program_id(0)
     offs = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     ok = offs < H
@@ -375,7 +376,7 @@ def combine(y: torch.Tensor, weights: torch.Tensor, dtype: torch.dtype, shared_o
     _combine_kernel[(T, triton.cdiv(H, block_h))](
         y, weights, shared_out if has_shared else y, gate, out, H, y.shape[0], y.stride(0), y.stride(1),
         shared_out.stride(0) if has_shared else 0, gate.stride(0), TOP_K=k, KP=triton.next_power_of_2(k),
-        BLOCK_H=block_h, HAS_SHARED=has_shared, PDL=tq.pdl(y.device), launch_pdl=tq.pdl(y.device), num_warps=4)
+        BLOCK_H=block_h, HAS_SHARED=has_shared, PDL=launch.pdl(y.device), launch_pdl=launch.pdl(y.device), num_warps=4)
     return out
 
 

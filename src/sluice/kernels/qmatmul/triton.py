@@ -19,41 +19,19 @@ y += scale * xscale * sum(q * xq) + bias * sum(x), with xscale and the exact fp3
 
 from __future__ import annotations
 
-import functools
-import os
-
 import torch
 import triton
 import triton.language as tl
 
+from sluice.kernels.launch import INTERPRET, num_sms, pdl, pdl_start, prefetch_l2
+
 SUPPORTED_BITS = (2, 4, 8)
 SUPPORTED_GROUPS = (32, 64, 128)
-INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 X_INT_MAX = 32767  # x is rounded to int16 per group: x ~= xq * amax / X_INT_MAX
 _X_INT_MAX = tl.constexpr(X_INT_MAX)
-USE_PDL = True  # programmatic dependent launch on sm_90+ (see `_pdl_start`); off: every launch waits in full
 GEMV_RAW_X = True  # dense GEMVs prepare x inside the GEMV (`_raw_x_step`), not in a launch of their own
 GEMV_PREFETCH = 2  # `_gemv_kernel`'s PREFETCH where the weights may be read before the wait: 1 L2, 2 registers
 GEMV_PREFETCH_INDEXED = 2  # the same for the MoE expert GEMVs (with `moe.triton.expert_block_n`: docs/PERF.md)
-
-
-@triton.jit
-def _pdl_start(PDL: tl.constexpr):
-    """Programmatic dependent launch (Hopper+): a kernel launched with `launch_pdl` may start while the previous
-    one still runs. It must not touch that kernel's outputs, nor write anything, before this wait; the wait also
-    lets the next launch start (its programs then wait here in turn). So before its own wait a kernel may read
-    what was written two launches back or earlier: the previous kernel had passed its wait, so those are done."""
-    if PDL:
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
-
-
-@triton.jit
-def _prefetch_l2(ptrs, PDL: tl.constexpr):
-    """Ask L2 for the lines at `ptrs` without waiting (nothing is read into registers)."""
-    if PDL:
-        tl.inline_asm_elementwise("prefetch.global.L2 [$1]; // $0", "=r,l", [ptrs], dtype=tl.int32, is_pure=False,
-                                  pack=1)
 
 
 @triton.jit
@@ -108,7 +86,7 @@ def _prep_x_kernel(x_ptr, xp_ptr, K, S, stride_xs, stride_xm, stride_pm, BITS: t
     """xp[m] (int32) = [EPW/2 planes of KW int16 pairs | K/GS x scales (fp32 bits) | K/GS group sums (fp32 bits)].
     Plane 2i+h pairs, for word w, the elements whose codes `dp2a` meets in the low (h=0) or high (h=1) bytes of
     (word >> i*BITS) & byte-mask: x[w*EPW + i + 2hD] (low half) and x[w*EPW + i + (2h+1)D] (high), D = 8/BITS."""
-    _pdl_start(PDL)
+    pdl_start(PDL)
     m = tl.program_id(0)
     offs_g = tl.program_id(1) * GB + tl.arange(0, GB)
     _prep_groups(x_ptr + m.to(tl.int64) * stride_xm, xp_ptr + m.to(tl.int64) * stride_pm, offs_g, offs_g < K // GS,
@@ -319,7 +297,7 @@ def _gemv_kernel(xp_ptr, w_ptr, s_ptr, b_ptr, y_ptr, ids_ptr, wx_ptr, sx_ptr, bx
     pid_k = tl.program_id(1)
     row = tl.program_id(2)
     if not PREFETCH:
-        _pdl_start(PDL)
+        pdl_start(PDL)
     if INDEXED:
         e = tl.load(ids_ptr + row).to(tl.int64)
         w_ptr += e * stride_we
@@ -350,13 +328,13 @@ def _gemv_kernel(xp_ptr, w_ptr, s_ptr, b_ptr, y_ptr, ids_ptr, wx_ptr, sx_ptr, bx
     if PREFETCH == 1:
         kk = tl.minimum(w_start + offs_k, w_end - 1)
         grp = tl.minimum(w_start // WPG + offs_g, w_end // WPG - 1)
-        _prefetch_l2(w_rows + kk[None, :], PDL)
-        _prefetch_l2(s_rows + grp[None, :], PDL)
-        _prefetch_l2(b_rows + grp[None, :], PDL)
-        _pdl_start(PDL)
+        prefetch_l2(w_rows + kk[None, :], PDL)
+        prefetch_l2(s_rows + grp[None, :], PDL)
+        prefetch_l2(b_rows + grp[None, :], PDL)
+        pdl_start(PDL)
     elif PREFETCH == 2:
         words, s, b = _gemv_tiles(w_rows, s_rows, b_rows, w_start, w_end, offs_k, offs_g, WPG, EVEN_K)
-        _pdl_start(PDL)
+        pdl_start(PDL)
         acc, accb = _gemv_step(xp_ptr, xf_ptr, KW, NG, words, s, b, w_start, w_end, offs_k, offs_g, acc, accb,
                                BITS, GS, EVEN_K, RAW_X, ASM)
         first = w_start + KB
@@ -487,28 +465,6 @@ def check_activations(x: torch.Tensor, qt) -> None:
         raise ValueError(f"triton qmatmul: in_features {qt.in_features} is not a multiple of the group size")
 
 
-@functools.lru_cache(maxsize=None)
-def _sm_count(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
-
-
-def _num_sms(device) -> int:
-    if INTERPRET or not torch.cuda.is_available():
-        return 4
-    return _sm_count(torch.device(device).index or 0)  # cached: this runs on every decode matmul
-
-
-@functools.lru_cache(maxsize=None)
-def _capability(index: int) -> tuple[int, int]:
-    return torch.cuda.get_device_capability(index)
-
-
-def pdl(device) -> bool:
-    """Launch with programmatic dependent launch (`_pdl_start`): Hopper or newer, not the interpreter."""
-    device = torch.device(device)
-    return USE_PDL and not INTERPRET and device.type == "cuda" and _capability(device.index or 0)[0] >= 9
-
-
 def prep_x(x: torch.Tensor, bits: int, group_size: int, swiglu: bool = False) -> torch.Tensor:
     """x [M, K] -> the GEMV's prepared activations, int32 [M, K/2 + 2K/GS] (row stride padded to 16): x rounded
     per group to int16 pairs, then the per-group x scales and the exact group sums (fp32 bits). With `swiglu`,
@@ -537,7 +493,7 @@ def gemv_split_k(N, K, bits, rows, block_n=4, num_warps=1, device=None) -> int:
     """Enough K splits for about eight warps per multiprocessor (1-warp programs, each waiting on its loads)."""
     steps = triton.cdiv(K // (32 // bits), gemv_step_words(K, bits, num_warps))
     programs = triton.cdiv(N, block_n) * rows * num_warps
-    return max(1, min(steps, (8 * _num_sms(device)) // max(programs, 1)))
+    return max(1, min(steps, (8 * num_sms(device)) // max(programs, 1)))
 
 
 def gemv_used_splits(K, bits, split_k, num_warps=1) -> tuple[int, int]:
@@ -580,7 +536,7 @@ def gemv_launch(xp, w, s, b, out, ids, rows, N, K, bits, gs, split_k, x_div=1, b
 def gemv_block_n(N: int, rows: int, device=None) -> int:
     """Rows per GEMV program: 4, or 8 / 16 when that puts a grid of a few waves into one (one-warp programs, 32
     per multiprocessor), so that no mostly empty last wave leaves the memory system idle."""
-    wave = 32 * _num_sms(device)
+    wave = 32 * num_sms(device)
     if triton.cdiv(N, 4) * rows > 3 * wave:
         return 4
     return next((bn for bn in (4, 8, 16) if triton.cdiv(N, bn) * rows <= wave), 16)
@@ -596,7 +552,7 @@ def gemv_plan(N: int, K: int, bits: int, group_size: int, rows: int, device=None
       8 x 2 2.0 against 2.2 for 4 x 2);
     - else one warp per program and the fewest rows per program (8 or 16) that keep the grid to one wave
       (~12 programs per multiprocessor at the registers the in-kernel x prep takes)."""
-    sms = _num_sms(device)
+    sms = num_sms(device)
     fours = triton.cdiv(N, 4) * rows
     if not (GEMV_RAW_X and raw_x_supported(bits, group_size)) or fours > 3 * 32 * sms:
         return gemv_block_n(N, rows, device), 1, False
@@ -653,7 +609,7 @@ def qgemm(x: torch.Tensor, qt, block_m: int = 128, block_n: int = 128, block_k: 
     k_blocks = triton.cdiv(K, block_k)
     tiles = triton.cdiv(M, block_m) * triton.cdiv(N, block_n)
     if split_k is None:
-        split_k = max(1, min(k_blocks, (2 * _num_sms(x.device)) // max(tiles, 1)))
+        split_k = max(1, min(k_blocks, (2 * num_sms(x.device)) // max(tiles, 1)))
     k_per_split = triton.cdiv(k_blocks, split_k) * block_k
     split_k = triton.cdiv(K, k_per_split)
     out = torch.empty((split_k, M, N), dtype=x.dtype if split_k == 1 else torch.float32, device=x.device)
