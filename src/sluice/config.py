@@ -1,0 +1,51 @@
+"""Every engine setting in one object. A captured CUDA graph freezes them, so they are fixed per engine."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from sluice.errors import InvalidOptionError
+
+GRAPH_BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64, 128)
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """How the engine batches and caches.
+
+    max_batch: the most sequences decoding at once (cache rows).
+    max_seq_len: the most positions one sequence may hold (prompt + generated); None = the model's context window.
+    prefill_chunk: prompt tokens per prefill forward (bounds activation memory).
+    graphs: on CUDA, replay each decode step from a CUDA graph captured per batch size (False: eager, to compare).
+    graph_batch_sizes: the batch sizes graphs are captured for; a batch runs in the smallest that holds it.
+    kv_cache: "dense" (K/V in the model's dtype) or "turboquant4".
+    """
+
+    max_batch: int = 64
+    max_seq_len: int | None = None
+    prefill_chunk: int = 512
+    graphs: bool = True
+    graph_batch_sizes: tuple[int, ...] = field(default=GRAPH_BATCH_SIZES)
+    kv_cache: str = "dense"
+
+    def __post_init__(self):
+        from sluice.cache import KV_CACHE_KINDS
+
+        def positive(name, value):
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise InvalidOptionError(f"{name}={value!r}: use an integer >= 1.")
+
+        positive("max_batch", self.max_batch)
+        positive("prefill_chunk", self.prefill_chunk)
+        if self.max_seq_len is not None:
+            positive("max_seq_len", self.max_seq_len)
+        if self.kv_cache not in KV_CACHE_KINDS:
+            raise InvalidOptionError(f"kv_cache={self.kv_cache!r}: use one of {', '.join(KV_CACHE_KINDS)}.")
+        sizes = tuple(self.graph_batch_sizes)
+        if not sizes or any(not isinstance(s, int) or s < 1 for s in sizes):
+            raise InvalidOptionError(f"graph_batch_sizes={sizes!r}: use positive integers.")
+        object.__setattr__(self, "graph_batch_sizes", tuple(sorted(set(sizes))))
+
+    def graph_size(self, batch: int) -> int | None:
+        """The captured batch size a batch of `batch` sequences replays in (None: larger than any)."""
+        return next((s for s in self.graph_batch_sizes if s >= batch), None)
