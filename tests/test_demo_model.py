@@ -23,16 +23,16 @@ def test_cli_run_prints_paris(demo_gguf_path, capsys):
     assert "Paris" in capsys.readouterr().out
 
 
-def test_chunked_prefill_and_decode_equal_full_forward(model, monkeypatch):
+def test_chunked_prefill_and_decode_equal_full_forward(model):
     ids = model.tokenizer.encode("Rivers carry water from the mountains to the sea, and along the way they "
                                  "shape valleys, feed farms and give cities a reason to exist.")
     full = model.logits(ids)[0]
-    monkeypatch.setattr("sluice.engine.model.PREFILL_CHUNK", 7)  # several chunks against a filled cache
     cache = model.new_cache(len(ids))
     split = len(ids) - 5
-    parts = [model._prefill(torch.tensor([ids[:split]]), cache, last_only=False)[0]]
+    # chunks of 7 against a filled cache, then decode steps
+    parts = [model.forward([ids[s:min(s + 7, split)]], cache, s)[0] for s in range(0, split, 7)]
     for t in range(split, len(ids)):
-        parts.append(model._forward(torch.tensor([[ids[t]]]), cache, t, last_only=False)[0])
+        parts.append(model.forward(torch.tensor([[ids[t]]]), cache, t, last_only=False)[0])
     got = torch.cat(parts)
     assert float((got - full).norm() / full.norm()) < 1e-5
     assert torch.equal(got.argmax(-1), full.argmax(-1))

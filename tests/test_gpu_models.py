@@ -50,8 +50,8 @@ def test_decode_steps_on_gpu_match_the_cpu_cache(tmp_path, kind):
         for device in ("cpu", "cuda"):
             model = sluice.load(src, device=device, dtype="float32", kv_cache=kind)
             cache = model.new_cache(92)
-            model._forward(ids[:, :80], cache, 0, last_only=True)
-            steps[device] = torch.stack([model._forward(ids[:, t:t + 1], cache, t, last_only=True)[0, -1].cpu()
+            model.forward(ids[:, :80], cache, 0, last_only=True)
+            steps[device] = torch.stack([model.forward(ids[:, t:t + 1], cache, t, last_only=True)[0, -1].cpu()
                                          for t in range(80, 92)])
         # the GPU decode kernel multiplies on bf16 tensor cores
         assert rel_err(steps["cuda"], steps["cpu"]) < 2e-2, (name, kind)
@@ -72,7 +72,7 @@ def test_quantized_moe_decode_steps_on_gpu(tmp_path):
     for device in ("cpu", "cuda"):
         model = sluice.load(q, device=device, dtype="float32")
         cache = model.new_cache(30)
-        model._forward(ids[:, :20], cache, 0, last_only=True)
-        steps[device] = torch.stack([model._forward(ids[:, t:t + 1], cache, t, last_only=True)[0, -1].cpu()
+        model.forward(ids[:, :20], cache, 0, last_only=True)
+        steps[device] = torch.stack([model.forward(ids[:, t:t + 1], cache, t, last_only=True)[0, -1].cpu()
                                      for t in range(20, 30)])
     assert rel_err(steps["cuda"], steps["cpu"]) < 2e-2

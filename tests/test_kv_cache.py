@@ -76,7 +76,7 @@ def run_chunks(cache, q, k, v, chunks, scale):
     """Feed positions in chunks of the given sizes; the outputs concatenated."""
     outs, s = [], 0
     for n in chunks:
-        outs.append(cache.attend(0, q[:, :, s:s + n], k[:, :, s:s + n], v[:, :, s:s + n], s, scale))
+        outs.append(cache.prefill(0, 0, q[:, :, s:s + n], k[:, :, s:s + n], v[:, :, s:s + n], s, scale))
         s += n
     return torch.cat(outs, 2)
 
@@ -138,7 +138,7 @@ def test_cache_overflow_is_an_error():
     c = TurboQuantKVCache(1, 1, 1, 64, 4)
     q, k, v = qkv(B=1, Hq=1, Hkv=1, T=5)
     with pytest.raises(IndexError, match="holds 4"):
-        c.attend(0, q, k, v, 0, 0.1)
+        c.prefill(0, 0, q, k, v, 0, 0.1)
 
 
 # ---------------------------------------------------------------------------------------------------- models
@@ -176,12 +176,12 @@ def test_mistral_sliding_window_matches_hf(tmp_path):
     with torch.no_grad():
         ref = hf(ids).logits
     model = sluice.load(path, device="cpu")
-    assert model.config.sliding_window == 8 and model.new_cache(30).capacity == 8
+    assert model.config.sliding_window == 8 and model.new_cache(30).kv.capacity == 8
     assert rel(model.logits(ids), ref) < 1e-4
     # decode steps through the ring equal the full forward
     cache = model.new_cache(30)
-    model._forward(ids[:, :20], cache, 0, last_only=True)
-    last = [model._forward(ids[:, t:t + 1], cache, t, last_only=True)[0, -1] for t in range(20, 30)]
+    model.forward(ids[:, :20], cache, 0, last_only=True)
+    last = [model.forward(ids[:, t:t + 1], cache, t, last_only=True)[0, -1] for t in range(20, 30)]
     assert rel(torch.stack(last), ref[0, 20:]) < 1e-4
     tq_model = sluice.load(path, device="cpu", kv_cache="turboquant4")
     assert rel(tq_model.logits(ids), ref) < 1e-4  # window 8 < 64 recent positions: every visible one exact
@@ -227,8 +227,8 @@ def test_turboquant_cpu_decode_kernel_equals_the_torch_path(window):
             cache._use_cpu_kernel = lambda q: False
         else:
             assert cache._use_cpu_kernel(q[:, :, :1])
-        o = [cache.attend(0, q[:, :, :10], k[:, :, :10], v[:, :, :10], 0, 0.125)]
+        o = [cache.prefill(0, 0, q[:, :, :10], k[:, :, :10], v[:, :, :10], 0, 0.125)]
         for t in range(10, T):
-            o.append(cache.attend(0, q[:, :, t:t + 1], k[:, :, t:t + 1], v[:, :, t:t + 1], t, 0.125))
+            o.append(cache.prefill(0, 0, q[:, :, t:t + 1], k[:, :, t:t + 1], v[:, :, t:t + 1], t, 0.125))
         outs[native] = torch.cat(o, 2)
     assert float((outs[True] - outs[False]).norm() / outs[False].norm()) < 1e-5

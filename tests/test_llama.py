@@ -103,10 +103,10 @@ def test_incremental_decode_equals_full_forward(tmp_path, hf_model):
     ids = torch.randint(0, 300, (1, 20), generator=torch.Generator().manual_seed(9))
     full = model.logits(ids)[0]
     cache = model.new_cache(20)
-    steps = [model._forward(ids[:, :7], cache, 0, last_only=False)[0]]
-    steps.append(model._forward(ids[:, 7:12], cache, 7, last_only=False)[0])  # a chunk against a cache
+    steps = [model.forward(ids[:, :7], cache, 0, last_only=False)[0]]
+    steps.append(model.forward(ids[:, 7:12], cache, 7, last_only=False)[0])  # a chunk against a cache
     for t in range(12, 20):
-        steps.append(model._forward(ids[:, t:t + 1], cache, t, last_only=False)[0])
+        steps.append(model.forward(ids[:, t:t + 1], cache, t, last_only=False)[0])
     assert rel_err(torch.cat(steps), full) < 1e-5
 
 

@@ -82,15 +82,14 @@ def test_logits_match_transformers(pair, T):
     assert rel_err(ours.logits(ids), ref) < 1e-4
 
 
-def test_chunked_prefill_and_decode_equal_full_forward(pair, monkeypatch):
+def test_chunked_prefill_and_decode_equal_full_forward(pair):
     _, ours = pair
     ids = torch.randint(0, 300, (1, 90), generator=torch.Generator().manual_seed(1))
     full = ours.logits(ids)[0]
-    monkeypatch.setattr("sluice.engine.model.PREFILL_CHUNK", 32)
     cache = ours.new_cache(90)
-    parts = [ours._prefill(ids[:, :80], cache, last_only=False)[0]]
+    parts = [ours.forward(ids[:, s:min(s + 32, 80)], cache, s)[0] for s in range(0, 80, 32)]
     for t in range(80, 90):
-        parts.append(ours._forward(ids[:, t:t + 1], cache, t, last_only=False)[0])
+        parts.append(ours.forward(ids[:, t:t + 1], cache, t, last_only=False)[0])
     assert rel_err(torch.cat(parts), full) < 1e-5
 
 
@@ -111,11 +110,10 @@ def test_gdn_triton_kernels_in_the_layer(name, tmp_path, monkeypatch):
         ref = hf(ids).logits
     assert rel_err(ours.logits(ids), ref) < 1e-4
     full = ours.logits(ids[:1])[0]
-    monkeypatch.setattr("sluice.engine.model.PREFILL_CHUNK", 32)
     cache = ours.new_cache(70)
-    parts = [ours._prefill(ids[:1, :66], cache, last_only=False)[0]]
+    parts = [ours.forward(ids[:1, s:min(s + 32, 66)], cache, s)[0] for s in range(0, 66, 32)]
     for t in range(66, 70):
-        parts.append(ours._forward(ids[:1, t:t + 1], cache, t, last_only=False)[0])
+        parts.append(ours.forward(ids[:1, t:t + 1], cache, t, last_only=False)[0])
     assert rel_err(torch.cat(parts), full) < 1e-5
 
 

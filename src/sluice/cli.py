@@ -35,11 +35,11 @@ def _sampling(args) -> dict:
                 repetition_penalty=args.repetition_penalty, seed=args.seed)
 
 
-def _load(args):
+def _load(args, **options):
     import sluice
 
     return sluice.load(args.model, device=args.device, dtype=args.dtype, keep_quantized=not args.dequantize,
-                       kv_cache=args.kv_cache)
+                       kv_cache=args.kv_cache, **options)
 
 
 def cmd_run(args) -> int:
@@ -128,21 +128,41 @@ def cmd_info(args) -> int:
 
 
 def cmd_bench(args) -> int:
-    model = _load(args)
+    options = {"graphs": not args.no_graphs, "max_batch": max(args.batch, 1)}
+    if args.load_format != "auto":
+        options["load_format"] = args.load_format
+    model = _load(args, **options)
     rows = []
     for kind in args.kv_cache_kinds or [args.kv_cache]:
-        model.kv_cache = kind
-        rows.append(model.bench(args.prompt_tokens, args.gen_tokens, args.repeats))
+        if kind != model.kv_cache:
+            model = _with_kv_cache(model, kind)
+        rows.append(model.bench(prompt_tokens=args.prompt_tokens, gen_tokens=args.gen_tokens, batch=args.batch,
+                                repeats=args.repeats))
     if args.json:
         print(json.dumps(rows, indent=2))
         return 0
-    print(f"{model.path.name} on {rows[0]['device']} ({rows[0]['dtype']}): {args.prompt_tokens}-token prompt, "
-          f"{args.gen_tokens} generated tokens, best of {args.repeats}")
-    print(f"{'KV cache':12s} {'prefill tok/s':>14s} {'decode tok/s':>13s} {'KV B/token':>11s} {'per layer':>10s}")
+    r0 = rows[0]
+    print(f"{model.path.name} on {r0['device']} ({r0['dtype']}, {'CUDA graphs' if r0['graphs'] else 'eager'}): "
+          f"batch {args.batch} of distinct {args.prompt_tokens}-token prompts, {args.gen_tokens} generated tokens "
+          f"each, best of {args.repeats}")
+    floor = "floor tok/s" if "floor_decode_tok_s" in r0 else ""
+    print(f"{'KV cache':12s} {'TTFT cold s':>11s} {'TTFT warm s':>11s} {'prefill tok/s':>14s} {'decode tok/s':>13s} "
+          f"{'per seq':>8s} {floor:>12s} {'KV B/token':>11s}")
     for r in rows:
-        print(f"{r['kv_cache']:12s} {r['prefill_tok_s']:14.1f} {r['decode_tok_s']:13.1f} "
-              f"{r['kv_cache_bytes_per_token']:11d} {r['kv_cache_bytes_per_token_layer']:10d}")
+        fl = f"{r['floor_decode_tok_s']:12.0f}" if floor else f"{'':12s}"
+        print(f"{r['kv_cache']:12s} {r['ttft_cold_s']:11.3f} {r['ttft_warm_s']:11.3f} {r['prefill_tok_s']:14.1f} "
+              f"{r['decode_tok_s']:13.1f} {r['decode_tok_s_per_seq']:8.1f} {fl} {r['kv_cache_bytes_per_token']:11d}")
     return 0
+
+
+def _with_kv_cache(model, kind: str):
+    """The same weights with another KV cache kind (a new engine: its own cache pool and graphs)."""
+    from dataclasses import replace
+
+    from sluice.engine.model import Model
+
+    return Model(model.module, model.tokenizer, model.path, model.format, model.device, model.dtype,
+                 replace(model.engine_config, kv_cache=kind))
 
 
 def cmd_convert(args) -> int:
@@ -178,7 +198,11 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_args(bench)
     bench.add_argument("--prompt-tokens", type=int, default=512)
     bench.add_argument("--gen-tokens", type=int, default=64)
+    bench.add_argument("--batch", type=int, default=1, help="sequences decoding together (distinct prompts)")
     bench.add_argument("--repeats", type=int, default=2)
+    bench.add_argument("--load-format", default="auto", help="auto, or dummy: random weights at the shapes of "
+                       "--model's config.json (a directory or a config.json file), made on the device")
+    bench.add_argument("--no-graphs", action="store_true", help="decode eagerly (no CUDA graphs), to compare")
     bench.add_argument("--compare-kv-caches", dest="kv_cache_kinds", action="store_const",
                        const=list(KV_CACHE_KINDS), help="one row per KV cache kind")
     bench.add_argument("--json", action="store_true")

@@ -1,9 +1,14 @@
 """KV caches of the full-attention layers: dense (the model's dtype) and TurboQuant 4-bit (`cache/turboquant.py`),
 either one whole (position p in slot p) or a sliding-window ring buffer (slot p % capacity, capacity = window).
 
-A layer hands its new keys and values to `attend`, which stores them and returns the attention of the new
-queries over everything the cache lets them see; how a kind holds K/V (and in which domain it attends) is its own
-business. The positions, slots and capacity checks are the base class's.
+A cache is a pool of `rows` sequences; a forward says which rows and positions its tokens have (`engine/batch.py`
+ForwardMeta). A layer hands its new keys and values to `attend`, which stores them and returns the attention of the
+new queries over everything the cache lets them see; how a kind holds K/V (and in which domain it attends) is its
+own business. The positions, slots and capacity checks are the base class's.
+
+Prefill (eager): B sequences in consecutive rows, positions start..start+T-1, as views of those rows. Decode: one
+query per sequence, rows and positions as device tensors; on a GPU the split-K kernel reads the rows in place; on the
+CPU each row runs alone through the same path a single sequence takes, so a row's result never depends on the batch.
 """
 
 from __future__ import annotations
@@ -16,23 +21,35 @@ from sluice.kernels.attention.reference import attention
 
 
 class KVCache:
-    """What every cache kind shares: `capacity` positions per sequence, or a ring of `window` slots, and the
-    interface the attention layers call (`attend`, `dense_buffers`, `bytes_per_token`)."""
+    """What every cache kind shares: `rows` sequences of `capacity` positions each, or a ring of `window` slots,
+    and the interface the attention layers call (`attend`, `dense_buffers`, `bytes_per_token`)."""
 
-    def __init__(self, num_layers: int, batch: int, num_kv_heads: int, head_dim: int, capacity: int,
+    def __init__(self, num_layers: int, rows: int, num_kv_heads: int, head_dim: int, capacity: int,
                  window: int | None = None):
         if window is not None and window < 1:
             raise ValueError(f"sliding window must be >= 1, got {window}")
-        self.num_layers, self.batch, self.num_kv_heads, self.head_dim = num_layers, batch, num_kv_heads, head_dim
+        self.num_layers, self.rows, self.num_kv_heads, self.head_dim = num_layers, rows, num_kv_heads, head_dim
         self.window = window
         self.max_positions = capacity
         self.capacity = capacity if window is None else min(capacity, window)  # slots per sequence
-        self._positions = (None, None)
 
-    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int,
-               scale: float) -> torch.Tensor:
-        """q [B, Hq, T, D] at positions start..start+T-1 with their k, v [B, Hkv, T, D]: store k, v, return the
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta, scale: float) -> torch.Tensor:
+        """q [B, Hq, T, D] with their k, v [B, Hkv, T, D] at meta's rows and positions: store k, v, return the
         attention output [B, Hq, T, D] (causal; with a window W, query p sees keys p-W+1..p)."""
+        if not meta.decode:
+            return self.prefill(layer, meta.row0, q, k, v, meta.start, scale)
+        if self.use_decode_kernel(q):
+            return self.decode(layer, q, k, v, meta, scale)
+        # one row at a time, as a sequence alone takes it
+        return torch.cat([self.prefill(layer, row, q[i:i + 1], k[i:i + 1], v[i:i + 1], pos, scale)
+                          for i, (row, pos) in enumerate(zip(meta.rows_host, meta.positions_host))])
+
+    def prefill(self, layer: int, row0: int, q, k, v, start: int, scale: float) -> torch.Tensor:
+        """The B sequences of rows row0.. (eager; every position start..start+T-1 new)."""
+        raise NotImplementedError
+
+    def decode(self, layer: int, q, k, v, meta, scale: float) -> torch.Tensor:
+        """One query per sequence on a GPU: the split-K kernel over the rows in place."""
         raise NotImplementedError
 
     def slots(self, start: int, end: int) -> torch.Tensor:
@@ -50,66 +67,56 @@ class KVCache:
         """One new query per sequence on a GPU: the split-K Triton kernel (`kernels/attention/triton.py`)."""
         return q.is_cuda and q.shape[2] == 1
 
-    def decode_slot(self, start: int) -> int:
-        """The slot of a decode step's position (checked against the capacity)."""
-        return int(self.slots(start, start + 1)[0])
-
-    def positions(self, start: int, q: torch.Tensor) -> torch.Tensor:
-        """The decode kernel's per-sequence positions, made once per step (every layer asks for the same)."""
-        key, pos = self._positions
-        if key != (start, q.shape[0], q.device):
-            pos = torch.full((q.shape[0],), start, dtype=torch.int32, device=q.device)
-            self._positions = ((start, q.shape[0], q.device), pos)
-        return pos
-
-    def visible(self, start: int) -> int:
-        return start + 1 - self.first_visible(start)
-
     def dense_buffers(self, layer: int):
-        """(k, v) [B, Hkv, capacity, D] buffers that position p's vectors sit in at slot p, for kernels that
+        """(k, v) [rows, Hkv, capacity, D] buffers that position p's vectors sit in at slot p, for kernels that
         write in place; None where the cache is not laid out so."""
         return None
 
     def bytes_per_token(self) -> int:
-        """Bytes one position costs across all layers (all sequences of the batch)."""
+        """Bytes one position of one sequence costs across all layers."""
         raise NotImplementedError
 
     def fixed_bytes(self) -> int:
-        """Bytes the cache holds whatever the number of positions."""
+        """Bytes one sequence's cache holds whatever the number of positions."""
         return 0
 
 
 class DenseKVCache(KVCache):
-    """K and V in the model's dtype: one preallocated [B, Hkv, capacity, D] buffer each per layer."""
+    """K and V in the model's dtype: one preallocated [layers, rows, Hkv, capacity, D] buffer each."""
 
-    def __init__(self, num_layers: int, batch: int, num_kv_heads: int, head_dim: int, capacity: int,
+    def __init__(self, num_layers: int, rows: int, num_kv_heads: int, head_dim: int, capacity: int,
                  dtype: torch.dtype, device: torch.device | str = "cpu", window: int | None = None):
-        super().__init__(num_layers, batch, num_kv_heads, head_dim, capacity, window)
-        shape = (batch, num_kv_heads, self.capacity, head_dim)
-        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        super().__init__(num_layers, rows, num_kv_heads, head_dim, capacity, window)
+        shape = (num_layers, rows, num_kv_heads, self.capacity, head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
 
-    def attend(self, layer, q, k, v, start, scale):
-        T = k.shape[2]
+    def decode(self, layer, q, k, v, meta, scale):
+        from sluice.kernels.attention.triton import decode_attention
+
+        pos = meta.last_positions
+        slots = pos % self.capacity
+        self.k[layer][meta.rows, :, slots] = k[:, :, 0].to(self.k.dtype)
+        self.v[layer][meta.rows, :, slots] = v[:, :, 0].to(self.v.dtype)
+        o = decode_attention(q[:, :, 0], self.k[layer], self.v[layer], pos, scale, min(meta.visible, self.capacity),
+                             self.window, rows=meta.rows)
+        return o[:, :, None]
+
+    def prefill(self, layer, row0, q, k, v, start, scale):
+        B, T = q.shape[0], k.shape[2]
         end = start + T
-        if self.use_decode_kernel(q):
-            from sluice.kernels.attention.triton import decode_attention
-
-            slot = self.decode_slot(start)
-            self.k[layer][:, :, slot] = k[:, :, 0]
-            self.v[layer][:, :, slot] = v[:, :, 0]
-            o = decode_attention(q[:, :, 0], self.k[layer], self.v[layer], self.positions(start, q), scale,
-                                 self.visible(start), self.window)
-            return o[:, :, None]
+        kl, vl = self.k[layer][row0:row0 + B], self.v[layer][row0:row0 + B]
         if self.window is None:
-            self._store(layer, k, v, self.slots(start, end))
-            kc, vc = self._load(layer, self.slots(0, end))
-            return attention(q, kc, vc, scale)
+            self.slots(start, end)  # the capacity check
+            kl[:, :, start:end] = k
+            vl[:, :, start:end] = v
+            return attention(q, kl[:, :, :end], vl[:, :, :end], scale)
         # ring: the keys older than the chunk still visible to its first query, then the chunk's own, attended
         # with a causal window mask; the chunk is written afterwards, since it may overwrite slots its own first
         # queries still see
         first = self.first_visible(start)
-        old_k, old_v = self._load(layer, self.slots(first, start))
+        old = self.slots(first, start).to(kl.device)
+        old_k, old_v = kl.index_select(2, old), vl.index_select(2, old)
         kc, vc = torch.cat([old_k, k.to(old_k.dtype)], dim=2), torch.cat([old_v, v.to(old_v.dtype)], dim=2)
         qpos = torch.arange(start, end, device=q.device)[:, None]
         kpos = torch.arange(first, end, device=q.device)[None, :]
@@ -117,40 +124,24 @@ class DenseKVCache(KVCache):
         o = F.scaled_dot_product_attention(q, kc.to(q.dtype), vc.to(q.dtype), attn_mask=mask, scale=scale,
                                            enable_gqa=q.shape[1] != k.shape[1])
         keep = min(T, self.capacity)  # the last `capacity` positions of the chunk are what the ring keeps
-        self._store(layer, k[:, :, T - keep:], v[:, :, T - keep:], self.slots(end - keep, end))
+        idx = self.slots(end - keep, end).to(kl.device)
+        kl.index_copy_(2, idx, k[:, :, T - keep:].to(kl.dtype))
+        vl.index_copy_(2, idx, v[:, :, T - keep:].to(vl.dtype))
         return o
-
-    def _store(self, layer, k, v, slots):
-        if self.window is None:  # contiguous: a slice, not an index_copy
-            s = int(slots[0]) if len(slots) else 0
-            self.k[layer][:, :, s:s + len(slots)] = k
-            self.v[layer][:, :, s:s + len(slots)] = v
-        else:
-            idx = slots.to(self.k[layer].device)
-            self.k[layer].index_copy_(2, idx, k.to(self.k[layer].dtype))
-            self.v[layer].index_copy_(2, idx, v.to(self.v[layer].dtype))
-
-    def _load(self, layer, slots):
-        if self.window is None:
-            n = len(slots)
-            return self.k[layer][:, :, :n], self.v[layer][:, :, :n]
-        idx = slots.to(self.k[layer].device)
-        return self.k[layer].index_select(2, idx), self.v[layer].index_select(2, idx)
 
     def dense_buffers(self, layer: int):
         return (self.k[layer], self.v[layer]) if self.window is None else None
 
     def bytes_per_token(self) -> int:
-        k = self.k[0]
-        return 2 * self.num_layers * k.shape[0] * k.shape[1] * k.shape[3] * k.element_size()
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.k.element_size()
 
 
-def make_kv_cache(kind: str, num_layers: int, batch: int, num_kv_heads: int, head_dim: int, capacity: int,
+def make_kv_cache(kind: str, num_layers: int, rows: int, num_kv_heads: int, head_dim: int, capacity: int,
                   dtype: torch.dtype, device, window: int | None = None) -> KVCache:
     if kind == "dense":
-        return DenseKVCache(num_layers, batch, num_kv_heads, head_dim, capacity, dtype, device, window)
+        return DenseKVCache(num_layers, rows, num_kv_heads, head_dim, capacity, dtype, device, window)
     if kind == "turboquant4":
         from sluice.cache.turboquant import TurboQuantKVCache
 
-        return TurboQuantKVCache(num_layers, batch, num_kv_heads, head_dim, capacity, dtype, device, window)
+        return TurboQuantKVCache(num_layers, rows, num_kv_heads, head_dim, capacity, dtype, device, window)
     raise ValueError(f"unknown KV cache kind {kind!r}; use one of {', '.join(KV_CACHE_KINDS)}")

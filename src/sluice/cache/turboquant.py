@@ -23,22 +23,22 @@ SCORE_ELEMENTS = 1 << 26  # prefill attention: fp32 scores held at once on SDPA'
 
 
 class TurboQuantKVCache(KVCache):
-    def __init__(self, num_layers: int, batch: int, num_kv_heads: int, head_dim: int, capacity: int,
+    def __init__(self, num_layers: int, rows: int, num_kv_heads: int, head_dim: int, capacity: int,
                  dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu", window: int | None = None,
                  recent: int = RECENT):
         if head_dim < 2 or head_dim & (head_dim - 1):
             raise ValueError(f"the TurboQuant KV cache needs a power-of-two head dim, this model has {head_dim}")
-        super().__init__(num_layers, batch, num_kv_heads, head_dim, capacity, window)
+        super().__init__(num_layers, rows, num_kv_heads, head_dim, capacity, window)
         self.capacity = -(-self.capacity // 32) * 32  # slots in 32s: the values interleave four positions, the CUDA
         # decode kernel (kernels/attention/cuda.py) reads blocks of 32
         self.recent = recent
-        codes = (batch, num_kv_heads, self.capacity, head_dim // 2)
-        scales = (batch, num_kv_heads, self.capacity)
-        ring = (batch, num_kv_heads, recent, head_dim)
-        z = lambda shape, dt: [torch.zeros(shape, dtype=dt, device=device) for _ in range(num_layers)]  # noqa: E731
-        # keys [B, Hkv, cap, D/2]; values [B, Hkv, cap/4, D/2, 4] (reference.interleave)
+        codes = (num_layers, rows, num_kv_heads, self.capacity, head_dim // 2)
+        scales = (num_layers, rows, num_kv_heads, self.capacity)
+        ring = (num_layers, rows, num_kv_heads, recent, head_dim)
+        z = lambda shape, dt: torch.zeros(shape, dtype=dt, device=device)  # noqa: E731
+        # per layer: keys [rows, Hkv, cap, D/2]; values [rows, Hkv, cap/4, D/2, 4] (reference.interleave)
         self.k_codes = z(codes, torch.uint8)
-        self.v_codes = z((batch, num_kv_heads, self.capacity // 4, head_dim // 2, 4), torch.uint8)
+        self.v_codes = z((num_layers, rows, num_kv_heads, self.capacity // 4, head_dim // 2, 4), torch.uint8)
         self.k_scale, self.v_scale = z(scales, torch.float32), z(scales, torch.float32)
         self.k_recent, self.v_recent = z(ring, dtype), z(ring, dtype)  # rotated, slot p % recent
 
@@ -46,12 +46,14 @@ class TurboQuantKVCache(KVCache):
         """The kernel needs at least 16 bytes of codes per vector (head dim >= 32); smaller heads use the torch path."""
         return super().use_decode_kernel(q) and self.head_dim >= 32
 
-    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int,
-               scale: float) -> torch.Tensor:
-        if self.use_decode_kernel(q):
-            return self._decode(layer, q, k, v, start, scale)
-        if self._use_cpu_kernel(q):
-            return self._decode_cpu(layer, q, k, v, start, scale)
+    def prefill(self, layer: int, row0: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int,
+                scale: float) -> torch.Tensor:
+        if q.shape[2] == 1 and self._use_cpu_kernel(q):
+            return self._decode_cpu(layer, row0, q, k, v, start, scale)
+        rows = slice(row0, row0 + q.shape[0])
+        k_codes, v_codes = self.k_codes[layer][rows], self.v_codes[layer][rows]
+        k_scale, v_scale = self.k_scale[layer][rows], self.v_scale[layer][rows]
+        k_recent, v_recent = self.k_recent[layer][rows], self.v_recent[layer][rows]
         B, Hq, T, D = q.shape
         Hkv = k.shape[1]
         end = start + T
@@ -62,16 +64,14 @@ class TurboQuantKVCache(KVCache):
         vc, vs = tq.quantize_rotated(yv)
         # every visible position as the codes give it, then the recent ones exact
         old = self.slots(first, start).to(q.device)
-        kq = torch.cat([tq.dequantize_rotated(self.k_codes[layer].index_select(2, old),
-                                              self.k_scale[layer].index_select(2, old)),
+        kq = torch.cat([tq.dequantize_rotated(k_codes.index_select(2, old), k_scale.index_select(2, old)),
                         tq.dequantize_rotated(kc, ks)], dim=2)
-        vq = torch.cat([tq.dequantize_rotated(self._value_codes(layer, old),
-                                              self.v_scale[layer].index_select(2, old)),
+        vq = torch.cat([tq.dequantize_rotated(_value_codes(v_codes, old), v_scale.index_select(2, old)),
                         tq.dequantize_rotated(vc, vs)], dim=2)
         e0 = max(first, start - self.recent + 1)
         ring = (torch.arange(e0, start) % self.recent).to(q.device)
-        ke = torch.cat([self.k_recent[layer].index_select(2, ring).float(), yk], dim=2)
-        ve = torch.cat([self.v_recent[layer].index_select(2, ring).float(), yv], dim=2)
+        ke = torch.cat([k_recent.index_select(2, ring).float(), yk], dim=2)
+        ve = torch.cat([v_recent.index_select(2, ring).float(), yv], dim=2)
         # one attention over both key sets, the coded (every visible position) and the exact (e0..end-1): query p
         # may see coded key j when p - j >= recent, exact key j when p - j < recent (itself always). The G query
         # heads of a KV head ride along as rows of one [G * t] query block (no expanded copies of K and V, whatever
@@ -95,33 +95,29 @@ class TurboQuantKVCache(KVCache):
         # store: codes of the chunk (its last `capacity` positions), exact rotated copies of its last `recent`
         keep = len(slots)
         slots = slots.to(q.device)
-        self.k_codes[layer].index_copy_(2, slots, kc[:, :, T - keep:])
-        self.v_codes[layer][:, :, slots // 4, :, slots % 4] = vc[:, :, T - keep:].permute(2, 0, 1, 3)
-        self.k_scale[layer].index_copy_(2, slots, ks[:, :, T - keep:])
-        self.v_scale[layer].index_copy_(2, slots, vs[:, :, T - keep:])
+        k_codes.index_copy_(2, slots, kc[:, :, T - keep:])
+        v_codes[:, :, slots // 4, :, slots % 4] = vc[:, :, T - keep:].permute(2, 0, 1, 3)
+        k_scale.index_copy_(2, slots, ks[:, :, T - keep:])
+        v_scale.index_copy_(2, slots, vs[:, :, T - keep:])
         r = min(T, self.recent)
         ring = (torch.arange(end - r, end) % self.recent).to(q.device)
-        self.k_recent[layer].index_copy_(2, ring, ke[:, :, -r:].to(self.k_recent[layer].dtype))
-        self.v_recent[layer].index_copy_(2, ring, ve[:, :, -r:].to(self.v_recent[layer].dtype))
+        k_recent.index_copy_(2, ring, ke[:, :, -r:].to(k_recent.dtype))
+        v_recent.index_copy_(2, ring, ve[:, :, -r:].to(v_recent.dtype))
         return tq.unrotate(o).to(q.dtype)
 
-    def _value_codes(self, layer: int, slots: torch.Tensor) -> torch.Tensor:
-        """The value codes of `slots` as [B, Hkv, n, D/2] (out of their interleaved layout)."""
-        return self.v_codes[layer][:, :, slots // 4, :, slots % 4].permute(1, 2, 0, 3)
-
-    def _decode(self, layer, q, k, v, start, scale):
-        """One query per sequence: quantize-on-append, then the split-K kernel on the codes and the ring."""
+    def decode(self, layer, q, k, v, meta, scale):
+        """One query per sequence: quantize-on-append, then the split-K kernel on the codes and the ring, the rows
+        read in place."""
         from sluice.kernels.attention.triton import decode_attention
         from sluice.kernels.turboquant.triton import decode_step_prep
 
-        slot = self.decode_slot(start)
-        qr = decode_step_prep(q[:, :, 0], k[:, :, 0], v[:, :, 0], self.k_codes[layer], self.v_codes[layer],
-                              self.k_scale[layer], self.v_scale[layer], self.k_recent[layer], self.v_recent[layer],
-                              slot, start % self.recent)
-        o = decode_attention(qr, self.k_codes[layer], self.v_codes[layer],
-                             self.positions(start, q), scale, self.visible(start), self.window,
-                             k_scale=self.k_scale[layer], v_scale=self.v_scale[layer], k_recent=self.k_recent[layer],
-                             v_recent=self.v_recent[layer], unrotate=True)
+        pos, rows = meta.last_positions, meta.rows
+        caches = (self.k_codes[layer], self.v_codes[layer], self.k_scale[layer], self.v_scale[layer],
+                  self.k_recent[layer], self.v_recent[layer])
+        qr = decode_step_prep(q[:, :, 0], k[:, :, 0], v[:, :, 0], *caches, pos, rows=rows)
+        o = decode_attention(qr, caches[0], caches[1], pos, scale, min(meta.visible, self.capacity), self.window,
+                             k_scale=caches[2], v_scale=caches[3], k_recent=caches[4], v_recent=caches[5],
+                             unrotate=True, rows=rows)
         return o[:, :, None]
 
     def _use_cpu_kernel(self, q: torch.Tensor) -> bool:
@@ -132,21 +128,28 @@ class TurboQuantKVCache(KVCache):
         return (q.device.type == "cpu" and q.shape[2] == 1 and self.k_recent[0].dtype == torch.float32
                 and self.head_dim <= 512 and available())
 
-    def _decode_cpu(self, layer, q, k, v, start, scale):
-        """One C call: append the new K and V, attend, rotations included."""
+    def _decode_cpu(self, layer, row0, q, k, v, start, scale):
+        """One C call for one position of the sequences in rows row0..: append the new K and V, attend, rotations
+        included."""
         from sluice.kernels.attention.cpu import turboquant_decode_step
 
-        self.decode_slot(start)  # the capacity check
-        o = turboquant_decode_step(q[:, :, 0], k[:, :, 0], v[:, :, 0], self.k_codes[layer], self.k_scale[layer],
-                                   self.v_codes[layer], self.v_scale[layer], self.k_recent[layer],
-                                   self.v_recent[layer], self.first_visible(start), start, self.window is not None,
-                                   scale)
+        self.slots(start, start + 1)  # the capacity check
+        rows = slice(row0, row0 + q.shape[0])
+        o = turboquant_decode_step(q[:, :, 0], k[:, :, 0], v[:, :, 0], self.k_codes[layer][rows],
+                                   self.k_scale[layer][rows], self.v_codes[layer][rows], self.v_scale[layer][rows],
+                                   self.k_recent[layer][rows], self.v_recent[layer][rows], self.first_visible(start),
+                                   start, self.window is not None, scale)
         return o[:, :, None].to(q.dtype)
 
     def bytes_per_token(self) -> int:
-        """Bytes per position across layers (the `recent` exact positions are `fixed_bytes`)."""
-        return 2 * self.num_layers * self.batch * self.num_kv_heads * tq.bytes_per_vector(self.head_dim)
+        """Bytes per position of one sequence across layers (the `recent` exact positions are `fixed_bytes`)."""
+        return 2 * self.num_layers * self.num_kv_heads * tq.bytes_per_vector(self.head_dim)
 
     def fixed_bytes(self) -> int:
-        r = self.k_recent[0]
+        r = self.k_recent[0, 0]
         return 2 * self.num_layers * r.numel() * r.element_size()
+
+
+def _value_codes(v_codes: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """The value codes [B, Hkv, cap/4, D/2, 4] of `slots` as [B, Hkv, n, D/2] (out of their interleaved layout)."""
+    return v_codes[:, :, slots // 4, :, slots % 4].permute(1, 2, 0, 3)

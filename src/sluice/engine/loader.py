@@ -1,5 +1,6 @@
-"""`sluice.load`: open a checkpoint (GGUF file, HF or MLX directory), build the architecture's model on its device,
-and wrap it in a `Model` with its engine settings."""
+"""`sluice.load`: open a checkpoint (GGUF file, HF or MLX directory, or dummy weights from a config.json), build
+the architecture's model on its device with every tensor put there as it is read, and wrap it in a `Model` with its
+engine settings."""
 
 from __future__ import annotations
 
@@ -41,12 +42,20 @@ def _resolve_dtype(dtype, device: torch.device) -> torch.dtype:
     raise InvalidOptionError(f"dtype={dtype!r} is not supported; use float32, bfloat16 or float16.")
 
 
-def open_source(path):
-    """The checkpoint reader for a path: a GGUFFile or an HFDirectory."""
+LOAD_FORMATS = ("auto", "dummy")
+
+
+def open_source(path, load_format: str = "auto"):
+    """The checkpoint reader for a path: a GGUFFile or an HFDirectory ("auto"), or a DummyCheckpoint over the
+    config.json at `path` (a config file or its directory) for "dummy"."""
     from sluice.formats.gguf import GGUFFile
     from sluice.formats.hf import HFDirectory
 
     p = Path(path).expanduser()
+    if load_format == "dummy":
+        from sluice.formats.dummy import DummyCheckpoint
+
+        return DummyCheckpoint(p)
     if p.is_dir():
         return HFDirectory(p)
     if p.is_file():
@@ -55,63 +64,86 @@ def open_source(path):
                          "(config.json + *.safetensors + tokenizer.json), or omit --model for the demo model.")
 
 
-class _LoadProgress:
-    """Wraps a checkpoint reader: a progress line on a terminal while tensors are read (nothing otherwise)."""
+def _to_device(t, device: torch.device):
+    from sluice.quant.affine import QuantizedTensor
 
-    def __init__(self, src, total: int):
-        self.src, self.total, self.done = src, max(total, 1), 0
-        self.show = sys.stderr.isatty()
+    if isinstance(t, QuantizedTensor):
+        return QuantizedTensor(t.weight.to(device), t.scales.to(device), t.biases.to(device), t.bits, t.group_size)
+    return t.to(device)
+
+
+class _DeviceReader:
+    """The checkpoint reader the builders see while a model loads: each tensor comes back on the target device as
+    it is read (readers with `reads_to_device` put it there themselves; GGUF tensors are moved one by one), so
+    the model never exists whole on the host. A tqdm bar of the bytes read, on a terminal only."""
+
+    def __init__(self, src, device: torch.device, total_bytes: int):
+        from tqdm import tqdm
+
+        self.src, self.device = src, device
+        self.direct = getattr(src, "reads_to_device", False)
+        self.bar = tqdm(total=total_bytes, desc="loading", unit="B", unit_scale=True, unit_divisor=1024,
+                        leave=False, disable=not sys.stderr.isatty())
 
     def __getattr__(self, name):
         return getattr(self.src, name)
 
     def tensor(self, name: str):
-        t = self.src.tensor(name)
-        self.done += 1
-        if self.show and (self.done % 16 == 0 or self.done >= self.total):
-            print(f"\rloading {min(self.done, self.total)}/{self.total} tensors", end="", file=sys.stderr, flush=True)
+        t = self.src.tensor(name, self.device) if self.direct else _to_device(self.src.tensor(name), self.device)
+        self.bar.update(t.nbytes)
         return t
 
-    def finish(self):
-        if self.show:
-            print("\r" + " " * 40 + "\r", end="", file=sys.stderr, flush=True)
+    def close(self) -> None:
+        """End the bar and release the source's read buffers (tensors already read stay valid)."""
+        self.bar.close()
+        if hasattr(self.src, "close"):
+            self.src.close()
 
 
 ENGINE_OPTIONS = ("max_batch", "max_seq_len", "prefill_chunk", "graphs", "graph_batch_sizes")
 
 
 def load(path=None, device=None, dtype=None, keep_quantized: bool = True, kv_cache: str = "dense",
-         **options) -> Model:
-    """Load a GGUF file or an HF/MLX directory (None: the demo model). Quantized weights stay packed unless
-    keep_quantized=False, which dequantizes them once to `dtype` (more memory; dense matmuls). kv_cache:
-    "dense" (K/V in `dtype`) or "turboquant4" (4-bit codes of the rotated vectors + a scale each: ~3.8x smaller).
-    Engine options (`sluice.config.EngineConfig`): max_batch, max_seq_len, prefill_chunk, graphs,
-    graph_batch_sizes."""
+         load_format: str = "auto", **options) -> Model:
+    """Load a GGUF file or an HF/MLX directory (None: the demo model) onto `device`, tensor by tensor. Quantized
+    weights stay packed unless keep_quantized=False, which dequantizes them once to `dtype` (more memory; dense
+    matmuls). kv_cache: "dense" (K/V in `dtype`) or "turboquant4" (4-bit codes of the rotated vectors + a scale
+    each: ~3.8x smaller). load_format: "auto" (the checkpoint at `path`) or "dummy" (`path` is a config.json or
+    its directory; random weights at the shapes and bit widths of that config's MLX checkpoint, made on the device:
+    `sluice.formats.dummy`). Engine options (`sluice.config.EngineConfig`): max_batch, max_seq_len,
+    prefill_chunk, graphs, graph_batch_sizes."""
     from sluice.formats.tokenizer import Tokenizer
     from sluice.models import architecture_module
 
     unknown = sorted(set(options) - set(ENGINE_OPTIONS))
     if unknown:
         raise InvalidOptionError(f"unknown load option(s): {', '.join(unknown)}.")
+    if load_format not in LOAD_FORMATS:
+        raise InvalidOptionError(f"load_format={load_format!r}: use one of {', '.join(map(repr, LOAD_FORMATS))}.")
     config = EngineConfig(kv_cache=kv_cache, **options)
     if path is None:
+        if load_format == "dummy":
+            raise InvalidOptionError("load_format='dummy' needs a path: a config.json or the directory holding it.")
         from sluice.formats.demo import demo_model_path
 
         path = demo_model_path()
     dev = _resolve_device(device)
     dt = _resolve_dtype(dtype, dev)
-    src = open_source(path)
+    src = open_source(path, load_format)
     if src.format == "gguf":
         arch = architecture_module(src.architecture)
         tokenizer = Tokenizer.from_gguf(src.fields)
-        reader = _LoadProgress(src, len(src.tensors))
-        module = arch.build_from_gguf(reader, dt)
+        reader = _DeviceReader(src, dev, sum(int(t.n_bytes) for t in src.tensors.values()))
+        build = arch.build_from_gguf
     else:
         arch = architecture_module(src.config.get("model_type", "<missing model_type>"))
-        tokenizer = Tokenizer.from_hf_dir(src.path)
-        reader = _LoadProgress(src, sum(1 for n in src.names() if not n.endswith((".scales", ".biases"))))
-        module = arch.build_from_hf(reader, dt)
-    reader.finish()
+        tokenizer = src.tokenizer() if src.format == "dummy" else Tokenizer.from_hf_dir(src.path)
+        reader = _DeviceReader(src, dev, src.total_bytes)
+        build = arch.build_from_hf
+    try:
+        module = build(reader, dt)
+    finally:
+        reader.close()
     if not keep_quantized:
         for mod in module.modules():
             if hasattr(mod, "dequantize_"):
@@ -122,5 +154,5 @@ def load(path=None, device=None, dtype=None, keep_quantized: bool = True, kv_cac
         module.check_cache_kind(kv_cache)
     except ValueError as e:
         raise UnsupportedError(f"kv_cache={kv_cache!r}: {e}; use kv_cache='dense'.") from e
-    module.eval().to(dev)
+    module.eval().to(dev)  # what the builders made themselves (e.g. RoPE frequencies); the weights are there
     return Model(module, tokenizer, Path(path), src.format, dev, dt, config)

@@ -1,69 +1,74 @@
-"""The user-facing model: `sluice.load(path)` -> Model with .tokenizer, .generate, .stream, .logits."""
+"""The user-facing model: `sluice.load(path)` -> Model with .tokenizer, .generate, .stream, .logits, .engine."""
 
 from __future__ import annotations
 
 import math
-import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import torch
 
-from sluice.engine.sampling import Sampler, SamplingParams
-from sluice.errors import ContextLengthError, InvalidOptionError, ModelFileError, UnsupportedError
+from sluice.config import EngineConfig
+from sluice.engine.batch import ForwardMeta
+from sluice.engine.engine import Engine, check_prompt
+from sluice.errors import InvalidOptionError
 from sluice.layers.linear import RMSNorm, _WeightHolder
 from sluice.quant.affine import QuantizedTensor
-
-PREFILL_CHUNK = 512  # prompt tokens per forward: bounds activation memory for long prompts
 
 
 class Model:
     def __init__(self, module, tokenizer, path: Path, fmt: str, device: torch.device, dtype: torch.dtype,
-                 kv_cache: str = "dense"):
+                 config: EngineConfig):
         self.module, self.tokenizer, self.path, self.format = module, tokenizer, path, fmt
         self.config = module.cfg
+        self.engine_config = config
         self.device, self.dtype = device, dtype
-        self.kv_cache = kv_cache
+        self._engine = None
 
-    # -- pieces -------------------------------------------------------------------------------------------
+    @property
+    def kv_cache(self) -> str:
+        return self.engine_config.kv_cache
+
     @property
     def context_length(self) -> int:
         return self.config.context_length
 
-    def new_cache(self, capacity: int, batch: int = 1):
-        """Empty caches for `batch` sequences of up to `capacity` positions (the architecture decides the kind)."""
-        return self.module.new_cache(batch, capacity, self.dtype, self.device, self.kv_cache)
+    @property
+    def engine(self) -> Engine:
+        """The batching engine (made on first use; one per model, its cache pool and graphs kept between calls)."""
+        if self._engine is None:
+            self._engine = Engine(self.module, self.tokenizer, self.engine_config, self.device, self.dtype)
+        return self._engine
+
+    def new_cache(self, capacity: int, rows: int = 1):
+        """Empty caches for `rows` sequences of up to `capacity` positions (the architecture decides the kinds)."""
+        return self.module.new_cache(rows, capacity, self.dtype, self.device, self.kv_cache)
 
     @torch.inference_mode()
-    def _forward(self, ids: torch.Tensor, cache, start: int, last_only: bool) -> torch.Tensor:
-        return self.module(ids.to(self.device), cache, start, self.dtype, last_only=last_only)
-
-    def _prefill(self, ids: torch.Tensor, cache, last_only: bool) -> torch.Tensor:
-        outs = []
-        for s in range(0, ids.shape[1], PREFILL_CHUNK):
-            outs.append(self._forward(ids[:, s:s + PREFILL_CHUNK], cache, s, last_only))
-        return outs[-1] if last_only else torch.cat(outs, dim=1)
-
-    def _check_ids(self, ids: torch.Tensor):
-        if ids.numel() == 0:
-            raise InvalidOptionError("the prompt is empty: give at least one token.")
-        if int(ids.min()) < 0 or int(ids.max()) >= self.config.vocab_size:
-            raise InvalidOptionError(f"token ids must be in [0, {self.config.vocab_size}).")
-        if ids.shape[-1] > self.context_length:
-            raise ContextLengthError(
-                f"the prompt has {ids.shape[-1]} tokens but the model's context window is {self.context_length}. "
-                "Shorten the prompt.")
+    def forward(self, ids, cache, start: int, last_only: bool = False) -> torch.Tensor:
+        """Logits (float32) of ids [B, T] at positions start.. of the sequences in cache rows 0..B-1, whose earlier
+        positions are in `cache`; one token each (T = 1) is a decode step. One eager forward, for tests and tools:
+        generation runs through `engine`."""
+        ids = torch.as_tensor(ids, dtype=torch.long).to(self.device)
+        B, T = ids.shape
+        if T == 1:
+            meta = ForwardMeta.decode_host(list(range(B)), [start] * B, cache.visible, self.device)
+        else:
+            meta = ForwardMeta.prefill(0, B, start, T, self.device)
+        return self.module(ids, cache, meta, self.dtype, last_only=last_only)
 
     # -- API ----------------------------------------------------------------------------------------------
     def logits(self, ids) -> torch.Tensor:
-        """Float32 logits [B, T, vocab] of a full forward from empty caches."""
+        """Float32 logits [B, T, vocab] of a full forward from empty caches (prefilled in chunks)."""
         ids = torch.as_tensor(ids, dtype=torch.long)
         if ids.dim() == 1:
             ids = ids[None]
-        self._check_ids(ids)
-        cache = self.new_cache(ids.shape[1], batch=ids.shape[0])
-        return self._prefill(ids, cache, last_only=False).cpu()
+        for row in ids.tolist():
+            check_prompt(row, self.config.vocab_size, self.context_length)
+        cache = self.new_cache(ids.shape[1], rows=ids.shape[0])
+        step = self.engine_config.prefill_chunk
+        return torch.cat([self.forward(ids[:, s:s + step], cache, s).cpu() for s in range(0, ids.shape[1], step)],
+                         dim=1)
 
     def encode_prompt(self, prompt, chat: bool = False, system: str | None = None) -> list[int]:
         """Token ids of a prompt: a string, a list of ids, or a list of chat messages ({role, content})."""
@@ -77,77 +82,69 @@ class Model:
             return tok.encode(tok.apply_chat_template(prompt, add_generation_prompt=True), add_special=False)
         return [int(t) for t in prompt]
 
+    def _request(self, ids: list[int], max_tokens, **kwargs):
+        """A request whose generation the context window ends (max_tokens clipped to it)."""
+        if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 0:
+            raise InvalidOptionError(f"max_tokens={max_tokens!r}: use a non-negative integer.")
+        check_prompt(ids, self.config.vocab_size, self.context_length)
+        engine = self.engine
+        return engine.add_request(ids, max_tokens=min(max_tokens, engine.max_length - len(ids)), **kwargs)
+
     def generate_ids(self, ids: list[int], max_tokens: int = 256, stop_ids=None, **sampling) -> Iterator[int]:
         """Yield generated token ids (stops at an end-of-generation token, which is not yielded)."""
-        if not isinstance(max_tokens, int) or max_tokens < 0:
-            raise InvalidOptionError(f"max_tokens={max_tokens!r}: use a non-negative integer.")
-        sampler = Sampler(SamplingParams(**sampling))
-        prompt = torch.tensor([ids], dtype=torch.long)
-        self._check_ids(prompt)
-        stop = self.tokenizer.stop_ids if stop_ids is None else set(stop_ids)
-        n = len(ids)
-        max_tokens = min(max_tokens, self.context_length - n)  # the window ends generation
-        if max_tokens <= 0:
-            return
-        cache = self.new_cache(n + max_tokens)
-        logits = self._prefill(prompt, cache, last_only=True)
-        history = list(ids)
-        for i in range(max_tokens):
-            tok = sampler(logits[0, -1], history)
-            if tok in stop:
-                return
-            yield tok
-            history.append(tok)
-            if i + 1 < max_tokens:
-                logits = self._forward(torch.tensor([[tok]]), cache, n + i, last_only=True)
+        for out in self._run_one(ids, max_tokens, stop_ids=stop_ids, **sampling):
+            if out.token is not None:
+                yield out.token
+
+    def _run_one(self, ids, max_tokens, **kwargs):
+        engine = self.engine
+        seq = self._request(ids, max_tokens, **kwargs)
+        try:
+            while not seq.finished:
+                for out in engine.step():
+                    if out.seq is seq:
+                        yield out
+        finally:
+            engine.abort(seq)
 
     def stream(self, prompt, max_tokens: int = 256, chat: bool = False, system: str | None = None,
-               **sampling) -> Iterator[str]:
-        """Yield text pieces as they are decoded (whole UTF-8 characters only)."""
+               stop=(), **sampling) -> Iterator[str]:
+        """Yield text pieces as they are decoded (whole UTF-8 characters only; `stop` strings end it, unshown)."""
         ids = self.encode_prompt(prompt, chat=chat, system=system)
-        dec = self.tokenizer.stream_decoder()
-        for tok in self.generate_ids(ids, max_tokens=max_tokens, **sampling):
-            piece = dec.push(tok)
-            if piece:
-                yield piece
-        tail = dec.flush()
-        if tail:
-            yield tail
+        for out in self._run_one(ids, max_tokens, stop=stop, **sampling):
+            if out.text:
+                yield out.text
 
     def generate(self, prompt, max_tokens: int = 256, **kwargs) -> str:
         return "".join(self.stream(prompt, max_tokens=max_tokens, **kwargs))
 
-    def bench(self, prompt_tokens: int = 512, gen_tokens: int = 64, repeats: int = 2) -> dict:
-        """Prefill and decode speed on `prompt_tokens` random ids (fixed seed), then `gen_tokens` greedy steps;
-        the best of `repeats` runs (the first also warms up kernels)."""
-        if prompt_tokens < 1 or gen_tokens < 1 or repeats < 1:
-            raise InvalidOptionError("bench: prompt and generated token counts and repeats must be >= 1.")
-        if prompt_tokens + gen_tokens > self.context_length:
-            raise ContextLengthError(f"bench: {prompt_tokens} + {gen_tokens} tokens exceed the model's context "
-                                     f"window of {self.context_length}.")
-        ids = torch.randint(0, self.config.vocab_size, (1, prompt_tokens), generator=torch.Generator().manual_seed(0))
-        sync = torch.cuda.synchronize if self.device.type == "cuda" else (lambda: None)
-        best_p = best_d = float("inf")
-        for _ in range(repeats):
-            cache = self.new_cache(prompt_tokens + gen_tokens)
-            sync()
-            t0 = time.perf_counter()
-            logits = self._prefill(ids, cache, last_only=True)
-            sync()
-            t1 = time.perf_counter()
-            for i in range(gen_tokens):
-                tok = int(logits[0, -1].argmax())
-                logits = self._forward(torch.tensor([[tok]]), cache, prompt_tokens + i, last_only=True)
-            sync()
-            best_p, best_d = min(best_p, t1 - t0), min(best_d, time.perf_counter() - t1)
-        return {"device": str(self.device), "dtype": str(self.dtype).removeprefix("torch."), "kv_cache": self.kv_cache,
-                "prompt_tokens": prompt_tokens, "gen_tokens": gen_tokens, "prefill_tok_s": prompt_tokens / best_p,
-                "decode_tok_s": gen_tokens / best_d, **self._kv_layout()}
+    def generate_batch(self, prompts, max_tokens: int = 256, chat: bool = False, system: str | None = None,
+                       stop=(), **sampling) -> list[str]:
+        """The continuations of several prompts (strings, id lists or chat message lists), run in one engine: they
+        share decode steps. Each prompt samples as it would alone (seeded: the same tokens)."""
+        engine = self.engine
+        seqs = [self._request(self.encode_prompt(p, chat=chat, system=system), max_tokens, stop=stop, **sampling)
+                for p in prompts]
+        texts = {s.id: [] for s in seqs}
+        try:
+            while not all(s.finished for s in seqs):
+                for out in engine.step():
+                    if out.seq.id in texts:
+                        texts[out.seq.id].append(out.text)
+        finally:
+            for s in seqs:
+                engine.abort(s)
+        return ["".join(texts[s.id]) for s in seqs]
+
+    def bench(self, **options) -> dict:
+        """Prefill and decode speed (`engine/bench.py`)."""
+        from sluice.engine.bench import bench
+
+        return bench(self, **options)
 
     def _kv_layout(self) -> dict:
         """What the KV cache costs: bytes per token (all attention layers, and one), the fixed part."""
-        kv = self.module.new_cache(1, 1, self.dtype, "cpu", self.kv_cache)
-        kv = getattr(kv, "kv", kv)  # a hybrid model's attention part
+        kv = self.module.new_cache(1, 1, self.dtype, "meta", self.kv_cache).kv
         return {"kv_cache_layers": kv.num_layers, "kv_cache_bytes_per_token": kv.bytes_per_token(),
                 "kv_cache_bytes_per_token_layer": kv.bytes_per_token() // max(kv.num_layers, 1),
                 "kv_cache_fixed_bytes": kv.fixed_bytes()}

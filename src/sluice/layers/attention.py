@@ -20,23 +20,26 @@ class Attention(nn.Module):
         self.layer_index = layer_index
         self.scale = head_dim ** -0.5
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache, start: int) -> torch.Tensor:
-        """x [B, T, hidden] at positions start..start+T; cos, sin [T, rot]."""
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache, meta) -> torch.Tensor:
+        """x [B, T, hidden] at meta's rows and positions; cos, sin [B, T, rot]."""
         B, T, _ = x.shape
         H, Hkv, D = self.num_heads, self.num_kv_heads, self.head_dim
         qkv = self.qkv(x)
         buffers = cache.dense_buffers(self.layer_index)
-        if (T == 1 and B == 1 and buffers is not None and qkv.dtype == torch.float32 and not qkv.is_cuda
-                and native.available()):
+        if (meta.decode and buffers is not None and qkv.dtype == torch.float32 and not qkv.is_cuda
+                and native.available()):  # one C call per sequence: RoPE, cache write, attention
             k_cache, v_cache = buffers
-            o = attention_cpu.decode_step(qkv.view(H + 2 * Hkv, D), cos[0], sin[0], k_cache[0], v_cache[0], start,
-                                          self.scale)
-            return self.o(o.view(1, 1, H * D))
+            qkv = qkv.view(B, H + 2 * Hkv, D)
+            o = torch.stack([attention_cpu.decode_step(qkv[i], cos[i, 0], sin[i, 0], k_cache[row], v_cache[row], pos,
+                                                       self.scale)
+                             for i, (row, pos) in enumerate(zip(meta.rows_host, meta.positions_host))])
+            return self.o(o.view(B, 1, H * D))
         # RoPE on the q and k heads together: one rotation instead of two.
-        qk = apply_rope(qkv[..., :(H + Hkv) * D].view(B, T, H + Hkv, D), cos[:, None], sin[:, None]).transpose(1, 2)
+        qk = apply_rope(qkv[..., :(H + Hkv) * D].view(B, T, H + Hkv, D), cos[:, :, None],
+                        sin[:, :, None]).transpose(1, 2)
         q, k = qk[:, :H], qk[:, H:]
         v = qkv[..., (H + Hkv) * D:].view(B, T, Hkv, D).transpose(1, 2)
-        o = cache.attend(self.layer_index, q, k, v, start, self.scale)
+        o = cache.attend(self.layer_index, q, k, v, meta, self.scale)
         return self.o(o.transpose(1, 2).reshape(B, T, H * D))
 
 
@@ -55,14 +58,14 @@ class GatedAttention(nn.Module):
         self.cache_index = cache_index
         self.scale = head_dim ** -0.5
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache, start: int) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache, meta) -> torch.Tensor:
         B, T, _ = x.shape
         H, Hkv, D = self.num_heads, self.num_kv_heads, self.head_dim
         qg, k, v = self.qkv(x).split([2 * H * D, Hkv * D, Hkv * D], dim=-1)
         q, gate = qg.view(B, T, H, 2 * D).chunk(2, dim=-1)
-        q = apply_rope(rms_norm_fp32_scale(q, self.q_norm, self.eps), cos[:, None], sin[:, None]).transpose(1, 2)
-        k = apply_rope(rms_norm_fp32_scale(k.view(B, T, Hkv, D), self.k_norm, self.eps), cos[:, None],
-                       sin[:, None]).transpose(1, 2)
+        cos, sin = cos[:, :, None], sin[:, :, None]
+        q = apply_rope(rms_norm_fp32_scale(q, self.q_norm, self.eps), cos, sin).transpose(1, 2)
+        k = apply_rope(rms_norm_fp32_scale(k.view(B, T, Hkv, D), self.k_norm, self.eps), cos, sin).transpose(1, 2)
         v = v.view(B, T, Hkv, D).transpose(1, 2)
-        o = cache.attend(self.cache_index, q, k, v, start, self.scale).transpose(1, 2).reshape(B, T, H * D)
+        o = cache.attend(self.cache_index, q, k, v, meta, self.scale).transpose(1, 2).reshape(B, T, H * D)
         return self.o(o * torch.sigmoid(gate.reshape(B, T, H * D)))

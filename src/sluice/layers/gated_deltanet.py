@@ -54,39 +54,52 @@ class GatedDeltaNet(nn.Module):
         self.nk, self.nv, self.dk, self.dv, self.eps = nk, nv, dk, dv, eps
         self.state_index = state_index
 
-    def forward(self, x: torch.Tensor, cache) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cache, meta) -> torch.Tensor:
+        """x [B, T, hidden] of the sequences in meta's cache rows; their conv and recurrent states advance in place."""
         B, T, _ = x.shape
-        nk, nv, dk, dv = self.nk, self.nv, self.dk, self.dv
-        kd, vd = nk * dk, nv * dv
+        nv, dv = self.nv, self.dv
         proj = self.in_proj(x)
-        mixed, z, b, a = proj.split([2 * kd + vd, vd, nv, nv], dim=-1)
+        mixed, z, b, a = proj.split([2 * self.nk * self.dk + nv * dv, nv * dv, nv, nv], dim=-1)
         i = self.state_index
-        conv_state = cache.conv[i] if cache is not None else None
-        kernels = gdn_kernels(x, (dk, dv))
-        if kernels is None:
-            mixed, new_conv = causal_conv1d(mixed, self.conv_weight, conv_state, activation="silu")
-        elif T == 1 and conv_state is not None:  # decode: the conv state shifted in place
-            mixed = kernels.causal_conv1d_update(mixed[:, 0], self.conv_weight, conv_state)[:, None]
-            new_conv = conv_state
-        else:
-            mixed, new_conv = kernels.causal_conv1d(mixed, self.conv_weight, conv_state, activation="silu")
-        q, k, v = mixed.split([kd, kd, vd], dim=-1)
-        q, k, v = q.reshape(B, T, nk, dk), k.reshape(B, T, nk, dk), v.reshape(B, T, nv, dv)
-        state = cache.recurrent[i] if cache is not None else None
-        if kernels is not None:  # the state is updated in place, the gates computed in the kernels
-            if state is None:
-                state = torch.zeros(B, nv, dk, dv, dtype=torch.float32, device=x.device)
-            rule = (kernels.fused_recurrent_gated_delta_rule if T <= RECURRENT_MAX_TOKENS
-                    else kernels.chunk_gated_delta_rule)
-            o = rule(q, k, v, a, b, state, self.A_log, self.dt_bias, use_qk_l2norm=True)
-            new_state = state
-        else:
-            beta = b.sigmoid()
-            g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
-            rule = recurrent_gated_delta_rule if T == 1 and state is not None else chunk_gated_delta_rule
-            o, new_state = rule(q, k, v, g, beta, initial_state=state, use_qk_l2norm=True)
-        if cache is not None:
-            cache.conv[i], cache.recurrent[i] = new_conv, new_state.float()
+        conv_state, state = cache.conv(i), cache.recurrent(i)
+        kernels = gdn_kernels(x, (self.dk, self.dv))
+        if kernels is not None:
+            o = self._kernels(kernels, mixed, b, a, conv_state, state, meta)
+        else:  # one sequence at a time, as a sequence alone takes it
+            rows = meta.rows_host if meta.decode else range(meta.row0, meta.row0 + B)
+            o = torch.cat([self._reference(mixed[j:j + 1], b[j:j + 1], a[j:j + 1], conv_state[r:r + 1],
+                                           state[r:r + 1]) for j, r in enumerate(rows)])
         norm = gated_rms_norm if kernels is None else kernels.gated_rms_norm
         o = norm(o.to(x.dtype), z.reshape(B, T, nv, dv), self.norm_weight, self.eps)
-        return self.out_proj(o.reshape(B, T, vd))
+        return self.out_proj(o.reshape(B, T, nv * dv))
+
+    def _split_heads(self, mixed):
+        B, T = mixed.shape[:2]
+        q, k, v = mixed.split([self.nk * self.dk, self.nk * self.dk, self.nv * self.dv], dim=-1)
+        return (q.reshape(B, T, self.nk, self.dk), k.reshape(B, T, self.nk, self.dk),
+                v.reshape(B, T, self.nv, self.dv))
+
+    def _kernels(self, kernels, mixed, b, a, conv_state, state, meta):
+        """The Triton kernels: conv and rule read and update the states of meta's rows in place."""
+        T = mixed.shape[1]
+        rows = meta.rows
+        if meta.decode:  # the conv state shifted in place
+            mixed = kernels.causal_conv1d_update(mixed[:, 0], self.conv_weight, conv_state, state_indices=rows)[:, None]
+        else:
+            mixed = kernels.causal_conv1d(mixed, self.conv_weight, conv_state, activation="silu",
+                                          state_indices=rows)[0]
+        rule = (kernels.fused_recurrent_gated_delta_rule if T <= RECURRENT_MAX_TOKENS
+                else kernels.chunk_gated_delta_rule)
+        return rule(*self._split_heads(mixed), a, b, state, self.A_log, self.dt_bias, state_indices=rows,
+                    use_qk_l2norm=True)
+
+    def _reference(self, mixed, b, a, conv_state, state):
+        """The torch references for one sequence; its states (views of its cache row) updated in place."""
+        mixed, new_conv = causal_conv1d(mixed, self.conv_weight, conv_state, activation="silu")
+        beta = b.sigmoid()
+        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
+        rule = recurrent_gated_delta_rule if mixed.shape[1] == 1 else chunk_gated_delta_rule
+        o, new_state = rule(*self._split_heads(mixed), g, beta, initial_state=state, use_qk_l2norm=True)
+        conv_state.copy_(new_conv)
+        state.copy_(new_state)
+        return o

@@ -8,7 +8,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from sluice.cache.kv import KVCache, make_kv_cache
+from sluice.cache.kv import make_kv_cache
+from sluice.cache.pool import CachePool
 from sluice.errors import UnsupportedError
 from sluice.kernels.rope.reference import rope_cos_sin, rope_inv_freq
 from sluice.layers.attention import Attention
@@ -129,8 +130,8 @@ class LlamaBlock(nn.Module):
         self.down = Linear(get(p + "mlp.down_proj.weight"))
         self.intermediate_size = cfg.intermediate_size
 
-    def forward(self, h, cos, sin, cache, start):
-        h = h + self.attn(self.attn_norm(h), cos, sin, cache, start)
+    def forward(self, h, cos, sin, cache, meta):
+        h = h + self.attn(self.attn_norm(h), cos, sin, cache, meta)
         x = self.mlp_norm(h)
         g, u = self.gate_up(x).split(self.intermediate_size, dim=-1)
         return h + self.down(F.silu(g) * u)
@@ -146,19 +147,23 @@ class LlamaModel(nn.Module):
         self.lm_head = self.embed.as_linear() if cfg.tie_word_embeddings else Linear(get("lm_head.weight"))
         self.register_buffer("inv_freq", rope_inv_freq(cfg.head_dim, cfg.rope_theta), persistent=False)
 
-    def new_cache(self, batch: int, capacity: int, dtype: torch.dtype, device, kind: str = "dense") -> KVCache:
+    def new_cache(self, rows: int, capacity: int, dtype: torch.dtype, device, kind: str = "dense") -> CachePool:
+        """Caches for `rows` sequences of up to `capacity` positions (and the pool's scratch row)."""
         c = self.cfg
-        return make_kv_cache(kind, c.num_layers, batch, c.num_kv_heads, c.head_dim, capacity, dtype, device,
-                             window=c.sliding_window)
+        kv = make_kv_cache(kind, c.num_layers, rows + 1, c.num_kv_heads, c.head_dim, capacity, dtype, device,
+                           window=c.sliding_window)
+        return CachePool(kv, None, rows)
 
-    def forward(self, ids: torch.Tensor, cache, start: int, dtype: torch.dtype, last_only: bool = False):
-        """Logits (float32) for ids [B, T] at positions start..start+T, updating the cache."""
-        T = ids.shape[1]
+    def check_cache_kind(self, kind: str) -> None:
+        """ValueError when this model cannot use a KV cache of this kind."""
+        self.new_cache(1, 1, torch.float32, "meta", kind)
+
+    def forward(self, ids: torch.Tensor, cache: CachePool, meta, dtype: torch.dtype, last_only: bool = False):
+        """Logits (float32) [B, T or 1, vocab] of ids [B, T] at meta's rows and positions, updating the cache."""
         h = self.embed(ids, dtype)
-        pos = torch.arange(start, start + T, device=ids.device)
-        cos, sin = rope_cos_sin(pos, self.inv_freq, dtype)
+        cos, sin = rope_cos_sin(meta.positions, self.inv_freq, dtype)
         for layer in self.layers:
-            h = layer(h, cos, sin, cache, start)
+            h = layer(h, cos, sin, cache, meta)
         if last_only:
             h = h[:, -1:]
         return self.lm_head(self.norm(h)).float()

@@ -13,8 +13,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn as nn
 
-from sluice.cache.hybrid import HybridCache
 from sluice.cache.kv import make_kv_cache
+from sluice.cache.pool import CachePool, RecurrentStates
 from sluice.errors import ModelFileError, UnsupportedError
 from sluice.kernels.norm.reference import rms_norm_fp32_scale
 from sluice.kernels.rope.reference import rope_cos_sin, rope_inv_freq
@@ -128,12 +128,12 @@ class Qwen3NextBlock(nn.Module):
             self.mixer = w.gated_deltanet(cfg, p + "linear_attn.", gdn_index)
         self.mlp = w.moe(cfg, p + "mlp.") if cfg.is_moe(i) else w.mlp(p + "mlp.", cfg.intermediate_size, H)
 
-    def forward(self, h, cos, sin, cache, start):
+    def forward(self, h, cos, sin, cache, meta):
         x = rms_norm_fp32_scale(h, self.input_norm, self.eps)
         if isinstance(self.mixer, GatedAttention):
-            h = h + self.mixer(x, cos, sin, cache, start)
+            h = h + self.mixer(x, cos, sin, cache, meta)
         else:
-            h = h + self.mixer(x, cache)
+            h = h + self.mixer(x, cache, meta)
         return h + self.mlp(rms_norm_fp32_scale(h, self.post_norm, self.eps))
 
 
@@ -152,17 +152,26 @@ class Qwen3NextModel(nn.Module):
             Linear(w.get(w.head_name, (cfg.vocab_size, cfg.hidden_size)))
         self.register_buffer("inv_freq", rope_inv_freq(cfg.rotary_dim, cfg.rope_theta), persistent=False)
 
-    def new_cache(self, batch: int, capacity: int, dtype: torch.dtype, device, kind: str = "dense") -> HybridCache:
+    def new_cache(self, rows: int, capacity: int, dtype: torch.dtype, device, kind: str = "dense") -> CachePool:
+        """Caches for `rows` sequences of up to `capacity` positions (and the pool's scratch row)."""
         c = self.cfg
-        kv = make_kv_cache(kind, c.num_kv_layers, batch, c.num_kv_heads, c.head_dim, capacity, dtype, device)
-        return HybridCache(kv, c.layer_types.count("linear_attention"))
+        kv = make_kv_cache(kind, c.num_kv_layers, rows + 1, c.num_kv_heads, c.head_dim, capacity, dtype, device)
+        nk, nv, dk, dv = (c.linear_num_key_heads, c.linear_num_value_heads, c.linear_key_head_dim,
+                          c.linear_value_head_dim)
+        states = RecurrentStates(c.layer_types.count("linear_attention"), rows + 1, 2 * nk * dk + nv * dv,
+                                 c.conv_kernel, nv, dk, dv, dtype, device)
+        return CachePool(kv, states, rows)
 
-    def forward(self, ids: torch.Tensor, cache, start: int, dtype: torch.dtype, last_only: bool = False):
-        T = ids.shape[1]
+    def check_cache_kind(self, kind: str) -> None:
+        """ValueError when this model cannot use a KV cache of this kind."""
+        self.new_cache(1, 1, torch.float32, "meta", kind)
+
+    def forward(self, ids: torch.Tensor, cache: CachePool, meta, dtype: torch.dtype, last_only: bool = False):
+        """Logits (float32) [B, T or 1, vocab] of ids [B, T] at meta's rows and positions, updating the caches."""
         h = self.embed(ids, dtype)
-        cos, sin = rope_cos_sin(torch.arange(start, start + T, device=ids.device), self.inv_freq, dtype)
+        cos, sin = rope_cos_sin(meta.positions, self.inv_freq, dtype)
         for layer in self.layers:
-            h = layer(h, cos, sin, cache, start)
+            h = layer(h, cos, sin, cache, meta)
         if last_only:
             h = h[:, -1:]
         return self.lm_head(rms_norm_fp32_scale(h, self.norm, self.cfg.rms_norm_eps)).float()

@@ -25,7 +25,8 @@ from sluice.quant.affine import QuantizedTensor
 
 MAX_TOP_K = 16
 MAX_EXPERTS = 1024
-DECODE_MAX_TOKENS = 4  # up to this many tokens the indexed GEMVs; beyond, the grouped GEMMs
+DECODE_MAX_TOKENS = 128  # up to this many tokens (decode batches) the indexed GEMVs, one expert read per slot;
+# beyond, the grouped GEMMs (docs/PERF.md, "engine")
 
 
 # ---------------------------------------------------------------------------------------------------- router

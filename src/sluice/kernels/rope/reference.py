@@ -8,8 +8,8 @@ def rope_inv_freq(rotary_dim: int, base: float) -> torch.Tensor:
 
 
 def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype):
-    """cos, sin [T, rotary_dim] for integer positions [T] (computed in fp32 as HF does)."""
-    freqs = positions.float()[:, None] * inv_freq[None, :]
+    """cos, sin [..., rotary_dim] for integer positions [...] (computed in fp32 as HF does)."""
+    freqs = positions.float()[..., None] * inv_freq
     emb = torch.cat((freqs, freqs), dim=-1)
     return emb.cos().to(dtype), emb.sin().to(dtype)
 

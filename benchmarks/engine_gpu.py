@@ -1,0 +1,93 @@
+"""End-to-end engine speed on the GPU machine: `Model.bench` (what `sluice bench` prints) on a dummy-weight model of a
+real config, dense and TurboQuant KV, batch 1 with graphs and eagerly, and batches of distinct prompts; the HBM floor
+beside each figure; then a profile of one eager decode step per cache kind at a batch past the old MoE switch.
+
+    PYTHONPATH=src python benchmarks/engine_gpu.py --config benchmarks/configs/qwen3-next-80b-a3b.json --json out.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from dataclasses import replace
+
+import torch
+
+import sluice
+from sluice.engine.bench import copy_bandwidth
+
+
+def profile_step(model, batch: int, context: int = 128, top: int = 12) -> list[dict]:
+    """The kernels of one decode step of `batch` distinct sequences (a model without graphs), by CUDA time."""
+    engine = model.engine
+    g = torch.Generator().manual_seed(1)
+    seqs = [engine.add_request(torch.randint(0, model.config.vocab_size, (context,), generator=g).tolist(),
+                               max_tokens=8, stop_ids=()) for _ in range(batch)]
+    while any(s.status != "decoding" for s in seqs):
+        engine.step()
+    engine.step()  # warm
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        engine.step()
+        torch.cuda.synchronize()
+    for s in seqs:
+        engine.abort(s)
+    rows = [{"kernel": e.key[:90], "cuda_ms": e.device_time_total / 1e3, "calls": e.count}
+            for e in prof.key_averages()]
+    return sorted(rows, key=lambda r: -r["cuda_ms"])[:top]
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--config", default="benchmarks/configs/qwen3-next-80b-a3b.json")
+    ap.add_argument("--batches", default="1,8,16,64")
+    ap.add_argument("--kinds", default="dense,turboquant4")
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    t0 = time.perf_counter()
+    base = sluice.load(args.config, load_format="dummy", device="cuda", max_batch=128)
+    load_s = time.perf_counter() - t0
+    info = base.info()
+    print(f"loaded {info['weight_bytes'] / 1e9:.1f} GB of dummy weights in {load_s:.1f} s; copy bandwidth "
+          f"{copy_bandwidth(base.device) / 1e9:.0f} GB/s", flush=True)
+    from sluice.cli import _with_kv_cache
+
+    rows, profiles = [], {}
+    for kind in args.kinds.split(","):
+        model = base if kind == base.kv_cache else _with_kv_cache(base, kind)
+        for batch in (int(b) for b in args.batches.split(",")):
+            prompt, gen = (512, 64) if batch == 1 else (128, 32)
+            r = model.bench(prompt_tokens=prompt, gen_tokens=gen, batch=batch, repeats=2)
+            rows.append(r)
+            print(json.dumps({k: r[k] for k in ("kv_cache", "batch", "graphs", "ttft_cold_s", "ttft_warm_s",
+                                                 "prefill_tok_s", "decode_tok_s", "floor_decode_tok_s")}),
+                  flush=True)
+        model._engine = None
+        torch.cuda.empty_cache()
+        eager = _with_kv_cache(base, kind)
+        eager.engine_config = replace(eager.engine_config, graphs=False)
+        rows.append(eager.bench(prompt_tokens=512, gen_tokens=16, batch=1, repeats=1))
+        profiles[kind] = profile_step(eager, 8)
+        eager._engine = None
+        torch.cuda.empty_cache()
+    print(f"\n{'KV':12s} {'batch':>5s} {'graphs':>6s} {'TTFT cold':>9s} {'TTFT warm':>9s} {'prefill t/s':>11s} "
+          f"{'decode t/s':>10s} {'floor t/s':>9s} {'of floor':>8s}")
+    for r in rows:
+        print(f"{r['kv_cache']:12s} {r['batch']:5d} {str(r['graphs']):>6s} {r['ttft_cold_s']:9.3f} "
+              f"{r['ttft_warm_s']:9.3f} {r['prefill_tok_s']:11.0f} {r['decode_tok_s']:10.1f} "
+              f"{r['floor_decode_tok_s']:9.0f} {r['decode_tok_s'] / r['floor_decode_tok_s']:8.1%}")
+    for kind, prof in profiles.items():
+        print(f"\none eager decode step, batch 8, {kind}:")
+        for p in prof:
+            print(f"  {p['cuda_ms']:8.3f} ms {p['calls']:5d}x  {p['kernel']}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"config": args.config, "load_s": load_s, "weight_bytes": info["weight_bytes"],
+                       "gpu": torch.cuda.get_device_name(), "rows": rows, "profiles": profiles}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,80 @@
+"""All the caches of one model for a pool of sequences: the KV cache of the full-attention layers and, per Gated
+DeltaNet layer, the causal-conv state (last W-1 inputs) and the fp32 recurrent state; one row of each per sequence.
+
+The pool hands rows out and takes them back (`allocate`, `release`); a row's recurrent states are zeroed when it is
+handed out, its KV positions are simply overwritten. One extra row past `rows` is scratch: the padding rows of a
+captured decode graph write there, so they never touch a sequence's cache.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from sluice.cache.kv import KVCache
+
+
+class RecurrentStates:
+    """Per Gated DeltaNet layer: conv [rows, C, W-1] (model dtype) and recurrent [rows, Hv, K, V] (fp32), held as one
+    tensor each across layers so that zeroing a row is one operation."""
+
+    def __init__(self, num_layers: int, rows: int, conv_channels: int, conv_width: int, heads: int, key_dim: int,
+                 value_dim: int, dtype: torch.dtype, device):
+        self.conv = torch.zeros(num_layers, rows, conv_channels, conv_width - 1, dtype=dtype, device=device)
+        self.recurrent = torch.zeros(num_layers, rows, heads, key_dim, value_dim, dtype=torch.float32, device=device)
+
+    def reset(self, row: int) -> None:
+        self.conv[:, row].zero_()
+        self.recurrent[:, row].zero_()
+
+    def bytes_per_sequence(self) -> int:
+        return sum(t[:, 0].numel() * t.element_size() for t in (self.conv, self.recurrent))
+
+
+class CachePool:
+    def __init__(self, kv: KVCache | None, states: RecurrentStates | None, rows: int):
+        self.kv, self.states, self.rows = kv, states, rows
+        self.scratch_row = rows  # the caches hold rows + 1
+        self._free = list(range(rows - 1, -1, -1))
+
+    @property
+    def capacity(self) -> int:
+        """Positions one sequence may hold."""
+        return self.kv.max_positions if self.kv is not None else 1 << 62
+
+    @property
+    def visible(self) -> int:
+        """The most keys a decode query can see: what a captured graph sizes the attention splits for."""
+        return self.kv.capacity if self.kv is not None else 1
+
+    @property
+    def free_rows(self) -> int:
+        return len(self._free)
+
+    def allocate(self) -> int:
+        row = self._free.pop()
+        if self.states is not None:
+            self.states.reset(row)
+        return row
+
+    def release(self, row: int) -> None:
+        self._free.append(row)
+
+    def reset_scratch(self) -> None:
+        """Zero the scratch row's recurrent states (padding rows of a graph start from them every step)."""
+        if self.states is not None:
+            self.states.reset(self.scratch_row)
+
+    def attend(self, layer: int, q, k, v, meta, scale: float):
+        return self.kv.attend(layer, q, k, v, meta, scale)
+
+    def dense_buffers(self, layer: int):
+        return self.kv.dense_buffers(layer)
+
+    def conv(self, layer: int) -> torch.Tensor:
+        return self.states.conv[layer]
+
+    def recurrent(self, layer: int) -> torch.Tensor:
+        return self.states.recurrent[layer]
+
+    def bytes_per_token(self) -> int:
+        return self.kv.bytes_per_token() if self.kv is not None else 0

@@ -1,0 +1,50 @@
+"""What one forward's layers know about its tokens: positions, cache rows, prefill or decode.
+
+Two kinds of forward:
+- prefill: B sequences in the consecutive cache rows row0 .. row0+B-1, each with T new tokens at positions
+  start .. start+T-1 (eager, so host ints are fine; the engine prefills one sequence's chunk at a time);
+- decode: one new token for each of B sequences, sequence b in cache row rows[b] at position positions[b]. These are
+  device tensors, so one captured CUDA graph serves every mix of rows and positions; `visible` (an upper bound on
+  the keys any query sees, sizing the attention splits) is fixed per graph: the cache capacity.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class ForwardMeta:
+    decode: bool
+    positions: torch.Tensor  # int32 [B, T] (device): each token's position
+    rows: torch.Tensor  # int32 [B] (device): each sequence's cache row
+    visible: int  # the most keys any query of this forward sees
+    row0: int = 0  # prefill: the first cache row (rows are row0 .. row0+B-1)
+    start: int = 0  # prefill: the first new position
+    rows_host: list[int] | None = None  # decode off the GPU: rows and positions as host ints (per-row CPU paths)
+    positions_host: list[int] | None = None
+
+    @classmethod
+    def prefill(cls, row0: int, batch: int, start: int, tokens: int, device) -> ForwardMeta:
+        positions = torch.arange(start, start + tokens, dtype=torch.int32).expand(batch, tokens)
+        rows = torch.arange(row0, row0 + batch, dtype=torch.int32)
+        return cls(False, positions.to(device), rows.to(device), start + tokens, row0=row0, start=start)
+
+    @classmethod
+    def decode_host(cls, rows: list[int], positions: list[int], visible: int, device) -> ForwardMeta:
+        """An eager decode step built from host lists (the CPU path, and eager CUDA steps)."""
+        meta = cls(True, torch.tensor(positions, dtype=torch.int32)[:, None].to(device),
+                   torch.tensor(rows, dtype=torch.int32).to(device), visible)
+        meta.rows_host, meta.positions_host = list(rows), list(positions)
+        return meta
+
+    @property
+    def batch(self) -> int:
+        return self.rows.shape[0]
+
+    @property
+    def last_positions(self) -> torch.Tensor:
+        """int32 [B]: the position of each sequence's newest token (the decode kernels' positions)."""
+        return self.positions[:, -1]

@@ -1,0 +1,105 @@
+"""`sluice bench`: time to first token, prefill and decode speed through the engine, with distinct random prompts
+(identical prompts would route every token to the same experts and hide the cost of a batch), and on a GPU the
+memory-bandwidth floor beside them: the bytes a step must read (weights outside the experts, the experts a batch of
+random routings hits, the KV cache) over the measured copy bandwidth."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from sluice.errors import ContextLengthError, InvalidOptionError
+
+
+def bench(model, prompt_tokens: int = 512, gen_tokens: int = 64, batch: int = 1, repeats: int = 2) -> dict:
+    for name, value in (("prompt_tokens", prompt_tokens), ("gen_tokens", gen_tokens), ("batch", batch),
+                        ("repeats", repeats)):
+        if not isinstance(value, int) or value < 1:
+            raise InvalidOptionError(f"bench: {name}={value!r}: use an integer >= 1.")
+    engine = model.engine
+    slack = batch  # the first prompts decode while the last ones prefill: extra tokens keep all `batch` decoding
+    if prompt_tokens + gen_tokens + slack > engine.max_length:
+        raise ContextLengthError(f"bench: {prompt_tokens} + {gen_tokens} (+ {slack}) tokens exceed the "
+                                 f"{engine.max_length} positions a sequence may hold.")
+    if batch > model.engine_config.max_batch:
+        raise InvalidOptionError(f"bench: batch={batch} is more than max_batch={model.engine_config.max_batch}.")
+    g = torch.Generator().manual_seed(0)
+    prompts = torch.randint(0, model.config.vocab_size, (batch, prompt_tokens), generator=g).tolist()
+    runs = [_run(engine, prompts, gen_tokens + slack) for _ in range(repeats)]
+    best = min(runs, key=lambda r: r["decode_s"])
+    result = {"device": str(model.device), "dtype": str(model.dtype).removeprefix("torch."),
+              "kv_cache": model.kv_cache, "graphs": engine.runner.uses_graphs, "batch": batch,
+              "prompt_tokens": prompt_tokens, "gen_tokens": gen_tokens,
+              "ttft_cold_s": runs[0]["ttft_s"], "ttft_warm_s": min(r["ttft_s"] for r in runs[1:] or runs),
+              "prefill_tok_s": batch * prompt_tokens / min(r["prefill_s"] for r in runs),
+              "decode_tok_s": best["decode_tokens"] / best["decode_s"],
+              "decode_steps": best["decode_tokens"] // batch, **model._kv_layout()}
+    result["decode_tok_s_per_seq"] = result["decode_tok_s"] / batch
+    if model.device.type == "cuda":
+        result.update(floor(model, batch, prompt_tokens + gen_tokens // 2))
+    return result
+
+
+def _run(engine, prompts, max_tokens: int) -> dict:
+    """One pass: every prompt prefilled and decoded. Steady decode: the steps in which all sequences decode and no
+    prompt prefills."""
+    sync = torch.cuda.synchronize if engine.runner.device.type == "cuda" else (lambda: None)
+    sync()
+    t0 = time.perf_counter()
+    seqs = [engine.add_request(p, max_tokens=max_tokens, stop_ids=(), temperature=0.0) for p in prompts]
+    ttft = prefill_end = None
+    decode_s, decode_tokens = 0.0, 0
+    while not all(s.finished for s in seqs):
+        steady = len(engine.scheduler.decoding()) == len(seqs) and engine.scheduler.next_prefill() is None
+        t = time.perf_counter()
+        engine.step()  # reads the sampled ids back: the step is done on the device when it returns
+        now = time.perf_counter()
+        if ttft is None and seqs[0].output:
+            ttft = now - t0
+        if prefill_end is None and all(s.prefilled == len(s.prompt) for s in seqs):
+            prefill_end = now - t0
+        if steady:
+            decode_s, decode_tokens = decode_s + now - t, decode_tokens + len(seqs)
+    sync()
+    return {"ttft_s": ttft, "prefill_s": prefill_end, "decode_s": decode_s, "decode_tokens": decode_tokens}
+
+
+def copy_bandwidth(device, nbytes: int = 1 << 30) -> float:
+    """Device copy bandwidth in bytes/s (read + write), the best of a few copies of `nbytes`."""
+    src = torch.empty(nbytes // 4, dtype=torch.float32, device=device)
+    dst = torch.empty_like(src)
+    best = float("inf")
+    for _ in range(5):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        dst.copy_(src)
+        end.record()
+        end.synchronize()
+        best = min(best, start.elapsed_time(end) / 1e3)
+    return 2 * nbytes / best
+
+
+def step_bytes(model, batch: int, context: int) -> int:
+    """Bytes a decode step of `batch` sequences at `context` positions reads at least: every weight outside the
+    routed experts, the experts that `batch` independent top-k routings hit (expected count), the KV cache."""
+    from sluice.layers.moe import SparseMoE
+
+    total = model.info()["weight_bytes"]
+    embed = model.module.embed
+    if not model.config.tie_word_embeddings:  # the embedding is a lookup of `batch` rows
+        total -= sum(t.nbytes for t in (embed.qweight, embed.scales, embed.biases, embed.weight) if t is not None)
+    for moe in (m for m in model.module.modules() if isinstance(m, SparseMoE)):
+        experts = sum(w.nbytes for w in (moe.gate_up, moe.down))
+        E, k = moe.num_experts, moe.top_k
+        hit = E * (1 - (1 - k / E) ** batch)
+        total -= experts * (1 - hit / E)
+    kv = model._kv_layout()
+    return int(total + batch * (context * kv["kv_cache_bytes_per_token"] + kv["kv_cache_fixed_bytes"]))
+
+
+def floor(model, batch: int, context: int) -> dict:
+    bandwidth = copy_bandwidth(model.device)
+    nbytes = step_bytes(model, batch, context)
+    return {"copy_bandwidth_gb_s": bandwidth / 1e9, "step_bytes": nbytes,
+            "floor_decode_tok_s": batch * bandwidth / nbytes}

@@ -1,0 +1,174 @@
+"""The engine: requests join and leave between steps (continuous batching) over one pool of cache rows.
+
+Each `step()` decodes one token for every sequence whose prompt is in (one batched forward: a CUDA graph replay on
+a GPU), then prefills one chunk of the oldest prompt not yet in, and samples on the device. It returns what each
+sequence produced, so callers stream per request:
+
+    engine = model.engine
+    seq = engine.add_request(ids, max_tokens=64, temperature=0.7, seed=1)
+    while engine.has_work():
+        for out in engine.step():
+            print(out.seq.id, out.text)
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+
+import torch
+
+from sluice.config import EngineConfig
+from sluice.engine.runner import ModelRunner
+from sluice.engine.sampler import SamplingBatch, fill_seen, mark_seen, random_seed, sample
+from sluice.engine.sampling import SamplingParams
+from sluice.engine.scheduler import Scheduler
+from sluice.engine.sequence import DECODING, Sequence, stop_text
+from sluice.errors import ContextLengthError, InvalidOptionError
+
+POOL_POSITIONS = 256  # a growing pool's capacity is a multiple of this
+
+
+@dataclass
+class StepOutput:
+    seq: Sequence
+    token: int | None  # the token sampled this step (None: an end-of-generation id, not part of the output)
+    text: str  # the text that became safe to show
+    finished: bool
+
+
+class Engine:
+    def __init__(self, module, tokenizer, config: EngineConfig, device: torch.device, dtype: torch.dtype):
+        self.tokenizer, self.config = tokenizer, config
+        self.vocab_size = module.cfg.vocab_size
+        self.context_length = module.cfg.context_length
+        self.runner = ModelRunner(module, config, device, dtype)
+        self.scheduler = Scheduler(config.prefill_chunk)
+        self._ids = itertools.count()
+
+    @property
+    def max_length(self) -> int:
+        """Positions (prompt + generated) one sequence may hold."""
+        return min(self.context_length, self.config.max_seq_len or self.context_length)
+
+    # -- requests -------------------------------------------------------------------------------------------
+    def add_request(self, prompt: list[int], max_tokens: int = 256, stop_ids=None, stop=(), **sampling) -> Sequence:
+        """Queue a request (prompt token ids); it joins the running batch at the next step. stop_ids: the
+        end-of-generation ids (default: the tokenizer's); stop: strings that end it (cut from the text)."""
+        rid = next(self._ids)
+        params = SamplingParams(**sampling).validate()
+        if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 0:
+            raise InvalidOptionError(f"request {rid}: max_tokens={max_tokens!r}: use a non-negative integer.")
+        if isinstance(stop, str):
+            stop = (stop,)
+        prompt = [int(t) for t in prompt]
+        check_prompt(prompt, self.vocab_size, self.context_length)
+        if len(prompt) + max_tokens > self.max_length:
+            raise ContextLengthError(
+                f"request {rid}: {len(prompt)} prompt tokens + max_tokens={max_tokens} need {len(prompt) + max_tokens}"
+                f" positions, more than the {self.max_length} a sequence may hold; lower max_tokens or shorten the "
+                "prompt.")
+        seq = Sequence(rid, prompt, max_tokens, params, random_seed() if params.seed is None else params.seed,
+                       frozenset(self.tokenizer.stop_ids if stop_ids is None else stop_ids), tuple(stop))
+        seq.text = stop_text(self.tokenizer, seq.stop)
+        self.scheduler.add(seq)
+        return seq
+
+    def abort(self, seq: Sequence) -> None:
+        """Cancel a request; its cache row is free for the next step."""
+        if not seq.finished:
+            self.scheduler.finish(seq, "abort", self.runner.pool)
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_work()
+
+    # -- steps ----------------------------------------------------------------------------------------------
+    def step(self) -> list[StepOutput]:
+        outputs = [StepOutput(s, None, "", True) for s in self._finish_empty()]
+        self._fit_pool()
+        self.scheduler.admit(self.runner.pool)
+        running = self.scheduler.decoding()
+        if running:
+            logits = self.runner.decode([s.row for s in running], [s.next_position for s in running],
+                                        [s.output[-1] for s in running])
+            outputs += self._sample(running, logits)
+        chunk = self.scheduler.next_prefill()
+        if chunk is not None:
+            seq, first, end = chunk
+            if first == 0:
+                self._mark_seen(seq)
+            logits = self.runner.prefill(seq.row, seq.prompt[first:end], first)
+            seq.prefilled = end
+            if end == len(seq.prompt):
+                seq.status = DECODING
+                outputs += self._sample([seq], logits[None])
+        return outputs
+
+    def _finish_empty(self) -> list[Sequence]:
+        """Requests for no tokens at all end before they take a row."""
+        empty = [s for s in self.scheduler.waiting if s.max_tokens == 0]
+        for seq in empty:
+            self.scheduler.finish(seq, "length", self.runner.pool)
+        return empty
+
+    def _fit_pool(self) -> None:
+        """Size the cache pool for the waiting requests while nothing runs: `max_batch` rows of `max_seq_len` when
+        that is set, else rows and positions grown to what the requests need."""
+        waiting, pool = self.scheduler.waiting, self.runner.pool
+        if self.scheduler.running or not waiting:
+            return
+        if self.config.max_seq_len is not None:
+            if pool is None:
+                self.runner.build_pool(self.config.max_batch, self.max_length)
+            return
+        rows = min(self.config.max_batch, len(waiting))
+        capacity = max(s.length for s in waiting)
+        if pool is not None and pool.rows >= rows and pool.capacity >= capacity:
+            return
+        if pool is not None:
+            rows, capacity = max(rows, pool.rows), max(capacity, pool.capacity)
+        rows = min(self.config.max_batch, 1 << (rows - 1).bit_length())
+        capacity = min(self.max_length, -(-capacity // POOL_POSITIONS) * POOL_POSITIONS)
+        self.runner.build_pool(rows, capacity)
+
+    def _mark_seen(self, seq: Sequence) -> None:
+        if seq.sampling.repetition_penalty != 1.0:
+            fill_seen(self.runner.seen, seq.row, seq.prompt)
+
+    def _sample(self, seqs: list[Sequence], logits: torch.Tensor) -> list[StepOutput]:
+        batch = SamplingBatch([s.sampling for s in seqs], [s.seed for s in seqs], [len(s.output) for s in seqs],
+                              logits.device)
+        rows = torch.tensor([s.row for s in seqs], device=logits.device) if batch.needs_seen else None
+        ids = sample(logits, batch, self.runner.seen, rows)
+        if rows is not None:
+            mark_seen(self.runner.seen, rows, ids)
+        return [self._append(s, t) for s, t in zip(seqs, ids.tolist())]
+
+    def _append(self, seq: Sequence, token: int) -> StepOutput:
+        if token in seq.stop_ids:
+            self.scheduler.finish(seq, "stop", self.runner.pool)
+            return StepOutput(seq, None, seq.text.flush(), True)
+        seq.output.append(token)
+        text, stopped = seq.text.push(token)
+        if stopped:
+            self.scheduler.finish(seq, "stop", self.runner.pool)
+        elif len(seq.output) >= seq.max_tokens:
+            self.scheduler.finish(seq, "length", self.runner.pool)
+            text += seq.text.flush()
+        return StepOutput(seq, token, text, seq.finished)
+
+    # -- whole requests -------------------------------------------------------------------------------------
+    def run(self, seqs: list[Sequence]) -> None:
+        """Step until these sequences are finished."""
+        while not all(s.finished for s in seqs):
+            self.step()
+
+
+def check_prompt(ids: list[int], vocab_size: int, context_length: int) -> None:
+    if not ids:
+        raise InvalidOptionError("the prompt is empty: give at least one token.")
+    if min(ids) < 0 or max(ids) >= vocab_size:
+        raise InvalidOptionError(f"token ids must be in [0, {vocab_size}).")
+    if len(ids) > context_length:
+        raise ContextLengthError(f"the prompt has {len(ids)} tokens but the model's context window is "
+                                 f"{context_length}. Shorten the prompt.")

@@ -1,0 +1,111 @@
+"""Runs the model's forwards for the engine: prefill chunks eagerly, decode steps eagerly or (CUDA) by replaying a
+graph captured per batch size, over one pool of cache rows.
+
+A captured decode step reads its token ids, positions and cache rows from persistent device buffers, so one graph
+serves every mix of sequences and positions; a batch smaller than its graph fills the remaining rows with the pool's
+scratch row (whose recurrent states the graph zeroes first, so the padding stays finite). Nothing in a decode step
+waits on the host; the host reads the sampled ids only.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from sluice.config import EngineConfig
+from sluice.engine.batch import ForwardMeta
+from sluice.errors import InvalidOptionError
+
+
+class ModelRunner:
+    def __init__(self, module, config: EngineConfig, device: torch.device, dtype: torch.dtype):
+        self.module, self.config, self.device, self.dtype = module, config, device, dtype
+        self.vocab_size = module.cfg.vocab_size
+        self.pool = None
+        self.seen = None  # bool [rows + 1, vocab]: the tokens each row has seen (repetition penalty)
+        self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self._graph_memory = None
+
+    @property
+    def uses_graphs(self) -> bool:
+        return self.config.graphs and self.device.type == "cuda"
+
+    # -- the cache pool -------------------------------------------------------------------------------------
+    def build_pool(self, rows: int, capacity: int) -> None:
+        """A new pool of `rows` sequences of `capacity` positions (the old one, and its graphs, dropped)."""
+        self.pool = self.seen = None
+        self._graphs.clear()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+        try:
+            self.pool = self.module.new_cache(rows, capacity, self.dtype, self.device, self.config.kv_cache)
+            self.seen = torch.zeros(rows + 1, self.vocab_size, dtype=torch.bool, device=self.device)
+        except torch.OutOfMemoryError as e:
+            self.pool = self.seen = None
+            raise InvalidOptionError(
+                f"the caches of {rows} sequences of {capacity} positions do not fit in {self.device} memory; "
+                "lower max_batch or max_seq_len.") from e
+        size = max(rows, self.config.graph_size(rows) or rows)
+        self._ids = torch.zeros(size, 1, dtype=torch.long, device=self.device)
+        self._positions = torch.zeros(size, 1, dtype=torch.int32, device=self.device)
+        self._rows = torch.full((size,), self.pool.scratch_row, dtype=torch.int32, device=self.device)
+
+    # -- forwards -------------------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def prefill(self, row: int, ids: list[int], start: int) -> torch.Tensor:
+        """Feed prompt tokens ids at positions start.. of the sequence in `row`: the last one's logits [vocab]."""
+        meta = ForwardMeta.prefill(row, 1, start, len(ids), self.device)
+        tokens = torch.tensor([ids], dtype=torch.long).to(self.device)
+        return self.module(tokens, self.pool, meta, self.dtype, last_only=True)[0, -1]
+
+    @torch.inference_mode()
+    def decode(self, rows: list[int], positions: list[int], tokens: list[int]) -> torch.Tensor:
+        """One decode step: token tokens[b] at positions[b] of the sequence in rows[b]; logits [B, vocab] fp32 (with
+        graphs, a view of the graph's output: read it before the next step)."""
+        n = len(rows)
+        size = self.config.graph_size(n) if self.uses_graphs else None
+        if size is None:
+            meta = ForwardMeta.decode_host(rows, positions, self.pool.visible, self.device)
+            ids = torch.tensor(tokens, dtype=torch.long)[:, None].to(self.device)
+            return self.module(ids, self.pool, meta, self.dtype, last_only=True)[:, 0]
+        graph, logits = self._graph(size)
+        host = torch.tensor([tokens, positions, rows], dtype=torch.int64)
+        self._ids[:n, 0].copy_(host[0], non_blocking=True)
+        self._positions[:n, 0].copy_(host[1], non_blocking=True)
+        self._rows[:n].copy_(host[2], non_blocking=True)
+        self._rows[n:size].fill_(self.pool.scratch_row)
+        self._positions[n:size].zero_()
+        graph.replay()
+        return logits[:n]
+
+    def _graph_step(self, size: int) -> torch.Tensor:
+        meta = ForwardMeta(True, self._positions[:size], self._rows[:size], self.pool.visible)
+        self.pool.reset_scratch()
+        return self.module(self._ids[:size], self.pool, meta, self.dtype, last_only=True)[:, 0]
+
+    def _graph(self, size: int):
+        """The decode graph of `size` rows, captured on first use (after an eager warm-up on the scratch row that
+        compiles every kernel)."""
+        if size not in self._graphs:
+            self._rows[:size].fill_(self.pool.scratch_row)
+            self._positions.zero_()
+            self._ids.zero_()
+            side = torch.cuda.Stream(self.device)
+            side.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(side):
+                for _ in range(2):
+                    self._graph_step(size)
+            torch.cuda.current_stream(self.device).wait_stream(side)
+            if self._graph_memory is None:
+                self._graph_memory = torch.cuda.graph_pool_handle()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self._graph_memory):
+                logits = self._graph_step(size)
+            self._graphs[size] = (graph, logits)
+        return self._graphs[size]
+
+    def capture(self, sizes) -> None:
+        """Capture the decode graphs of these batch sizes now (largest first: the smaller reuse its memory)."""
+        if self.uses_graphs:
+            with torch.inference_mode():
+                for size in sorted({self.config.graph_size(s) or s for s in sizes}, reverse=True):
+                    self._graph(size)

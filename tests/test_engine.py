@@ -1,0 +1,137 @@
+"""The batching engine on the CPU: each sequence of a batch gets exactly the tokens it gets alone (greedy and seeded
+sampling), sequences join while others decode, stop rules, the cache pool, and requests that can never run."""
+
+import pytest
+import torch
+
+import sluice
+from sluice.errors import ContextLengthError, InvalidOptionError
+
+LENGTHS = (1, 7, 40, 90, 161, 300)  # prompt lengths: one token to several prefill chunks
+
+
+@pytest.fixture(scope="module")
+def demo(demo_gguf_path):
+    return sluice.load(demo_gguf_path, device="cpu", prefill_chunk=128)
+
+
+@pytest.fixture(scope="module")
+def qwen(tmp_path_factory):
+    from test_qwen3_next import qwen3_next, save
+
+    return sluice.load(save(qwen3_next(seed=11), tmp_path_factory.mktemp("qwen")), device="cpu", prefill_chunk=64)
+
+
+def prompts(model, n=len(LENGTHS), seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, model.config.vocab_size, (t,), generator=g).tolist() for t in LENGTHS[:n]]
+
+
+def alone(model, ids, max_tokens=48, **sampling):
+    seq = model.engine.add_request(ids, max_tokens=max_tokens, stop_ids=(), **sampling)
+    model.engine.run([seq])
+    return seq.output
+
+
+@pytest.mark.parametrize("name", ["demo", "qwen"])
+def test_batch_equals_each_sequence_alone(name, request):
+    model = request.getfixturevalue(name)
+    ps = prompts(model)
+    solo = [alone(model, p) for p in ps]
+    seqs = [model.engine.add_request(p, max_tokens=48, stop_ids=()) for p in ps]
+    model.engine.run(seqs)
+    assert [s.output for s in seqs] == solo
+    assert all(len(s.output) == 48 and s.finish_reason == "length" for s in seqs)
+    assert model.engine.runner.pool.free_rows == model.engine.runner.pool.rows  # every row given back
+
+
+def test_sequences_join_while_others_decode(qwen):
+    ps = prompts(qwen, seed=1)
+    solo = [alone(qwen, p, max_tokens=24) for p in ps]
+    engine = qwen.engine
+    first = [engine.add_request(p, max_tokens=24, stop_ids=()) for p in ps[:3]]
+    for _ in range(10):
+        engine.step()
+    assert all(s.output for s in first[:2]) and not any(s.finished for s in first)
+    later = [engine.add_request(p, max_tokens=24, stop_ids=()) for p in ps[3:]]
+    engine.run(first + later)
+    assert [s.output for s in first + later] == solo
+
+
+def test_seeded_sampling_does_not_depend_on_the_batch(qwen):
+    ps = prompts(qwen, n=4, seed=2)
+    opts = dict(temperature=0.9, top_p=0.95, top_k=50, seed=123)
+    solo = alone(qwen, ps[0], max_tokens=20, **opts)
+    assert solo == alone(qwen, ps[0], max_tokens=20, **opts)
+    assert solo != alone(qwen, ps[0], max_tokens=20, **{**opts, "seed": 124})
+    seqs = [qwen.engine.add_request(ps[0], max_tokens=20, stop_ids=(), **opts)]
+    seqs += [qwen.engine.add_request(p, max_tokens=20, stop_ids=(), temperature=0.7, seed=i, repetition_penalty=1.3)
+             for i, p in enumerate(ps[1:])]
+    qwen.engine.run(seqs)
+    assert seqs[0].output == solo
+
+
+def test_generate_batch_of_strings_and_stop_strings(demo):
+    texts = ["The capital of France is", "Once upon a time", "1, 2, 3, 4,"]
+    batch = demo.generate_batch(texts, max_tokens=12, temperature=0)
+    assert batch == [demo.generate(t, max_tokens=12, temperature=0) for t in texts]
+    full = demo.generate("1, 2, 3, 4,", max_tokens=12, temperature=0)
+    assert " 6" in full
+    cut = demo.generate("1, 2, 3, 4,", max_tokens=12, temperature=0, stop=[" 6"])
+    assert cut == full[:full.index(" 6")]
+    pieces = list(demo.stream("1, 2, 3, 4,", max_tokens=12, temperature=0, stop=[" 6"]))
+    assert "".join(pieces) == cut
+
+
+def test_more_requests_than_rows_wait_their_turn(tmp_path):
+    from test_qwen3_next import qwen3_next, save
+
+    model = sluice.load(save(qwen3_next(seed=12), tmp_path), device="cpu", max_batch=2)
+    ps = prompts(model, n=5, seed=3)
+    solo = [alone(model, p, max_tokens=6) for p in ps]
+    seqs = [model.engine.add_request(p, max_tokens=6, stop_ids=()) for p in ps]
+    most = 0
+    while model.engine.has_work():
+        model.engine.step()
+        most = max(most, len(model.engine.scheduler.running))
+    assert most == 2 and [s.output for s in seqs] == solo
+
+
+def test_abort_frees_the_row(qwen):
+    engine = qwen.engine
+    seq = engine.add_request(prompts(qwen, n=2)[1], max_tokens=30, stop_ids=())
+    engine.step()
+    engine.abort(seq)
+    assert seq.finish_reason == "abort" and not engine.has_work()
+    assert engine.runner.pool.free_rows == engine.runner.pool.rows
+
+
+def test_impossible_requests_are_errors(qwen):
+    engine = qwen.engine
+    with pytest.raises(ContextLengthError, match="request .*positions"):
+        engine.add_request([1] * 500, max_tokens=20)
+    with pytest.raises(InvalidOptionError, match="max_tokens"):
+        engine.add_request([1, 2], max_tokens=-1)
+    with pytest.raises(InvalidOptionError, match="empty"):
+        engine.add_request([], max_tokens=2)
+    with pytest.raises(InvalidOptionError, match="token ids"):
+        engine.add_request([1, 300], max_tokens=2)
+    with pytest.raises(InvalidOptionError, match="temperature"):
+        engine.add_request([1, 2], max_tokens=2, temperature=-1)
+    ok = engine.add_request([1, 2, 3], max_tokens=3, stop_ids=())  # the others changed nothing
+    engine.run([ok])
+    assert len(ok.output) == 3
+
+
+@pytest.mark.parametrize("option, value", [("max_batch", 0), ("prefill_chunk", -4), ("max_seq_len", 0),
+                                           ("graph_batch_sizes", (0,)), ("no_such_option", 1)])
+def test_bad_engine_options(demo_gguf_path, option, value):
+    with pytest.raises(InvalidOptionError, match=option):
+        sluice.load(demo_gguf_path, device="cpu", **{option: value})
+
+
+def test_bench_batch(qwen):
+    r = qwen.bench(prompt_tokens=20, gen_tokens=4, batch=3, repeats=1)
+    assert r["batch"] == 3 and r["decode_tok_s"] > 0 and r["ttft_cold_s"] > 0 and r["decode_steps"] >= 4
+    with pytest.raises(InvalidOptionError, match="batch"):
+        qwen.bench(batch=0)
