@@ -80,7 +80,7 @@ def step(q, kv_new, c, pos, scale, S, quant):
         c["v"][:, :, S - 1] = v_new
         return decode_attention(q, c["k"], c["v"], pos, scale, S)
     qr = decode_step_prep(q, k_new, v_new, c["k"], c["v"], c["k_scale"], c["v_scale"], c["k_recent"], c["v_recent"],
-                          S - 1, (S - 1) % RECENT)
+                          pos)
     return decode_attention(qr, c["k"], c["v"], pos, scale, S, k_scale=c["k_scale"], v_scale=c["v_scale"],
                             k_recent=c["k_recent"], v_recent=c["v_recent"], unrotate=True, out_dtype=BF16)
 
@@ -250,7 +250,8 @@ def append_time(res):
             codes = torch.zeros(B, Hkv, 4096, D // 2, dtype=torch.uint8, device="cuda")
             sc = torch.zeros(B, Hkv, 4096, device="cuda")
             ring = torch.zeros(B, Hkv, RECENT, D, device="cuda", dtype=BF16)
-            t = graph_time([lambda: quantize_append(x, codes, sc, ring, 100, 36)]) * 1e6
+            at100 = torch.full((B,), 100, dtype=torch.int32, device="cuda")  # slot 100, ring slot 36
+            t = graph_time([lambda: quantize_append(x, codes, sc, ring, at100)]) * 1e6
             res["append"].append(dict(shape=name, batch=B, us=t))
             print(f"append {res['append'][-1]}", flush=True)
 

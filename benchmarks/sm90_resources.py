@@ -169,7 +169,7 @@ def attention():
             q.float(), codes, codes.reshape(B, Hkv, S // 4, D // 2, 4), pos, 0.1, S, splits=4, k_scale=sc,
             v_scale=sc, k_recent=ring, v_recent=ring))
         launches += _capture_all(tqt, ["_append_kernel"],
-                                 lambda: tqt.quantize_append(kv[:, :, 0], codes, sc, ring, 3, 3))
+                                 lambda: tqt.quantize_append(kv[:, :, 0], codes, sc, ring, torch.full((B,), 3, dtype=torch.int32)))
         for name, fn, (grid, args, kw) in launches:
             if name == "_decode_split_kernel":
                 kw = dict(kw, TC=True)  # the tensor-core path, as on a GPU

@@ -161,3 +161,77 @@ def test_cuda_kernel_unrotates_and_is_captured_by_a_graph():
         graph.replay()
         torch.cuda.synchronize()
         assert rel(out.cpu(), run().cpu()) < 1e-6
+
+
+@gpu
+@pytest.mark.parametrize("Hq,Hkv,D", [(16, 2, 256), (8, 2, 128)])
+@pytest.mark.parametrize("window", [None, 160])
+@pytest.mark.parametrize("index_dtype", [torch.int32, torch.int64])
+def test_cuda_kernel_reads_the_rows_of_a_pool(Hq, Hkv, D, window, index_dtype):
+    """Three sequences in rows 3, 0, 2 of a pool of 5, at positions 599 (with a window the ring wraps), 40 (every
+    position in the ring) and 0; visible = the capacity; the same partials as the Triton kernel."""
+    g = torch.Generator().manual_seed(D + (window or 0))
+    P, recent, hist = 5, 64, 600
+    cap = 192 if window else 608
+    row_pos = torch.tensor([40, 77, 0, 599, 333])  # each pool row's position
+    kcodes, vcodes, cache, (k, v, kc, ks, vc, vs) = build(P, Hkv, D, hist, cap, recent, row_pos, torch.bfloat16, g)
+    rows = torch.tensor([3, 0, 2])
+    pos = row_pos[rows]
+    qr = tq.rotate(torch.randn(3, Hq, D, generator=g))
+    scale = D ** -0.5
+    args = (qr.cuda(), kcodes, vcodes, pos.cuda().to(index_dtype), scale, cap)
+    kw = dict(window=window, rows=rows.cuda().to(index_dtype), **cache)
+    assert tq_cuda.applies(args[0], kcodes, vcodes, cache["k_scale"], cache["v_scale"], cache["k_recent"],
+                           cache["v_recent"], args[3], kw["rows"])
+    o = at.decode_attention(*args, **kw).cpu()
+    kq, vq = tq.dequantize_rotated(kc, ks), tq.dequantize_rotated(vc, vs)
+    for b, (r, p) in enumerate(zip(rows.tolist(), pos.tolist())):
+        lo = 0 if window is None else max(0, p - window + 1)
+        exact = (p - torch.arange(lo, p + 1) < recent)[None, :, None]
+        keys = torch.where(exact, tq.rotate(k[r][:, lo:p + 1]).bfloat16().float(), kq[r][:, lo:p + 1])
+        vals = torch.where(exact, tq.rotate(v[r][:, lo:p + 1]).bfloat16().float(), vq[r][:, lo:p + 1])
+        assert rel(o[b], reference(qr[b], keys, vals, scale)) < 5e-3, b
+    tq_cuda.ENABLED = False
+    try:
+        triton_out = at.decode_attention(*args, **kw).cpu()
+    finally:
+        tq_cuda.ENABLED = True
+    assert rel(o, triton_out) < 5e-3
+
+
+@gpu
+def test_a_captured_decode_step_replays_new_rows_and_positions():
+    """A decode step as the engine captures it (append K and V, rotate q, attend with visible = the capacity,
+    rotate back), replayed with other rows, positions and inputs written into its tensors: the outputs and the
+    whole pool equal an eager run of the same step."""
+    from sluice.kernels.turboquant import triton as tqt
+
+    g = torch.Generator().manual_seed(9)
+    P, Hq, Hkv, D, recent, cap = 4, 16, 2, 256, 64, 1024
+    kcodes, vcodes, cache, _ = build(P, Hkv, D, cap, cap, recent, torch.full((P,), cap - 1), torch.bfloat16, g)
+    pool = [kcodes, vcodes, cache["k_scale"], cache["v_scale"], cache["k_recent"], cache["v_recent"]]
+    q, k, v = (torch.randn(2, h, D, generator=g).cuda() for h in (Hq, Hkv, Hkv))
+    rows, pos = torch.tensor([2, 0], dtype=torch.int32).cuda(), torch.tensor([700, 5], dtype=torch.int32).cuda()
+
+    def step():
+        qr = tqt.decode_step_prep(q, k, v, *pool, pos, rows=rows)
+        return at.decode_attention(qr, kcodes, vcodes, pos, D ** -0.5, cap, unrotate=True, rows=rows, **cache)
+
+    step()  # compiles, and asks the occupancy, outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = step()
+    for new_rows, new_pos in (([1, 3], [1023, 64]), ([3, 2], [0, 500]), ([0, 1], [63, 1000])):
+        rows.copy_(torch.tensor(new_rows))
+        pos.copy_(torch.tensor(new_pos))
+        for x in (q, k, v):
+            x.copy_(torch.randn(x.shape, generator=g))
+        before = [t.clone() for t in pool]
+        graph.replay()
+        replayed, pool_replayed = out.clone(), [t.clone() for t in pool]
+        for t, b in zip(pool, before):
+            t.copy_(b)
+        eager = step()
+        assert rel(replayed.cpu(), eager.cpu()) < 1e-6
+        assert all(torch.equal(a, b) for a, b in zip(pool_replayed, pool))
+        assert not all(torch.equal(a, b) for a, b in zip(pool, before))  # the step wrote into the pool

@@ -137,29 +137,37 @@ def test_turboquant_layouts_are_checked():
     with pytest.raises(ValueError, match="value codes"):  # values row by row, as keys are
         at.decode_attention(z(B, Hq, D), codes, codes, pos, 1.0, 4, **kw)
     with pytest.raises(ValueError, match="TurboQuant codes"):
-        tqt.quantize_append(z(B, Hkv, D), z(B, Hkv, cap, D, dt=torch.uint8), kw["k_scale"], kw["k_recent"], 0, 0)
+        tqt.quantize_append(z(B, Hkv, D), z(B, Hkv, cap, D, dt=torch.uint8), kw["k_scale"], kw["k_recent"], pos)
 
 
 @pytest.mark.parametrize("kind,window", [("dense", None), ("dense", 6), ("turboquant4", None), ("turboquant4", 20),
                                          ("turboquant4", 22)])
 def test_caches_decode_through_the_kernel(monkeypatch, kind, window):
-    """The caches' decode path (the kernel, as on a GPU) equals their reference path, step by step."""
+    """The caches' decode path (the kernel, as on a GPU) equals their reference path, step by step: two sequences
+    in rows 3 and 1 of a pool of 4, at different positions, `visible` the most positions a row holds."""
     from sluice.cache.kv import KVCache, make_kv_cache
     from sluice.cache.turboquant import TurboQuantKVCache
+    from sluice.engine.batch import ForwardMeta
 
     g = torch.Generator().manual_seed(3)
     B, Hq, Hkv, D, T = 2, 4, 2, 64, 40
+    rows, prompts = [3, 1], [10, 6]
     q, k, v = (torch.randn(B, h, T, D, generator=g) for h in (Hq, Hkv, Hkv))
+    d = lambda x: x.to(DEVICE)  # noqa: E731
     outs = {}
     for kernel in (False, True):
         monkeypatch.setattr(KVCache, "use_decode_kernel", lambda self, q, on=kernel: on and q.shape[2] == 1)
-        cache = (make_kv_cache("dense", 1, B, Hkv, D, T, torch.float32, DEVICE, window=window) if kind == "dense"
-                 else TurboQuantKVCache(1, B, Hkv, D, T, torch.float32, DEVICE, window=window, recent=8))
-        d = lambda x: x.to(DEVICE)  # noqa: E731
-        o = [cache.attend(0, d(q[:, :, :10]), d(k[:, :, :10]), d(v[:, :, :10]), 0, 0.125)]
-        for t in range(10, T):
-            o.append(cache.attend(0, d(q[:, :, t:t + 1]), d(k[:, :, t:t + 1]), d(v[:, :, t:t + 1]), t, 0.125))
-        outs[kernel] = torch.cat(o, 2).cpu()
+        cache = (make_kv_cache("dense", 1, 4, Hkv, D, T, torch.float32, DEVICE, window=window) if kind == "dense"
+                 else TurboQuantKVCache(1, 4, Hkv, D, T, torch.float32, DEVICE, window=window, recent=8))
+        o = [cache.attend(0, d(q[b:b + 1, :, :n]), d(k[b:b + 1, :, :n]), d(v[b:b + 1, :, :n]),
+                          ForwardMeta.prefill(r, 1, 0, n, DEVICE), 0.125)[0].cpu()
+             for b, (r, n) in enumerate(zip(rows, prompts))]
+        for step in range(T - max(prompts)):
+            pos = [n + step for n in prompts]
+            new = [d(torch.stack([x[b, :, p] for b, p in enumerate(pos)])[:, :, None]) for x in (q, k, v)]
+            out = cache.attend(0, *new, ForwardMeta.decode_host(rows, pos, T, DEVICE), 0.125).cpu()
+            o = [torch.cat([o[b], out[b]], 1) for b in range(B)]
+        outs[kernel] = torch.cat(o, 1)
     assert rel(outs[True], outs[False]) < (TOL if kind == "dense" else TOL_INT8)
 
 
@@ -178,7 +186,7 @@ def test_quantize_append_matches_the_reference(D, dtype, B, Hkv, interleaved):
     stored = torch.zeros(shape, dtype=torch.uint8, device=DEVICE)
     scales = torch.zeros(B, Hkv, cap, device=DEVICE)
     ring = torch.zeros(B, Hkv, R, D, dtype=dtype, device=DEVICE)
-    tqt.quantize_append(x.to(DEVICE), stored, scales, ring, 6, 2)
+    tqt.quantize_append(x.to(DEVICE), stored, scales, ring, torch.full((B,), 6, device=DEVICE))  # ring slot 6 % 4
     codes = tq.deinterleave(stored) if interleaved else stored
     ref_codes, ref_scale = tq.quantize(x.float())
     same = (tq.unpack(codes[:, :, 6].cpu()) == tq.unpack(ref_codes)).double().mean()
@@ -208,7 +216,8 @@ def test_decode_step_prep_appends_k_and_v_and_rotates_q():
     z = lambda *s, dt=torch.float32: torch.zeros(*s, dtype=dt, device=DEVICE)  # noqa: E731
     kc, vc = z(B, Hkv, cap, D // 2, dt=torch.uint8), z(B, Hkv, cap // 4, D // 2, 4, dt=torch.uint8)
     ks, vs, kr, vr = z(B, Hkv, cap), z(B, Hkv, cap), z(B, Hkv, 4, D), z(B, Hkv, 4, D)
-    qr = tqt.decode_step_prep(q.to(DEVICE), k.to(DEVICE), v.to(DEVICE), kc, vc, ks, vs, kr, vr, 5, 1)
+    pos = torch.full((B,), 5, dtype=torch.int32, device=DEVICE)  # slot 5, ring slot 5 % 4 = 1
+    qr = tqt.decode_step_prep(q.to(DEVICE), k.to(DEVICE), v.to(DEVICE), kc, vc, ks, vs, kr, vr, pos)
     assert rel(qr.cpu(), tq.rotate(q)) < 1e-5
     for x, codes, scales, ring in ((k, kc, ks, kr), (v, tq.deinterleave(vc), vs, vr)):  # values: interleaved
         ref_codes, ref_scale = tq.quantize(x)

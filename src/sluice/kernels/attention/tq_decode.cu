@@ -26,7 +26,8 @@
 // scores (the accumulator starts there), sum P for the values (an mma of P with a row of ones).
 //
 // Compile-time: D (64, 128, 256), G (query heads per KV head, <= 8), QP (q as 1 or 2 int8 parts: 7 or 15
-// bits), W (warps), STAGES, RING_BF16 (the ring's dtype: bf16, else fp32), POS64 (positions int64).
+// bits), W (warps), STAGES, RING_BF16 (the ring's dtype: bf16, else fp32), POS64 (positions int64), ROWS (0: query
+// row b reads the cache tensors' row b; 32 or 64: row rows[b], rows int32 or int64, the cache tensors a pool).
 
 typedef unsigned int u32;
 typedef unsigned short u16;
@@ -204,9 +205,10 @@ __device__ __forceinline__ void flush(float* Ow, int (&ch)[NJJ][4][4], int (&cl)
 extern "C" __global__ void __launch_bounds__(W * 32) tq_decode_split(
     const float* __restrict__ q, const unsigned char* __restrict__ kc, const unsigned char* __restrict__ vc,
     const float* __restrict__ ks, const float* __restrict__ vs, const ring_t* __restrict__ kr,
-    const ring_t* __restrict__ vr, const void* __restrict__ pos_ptr, float* __restrict__ op,
-    float* __restrict__ ml, const float* __restrict__ signs, float scale_log2, float level_step, int Hkv, int cap,
-    int per_split, int n_coded, int n_splits, int recent, int window, int ring, int unrotate, int BG,
+    const ring_t* __restrict__ vr, const void* __restrict__ pos_ptr, const void* __restrict__ rows_ptr,
+    float* __restrict__ op, float* __restrict__ ml, const float* __restrict__ signs, float scale_log2,
+    float level_step, int Hkv, int cap, int per_split, int n_coded, int n_splits, int recent, int window, int ring,
+    int unrotate, int BG,
     i64 sqb, i64 sqh, i64 skb, i64 skh, i64 svb, i64 svh, i64 ssb, i64 ssh, i64 srb, i64 srh,
     u32 ta0, u32 ta1, u32 tb0, u32 tb1) {
     extern __shared__ __align__(16) unsigned char smem[];
@@ -233,6 +235,14 @@ extern "C" __global__ void __launch_bounds__(W * 32) tq_decode_split(
 #else
     const int p = ((const int*)pos_ptr)[b];
 #endif
+    // the cache tensors' row of query row b (q, the positions and the partials are indexed by b)
+#if ROWS == 64
+    const i64 row = ((const i64*)rows_ptr)[b];
+#elif ROWS == 32
+    const i64 row = ((const int*)rows_ptr)[b];
+#else
+    const i64 row = b;
+#endif
     const int first = window > 0 ? max(p - window + 1, 0) : 0;
     const int coded_stop = p - recent + 1;  // positions below come from the codes
 
@@ -258,10 +268,10 @@ extern "C" __global__ void __launch_bounds__(W * 32) tq_decode_split(
         const int nblk = s_start < s_stop ? (s_stop + BLK - 1) / BLK - blk0 : 0;
         const int my_blocks = nblk > warp ? (nblk - warp + W - 1) / W : 0;
         unsigned char* stage0 = smem + warp * STAGES * STAGE_BYTES;
-        const unsigned char* kbase = kc + b * skb + h * skh;
-        const unsigned char* vbase = vc + b * svb + h * svh;
-        const float* ksb = ks + b * ssb + h * ssh;
-        const float* vsb = vs + b * ssb + h * ssh;
+        const unsigned char* kbase = kc + row * skb + h * skh;
+        const unsigned char* vbase = vc + row * svb + h * svh;
+        const float* ksb = ks + row * ssb + h * ssh;
+        const float* vsb = vs + row * ssb + h * ssh;
 
         // issue block i of this warp into its stage. Lane offsets are fixed: chunk c = lane + 32 k of the keys
         // (row c / (D / 32)) lands k * 512 bytes after chunk `lane`'s (odd rows swap chunk pairs at D = 256);
@@ -573,8 +583,8 @@ extern "C" __global__ void __launch_bounds__(W * 32) tq_decode_split(
                 o[hq][r] = 0.f;
             }
         }
-        const ring_t* kb = kr + b * srb + h * srh;
-        const ring_t* vb = vr + b * srb + h * srh;
+        const ring_t* kb = kr + row * srb + h * srh;
+        const ring_t* vb = vr + row * srb + h * srh;
         // the split's <= 32 rows of K and V into shared memory at once (one round trip, not one a position)
         static_assert(2 * BLK * D * sizeof(ring_t) <= STAGES * W * STAGE_BYTES, "ring rows fit the stages");
         ring_t* Ks = (ring_t*)smem;

@@ -1,11 +1,13 @@
 """Split-K decode attention (flash-decoding) on CUDA, for the dense and the TurboQuant KV caches.
 
-One new query per sequence (position p, keys 0..p, or p-W+1..p with a sliding window W). Program (sequence and KV
-head, split): all G = Hq / Hkv query heads of the KV head at once (each K/V byte read once), over the split's
-positions in blocks, with an online softmax; it writes its partial output and (max, sum) per head. A second
-kernel merges the splits (a split that saw no key, max = -inf, weighs 0; no NaN). Positions map to slots p, or
-p % capacity in a ring. On Hopper both launch with programmatic dependent launch (`launch.pdl_start`):
-each one's launch and set-up overlap the end of the kernel before it.
+One new query per sequence (position p, keys 0..p, or p-W+1..p with a sliding window W), its cache in batch row b
+of the cache tensors or, with `rows` (a pool of cache rows), in row rows[b]. Program (sequence and KV head, split):
+all G = Hq / Hkv query heads of the KV head at once (each K/V byte read once), over the split's positions in
+blocks, with an online softmax; it writes its partial output and (max, sum) per head. A second kernel merges the
+splits (a split that saw no key, max = -inf, weighs 0; no NaN: `visible` may bound the positions loosely, e.g. by
+the capacity, as a captured graph does). Positions map to slots p, or p % capacity in a ring. On Hopper both launch
+with programmatic dependent launch (`launch.pdl_start`): each one's launch and set-up overlap the end of the kernel
+before it.
 
 TurboQuant (QUANT): keys and values of positions p - j >= RECENT come from the 4-bit codes (byte i of a vector
 holds coordinates i and i + D/2, so the two halves of q and of the output meet the low and the high nibbles with
@@ -39,14 +41,15 @@ MERGE_ELEMS = 16384  # partial-output values one merge program loads at once (64
 
 
 @triton.jit
-def _decode_split_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, kr_ptr, vr_ptr, lv_ptr, pos_ptr, op_ptr, ml_ptr,
-                         cnt_ptr, scale, Hkv, cap, per_split, n_splits,
+def _decode_split_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, kr_ptr, vr_ptr, lv_ptr, pos_ptr, rows_ptr, op_ptr,
+                         ml_ptr, cnt_ptr, scale, Hkv, cap, per_split, n_splits,
                          stride_qb, stride_qh, stride_kb, stride_kh, stride_kt, stride_vb, stride_vh, stride_vt,
                          stride_sb, stride_sh,
                          stride_rb, stride_rh, stride_rt,
                          G: tl.constexpr, BG: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
                          QUANT: tl.constexpr, RING: tl.constexpr, WINDOW: tl.constexpr, RECENT: tl.constexpr,
-                         INT8: tl.constexpr, TC: tl.constexpr, ZERO_CNT: tl.constexpr, PDL: tl.constexpr):
+                         INT8: tl.constexpr, TC: tl.constexpr, ZERO_CNT: tl.constexpr, HAS_ROWS: tl.constexpr,
+                         PDL: tl.constexpr):
     pdl_start(PDL)  # q and the cache come from the kernels before
     bh = tl.program_id(0)
     split = tl.program_id(1)
@@ -56,14 +59,18 @@ def _decode_split_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, kr_ptr, vr_ptr, lv
         if split == 0:
             tl.store(cnt_ptr + bh, 0)
     p = tl.load(pos_ptr + b)
+    if HAS_ROWS:  # the cache tensors' batch row of query row b
+        cache_row = tl.load(rows_ptr + b).to(tl.int64)
+    else:
+        cache_row = b.to(tl.int64)
     first = 0
     if WINDOW > 0:
         first = tl.maximum(p - WINDOW + 1, 0)
     start = first + split * per_split
     stop = tl.minimum(start + per_split, p + 1)
     g = tl.arange(0, BG)
-    kv_base = b.to(tl.int64) * stride_kb + h * stride_kh
-    v_base = b.to(tl.int64) * stride_vb + h * stride_vh
+    kv_base = cache_row * stride_kb + h * stride_kh
+    v_base = cache_row * stride_vb + h * stride_vh
     q_row = q_ptr + b.to(tl.int64) * stride_qb + (h * G + g[:, None]) * stride_qh
     m = tl.full((BG,), float("-inf"), dtype=tl.float32)
     l = tl.zeros((BG,), dtype=tl.float32)
@@ -87,7 +94,7 @@ def _decode_split_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, kr_ptr, vr_ptr, lv
         k_factor = scale * q_max * LEVEL_STEP / (Q_INT if INT8 >= 1 else 1)
         acc_lo = tl.zeros((BG, D // 2), dtype=tl.float32)
         acc_hi = tl.zeros((BG, D // 2), dtype=tl.float32)
-        s_base = b.to(tl.int64) * stride_sb + h * stride_sh
+        s_base = cache_row * stride_sb + h * stride_sh
         coded_stop = tl.minimum(stop, p - RECENT + 1)  # older positions: from the codes
         t4 = tl.arange(0, BLOCK_N // 4)
         for n0 in range(start - start % 4, coded_stop, BLOCK_N):  # blocks from a multiple of 4: the value groups
@@ -126,7 +133,7 @@ def _decode_split_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, kr_ptr, vr_ptr, lv
                 v_lo, v_hi = _int_levels(v_codes, lv_ptr, TC)
                 acc_lo = acc_lo * alpha[:, None] + _dot16(pv, v_lo, TC) * (v_max * LEVEL_STEP)
                 acc_hi = acc_hi * alpha[:, None] + _dot16(pv, v_hi, TC) * (v_max * LEVEL_STEP)
-        r_base = b.to(tl.int64) * stride_rb + h * stride_rh
+        r_base = cache_row * stride_rb + h * stride_rh
         # the newest: exact, from the ring (one block in one split: not worth pipeline buffers)
         for n0 in tl.range(tl.maximum(start, p - RECENT + 1), stop, BLOCK_N, num_stages=1):
             j = n0 + tl.arange(0, BLOCK_N)
@@ -372,29 +379,37 @@ def num_splits(batch_heads: int, visible: int, device, block_n: int = 64, min_pe
 def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, scale: float,
                      visible: int, window: int | None = None, splits: int | None = None, block_n: int | None = None,
                      k_scale=None, v_scale=None, k_recent=None, v_recent=None, out_dtype=None,
-                     unrotate: bool = False, num_warps: int = 4, num_stages: int | None = None) -> torch.Tensor:
-    """q [B, Hq, D] (one query per sequence, at positions[b]); dense k, v [B, Hkv, capacity, D], or with k_scale
-    etc. the TurboQuant layout: k codes [B, Hkv, capacity, D/2] uint8, v codes [B, Hkv, capacity/4, D/2, 4]
-    (`turboquant.reference.interleave`), k_scale, v_scale [B, Hkv, capacity]
-    fp32, k_recent, v_recent [B, Hkv, RECENT, D] exact (rotated; the codec's levels are built in). A ring (slot =
-    position % capacity) when window is set. `visible`: the most keys any query sees (a host int: sizes the
-    splits without a sync). Returns [B, Hq, D] in out_dtype (default q's); with `unrotate` (TurboQuant) rotated
-    back out of the codec's domain by the merge kernel."""
+                     unrotate: bool = False, num_warps: int = 4, num_stages: int | None = None,
+                     rows: torch.Tensor | None = None) -> torch.Tensor:
+    """q [B, Hq, D] (one query per sequence, at positions[b], int32 or int64 [B] on the device: it sees the keys
+    at positions <= positions[b]); dense k, v [P, Hkv, capacity, D], or with k_scale etc. the TurboQuant layout: k
+    codes [P, Hkv, capacity, D/2] uint8, v codes [P, Hkv, capacity/4, D/2, 4] (`turboquant.reference.interleave`),
+    k_scale, v_scale [P, Hkv, capacity] fp32, k_recent, v_recent [P, Hkv, RECENT, D] exact (rotated; the codec's
+    levels are built in). The cache tensors are a pool of P rows: query b reads row rows[b] (int32 or int64 [B] on
+    the device, each < P, not checked: nothing is read on the host), or row b without `rows` (P >= B). A ring
+    (slot = position % capacity) when window is set. `visible`: a bound on the keys any query sees (a host int:
+    sizes the splits without a sync; a loose one, e.g. the capacity, is correct, the splits past a query's keys
+    weigh 0). Returns [B, Hq, D] in out_dtype (default q's); with `unrotate` (TurboQuant) rotated back out of the
+    codec's domain by the merge kernel."""
     B, Hq, D = q.shape
-    Hkv, cap = k.shape[1], k.shape[2]
+    P, Hkv, cap = k.shape[:3]
     quant = k_scale is not None
     G = Hq // Hkv
     if Hq % Hkv or D & (D - 1) or D < 16 or D > 256:
         raise ValueError(f"decode attention: Hq={Hq} must be a multiple of Hkv={Hkv}, D={D} a power of two in 16..256")
-    if positions.shape != (B,) or positions.dtype not in (torch.int32, torch.int64):
-        raise ValueError(f"decode attention: positions must be int [B={B}], got {positions.dtype} "
-                         f"{tuple(positions.shape)}")
+    for name, index in (("positions", positions), ("rows", rows)):
+        if index is not None and (index.shape != (B,) or index.dtype not in (torch.int32, torch.int64)
+                                  or not index.is_contiguous()):
+            raise ValueError(f"decode attention: {name} must be contiguous int32 or int64 [B={B}], got "
+                             f"{index.dtype} {tuple(index.shape)}")
+    if rows is None and P < B:
+        raise ValueError(f"decode attention: {B} queries, {P} cache rows and no `rows`")
     if quant:
         if (k.dtype != torch.uint8 or k.shape[-1] != D // 2 or k.stride(-1) != 1 or k_recent is None or D < 32
-                or cap % 4 or v.dtype != torch.uint8 or tuple(v.shape) != (B, Hkv, cap // 4, D // 2, 4)
+                or cap % 4 or v.dtype != torch.uint8 or tuple(v.shape) != (P, Hkv, cap // 4, D // 2, 4)
                 or v.stride(-1) != 1 or v.stride(-2) != 4):
-            raise ValueError("decode attention: TurboQuant needs uint8 key codes [B, Hkv, cap, D/2] and value codes "
-                             "[B, Hkv, cap/4, D/2, 4] (cap a multiple of 4) with D >= 32, scales and the recent ring")
+            raise ValueError("decode attention: TurboQuant needs uint8 key codes [P, Hkv, cap, D/2] and value codes "
+                             "[P, Hkv, cap/4, D/2, 4] (cap a multiple of 4) with D >= 32, scales and the recent ring")
         if k_scale.stride() != v_scale.stride() or k_recent.stride() != v_recent.stride():
             raise ValueError("decode attention: K and V tensors must share their layout")
     elif k.shape[-1] != D or k.stride() != v.stride() or k.stride(-1) != 1:
@@ -407,10 +422,12 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, position
     # positions per step (the H100 sweeps of benchmarks/attention_gpu.py): K and V tiles of D = 256 rows fill
     # shared memory; the codes are a quarter of the bytes, 128 positions a step unless splits are short (D = 128:
     # one block, 4k at batch 1: 19.3 -> 16.1 us with two of 64; benchmarks/results/attention_tq_sweep2_h100.json)
-    use_cuda = quant and not INTERPRET and tq_cuda.applies(q, k, v, k_scale, v_scale, k_recent, v_recent, positions)
+    use_cuda = quant and not INTERPRET and tq_cuda.applies(q, k, v, k_scale, v_scale, k_recent, v_recent, positions,
+                                                           rows)
     if use_cuda:  # the CUDA C split kernel (cuda.py): same partials, same merge
         n_coded, per_split, ns = tq_cuda.plan(B * Hkv, visible, k_recent.shape[2], D, G, k_recent.dtype,
-                                              positions.dtype, q.device, splits)
+                                              positions.dtype, None if rows is None else rows.dtype, q.device,
+                                              splits)
     elif quant:
         # one wave of the programs an SM holds (registers: 2 at D = 256, 3 at D = 128)
         ns = splits or num_splits(B * Hkv, visible, q.device, block_n or 64, per_sm=3 if D <= 128 else 2,
@@ -442,19 +459,19 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, position
     recent = k_recent.shape[2] if quant else 1
     use_pdl = pdl(q.device)
     if use_cuda:
-        tq_cuda.decode_split(q, k, v, k_scale, v_scale, k_recent, v_recent, positions, scale, window, op, ml,
+        tq_cuda.decode_split(q, k, v, k_scale, v_scale, k_recent, v_recent, positions, rows, scale, window, op, ml,
                              unrotate, n_coded, per_split, ns)
         unrotate = False  # done per split
     else:
         _decode_split_kernel[(B * Hkv, ns)](
-            q, k, v, ks, vs, kr, vr, _level_table(q.device) if quant else dummy, positions, op, ml, cnt, scale, Hkv,
-            cap, per_split, ns,
+            q, k, v, ks, vs, kr, vr, _level_table(q.device) if quant else dummy, positions,
+            positions if rows is None else rows, op, ml, cnt, scale, Hkv, cap, per_split, ns,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
             ks.stride(0) if quant else 0, ks.stride(1) if quant else 0,
             kr.stride(0) if quant else 0, kr.stride(1) if quant else 0, kr.stride(2) if quant else 0,
             G=G, BG=BG, D=D, BLOCK_N=block_n, QUANT=quant, RING=window is not None, WINDOW=window or 0,
-            RECENT=recent, INT8=int8, TC=not INTERPRET, ZERO_CNT=unrotate, PDL=use_pdl, launch_pdl=use_pdl,
-            num_warps=num_warps, num_stages=num_stages)
+            RECENT=recent, INT8=int8, TC=not INTERPRET, ZERO_CNT=unrotate, HAS_ROWS=rows is not None, PDL=use_pdl,
+            launch_pdl=use_pdl, num_warps=num_warps, num_stages=num_stages)
     o = torch.empty((B, Hq, D), dtype=out_dtype or q.dtype, device=q.device)
     # the merge: coordinate blocks small enough that one load holds every split's partials (<= 64 KB a program);
     # with unrotate the blocks of a KV head's query heads meet through `rot` and the KV head's counter

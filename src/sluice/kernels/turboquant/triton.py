@@ -2,12 +2,14 @@
 `decode_step_prep`), checked against `reference.quantize`; `rotate` for either direction (the decode kernel's
 merge rotates its output back itself).
 
-Program: up to 16 vectors (sequence, KV head) of the new position, as many as there are. y = (x * signs) H /
-sqrt(d) (H the +-1 Sylvester Hadamard matrix, never stored: H_d = H_A (x) H_16, two small fp32 products in
-registers); the code of each coordinate of sqrt(d) y / |y| by 15 compares against the cell boundaries; scale =
+Program: up to 16 vectors (sequence, KV head) of the sequences' new positions, as many as there are. y = (x *
+signs) H / sqrt(d) (H the +-1 Sylvester Hadamard matrix, never stored: H_d = H_A (x) H_16, two small fp32 products
+in registers); the code of each coordinate of sqrt(d) y / |y| by 15 compares against the cell boundaries; scale =
 |x| / |levels[codes]|; codes packed two per byte (byte i: coordinate i low, i + d/2 high) into the cache slot
 (values: four positions interleaved, reference.interleave), the scale beside them, and the exact rotated vector
-into the recent ring.
+into the recent ring. Sequence b's position p = positions[b] and its cache row (rows[b], or b) are read on the
+device, so a CUDA graph captures the launch: slot p % capacity (p itself below the capacity; a sliding window's
+ring slot), ring slot p % R.
 """
 
 from __future__ import annotations
@@ -21,35 +23,38 @@ from sluice.kernels.turboquant import reference
 
 @triton.jit
 def _append_kernel(k_ptr, v_ptr, q_ptr, qr_ptr, sign_ptr, lv_ptr, bd_ptr, kc_ptr, vc_ptr, ks_ptr, vs_ptr,
-                   kr_ptr, vr_ptr, n_rows, n_q_rows, Hkv, slot, rslot, stride_xr, stride_qr,
+                   kr_ptr, vr_ptr, pos_ptr, rows_ptr, n_vecs, n_q_rows, Hkv, cap, R, stride_xr, stride_qr,
                    stride_kcb, stride_kch, stride_kct, stride_vcb, stride_vch, stride_vct,
                    stride_sb, stride_sh, stride_rb, stride_rh, stride_rt,
-                   D: tl.constexpr, ROWS: tl.constexpr, K_LANES: tl.constexpr, V_LANES: tl.constexpr):
+                   D: tl.constexpr, VECS: tl.constexpr, K_LANES: tl.constexpr, V_LANES: tl.constexpr,
+                   HAS_ROWS: tl.constexpr):
     """Job program_id(1): 0 appends the new keys (rows of k), 1 the new values, 2 rotates the queries into qr
-    (fp32): a decode step's three small jobs in one launch, ROWS vectors per program. LANES: positions interleaved
+    (fp32): a decode step's three small jobs in one launch, VECS vectors per program. LANES: positions interleaved
     in the code array (1: row by row; 4: reference.interleave)."""
     job = tl.program_id(1)
     if job == 0:
-        _append_rows(k_ptr, sign_ptr, lv_ptr, bd_ptr, kc_ptr, ks_ptr, kr_ptr, n_rows, Hkv, slot, rslot,
-                     stride_xr, stride_kcb, stride_kch, stride_kct, stride_sb, stride_sh, stride_rb, stride_rh,
-                     stride_rt, D, ROWS, K_LANES)
+        _append_vectors(k_ptr, sign_ptr, lv_ptr, bd_ptr, kc_ptr, ks_ptr, kr_ptr, pos_ptr, rows_ptr, n_vecs, Hkv, cap,
+                        R, stride_xr, stride_kcb, stride_kch, stride_kct, stride_sb, stride_sh, stride_rb, stride_rh,
+                        stride_rt, D, VECS, K_LANES, HAS_ROWS)
     elif job == 1:
-        _append_rows(v_ptr, sign_ptr, lv_ptr, bd_ptr, vc_ptr, vs_ptr, vr_ptr, n_rows, Hkv, slot, rslot,
-                     stride_xr, stride_vcb, stride_vch, stride_vct, stride_sb, stride_sh, stride_rb, stride_rh,
-                     stride_rt, D, ROWS, V_LANES)
+        _append_vectors(v_ptr, sign_ptr, lv_ptr, bd_ptr, vc_ptr, vs_ptr, vr_ptr, pos_ptr, rows_ptr, n_vecs, Hkv, cap,
+                        R, stride_xr, stride_vcb, stride_vch, stride_vct, stride_sb, stride_sh, stride_rb, stride_rh,
+                        stride_rt, D, VECS, V_LANES, HAS_ROWS)
     else:
-        _rotate_rows(q_ptr, qr_ptr, sign_ptr, n_q_rows, stride_qr, D, False, ROWS)
+        _rotate_rows(q_ptr, qr_ptr, sign_ptr, n_q_rows, stride_qr, D, False, VECS)
 
 
 @triton.jit
-def _append_rows(x_ptr, sign_ptr, lv_ptr, bd_ptr, codes_ptr, scale_ptr, ring_ptr, n_rows, Hkv, slot, rslot,
-                 stride_xr, stride_cb, stride_ch, stride_ct, stride_sb, stride_sh, stride_rb, stride_rh, stride_rt,
-                 D: tl.constexpr, ROWS: tl.constexpr, LANES: tl.constexpr):
-    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
-    ok = rows < n_rows
+def _append_vectors(x_ptr, sign_ptr, lv_ptr, bd_ptr, codes_ptr, scale_ptr, ring_ptr, pos_ptr, rows_ptr, n_vecs, Hkv,
+                    cap, R, stride_xr, stride_cb, stride_ch, stride_ct, stride_sb, stride_sh, stride_rb, stride_rh,
+                    stride_rt, D: tl.constexpr, VECS: tl.constexpr, LANES: tl.constexpr, HAS_ROWS: tl.constexpr):
+    """VECS of the new vectors (vector i: sequence i // Hkv, KV head i % Hkv) into slot positions[b] % cap of the
+    codes and scales and slot positions[b] % R of the ring, in cache row rows[b] (HAS_ROWS) or b."""
+    vec = tl.program_id(0) * VECS + tl.arange(0, VECS)
+    ok = vec < n_vecs
     d = tl.arange(0, D)
     dh = tl.arange(0, D // 2)
-    x = tl.load(x_ptr + rows[:, None] * stride_xr + d[None, :], mask=ok[:, None], other=0.0).to(tl.float32)
+    x = tl.load(x_ptr + vec[:, None] * stride_xr + d[None, :], mask=ok[:, None], other=0.0).to(tl.float32)
     # y = (x * signs) H / sqrt(d); its two halves go to the low and the high nibbles
     y = _hadamard_rows(x * tl.load(sign_ptr + d)[None, :], D, "ieee") * (1.0 / tl.sqrt(D * 1.0))
     y_lo, y_hi = _halves(y, D)
@@ -58,13 +63,20 @@ def _append_rows(x_ptr, sign_ptr, lv_ptr, bd_ptr, codes_ptr, scale_ptr, ring_ptr
     c_lo, lv_lo = _nearest_level(y_lo * unit[:, None], lv_ptr, bd_ptr)
     c_hi, lv_hi = _nearest_level(y_hi * unit[:, None], lv_ptr, bd_ptr)
     scale = norm / tl.maximum(tl.sqrt(tl.sum(lv_lo * lv_lo, axis=1) + tl.sum(lv_hi * lv_hi, axis=1)), 1e-30)
-    b = rows // Hkv
-    hh = rows % Hkv
-    c_off = (slot // LANES) * stride_ct + dh[None, :] * LANES + slot % LANES
-    tl.store(codes_ptr + b[:, None].to(tl.int64) * stride_cb + hh[:, None] * stride_ch + c_off,
+    b = vec // Hkv
+    hh = vec % Hkv
+    p = tl.load(pos_ptr + b, mask=ok, other=0)
+    if HAS_ROWS:
+        cache_row = tl.load(rows_ptr + b, mask=ok, other=0).to(tl.int64)
+    else:
+        cache_row = b.to(tl.int64)
+    slot = p % cap
+    c_off = (slot // LANES)[:, None] * stride_ct + dh[None, :] * LANES + (slot % LANES)[:, None]
+    tl.store(codes_ptr + cache_row[:, None] * stride_cb + hh[:, None] * stride_ch + c_off,
              (c_lo | (c_hi << 4)).to(tl.uint8), mask=ok[:, None])
-    tl.store(scale_ptr + b.to(tl.int64) * stride_sb + hh * stride_sh + slot, scale, mask=ok)
-    ring = ring_ptr + b[:, None].to(tl.int64) * stride_rb + hh[:, None] * stride_rh + rslot * stride_rt + dh[None, :]
+    tl.store(scale_ptr + cache_row * stride_sb + hh * stride_sh + slot, scale, mask=ok)
+    ring = (ring_ptr + cache_row[:, None] * stride_rb + hh[:, None] * stride_rh + (p % R)[:, None] * stride_rt
+            + dh[None, :])
     tl.store(ring, y_lo.to(ring_ptr.dtype.element_ty), mask=ok[:, None])
     tl.store(ring + D // 2, y_hi.to(ring_ptr.dtype.element_ty), mask=ok[:, None])
 
@@ -175,21 +187,25 @@ def rotate(x: torch.Tensor, inverse: bool = False, num_warps: int | None = None)
     return y.reshape(x.shape)
 
 
-def quantize_append(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, ring: torch.Tensor, slot: int,
-                    ring_slot: int) -> None:
-    """x [B, Hkv, D] (the new position's keys or values) -> its codes at `slot` (uint8 [B, Hkv, cap, D/2], or
-    interleaved [B, Hkv, cap/4, D/2, 4] as values are: reference.interleave), scales[:, :, slot] (fp32 [B, Hkv,
-    cap]) and ring[:, :, ring_slot] (the rotated x, [B, Hkv, R, D])."""
-    _launch_append(x, x, None, codes, codes, scales, scales, ring, ring, slot, ring_slot, None, jobs=1)
+def quantize_append(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, ring: torch.Tensor,
+                    positions: torch.Tensor, rows: torch.Tensor | None = None) -> None:
+    """x [B, Hkv, D] (the keys or values of sequence b's new position positions[b]; positions int32 or int64 [B]
+    on the device) -> codes, scales and ring of the cache row rows[b] (int32 or int64 [B] on the device; row b
+    without `rows`), a pool of P rows: its codes at slot s = positions[b] % cap (uint8 [P, Hkv, cap, D/2], or
+    interleaved [P, Hkv, cap/4, D/2, 4] as values are: reference.interleave), its scale at scales[row, :, s] (fp32
+    [P, Hkv, cap]) and the rotated x at ring[row, :, positions[b] % R] ([P, Hkv, R, D]). Nothing is read on the
+    host: a CUDA graph captures the call."""
+    _launch_append(x, x, None, codes, codes, scales, scales, ring, ring, positions, rows, None, jobs=1)
 
 
 def decode_step_prep(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_codes, v_codes, k_scale, v_scale, k_ring,
-                     v_ring, slot: int, ring_slot: int, num_warps: int | None = None) -> torch.Tensor:
-    """One launch for a decode step's TurboQuant bookkeeping: append the new k and v [B, Hkv, D] (as
-    quantize_append does; key codes row by row, value codes interleaved) and return the rotated queries q [B, Hq,
-    D] (fp32, as `rotate`)."""
+                     v_ring, positions: torch.Tensor, rows: torch.Tensor | None = None,
+                     num_warps: int | None = None) -> torch.Tensor:
+    """One launch for a decode step's TurboQuant bookkeeping: append the new k and v [B, Hkv, D] at positions,
+    in rows (as quantize_append does; key codes row by row, value codes interleaved, the same capacity) and return
+    the rotated queries q [B, Hq, D] (fp32, as `rotate`)."""
     qr = torch.empty(q.shape, dtype=torch.float32, device=q.device)
-    _launch_append(k, v, q, k_codes, v_codes, k_scale, v_scale, k_ring, v_ring, slot, ring_slot, qr, 3, num_warps)
+    _launch_append(k, v, q, k_codes, v_codes, k_scale, v_scale, k_ring, v_ring, positions, rows, qr, 3, num_warps)
     return qr
 
 
@@ -199,28 +215,40 @@ def _warps(D: int) -> int:
     return 8 if D >= 128 else 4
 
 
-def _launch_append(k, v, q, k_codes, v_codes, k_scale, v_scale, k_ring, v_ring, slot, ring_slot, qr, jobs,
+def _launch_append(k, v, q, k_codes, v_codes, k_scale, v_scale, k_ring, v_ring, positions, rows, qr, jobs,
                    num_warps=None):
     """`_append_kernel`'s jobs 0 .. jobs-1 (K, V, q); K and V scales and rings share their layouts."""
     B, Hkv, D = k.shape
     if D & (D - 1) or D < 16 or D > 256:
         raise ValueError(f"quantize_append: D = {D} must be a power of two in 16..256")
     (k_strides, k_lanes), (v_strides, v_lanes) = _code_layout(k_codes, D), _code_layout(v_codes, D)
+    cap = k_codes.shape[2] * k_lanes
+    if v_codes.shape[2] * v_lanes != cap:
+        raise ValueError(f"quantize_append: key and value codes of different capacities, {cap} and "
+                         f"{v_codes.shape[2] * v_lanes}")
     for a, b in ((k_scale, v_scale), (k_ring, v_ring)):
         if a.stride(-1) != 1 or b.stride() != a.stride():
             raise ValueError("quantize_append: cache tensors need a unit last stride and K, V the same layout")
+    for name, index in (("positions", positions), ("rows", rows)):
+        if index is not None and (index.shape != (B,) or index.dtype not in (torch.int32, torch.int64)
+                                  or not index.is_contiguous()):
+            raise ValueError(f"quantize_append: {name} must be contiguous int32 or int64 [B={B}], got {index.dtype} "
+                             f"{tuple(index.shape)}")
+    if rows is None and k_codes.shape[0] < B:
+        raise ValueError(f"quantize_append: {B} sequences, {k_codes.shape[0]} cache rows and no `rows`")
     kr, vr = k.reshape(-1, D).contiguous(), v.reshape(-1, D).contiguous()
     qrows = q.reshape(-1, D).contiguous() if q is not None else kr
     signs, levels, bounds = _tables(D, k.device)
     # vectors per program: up to 16, no more than the new keys (batch 1, 2 KV heads: 2, not 16 of which 14 are
     # padding, in the ~7000-instruction quantization of each program at D = 256)
-    rows = min(16, triton.next_power_of_2(kr.shape[0]))
-    grid = (triton.cdiv(max(kr.shape[0], qrows.shape[0]), rows), jobs)
+    vecs = min(16, triton.next_power_of_2(kr.shape[0]))
+    grid = (triton.cdiv(max(kr.shape[0], qrows.shape[0]), vecs), jobs)
     _append_kernel[grid](
         kr, vr, qrows, qr if qr is not None else kr, signs, levels, bounds, k_codes, v_codes, k_scale,
-        v_scale, k_ring, v_ring, kr.shape[0], qrows.shape[0], Hkv, slot, ring_slot, kr.stride(0), qrows.stride(0),
-        *k_strides, *v_strides, k_scale.stride(0), k_scale.stride(1), k_ring.stride(0), k_ring.stride(1),
-        k_ring.stride(2), D=D, ROWS=rows, K_LANES=k_lanes, V_LANES=v_lanes, num_warps=num_warps or _warps(D))
+        v_scale, k_ring, v_ring, positions, positions if rows is None else rows, kr.shape[0], qrows.shape[0], Hkv,
+        cap, k_ring.shape[2], kr.stride(0), qrows.stride(0), *k_strides, *v_strides, k_scale.stride(0),
+        k_scale.stride(1), k_ring.stride(0), k_ring.stride(1), k_ring.stride(2), D=D, VECS=vecs, K_LANES=k_lanes,
+        V_LANES=v_lanes, HAS_ROWS=rows is not None, num_warps=num_warps or _warps(D))
 
 
 def _code_layout(codes: torch.Tensor, D: int) -> tuple[tuple[int, int, int], int]:
