@@ -1,6 +1,6 @@
 """The engine on a CUDA GPU: decode steps replayed from CUDA graphs give the same greedy tokens as eager steps, a
-batch gives each sequence what it gets alone, with both cache kinds, on 4-bit checkpoints whose kernels take the
-Triton paths. Skipped without a GPU; run on the GPU machine."""
+batch of up to 4 gives each sequence what it gets alone, with both cache kinds: a dense Llama and a 4-bit
+Qwen3-Next whose kernels take the Triton paths. Skipped without a GPU; run on the GPU machine."""
 
 import pytest
 import torch
@@ -20,8 +20,7 @@ def checkpoints(tmp_path_factory):
     from sluice.formats.convert import convert
 
     d = tmp_path_factory.mktemp("gpu_engine")
-    llama = convert(save_hf_dir(tiny_llama(seed=1, head_dim=64, hidden_size=128), d / "llama"), d / "llama4",
-                    bits=4, group_size=32, quiet=True)
+    llama = save_hf_dir(tiny_llama(seed=1, head_dim=64, hidden_size=128), d / "llama")  # dense weights
     qwen = convert(save(qwen3_next(seed=2, shared_expert_intermediate_size=32), d / "qwen"), d / "qwen4", bits=4,
                    group_size=32, quiet=True)
     return {"llama": llama, "qwen3_next": qwen}

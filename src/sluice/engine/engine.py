@@ -136,6 +136,8 @@ class Engine:
             fill_seen(self.runner.seen, seq.row, seq.prompt)
 
     def _sample(self, seqs: list[Sequence], logits: torch.Tensor) -> list[StepOutput]:
+        if all(s.sampling.temperature == 0 and s.sampling.repetition_penalty == 1 for s in seqs):  # greedy
+            return [self._append(s, t) for s, t in zip(seqs, logits.argmax(-1).tolist())]
         batch = SamplingBatch([s.sampling for s in seqs], [s.seed for s in seqs], [len(s.output) for s in seqs],
                               logits.device)
         rows = torch.tensor([s.row for s in seqs], device=logits.device) if batch.needs_seen else None

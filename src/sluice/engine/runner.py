@@ -45,9 +45,8 @@ class ModelRunner:
                 f"the caches of {rows} sequences of {capacity} positions do not fit in {self.device} memory; "
                 "lower max_batch or max_seq_len.") from e
         size = max(rows, self.config.graph_size(rows) or rows)
-        self._ids = torch.zeros(size, 1, dtype=torch.long, device=self.device)
-        self._positions = torch.zeros(size, 1, dtype=torch.int32, device=self.device)
-        self._rows = torch.full((size,), self.pool.scratch_row, dtype=torch.int32, device=self.device)
+        # a graph's inputs, one host-to-device copy a step: token ids, positions, cache rows
+        self._inputs = torch.zeros(3, size, dtype=torch.long, device=self.device)
 
     # -- forwards -------------------------------------------------------------------------------------------
     @torch.inference_mode()
@@ -68,27 +67,26 @@ class ModelRunner:
             ids = torch.tensor(tokens, dtype=torch.long)[:, None].to(self.device)
             return self.module(ids, self.pool, meta, self.dtype, last_only=True)[:, 0]
         graph, logits = self._graph(size)
-        host = torch.tensor([tokens, positions, rows], dtype=torch.int64)
-        self._ids[:n, 0].copy_(host[0], non_blocking=True)
-        self._positions[:n, 0].copy_(host[1], non_blocking=True)
-        self._rows[:n].copy_(host[2], non_blocking=True)
-        self._rows[n:size].fill_(self.pool.scratch_row)
-        self._positions[n:size].zero_()
+        self._inputs[:, :size].copy_(self._padded([tokens, positions, rows], size))
         graph.replay()
         return logits[:n]
 
+    def _padded(self, inputs: list[list[int]], size: int) -> torch.Tensor:
+        """[3, size] ids, positions, rows; the rows past the batch point at the scratch row, position 0."""
+        pad = size - len(inputs[0])
+        return torch.tensor([inputs[0] + [0] * pad, inputs[1] + [0] * pad, inputs[2] + [self.pool.scratch_row] * pad])
+
     def _graph_step(self, size: int) -> torch.Tensor:
-        meta = ForwardMeta(True, self._positions[:size], self._rows[:size], self.pool.visible)
+        ids, positions, rows = self._inputs[:, :size]
+        meta = ForwardMeta(True, positions[:, None], rows, self.pool.visible)
         self.pool.reset_scratch()
-        return self.module(self._ids[:size], self.pool, meta, self.dtype, last_only=True)[:, 0]
+        return self.module(ids[:, None], self.pool, meta, self.dtype, last_only=True)[:, 0]
 
     def _graph(self, size: int):
         """The decode graph of `size` rows, captured on first use (after an eager warm-up on the scratch row that
         compiles every kernel)."""
         if size not in self._graphs:
-            self._rows[:size].fill_(self.pool.scratch_row)
-            self._positions.zero_()
-            self._ids.zero_()
+            self._inputs[:, :size].copy_(self._padded([[], [], []], size))
             side = torch.cuda.Stream(self.device)
             side.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(side):

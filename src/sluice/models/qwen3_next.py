@@ -269,7 +269,8 @@ def _cat_rows(ws):
 
 def _take_rows(w, rows: torch.Tensor):
     if isinstance(w, QuantizedTensor):
-        return QuantizedTensor(w.weight[rows], w.scales[rows], w.biases[rows], w.bits, w.group_size)
+        words = w.weight.view(torch.int32)[rows].view(torch.uint32)  # CUDA has no uint32 gather: the same bits
+        return QuantizedTensor(words, w.scales[rows], w.biases[rows], w.bits, w.group_size)
     return w[rows]
 
 
