@@ -1,4 +1,4 @@
-"""The `sluice` command: run, chat, info. Errors a user can cause print a message and exit with status 2."""
+"""The `sluice` command: run, chat, info, bench, serve, convert. Errors a user can cause print a message and exit with status 2."""
 
 from __future__ import annotations
 
@@ -135,7 +135,7 @@ def cmd_bench(args) -> int:
     rows = []
     for kind in args.kv_cache_kinds or [args.kv_cache]:
         if kind != model.kv_cache:
-            model = _with_kv_cache(model, kind)
+            model = _with_engine_options(model, kv_cache=kind)
         rows.append(model.bench(prompt_tokens=args.prompt_tokens, gen_tokens=args.gen_tokens, batch=args.batch,
                                 repeats=args.repeats))
     if args.json:
@@ -155,14 +155,36 @@ def cmd_bench(args) -> int:
     return 0
 
 
-def _with_kv_cache(model, kind: str):
-    """The same weights with another KV cache kind (a new engine: its own cache pool and graphs)."""
+def cmd_serve(args) -> int:
+    import os
+
+    from sluice.server import ServerConfig, _require_server_packages, serve
+
+    _require_server_packages()  # before the model loads
+    api_key = args.api_key if args.api_key is not None else os.environ.get("SLUICE_API_KEY")
+    config = ServerConfig(host=args.host, port=args.port, api_key=api_key, model_name=args.served_model_name,
+                          max_body_bytes=int(args.max_body_mb * (1 << 20)), log_level=args.log_level)
+    if config.api_key is None and config.host not in ("127.0.0.1", "localhost", "::1"):
+        print(f"sluice: warning: serving on {config.host} without --api-key: anyone who can reach it may use it",
+              file=sys.stderr)
+    options = {"max_batch": args.max_batch, "graphs": not args.no_graphs}
+    model = _load(args, **options)
+    max_seq_len = args.max_seq_len or min(model.context_length, 4096)
+    model = _with_engine_options(model, max_seq_len=max_seq_len)
+    print(f"sluice: serving {model.path.name} on http://{config.host}:{config.port}/v1 ({args.max_batch} sequences "
+          f"of up to {max_seq_len} positions{', API key required' if config.api_key else ''})", file=sys.stderr)
+    serve(model, config)
+    return 0
+
+
+def _with_engine_options(model, **options):
+    """The same weights with other engine settings (a new engine: its own cache pool and graphs)."""
     from dataclasses import replace
 
     from sluice.engine.model import Model
 
     return Model(model.module, model.tokenizer, model.path, model.format, model.device, model.dtype,
-                 replace(model.engine_config, kv_cache=kind))
+                 replace(model.engine_config, **options))
 
 
 def cmd_convert(args) -> int:
@@ -207,6 +229,21 @@ def build_parser() -> argparse.ArgumentParser:
                        const=list(KV_CACHE_KINDS), help="one row per KV cache kind")
     bench.add_argument("--json", action="store_true")
     bench.set_defaults(func=cmd_bench)
+    srv = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (/v1/chat/completions, /v1/completions, "
+                         "/v1/models, /health)")
+    _add_model_args(srv)
+    srv.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine only)")
+    srv.add_argument("--port", type=int, default=8000)
+    srv.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on every endpoint but "
+                     "/health (default: $SLUICE_API_KEY, else none)")
+    srv.add_argument("--served-model-name", default=None, help="the model's name in the API (default: its file name)")
+    srv.add_argument("--max-batch", type=int, default=16, help="sequences decoding together (cache rows)")
+    srv.add_argument("--max-seq-len", type=int, default=None,
+                     help="positions per sequence, prompt + output (default: the context window, at most 4096)")
+    srv.add_argument("--max-body-mb", type=float, default=8.0, help="largest request body accepted (413 beyond)")
+    srv.add_argument("--no-graphs", action="store_true", help="decode eagerly (no CUDA graphs)")
+    srv.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    srv.set_defaults(func=cmd_serve)
     conv = sub.add_parser("convert", help="HF checkpoint directory -> MLX-format quantized directory")
     conv.add_argument("src")
     conv.add_argument("dst")

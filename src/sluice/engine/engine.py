@@ -9,6 +9,11 @@ sequence produced, so callers stream per request:
     while engine.has_work():
         for out in engine.step():
             print(out.seq.id, out.text)
+
+Per request, beyond the sampling parameters: `logprobs=N` makes each StepOutput carry the sampled token's log
+probability and the N most likely tokens' (of the model's own distribution: the log-softmax of the raw logits, before
+penalties, temperature and masks), and `constraint` (a `TokenConstraint`) masks the logits before each draw.
+Greedy requests without either take one argmax over the batch, as before.
 """
 
 from __future__ import annotations
@@ -20,10 +25,10 @@ import torch
 
 from sluice.config import EngineConfig
 from sluice.engine.runner import ModelRunner
-from sluice.engine.sampler import SamplingBatch, fill_seen, mark_seen, random_seed, sample
+from sluice.engine.sampler import SamplingBatch, fill_seen, mark_seen, output_counts, random_seed, sample
 from sluice.engine.sampling import SamplingParams
 from sluice.engine.scheduler import Scheduler
-from sluice.engine.sequence import DECODING, Sequence, stop_text
+from sluice.engine.sequence import DECODING, Sequence, TokenConstraint, stop_text
 from sluice.errors import ContextLengthError, InvalidOptionError
 
 POOL_POSITIONS = 256  # a growing pool's capacity is a multiple of this
@@ -35,6 +40,8 @@ class StepOutput:
     token: int | None  # the token sampled this step (None: an end-of-generation id, not part of the output)
     text: str  # the text that became safe to show
     finished: bool
+    logprob: float | None = None  # with logprobs: the token's log probability
+    top_logprobs: list[tuple[int, float]] | None = None  # with logprobs=N: the N likeliest (id, logprob), best first
 
 
 class Engine:
@@ -52,13 +59,20 @@ class Engine:
         return min(self.context_length, self.config.max_seq_len or self.context_length)
 
     # -- requests -------------------------------------------------------------------------------------------
-    def add_request(self, prompt: list[int], max_tokens: int = 256, stop_ids=None, stop=(), **sampling) -> Sequence:
+    def add_request(self, prompt: list[int], max_tokens: int = 256, stop_ids=None, stop=(), logprobs: int | None = None,
+                    constraint: TokenConstraint | None = None, **sampling) -> Sequence:
         """Queue a request (prompt token ids); it joins the running batch at the next step. stop_ids: the
-        end-of-generation ids (default: the tokenizer's); stop: strings that end it (cut from the text)."""
+        end-of-generation ids (default: the tokenizer's); stop: strings that end it (cut from the text); logprobs:
+        None, or how many of the likeliest tokens each step reports beside the sampled one's log probability;
+        constraint: which tokens may come next (see `TokenConstraint`)."""
         rid = next(self._ids)
         params = SamplingParams(**sampling).validate()
         if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 0:
             raise InvalidOptionError(f"request {rid}: max_tokens={max_tokens!r}: use a non-negative integer.")
+        if logprobs is not None and (not isinstance(logprobs, int) or isinstance(logprobs, bool) or
+                                     not 0 <= logprobs <= self.vocab_size):
+            raise InvalidOptionError(f"request {rid}: logprobs={logprobs!r}: use None or an integer in "
+                                     f"[0, {self.vocab_size}].")
         if isinstance(stop, str):
             stop = (stop,)
         prompt = [int(t) for t in prompt]
@@ -71,6 +85,7 @@ class Engine:
         seq = Sequence(rid, prompt, max_tokens, params, random_seed() if params.seed is None else params.seed,
                        frozenset(self.tokenizer.stop_ids if stop_ids is None else stop_ids), tuple(stop))
         seq.text = stop_text(self.tokenizer, seq.stop)
+        seq.logprobs, seq.constraint = logprobs, constraint
         self.scheduler.add(seq)
         return seq
 
@@ -78,6 +93,14 @@ class Engine:
         """Cancel a request; its cache row is free for the next step."""
         if not seq.finished:
             self.scheduler.finish(seq, "abort", self.runner.pool)
+
+    def reserve(self) -> None:
+        """Build the cache pool now, at its final size (`max_batch` rows of `max_seq_len` positions), instead of at
+        the first step: a server sizes it once, before its first request. Needs max_seq_len."""
+        if self.config.max_seq_len is None:
+            raise InvalidOptionError("reserve() needs max_seq_len: the positions each sequence may hold.")
+        if self.runner.pool is None and not self.scheduler.running:
+            self.runner.build_pool(self.config.max_batch, self.max_length)
 
     def has_work(self) -> bool:
         return self.scheduler.has_work()
@@ -136,28 +159,64 @@ class Engine:
             fill_seen(self.runner.seen, seq.row, seq.prompt)
 
     def _sample(self, seqs: list[Sequence], logits: torch.Tensor) -> list[StepOutput]:
-        if all(s.sampling.temperature == 0 and s.sampling.repetition_penalty == 1 for s in seqs):  # greedy
-            return [self._append(s, t) for s, t in zip(seqs, logits.argmax(-1).tolist())]
-        batch = SamplingBatch([s.sampling for s in seqs], [s.seed for s in seqs], [len(s.output) for s in seqs],
-                              logits.device)
-        rows = torch.tensor([s.row for s in seqs], device=logits.device) if batch.needs_seen else None
-        ids = sample(logits, batch, self.runner.seen, rows)
-        if rows is not None:
-            mark_seen(self.runner.seen, rows, ids)
-        return [self._append(s, t) for s, t in zip(seqs, ids.tolist())]
+        raw = logits
+        if any(s.constraint is not None for s in seqs):
+            logits = self._masked(seqs, logits)
+        if all(s.sampling.plain_greedy for s in seqs):  # greedy
+            ids = logits.argmax(-1)
+        else:
+            batch = SamplingBatch([s.sampling for s in seqs], [s.seed for s in seqs], [len(s.output) for s in seqs],
+                                  logits.device)
+            rows = torch.tensor([s.row for s in seqs], device=logits.device) if batch.needs_seen else None
+            counts = None
+            if batch.needs_counts:
+                counts = output_counts([s.output if s.sampling.counts_output else () for s in seqs],
+                                       logits.shape[-1], logits.device)
+            ids = sample(logits, batch, self.runner.seen, rows, counts)
+            if rows is not None:
+                mark_seen(self.runner.seen, rows, ids)
+        logprobs = self._logprobs(seqs, raw, ids)
+        return [self._append(s, t, *logprobs.get(i, (None, None))) for i, (s, t) in enumerate(zip(seqs, ids.tolist()))]
 
-    def _append(self, seq: Sequence, token: int) -> StepOutput:
+    @staticmethod
+    def _masked(seqs: list[Sequence], logits: torch.Tensor) -> torch.Tensor:
+        """A copy of the logits with the tokens each row's constraint forbids at -inf."""
+        logits = logits.clone()
+        for i, s in enumerate(seqs):
+            if s.constraint is not None:
+                allowed = s.constraint.allowed().to(logits.device, non_blocking=True)
+                logits[i].masked_fill_(~allowed, float("-inf"))
+        return logits
+
+    @staticmethod
+    def _logprobs(seqs: list[Sequence], logits: torch.Tensor, ids: torch.Tensor) -> dict:
+        """{row index: (logprob of the sampled token, [(id, logprob)] of the N likeliest)} for the rows that ask."""
+        want = [i for i, s in enumerate(seqs) if s.logprobs is not None]
+        if not want:
+            return {}
+        index = torch.tensor(want, device=logits.device)
+        lp = torch.log_softmax(logits.index_select(0, index).float(), dim=-1)
+        chosen = lp.gather(1, ids.index_select(0, index)[:, None])[:, 0].tolist()
+        n = max(seqs[i].logprobs for i in want)
+        top = lp.topk(n, dim=-1) if n else None
+        values, indices = (top.values.tolist(), top.indices.tolist()) if n else ([[]] * len(want), [[]] * len(want))
+        return {i: (chosen[j], list(zip(indices[j], values[j]))[:seqs[i].logprobs]) for j, i in enumerate(want)}
+
+    def _append(self, seq: Sequence, token: int, logprob: float | None = None,
+                top_logprobs: list[tuple[int, float]] | None = None) -> StepOutput:
         if token in seq.stop_ids:
             self.scheduler.finish(seq, "stop", self.runner.pool)
-            return StepOutput(seq, None, seq.text.flush(), True)
+            return StepOutput(seq, None, seq.text.flush(), True, logprob, top_logprobs)
         seq.output.append(token)
+        if seq.constraint is not None:
+            seq.constraint.advance(token)
         text, stopped = seq.text.push(token)
         if stopped:
             self.scheduler.finish(seq, "stop", self.runner.pool)
         elif len(seq.output) >= seq.max_tokens:
             self.scheduler.finish(seq, "length", self.runner.pool)
             text += seq.text.flush()
-        return StepOutput(seq, token, text, seq.finished)
+        return StepOutput(seq, token, text, seq.finished, logprob, top_logprobs)
 
     # -- whole requests -------------------------------------------------------------------------------------
     def run(self, seqs: list[Sequence]) -> None:

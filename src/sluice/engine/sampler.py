@@ -1,8 +1,9 @@
 """Batched next-token sampling on the device: one token per row, each row with its own parameters and seed.
 
-`sample(logits, batch, seen)` turns float32 logits [B, V] into token ids [B] with tensor ops only: nothing in it waits
-on the device, so the host syncs only when it reads the ids. The filters are those of `sampling.Sampler`, row by row:
-repetition penalty (HF convention) on the rows' seen tokens, then temperature (0 = greedy), top-k on the scaled
+`sample(logits, batch, seen, counts=...)` turns float32 logits [B, V] into token ids [B] with tensor ops only: nothing
+in it waits on the device, so the host syncs only when it reads the ids. The filters are those of `sampling.Sampler`,
+row by row: repetition penalty (HF convention) on the rows' seen tokens, presence and frequency penalties (OpenAI
+convention) on the counts of the tokens each row generated, then temperature (0 = greedy), top-k on the scaled
 logits, softmax, min-p (relative to the largest probability), top-p (the smallest prefix of the sorted probabilities
 whose mass reaches top_p). A row whose filter is off is left exactly as it was when another row of the batch turns
 that filter on.
@@ -47,9 +48,11 @@ def row_key(seed: int, counter: int) -> int:
 class SamplingBatch:
     """The sampling parameters of one step's rows, as device tensors, and host flags that choose the work to do.
 
-    Device tensors (column views of two packed tensors): temperature, top_p, min_p, repetition_penalty (float32 [B]);
-    top_k, key (int64 [B]; key = row_key(seed, counter)). Host flags: `all_greedy` (every temperature is 0: sample()
-    is one argmax), `any_greedy`, `needs_seen` (some row has a repetition penalty: sample() needs its seen mask),
+    Device tensors (column views of two packed tensors): temperature, top_p, min_p, repetition_penalty,
+    presence_penalty, frequency_penalty (float32 [B]); top_k, key (int64 [B]; key = row_key(seed, counter)). Host
+    flags: `all_greedy` (every temperature is 0: sample() is one argmax), `any_greedy`, `needs_seen` (some row has a
+    repetition penalty: sample() needs its seen mask), `needs_counts` (some row has a presence or frequency penalty:
+    sample() needs the counts of the rows' generated tokens),
     `max_top_k` (the largest top_k, 0 when no row uses top-k), `any_min_p`, `any_top_p`, `top_p_within_top_k` (every
     row with top-p also has top-k: top-p sorts only the max_top_k largest probabilities, not the whole vocabulary).
     """
@@ -71,6 +74,7 @@ class SamplingBatch:
         self.all_greedy = all(p.temperature == 0 for p in params)
         self.any_greedy = any(p.temperature == 0 for p in params)
         self.needs_seen = any(p.repetition_penalty != 1 for p in params)
+        self.needs_counts = any(p.counts_output for p in params)
         self.max_top_k = max((p.top_k for p in params), default=0)
         self.any_min_p = any(p.min_p > 0 for p in params)
         self.any_top_p = any(p.top_p < 1 for p in params)
@@ -78,8 +82,8 @@ class SamplingBatch:
 
         device = torch.device(device)
         pin = device.type == "cuda"
-        floats = torch.tensor([[p.temperature, p.top_p, p.min_p, p.repetition_penalty] for p in params],
-                              dtype=torch.float32, pin_memory=pin).reshape(-1, 4)
+        floats = torch.tensor([[p.temperature, p.top_p, p.min_p, p.repetition_penalty, p.presence_penalty,
+                                p.frequency_penalty] for p in params], dtype=torch.float32, pin_memory=pin).reshape(-1, 6)
         ints = torch.tensor([[p.top_k, row_key(s, c)] for p, s, c in zip(params, seeds, counters)],
                             dtype=torch.int64, pin_memory=pin).reshape(-1, 2)
         if out is None:
@@ -109,6 +113,14 @@ class SamplingBatch:
         return self.floats[:, 3]
 
     @property
+    def presence_penalty(self) -> torch.Tensor:
+        return self.floats[:, 4]
+
+    @property
+    def frequency_penalty(self) -> torch.Tensor:
+        return self.floats[:, 5]
+
+    @property
     def top_k(self) -> torch.Tensor:
         return self.ints[:, 0]
 
@@ -118,12 +130,13 @@ class SamplingBatch:
 
 
 def sample(logits: torch.Tensor, batch: SamplingBatch, seen: torch.Tensor | None = None,
-           rows: torch.Tensor | None = None) -> torch.Tensor:
+           rows: torch.Tensor | None = None, counts: torch.Tensor | None = None) -> torch.Tensor:
     """One token id per row (int64 [B], on the logits' device) from logits [B, V] (float32; other dtypes are
     converted). seen: the rows' seen tokens, needed when batch.needs_seen: either a bool [B, V] mask, or with `rows`
     (int64 [B]) the engine's whole bool [pool_rows, V] mask, of which row rows[i] belongs to logits row i (one [B, V]
-    gather; when the step's rows are the pool's first B in order, pass seen[:B] instead: a view, no copy)."""
-    x = _penalised(logits, batch, seen, rows)
+    gather; when the step's rows are the pool's first B in order, pass seen[:B] instead: a view, no copy). counts:
+    float32 [B, V], how often each row generated each token (`output_counts`), needed when batch.needs_counts."""
+    x = _penalised(logits, batch, seen, rows, counts)
     if batch.all_greedy:
         return x.argmax(-1)
     ids = (_filtered(x, batch) / uniforms(batch.key, x.shape[-1]).log_().neg_()).argmax(-1)
@@ -131,26 +144,31 @@ def sample(logits: torch.Tensor, batch: SamplingBatch, seen: torch.Tensor | None
 
 
 def filtered_probs(logits: torch.Tensor, batch: SamplingBatch, seen: torch.Tensor | None = None,
-                   rows: torch.Tensor | None = None) -> torch.Tensor:
+                   rows: torch.Tensor | None = None, counts: torch.Tensor | None = None) -> torch.Tensor:
     """The distributions sample() draws from (float32 [B, V]; arguments as for sample): the softmax of the penalised,
     temperature-scaled, top-k-masked logits, with the entries min-p and top-p drop set to 0 and the rest left as they
     are (a row sums to at most 1). A greedy row gets its distribution at temperature 1 (sample() takes its argmax)."""
-    return _filtered(_penalised(logits, batch, seen, rows), batch)
+    return _filtered(_penalised(logits, batch, seen, rows, counts), batch)
 
 
-def _penalised(logits: torch.Tensor, batch: SamplingBatch, seen: torch.Tensor | None,
-               rows: torch.Tensor | None) -> torch.Tensor:
-    """float32 logits with the repetition penalty applied to the seen tokens: positive ones divided, negative ones
-    multiplied (a row with penalty 1 is unchanged)."""
+def _penalised(logits: torch.Tensor, batch: SamplingBatch, seen: torch.Tensor | None, rows: torch.Tensor | None,
+               counts: torch.Tensor | None) -> torch.Tensor:
+    """float32 logits with the repetition penalty applied to the seen tokens (positive ones divided, negative ones
+    multiplied), then count * frequency_penalty + (count > 0) * presence_penalty subtracted (a row whose penalties
+    are off is unchanged)."""
     x = logits.float()
-    if not batch.needs_seen:
-        return x
-    if seen is None:
-        raise ValueError("a row has a repetition penalty: pass the rows' seen mask")
-    if rows is not None:
-        seen = seen.index_select(0, rows)
-    pen = batch.repetition_penalty[:, None]
-    return torch.where(seen, torch.where(x > 0, x / pen, x * pen), x)
+    if batch.needs_seen:
+        if seen is None:
+            raise ValueError("a row has a repetition penalty: pass the rows' seen mask")
+        if rows is not None:
+            seen = seen.index_select(0, rows)
+        pen = batch.repetition_penalty[:, None]
+        x = torch.where(seen, torch.where(x > 0, x / pen, x * pen), x)
+    if batch.needs_counts:
+        if counts is None:
+            raise ValueError("a row has a presence or frequency penalty: pass the counts of its generated tokens")
+        x = x - counts * batch.frequency_penalty[:, None] - (counts > 0).float() * batch.presence_penalty[:, None]
+    return x
 
 
 def _filtered(x: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
@@ -208,6 +226,14 @@ def _mix32(x):
     x &= _M32
     x ^= x >> 16
     return x
+
+
+def output_counts(outputs: Sequence[Sequence[int]], vocab: int, device: torch.device | str) -> torch.Tensor:
+    """float32 [len(outputs), vocab]: how often row i's generated tokens outputs[i] hold each token id."""
+    rows = torch.tensor([i for i, out in enumerate(outputs) for _ in out], dtype=torch.long)
+    ids = torch.tensor([t for out in outputs for t in out], dtype=torch.long)
+    counts = torch.zeros(len(outputs), vocab, dtype=torch.float32, device=device)
+    return counts.index_put_((rows.to(device), ids.to(device)), torch.ones((), device=device), accumulate=True)
 
 
 def mark_seen(seen: torch.Tensor, rows: torch.Tensor, tokens: torch.Tensor) -> None:

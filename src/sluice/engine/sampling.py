@@ -1,4 +1,5 @@
-"""Next-token sampling: greedy, temperature, top-k, top-p, min-p, repetition penalty, seeded."""
+"""Next-token sampling: greedy, temperature, top-k, top-p, min-p, repetition / presence / frequency penalties,
+seeded."""
 
 from __future__ import annotations
 
@@ -16,7 +17,20 @@ class SamplingParams:
     top_p: float = 1.0  # 1 = off
     min_p: float = 0.0  # 0 = off
     repetition_penalty: float = 1.0  # 1 = off
+    presence_penalty: float = 0.0  # 0 = off; subtracted once from every token the output already holds
+    frequency_penalty: float = 0.0  # 0 = off; subtracted once per time the output already holds the token
     seed: int | None = None
+
+    @property
+    def plain_greedy(self) -> bool:
+        """Greedy with no penalty: the token is the argmax of the logits."""
+        return (self.temperature == 0 and self.repetition_penalty == 1 and self.presence_penalty == 0
+                and self.frequency_penalty == 0)
+
+    @property
+    def counts_output(self) -> bool:
+        """Presence or frequency penalty: sampling needs the counts of the tokens generated so far."""
+        return self.presence_penalty != 0 or self.frequency_penalty != 0
 
     def validate(self) -> SamplingParams:
         def bad(name, value, rule):
@@ -32,6 +46,10 @@ class SamplingParams:
             bad("min_p", self.min_p, "use a value in [0, 1); 0 disables it")
         if self.repetition_penalty <= 0:
             bad("repetition_penalty", self.repetition_penalty, "use a positive value; 1 disables it")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or isinstance(value, bool) or not -2 <= value <= 2:
+                bad(name, value, "use a value in [-2, 2]; 0 disables it")
         return self
 
 
@@ -44,8 +62,9 @@ class Sampler:
         else:
             self.generator.seed()
 
-    def __call__(self, logits: torch.Tensor, history: list[int] | None = None) -> int:
-        """One token id from logits [vocab] (float32)."""
+    def __call__(self, logits: torch.Tensor, history: list[int] | None = None, output: list[int] | None = None) -> int:
+        """One token id from logits [vocab] (float32). history: the tokens the repetition penalty counts (prompt and
+        output); output: the tokens generated so far (presence and frequency penalties)."""
         p = self.p
         logits = logits.float().cpu()
         if p.repetition_penalty != 1.0 and history:
@@ -53,6 +72,10 @@ class Sampler:
             seen = torch.tensor(sorted(set(history)), dtype=torch.long)
             vals = logits[seen]
             logits[seen] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
+        if p.counts_output and output:
+            # OpenAI convention: logit -= count * frequency_penalty + (count > 0) * presence_penalty
+            counts = torch.bincount(torch.tensor(output, dtype=torch.long), minlength=logits.numel()).float()
+            logits = logits - counts * p.frequency_penalty - (counts > 0).float() * p.presence_penalty
         if p.temperature == 0:
             return int(torch.argmax(logits))
         logits = logits / p.temperature

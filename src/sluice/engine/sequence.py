@@ -3,10 +3,24 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
 
 from sluice.engine.sampling import SamplingParams
 
 WAITING, PREFILLING, DECODING, FINISHED = "waiting", "prefilling", "decoding", "finished"
+
+
+class TokenConstraint(Protocol):
+    """A per-request rule on which tokens may come next (e.g. a grammar for structured output). Before each of the
+    request's tokens is sampled, `allowed()` gives a bool [vocab] mask (True = may be sampled; on the CPU or the
+    logits' device), and every other token's logit becomes -inf; `advance(token)` then tells it the token sampled
+    (never an end-of-generation id, which ends the request). Both run on the engine's thread."""
+
+    def allowed(self) -> torch.Tensor: ...
+
+    def advance(self, token: int) -> None: ...
 
 
 @dataclass
@@ -24,6 +38,8 @@ class Sequence:
     row: int | None = None  # the cache row while it holds one
     prefilled: int = 0  # prompt tokens already in the cache
     text: _StopText | None = None  # the detokenized output, held back while it may start a stop string
+    logprobs: int | None = None  # None: off; N: each step reports the token's logprob and the N most likely
+    constraint: TokenConstraint | None = None  # which tokens may be sampled next (structured output)
 
     @property
     def length(self) -> int:

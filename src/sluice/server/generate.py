@@ -1,0 +1,209 @@
+"""From an OpenAI request to the engine and back: the prompt (chat template, tools), the engine options (sampling,
+limits, logprobs, grammar), then the reply as one JSON object or as server-sent events. A client that goes away
+aborts its request: the stream's close or a watcher of the connection (non-streaming) calls `abort`."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+from fastapi import Request
+from fastapi.responses import Response, StreamingResponse
+
+from sluice.server.chat import ReplyParser, prompt_opens_reasoning
+from sluice.server.config import ServerConfig
+from sluice.server.grammar import Grammars
+from sluice.server.logprobs import TokenTexts
+from sluice.server.loop import EngineFailure, EngineLoop, RequestStream
+from sluice.server.protocol import (
+    APIError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    chat_chunk,
+    chat_response,
+    completion_chunk,
+    completion_response,
+    error_body,
+    new_id,
+    sse,
+    usage,
+    usage_chunk,
+)
+
+
+def served_name(path: Path) -> str:
+    return path.name if path.is_dir() else path.stem
+
+
+class EventStream(StreamingResponse):
+    """Server-sent events that abort their request however the response ends (finished, client gone, error)."""
+
+    def __init__(self, events, stream: RequestStream):
+        super().__init__(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        self.stream = stream
+
+    async def __call__(self, scope, receive, send):
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.stream.abort()
+
+
+async def collect(stream: RequestStream, request: Request) -> list | None:
+    """All of a request's outputs, or None when the client disconnected first (the request is aborted)."""
+    async def outputs():
+        return [out async for out in stream]
+
+    async def disconnected():
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    work, watch = asyncio.ensure_future(outputs()), asyncio.ensure_future(disconnected())
+    try:
+        await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
+        return work.result() if work.done() else None
+    finally:
+        work.cancel()
+        watch.cancel()
+        stream.abort()
+
+
+class Generation:
+    """The endpoints' work for one model behind one engine loop."""
+
+    def __init__(self, model, config: ServerConfig, loop: EngineLoop):
+        self.model, self.config, self.loop = model, config, loop
+        self.name = config.model_name or served_name(Path(model.path))
+        self.grammars = Grammars(model.tokenizer, model.config.vocab_size)
+        self.texts = TokenTexts(model.tokenizer)
+
+    def check_model(self, name: str) -> None:
+        if name != self.name:
+            raise APIError(404, f"The model {name!r} does not exist: this server serves {self.name!r}.",
+                           param="model", code="model_not_found")
+
+    def options(self, req, prompt: list[int], limit: int | None, logprobs: int | None, constraint) -> dict:
+        """add_request's keyword arguments (the engine validates them: its errors become 400s)."""
+        if limit is None:  # as much as the context leaves
+            limit = max(self.model.engine.max_length - len(prompt), 1)
+        return dict(max_tokens=limit, stop=req.stop_strings(), logprobs=logprobs, constraint=constraint,
+                    **req.sampling())
+
+    # -- /v1/chat/completions -------------------------------------------------------------------------------
+    async def chat(self, req: ChatCompletionRequest, request: Request):
+        self.check_model(req.model)
+        req.check_supported()
+        choice = req.tool_choice or ("auto" if req.tools else "none")
+        tools = req.tools if choice != "none" else None
+        text = await asyncio.to_thread(self._render, req, tools)
+        prompt = self.model.tokenizer.encode(text, add_special=False)
+        constraint = await asyncio.to_thread(self._chat_constraint, req, choice)
+        stream = await self.loop.open(prompt, **self.options(req, prompt, req.token_limit, req.logprobs_count,
+                                                              constraint))
+        parser = ReplyParser(tools=tools is not None, in_reasoning=prompt_opens_reasoning(text))
+        rid = new_id("chatcmpl")
+        if req.stream:
+            return EventStream(self._chat_events(rid, req, stream, parser, len(prompt)), stream)
+        outs = await collect(stream, request)
+        if outs is None:
+            return Response(status_code=499)
+        reply = parser.feed("".join(o.text for o in outs))
+        reply += parser.finish()
+        message = {"role": "assistant", "content": reply.content or (None if reply.tool_calls else "")}
+        if reply.reasoning:
+            message["reasoning_content"] = reply.reasoning
+        if reply.tool_calls:
+            message["tool_calls"] = reply.tool_calls
+        logprobs = [self.texts.chat(o) for o in outs if o.token is not None] if req.logprobs else None
+        seq = stream.seq
+        return chat_response(rid, self.name, message, _finish_reason(seq, len(reply.tool_calls)), logprobs,
+                             usage(len(prompt), len(seq.output)))
+
+    def _render(self, req: ChatCompletionRequest, tools) -> str:
+        messages = [m.for_template() for m in req.messages]
+        kwargs = dict(req.chat_template_kwargs or {})
+        if tools:
+            kwargs["tools"] = [t.model_dump(exclude_none=True) for t in tools]
+        return self.model.tokenizer.apply_chat_template(messages, add_generation_prompt=True, **kwargs)
+
+    def _chat_constraint(self, req: ChatCompletionRequest, choice):
+        forced = choice == "required" or not isinstance(choice, str)
+        fmt = req.response_format if req.response_format and req.response_format.type != "text" else None
+        if forced and fmt:
+            raise APIError(400, "response_format and a forced tool_choice cannot be combined.",
+                           param="response_format")
+        if forced:
+            name = None if isinstance(choice, str) else choice.function.name
+            return self.grammars.constraint(self.grammars.for_tool_call(req.tools, name), "tool_choice")
+        grammar = self.grammars.for_response_format(fmt)
+        return None if grammar is None else self.grammars.constraint(grammar, "response_format")
+
+    async def _chat_events(self, rid: str, req, stream: RequestStream, parser: ReplyParser, prompt_tokens: int):
+        with_usage, calls = req.include_usage, 0
+        yield sse(chat_chunk(rid, self.name, {"role": "assistant", "content": ""}, with_usage=with_usage))
+        try:
+            async for out in stream:
+                piece = parser.feed(out.text)
+                if out.finished:
+                    piece += parser.finish()
+                delta = {}
+                if piece.reasoning:
+                    delta["reasoning_content"] = piece.reasoning
+                if piece.content:
+                    delta["content"] = piece.content
+                if piece.tool_calls:
+                    delta["tool_calls"] = [{"index": calls + i, **c} for i, c in enumerate(piece.tool_calls)]
+                    calls += len(piece.tool_calls)
+                logprobs = [self.texts.chat(out)] if req.logprobs and out.token is not None else None
+                if delta or logprobs:
+                    yield sse(chat_chunk(rid, self.name, delta, None, logprobs, with_usage))
+                if out.finished:
+                    yield sse(chat_chunk(rid, self.name, {}, _finish_reason(out.seq, calls), None, with_usage))
+                    if with_usage:
+                        yield sse(usage_chunk(rid, self.name, "chat.completion.chunk",
+                                              usage(prompt_tokens, len(out.seq.output))))
+        except EngineFailure as e:
+            yield sse(error_body(str(e), "server_error"))
+        yield sse("[DONE]")
+
+    # -- /v1/completions ------------------------------------------------------------------------------------
+    async def complete(self, req: CompletionRequest, request: Request):
+        self.check_model(req.model)
+        req.check_supported()
+        prompt = req.single_prompt()
+        if isinstance(prompt, str):
+            prompt = await asyncio.to_thread(self.model.tokenizer.encode, prompt)
+        stream = await self.loop.open(prompt, **self.options(req, prompt, req.max_tokens, req.logprobs, None))
+        rid = new_id("cmpl")
+        if req.stream:
+            return EventStream(self._completion_events(rid, req, stream, len(prompt)), stream)
+        outs = await collect(stream, request)
+        if outs is None:
+            return Response(status_code=499)
+        tokens = [o for o in outs if o.token is not None]
+        logprobs = self.texts.completion(tokens, 0) if req.logprobs is not None else None
+        seq = stream.seq
+        return completion_response(rid, self.name, "".join(o.text for o in outs), seq.finish_reason, logprobs,
+                                   usage(len(prompt), len(seq.output)))
+
+    async def _completion_events(self, rid: str, req, stream: RequestStream, prompt_tokens: int):
+        with_usage, offset = req.include_usage, 0
+        try:
+            async for out in stream:
+                logprobs = None
+                if req.logprobs is not None and out.token is not None:
+                    logprobs = self.texts.completion([out], offset)
+                offset += len(out.text)
+                if out.text or logprobs or out.finished:
+                    reason = out.seq.finish_reason if out.finished else None
+                    yield sse(completion_chunk(rid, self.name, out.text, reason, logprobs, with_usage))
+                if out.finished and with_usage:
+                    yield sse(usage_chunk(rid, self.name, "text_completion", usage(prompt_tokens,
+                                                                                   len(out.seq.output))))
+        except EngineFailure as e:
+            yield sse(error_body(str(e), "server_error"))
+        yield sse("[DONE]")
+
+
+def _finish_reason(seq, tool_calls: int) -> str:
+    return "tool_calls" if tool_calls and seq.finish_reason == "stop" else seq.finish_reason
