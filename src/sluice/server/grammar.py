@@ -57,10 +57,10 @@ class Grammars:
         except ValueError as e:
             raise APIError(400, f"response_format: {e}", param="response_format") from None
 
-    @staticmethod
-    def for_tool_call(tools, name: str | None) -> str:
+    def for_tool_call(self, tools, name: str | None) -> str:
         """One `<tool_call>{"name": ..., "arguments": ...}</tool_call>` of the named tool (None: any offered tool),
-        its arguments following the tool's parameter schema."""
+        its arguments following the tool's parameter schema. A tag that is one token of the vocabulary (Qwen's) is
+        that token, else its text."""
         if not tools:
             raise APIError(400, "tool_choice asks for a tool call but the request offers no tools.", param="tools")
         chosen = [t for t in tools if name is None or t.function.name == name]
@@ -73,7 +73,12 @@ class Grammars:
             "required": ["name", "arguments"], "additionalProperties": False} for t in chosen]
         schema = calls[0] if len(calls) == 1 else {"anyOf": calls}
         body = json.dumps({**schema, "x-guidance": JSON_OPTIONS})
-        return f"start: {json.dumps(TOOL_OPEN + chr(10))} %json {body} {json.dumps(chr(10) + TOOL_CLOSE)}\n"
+        return f'start: {self._tag(TOOL_OPEN)} "\\n" %json {body} "\\n" {self._tag(TOOL_CLOSE)}\n'
+
+    def _tag(self, text: str) -> str:
+        """A lark item for a tag: its token (`<[id]>`) when the vocabulary has it whole, else the string."""
+        token = self.tokenizer.token_to_id(text)
+        return f"<[{token}]>" if token is not None else json.dumps(text)
 
     # -- matchers -------------------------------------------------------------------------------------------
     def constraint(self, grammar: str, param: str) -> GrammarConstraint:
