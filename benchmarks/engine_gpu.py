@@ -1,6 +1,6 @@
 """End-to-end engine speed on the GPU machine: `Model.bench` (what `sluice bench` prints) on a dummy-weight model of a
 real config, dense and TurboQuant KV, batch 1 with graphs and eagerly, and batches of distinct prompts; the HBM floor
-beside each figure; then a profile of one eager decode step per cache kind at a batch past the old MoE switch.
+beside each figure, and the kernels of each batch's replayed decode step.
 
     PYTHONPATH=src python benchmarks/engine_gpu.py --config benchmarks/configs/qwen3-next-80b-a3b.json --json out.json
 """
@@ -19,24 +19,65 @@ import sluice
 from sluice.engine.bench import copy_bandwidth
 
 
-def profile_step(model, batch: int, context: int = 128, top: int = 12) -> list[dict]:
-    """The kernels of one decode step of `batch` distinct sequences (a model without graphs), by CUDA time."""
-    engine = model.engine
-    g = torch.Generator().manual_seed(1)
-    seqs = [engine.add_request(torch.randint(0, model.config.vocab_size, (context,), generator=g).tolist(),
-                               max_tokens=8, stop_ids=()) for _ in range(batch)]
-    while any(s.status != "decoding" for s in seqs):
-        engine.step()
-    engine.step()  # warm
+def profile_graph(graph, top: int = 14) -> dict:
+    """The kernels of one replay of a captured decode step, by GPU time, and the step's total kernel time."""
+    graph.replay()
     torch.cuda.synchronize()
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        engine.step()
+        graph.replay()
         torch.cuda.synchronize()
+    rows = [{"kernel": e.key[:90], "cuda_ms": e.device_time_total / 1e3, "calls": e.count}
+            for e in prof.key_averages() if e.device_time_total > 0]
+    rows.sort(key=lambda r: -r["cuda_ms"])
+    return {"total_ms": sum(r["cuda_ms"] for r in rows), "kernels": sum(r["calls"] for r in rows),
+            "top": rows[:top]}
+
+
+def step_anatomy(model, batch: int, steps: int = 12, context: int = 128) -> dict:
+    """Where a steady decode step of `batch` distinct sequences goes: the step (what the engine user waits), the
+    model runner's part (graph replay plus waiting for it), the host's part around it, and the host functions that
+    take the most of it (cProfile)."""
+    import cProfile
+    import io
+    import pstats
+
+    engine = model.engine
+    g = torch.Generator().manual_seed(2)
+    seqs = [engine.add_request(torch.randint(0, model.config.vocab_size, (context,), generator=g).tolist(),
+                               max_tokens=steps + 4, stop_ids=()) for _ in range(batch)]
+    while any(s.status != "decoding" for s in seqs):
+        engine.step()
+    engine.step()
+    runner_s = []
+    decode = engine.runner.decode
+
+    def timed(*args):
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        out = decode(*args)
+        torch.cuda.synchronize()
+        runner_s.append(time.perf_counter() - t)
+        return out
+
+    step_s = []
+    for _ in range(steps // 2):  # untouched steps first
+        t = time.perf_counter()
+        engine.step()
+        step_s.append(time.perf_counter() - t)
+    engine.runner.decode = timed
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(steps // 2):
+        engine.step()
+    prof.disable()
+    del engine.runner.decode
     for s in seqs:
         engine.abort(s)
-    rows = [{"kernel": e.key[:90], "cuda_ms": e.device_time_total / 1e3, "calls": e.count}
-            for e in prof.key_averages()]
-    return sorted(rows, key=lambda r: -r["cuda_ms"])[:top]
+    out = io.StringIO()
+    pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(12)
+    step_ms, runner_ms = 1e3 * sorted(step_s)[len(step_s) // 2], 1e3 * sorted(runner_s)[len(runner_s) // 2]
+    return {"batch": batch, "step_ms": step_ms, "runner_ms": runner_ms, "host_rest_ms": step_ms - runner_ms,
+            "profile": out.getvalue()[-3000:]}
 
 
 def replay_ms(graph, n: int = 50) -> float:
@@ -56,6 +97,7 @@ def main() -> int:
     ap.add_argument("--batches", default="1,8,16,64")
     ap.add_argument("--kinds", default="dense,turboquant4")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--eager", action="store_true", help="also batch 1 without graphs")
     args = ap.parse_args()
     t0 = time.perf_counter()
     base = sluice.load(args.config, load_format="dummy", device="cuda", max_batch=128)
@@ -74,6 +116,12 @@ def main() -> int:
             graphs = model.engine.runner._graphs
             if batch in graphs:  # the same step's graph alone: what the engine's per-step host work costs beside it
                 r["graph_replay_ms"] = replay_ms(graphs[batch][0])
+                profiles[f"{kind} batch {batch}"] = profile_graph(graphs[batch][0])
+                if batch > 1:
+                    anatomy = step_anatomy(model, batch)
+                    r["anatomy"] = anatomy
+                    print(f"step anatomy, batch {batch}: step {anatomy['step_ms']:.2f} ms, runner "
+                          f"{anatomy['runner_ms']:.2f} ms\n{anatomy['profile']}", flush=True)
             rows.append(r)
             dump(args.json, args.config, rows, {})
             print(json.dumps({k: r.get(k) for k in ("kv_cache", "batch", "graphs", "ttft_cold_s", "ttft_warm_s",
@@ -82,21 +130,21 @@ def main() -> int:
                   flush=True)
         model._engine = None
         torch.cuda.empty_cache()
-        eager = _with_kv_cache(base, kind)
-        eager.engine_config = replace(eager.engine_config, graphs=False)
-        rows.append(eager.bench(prompt_tokens=512, gen_tokens=16, batch=1, repeats=1))
-        profiles[kind] = profile_step(eager, 8)
-        eager._engine = None
-        torch.cuda.empty_cache()
+        if args.eager:
+            eager = _with_kv_cache(base, kind)
+            eager.engine_config = replace(eager.engine_config, graphs=False)
+            rows.append(eager.bench(prompt_tokens=512, gen_tokens=16, batch=1, repeats=1))
+            eager._engine = None
+            torch.cuda.empty_cache()
     print(f"\n{'KV':12s} {'batch':>5s} {'graphs':>6s} {'TTFT cold':>9s} {'TTFT warm':>9s} {'prefill t/s':>11s} "
           f"{'decode t/s':>10s} {'floor t/s':>9s} {'of floor':>8s}")
     for r in rows:
         print(f"{r['kv_cache']:12s} {r['batch']:5d} {str(r['graphs']):>6s} {r['ttft_cold_s']:9.3f} "
               f"{r['ttft_warm_s']:9.3f} {r['prefill_tok_s']:11.0f} {r['decode_tok_s']:10.1f} "
               f"{r['floor_decode_tok_s']:9.0f} {r['decode_tok_s'] / r['floor_decode_tok_s']:8.1%}")
-    for kind, prof in profiles.items():
-        print(f"\none eager decode step, batch 8, {kind}:")
-        for p in prof:
+    for case, prof in profiles.items():
+        print(f"\none replayed decode step, {case}: {prof['total_ms']:.3f} ms of kernels, {prof['kernels']} launches")
+        for p in prof["top"]:
             print(f"  {p['cuda_ms']:8.3f} ms {p['calls']:5d}x  {p['kernel']}")
     dump(args.json, args.config, rows, profiles)
     return 0

@@ -117,7 +117,7 @@ class TurboQuantKVCache(KVCache):
         qr = decode_step_prep(q[:, :, 0], k[:, :, 0], v[:, :, 0], *caches, pos, rows=rows)
         o = decode_attention(qr, caches[0], caches[1], pos, scale, min(meta.visible, self.capacity), self.window,
                              k_scale=caches[2], v_scale=caches[3], k_recent=caches[4], v_recent=caches[5],
-                             unrotate=True, rows=rows)
+                             unrotate=True, rows=rows, out_dtype=q.dtype)  # (qr is fp32)
         return o[:, :, None]
 
     def _use_cpu_kernel(self, q: torch.Tensor) -> bool:

@@ -1,0 +1,122 @@
+"""Decode batches of 5-128 tokens on the GPU: the dense 4-bit projections and the MoE experts, each path side by
+side with the memory-bandwidth floor, at Qwen3-Next-80B-A3B shapes.
+
+    python benchmarks/small_batch_gpu.py [--json out.json]
+
+- Dense [N, K] projections at M = 5..64 rows: today's dispatch (`qmatmul`: per-row GEMVs up to 4 rows, then the
+  swapped tensor-core GEMM), per-row GEMVs, the batch GEMV (`qmatmul.gemv_rows`: R rows of x per W block) at a few
+  (R, block_n), cuBLAS bf16 of the same shape; floor: packed bytes / copy bandwidth.
+- The MoE experts of one layer (route given, distinct random routings per token, shared expert as slot E) at
+  T = 4..128 tokens: one GEMV row per slot (today) against slots grouped by expert at a few tile sizes; floor: the
+  bytes of the experts the routing hits, once each.
+Every timing: CUDA-graph replay over enough weight copies to keep L2 cold (qmatmul_gpu.graph_time); each
+candidate checked against a reference first. Table printed last.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from moe_gpu import stacked_qt  # noqa: E402
+from qmatmul_gpu import copies_for, copy_bandwidth, end_run, graph_time, qt_bytes, random_qt, rel_err, start_run  # noqa: E402
+
+from sluice.kernels.moe import triton as mt  # noqa: E402
+from sluice.kernels.qmatmul import triton as tq  # noqa: E402
+from sluice.kernels.qmatmul.gemv_rows import qgemv_rows  # noqa: E402
+
+DENSE = {"qkvz 12288x2048": (12288, 2048), "gdn out 2048x4096": (2048, 4096), "attn q 8192x2048": (8192, 2048),
+         "lm_head 151936x2048": (151936, 2048)}
+ROWS_CONFIGS = [(4, 4), (8, 2), (8, 4), (16, 1), (16, 2)]  # (rows per program, block_n)
+H, E, I, K_TOP = 2048, 512, 512, 10
+MOE_CONFIGS = [(1, 4), (2, 4), (4, 4), (4, 8), (8, 4)]  # (tile rows, block_n)
+
+
+def dense(res, copy_bw):
+    for name, (N, K) in DENSE.items():
+        base = random_qt(N, K)
+        nb = qt_bytes(base)
+        qts = [base] + [random_qt(N, K) for _ in range(copies_for(nb) - 1)]
+        ws = [torch.randn(N, K, device="cuda", dtype=torch.bfloat16) for _ in range(min(copies_for(2 * N * K), 8))]
+        ref_w = base.dequantize(torch.float32) if N * K <= 1 << 26 else None
+        for M in (5, 8, 16, 32, 64):
+            xs = [torch.randn(M, K, device="cuda", dtype=torch.bfloat16) for _ in qts]
+            cands = {"dispatch": lambda q, x: tq.qmatmul(x, q), "gemv per row": lambda q, x: tq.qgemv(x, q)}
+            for r, bn in ROWS_CONFIGS:
+                cands[f"rows R{r} bn{bn}"] = lambda q, x, r=r, bn=bn: qgemv_rows(x, q, r, bn)
+            row = {"shape": name, "M": M, "floor_us": nb / copy_bw * 1e6}
+            for label, fn in cands.items():
+                try:
+                    if ref_w is not None:
+                        err = rel_err(fn(qts[0], xs[0]), xs[0].float() @ ref_w.T)
+                        if err > 1e-2:
+                            raise AssertionError(f"rel err {err:.2e}")
+                    row[label] = graph_time([lambda q=q, x=x, fn=fn: fn(q, x) for q, x in zip(qts, xs)], reps=10) * 1e6
+                except Exception as e:  # a config that does not compile or is wrong: recorded, the run goes on
+                    res["errors"].append(f"{name} M={M} {label}: {type(e).__name__}: {str(e)[:200]}")
+                    print("ERROR", res["errors"][-1], flush=True)
+            row["cublas bf16"] = graph_time([lambda w=w, x=x: torch.nn.functional.linear(x, w)
+                                             for w, x in zip(ws, xs)], reps=10) * 1e6
+            res["dense"].append(row)
+            print({k: round(v, 1) if isinstance(v, float) else v for k, v in row.items()}, flush=True)
+        del qts, ws
+
+
+def moe(res, copy_bw):
+    layers = []
+    for _ in range(4):  # 4 x 0.8 GB of experts: L2 stays cold between calls
+        layers.append((stacked_qt(E, 2 * I, H), stacked_qt(E, H, I), random_qt(2 * I, H), random_qt(H, I)))
+    expert_bytes = (qt_bytes(layers[0][0]) + qt_bytes(layers[0][1])) / E
+    g = torch.Generator(device="cuda").manual_seed(0)
+    for T in (4, 8, 16, 32, 64, 128):
+        calls = []
+        for gu, dn, sgu, sdn in layers:
+            x = torch.randn(T, H, device="cuda", dtype=torch.bfloat16, generator=g)
+            logits = torch.randn(T, E, device="cuda", generator=g)
+            ids, weights = mt.route(logits, K_TOP, True, torch.randn(T, device="cuda", generator=g))
+            calls.append((x, ids, weights, gu, dn, (sgu, sdn)))
+        hit = sum(torch.unique(c[1][:, :K_TOP]).numel() for c in calls) / len(calls) + 1  # + the shared expert
+        row = {"T": T, "experts hit": hit, "floor_us": hit * expert_bytes / copy_bw * 1e6}
+        x, ids, weights, gu, dn, sh = calls[0]
+        ref = mt.moe_decode(x, ids, weights, gu, dn, shared_expert=sh, grouped_from=1 << 30).float()
+        cands = {"per slot": dict(grouped_from=1 << 30)}
+        for tr, bn in MOE_CONFIGS:
+            cands[f"grouped R{tr} bn{bn}"] = dict(grouped_from=1, tile_rows=tr, block_n=bn)
+        for label, kw in cands.items():
+            try:
+                err = rel_err(mt.moe_decode(x, ids, weights, gu, dn, shared_expert=sh, **kw), ref)
+                if err > 1e-2:
+                    raise AssertionError(f"rel err {err:.2e}")
+                row[label] = graph_time([lambda c=c, kw=kw: mt.moe_decode(*c[:5], shared_expert=c[5], **kw)
+                                         for c in calls], reps=10) * 1e6
+            except Exception as e:
+                res["errors"].append(f"moe T={T} {label}: {type(e).__name__}: {str(e)[:200]}")
+                print("ERROR", res["errors"][-1], flush=True)
+        res["moe"].append(row)
+        print({k: round(v, 1) if isinstance(v, float) else v for k, v in row.items()}, flush=True)
+
+
+def main():
+    a, dev, res = start_run("dense", "moe", "errors")
+    copy_bw = copy_bandwidth(dev)
+    res["copy_bw"] = copy_bw
+    for section in (moe, dense):
+        try:
+            section(res, copy_bw)
+        except Exception as e:
+            res["errors"].append(f"{section.__name__}: {type(e).__name__}: {str(e)[:300]}")
+            print("ERROR", res["errors"][-1], flush=True)
+        torch.cuda.empty_cache()
+    for key in ("moe", "dense"):
+        print(f"\n{key} (us)")
+        for row in res[key]:
+            print("  " + "  ".join(f"{k}={v:.1f}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()))
+    end_run(a, res)
+
+
+if __name__ == "__main__":
+    main()
