@@ -95,8 +95,7 @@ class Generation:
         req.check_supported()
         choice = req.tool_choice or ("auto" if req.tools else "none")
         tools = req.tools if choice != "none" else None
-        text = await asyncio.to_thread(self._render, req, tools)
-        prompt = self.model.tokenizer.encode(text, add_special=False)
+        text, prompt = await asyncio.to_thread(self._render, req, tools)
         constraint = await asyncio.to_thread(self._chat_constraint, req, choice)
         stream = await self.loop.open(prompt, **self.options(req, prompt, req.token_limit, req.logprobs_count,
                                                               constraint))
@@ -119,12 +118,15 @@ class Generation:
         return chat_response(rid, self.name, message, _finish_reason(seq, len(reply.tool_calls)), logprobs,
                              usage(len(prompt), len(seq.output)))
 
-    def _render(self, req: ChatCompletionRequest, tools) -> str:
+    def _render(self, req: ChatCompletionRequest, tools) -> tuple[str, list[int]]:
+        """The prompt through the model's chat template (as Model.encode_prompt renders it): text and token ids."""
         messages = [m.for_template() for m in req.messages]
         kwargs = dict(req.chat_template_kwargs or {})
         if tools:
             kwargs["tools"] = [t.model_dump(exclude_none=True) for t in tools]
-        return self.model.tokenizer.apply_chat_template(messages, add_generation_prompt=True, **kwargs)
+        tok = self.model.tokenizer
+        text = tok.apply_chat_template(messages, add_generation_prompt=True, **kwargs)
+        return text, tok.encode(text, add_special=False)
 
     def _chat_constraint(self, req: ChatCompletionRequest, choice):
         forced = choice == "required" or not isinstance(choice, str)
