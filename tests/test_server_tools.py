@@ -142,8 +142,9 @@ def test_tool_call_round_trip(client, model):
             {"id": call.id, "type": "function", "function": {"name": "get_weather",
                                                               "arguments": json.loads(call.function.arguments)}}]},
          {"role": "tool", "tool_call_id": call.id, "content": '{"celsius": 21}'}], tools=[WEATHER])
-    assert f'<tool_call>\n{{"name": "get_weather", "arguments": {json.dumps(json.loads(call.function.arguments), ensure_ascii=False)}}}' \
-           in rendered and '<tool_response>\n{"celsius": 21}\n</tool_response>' in rendered
+    arguments = json.dumps(json.loads(call.function.arguments), ensure_ascii=False)
+    assert f'<tool_call>\n{{"name": "get_weather", "arguments": {arguments}}}' in rendered
+    assert '<tool_response>\n{"celsius": 21}\n</tool_response>' in rendered
     assert r.usage.prompt_tokens == len(model.tokenizer.encode(rendered, add_special=False))
 
 

@@ -1,4 +1,5 @@
-"""The `sluice` command: run, chat, info, bench, serve, convert. Errors a user can cause print a message and exit with status 2."""
+"""The `sluice` command: run, chat, info, bench, serve, convert. Errors a user can cause print a message and exit with
+status 2."""
 
 from __future__ import annotations
 

@@ -176,7 +176,7 @@ class Engine:
             if rows is not None:
                 mark_seen(self.runner.seen, rows, ids)
         logprobs = self._logprobs(seqs, raw, ids)
-        return [self._append(s, t, *logprobs.get(i, (None, None))) for i, (s, t) in enumerate(zip(seqs, ids.tolist()))]
+        return [self._append(s, t, *logprobs.get(i, ())) for i, (s, t) in enumerate(zip(seqs, ids.tolist()))]
 
     @staticmethod
     def _masked(seqs: list[Sequence], logits: torch.Tensor) -> torch.Tensor:
@@ -197,9 +197,8 @@ class Engine:
         index = torch.tensor(want, device=logits.device)
         lp = torch.log_softmax(logits.index_select(0, index).float(), dim=-1)
         chosen = lp.gather(1, ids.index_select(0, index)[:, None])[:, 0].tolist()
-        n = max(seqs[i].logprobs for i in want)
-        top = lp.topk(n, dim=-1) if n else None
-        values, indices = (top.values.tolist(), top.indices.tolist()) if n else ([[]] * len(want), [[]] * len(want))
+        top = lp.topk(max(seqs[i].logprobs for i in want), dim=-1)
+        values, indices = top.values.tolist(), top.indices.tolist()
         return {i: (chosen[j], list(zip(indices[j], values[j]))[:seqs[i].logprobs]) for j, i in enumerate(want)}
 
     def _append(self, seq: Sequence, token: int, logprob: float | None = None,

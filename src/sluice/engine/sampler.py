@@ -83,7 +83,8 @@ class SamplingBatch:
         device = torch.device(device)
         pin = device.type == "cuda"
         floats = torch.tensor([[p.temperature, p.top_p, p.min_p, p.repetition_penalty, p.presence_penalty,
-                                p.frequency_penalty] for p in params], dtype=torch.float32, pin_memory=pin).reshape(-1, 6)
+                                p.frequency_penalty] for p in params],
+                              dtype=torch.float32, pin_memory=pin).reshape(-1, 6)
         ints = torch.tensor([[p.top_k, row_key(s, c)] for p, s, c in zip(params, seeds, counters)],
                             dtype=torch.int64, pin_memory=pin).reshape(-1, 2)
         if out is None:
