@@ -11,7 +11,6 @@ import argparse
 import json
 import sys
 import time
-from dataclasses import replace
 
 import torch
 
@@ -44,7 +43,7 @@ def step_anatomy(model, batch: int, steps: int = 12, context: int = 128) -> dict
     engine = model.engine
     g = torch.Generator().manual_seed(2)
     seqs = [engine.add_request(torch.randint(0, model.config.vocab_size, (context,), generator=g).tolist(),
-                               max_tokens=steps + 4, stop_ids=()) for _ in range(batch)]
+                               max_tokens=steps + batch + 4, stop_ids=()) for _ in range(batch)]  # (all decode)
     while any(s.status != "decoding" for s in seqs):
         engine.step()
     engine.step()
@@ -91,6 +90,21 @@ def replay_ms(graph, n: int = 50) -> float:
     return start.elapsed_time(end) / n
 
 
+def lone_replay_ms(graph, n: int = 20) -> float:
+    """GPU time of one replay started on an idle GPU (as the engine's steps start: each waits for the last one's
+    tokens), from events around the replay alone: the median of n."""
+    times = []
+    for _ in range(n):
+        torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return sorted(times)[n // 2]
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--config", default="benchmarks/configs/qwen3-next-80b-a3b.json")
@@ -105,17 +119,18 @@ def main() -> int:
     info = base.info()
     print(f"loaded {info['weight_bytes'] / 1e9:.1f} GB of dummy weights in {load_s:.1f} s; copy bandwidth "
           f"{copy_bandwidth(base.device) / 1e9:.0f} GB/s", flush=True)
-    from sluice.cli import _with_kv_cache
+    from sluice.cli import _with_engine_options
 
     rows, profiles = [], {}
     for kind in args.kinds.split(","):
-        model = base if kind == base.kv_cache else _with_kv_cache(base, kind)
+        model = base if kind == base.kv_cache else _with_engine_options(base, kv_cache=kind)
         for batch in (int(b) for b in args.batches.split(",")):
             prompt, gen = (512, 64) if batch == 1 else (128, 32)
             r = model.bench(prompt_tokens=prompt, gen_tokens=gen, batch=batch, repeats=2)
             graphs = model.engine.runner._graphs
             if batch in graphs:  # the same step's graph alone: what the engine's per-step host work costs beside it
                 r["graph_replay_ms"] = replay_ms(graphs[batch][0])
+                r["lone_replay_ms"] = lone_replay_ms(graphs[batch][0])
                 profiles[f"{kind} batch {batch}"] = profile_graph(graphs[batch][0])
                 if batch > 1:
                     anatomy = step_anatomy(model, batch)
@@ -126,13 +141,12 @@ def main() -> int:
             dump(args.json, args.config, rows, {})
             print(json.dumps({k: r.get(k) for k in ("kv_cache", "batch", "graphs", "ttft_cold_s", "ttft_warm_s",
                                                      "prefill_tok_s", "decode_tok_s", "floor_decode_tok_s",
-                                                     "graph_replay_ms")}),
+                                                     "graph_replay_ms", "lone_replay_ms")}),
                   flush=True)
         model._engine = None
         torch.cuda.empty_cache()
         if args.eager:
-            eager = _with_kv_cache(base, kind)
-            eager.engine_config = replace(eager.engine_config, graphs=False)
+            eager = _with_engine_options(base, kv_cache=kind, graphs=False)
             rows.append(eager.bench(prompt_tokens=512, gen_tokens=16, batch=1, repeats=1))
             eager._engine = None
             torch.cuda.empty_cache()

@@ -8,6 +8,12 @@ tokens/s, time to first token p50 / p99, whole-request latency, errors, mismatch
 its first and last quarters, their difference in %, the peak) and every RSS sample.
 
     python benchmarks/server_load.py --clients 64 --duration 300          # the demo model on the CPU
+    python benchmarks/server_load.py --model benchmarks/configs/qwen3-next-80b-a3b.json --load-format dummy \
+        --device cuda --endpoint completions --prompts 64 --clients 16 --duration 60   # a GPU, random weights
+
+--endpoint completions streams raw-text completions (a model without a chat template: dummy weights); --prompts
+beyond the 16 built-in ones are those with a number appended, so that N clients can each send their own prompt
+(identical prompts route to the same experts and hide the cost of a batch).
 """
 
 from __future__ import annotations
@@ -54,12 +60,28 @@ def percentile(values: list[float], q: float) -> float:
     return values[min(len(values) - 1, int(round(q / 100 * (len(values) - 1))))]
 
 
-async def stream_chat(client: httpx.AsyncClient, model: str, prompt: str, max_tokens: int) -> dict:
-    """One streamed greedy chat completion: its text, time to first token, total time, errors."""
-    body = {"model": model, "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
-            "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
+def prompt_list(n: int) -> list[str]:
+    return [PROMPTS[i % len(PROMPTS)] + ("" if i < len(PROMPTS) else f" ({i})") for i in range(n)]
+
+
+def request_body(endpoint: str, model: str, prompt: str, max_tokens: int, stream: bool) -> dict:
+    body = {"model": model, "max_tokens": max_tokens, "temperature": 0, "stream": stream}
+    if stream:
+        body["stream_options"] = {"include_usage": True}
+    if endpoint == "chat":
+        body["messages"] = [{"role": "user", "content": prompt}]
+    else:
+        body["prompt"] = prompt
+    return body
+
+
+async def stream_chat(client: httpx.AsyncClient, model: str, prompt: str, max_tokens: int,
+                      endpoint: str = "chat") -> dict:
+    """One streamed greedy chat (or text) completion: its text, time to first token, total time, errors."""
+    body = request_body(endpoint, model, prompt, max_tokens, True)
     t0, ttft, parts, done, error, tokens = time.perf_counter(), None, [], False, None, 0
-    async with client.stream("POST", "/v1/chat/completions", json=body) as r:
+    path = "/v1/chat/completions" if endpoint == "chat" else "/v1/completions"
+    async with client.stream("POST", path, json=body) as r:
         if r.status_code != 200:
             return {"error": f"HTTP {r.status_code}: {(await r.aread())[:200]!r}"}
         async for line in r.aiter_lines():
@@ -77,7 +99,8 @@ async def stream_chat(client: httpx.AsyncClient, model: str, prompt: str, max_to
                 tokens = chunk["usage"]["completion_tokens"]
             if not chunk["choices"]:
                 continue
-            text = chunk["choices"][0]["delta"].get("content") or ""
+            choice = chunk["choices"][0]
+            text = (choice["delta"].get("content") if "delta" in choice else choice.get("text")) or ""
             if text and ttft is None:
                 ttft = time.perf_counter() - t0
             parts.append(text)
@@ -88,6 +111,7 @@ async def stream_chat(client: httpx.AsyncClient, model: str, prompt: str, max_to
 
 
 async def load(url: str, model: str, args, references: dict[str, str]) -> dict:
+    prompts = prompt_list(args.prompts)
     results, deadline, started = [], time.perf_counter() + args.duration, 0
     limits = httpx.Limits(max_connections=args.clients + 4, max_keepalive_connections=args.clients + 4)
 
@@ -97,10 +121,10 @@ async def load(url: str, model: str, args, references: dict[str, str]) -> dict:
             k = i
             while time.perf_counter() < deadline and started < args.max_requests:
                 started += 1
-                prompt = PROMPTS[k % args.prompts]
+                prompt = prompts[k % args.prompts]
                 k += args.clients
                 try:
-                    r = await stream_chat(client, model, prompt, args.max_tokens)
+                    r = await stream_chat(client, model, prompt, args.max_tokens, args.endpoint)
                 except httpx.HTTPError as e:
                     r = {"error": f"{type(e).__name__}: {e}"}
                 r["prompt"], r["end"] = prompt, time.perf_counter()
@@ -120,7 +144,9 @@ def main() -> int:
     ap.add_argument("--duration", type=float, default=300, help="seconds of load")
     ap.add_argument("--max-requests", type=int, default=100_000, help="bound on the requests started")
     ap.add_argument("--max-tokens", type=int, default=32)
-    ap.add_argument("--prompts", type=int, default=len(PROMPTS), help="distinct prompts (at most %(default)s)")
+    ap.add_argument("--prompts", type=int, default=len(PROMPTS), help="distinct prompts")
+    ap.add_argument("--endpoint", choices=["chat", "completions"], default="chat")
+    ap.add_argument("--load-format", default="auto", help="passed to sluice serve (dummy: random weights)")
     ap.add_argument("--max-batch", type=int, default=64)
     ap.add_argument("--max-seq-len", type=int, default=256)
     ap.add_argument("--server-threads", type=int, default=max(1, (os.cpu_count() or 2) - 1),
@@ -128,13 +154,13 @@ def main() -> int:
     ap.add_argument("--warmup", type=float, default=0.2, help="fraction of the run before RSS is taken as settled")
     ap.add_argument("--json", default="benchmarks/results/server_load.json")
     args = ap.parse_args()
-    args.prompts = max(1, min(args.prompts, len(PROMPTS)))
+    args.prompts = max(1, args.prompts)
 
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     cmd = [sys.executable, "-m", "sluice", "serve", "--host", "127.0.0.1", "--port", str(port), "--device",
            args.device, "--max-batch", str(args.max_batch), "--max-seq-len", str(args.max_seq_len),
-           "--log-level", "warning"] + (["--model", args.model] if args.model else [])
+           "--log-level", "warning", "--load-format", args.load_format] + (["--model", args.model] if args.model else [])
     env = {**os.environ, "OMP_NUM_THREADS": str(args.server_threads)} if args.device == "cpu" else None
     server = subprocess.Popen(cmd, env=env)
     try:
@@ -150,12 +176,12 @@ def main() -> int:
         # the references: each prompt alone (greedy), through the same server
         references = {}
         with httpx.Client(base_url=url, timeout=600) as c:
-            for p in PROMPTS[:args.prompts]:
-                r = c.post("/v1/chat/completions", json={"model": model, "max_tokens": args.max_tokens,
-                                                          "temperature": 0,
-                                                          "messages": [{"role": "user", "content": p}]})
+            for p in prompt_list(args.prompts):
+                path = "/v1/chat/completions" if args.endpoint == "chat" else "/v1/completions"
+                r = c.post(path, json=request_body(args.endpoint, model, p, args.max_tokens, False))
                 r.raise_for_status()
-                references[p] = r.json()["choices"][0]["message"]["content"]
+                choice = r.json()["choices"][0]
+                references[p] = choice["message"]["content"] if args.endpoint == "chat" else choice["text"]
 
         rss: list[tuple[float, int]] = []
 

@@ -93,29 +93,6 @@ def test_decode_runs_the_shared_expert_as_one_more_slot(T, bits, gs):
                       shared_expert=(on_device(sh_down), on_device(sh_gu)))
 
 
-@pytest.mark.parametrize("T,k,bits,gs,tile_rows,shared", [(37, 3, 4, 64, 4, True), (5, 2, 8, 32, 2, False),
-                                                        (9, 4, 2, 32, 8, True)])
-def test_grouped_decode_reads_each_expert_once_and_matches(T, k, bits, gs, tile_rows, shared):
-    """The decode path of a batch (slots sorted by expert, each expert's W block read once per tile of its slots,
-    several tiles per expert here: 8 experts) equals the reference, with the shared expert as slot E."""
-    g = torch.Generator().manual_seed(T + k + bits)
-    gate_up, down = experts(g, bits, gs, gs)
-    sh_gu = quantize(torch.randn(2 * I, H, generator=g) * 0.1, bits, gs)
-    sh_down = quantize(torch.randn(H, I, generator=g) * 0.1, bits, gs)
-    x = torch.randn(T, H, generator=g).bfloat16()
-    logits, gate = 2 * torch.randn(T, E, generator=g), torch.randn(T, generator=g)
-    shared_out = None
-    if shared:
-        gu = x.float() @ sh_gu.dequantize(torch.float32).T
-        shared_out = (torch.nn.functional.silu(gu[:, :I]) * gu[:, I:]) @ sh_down.dequantize(torch.float32).T
-    ref = reference.moe_reference(x, logits, gate_up, down, k, True, shared_out, gate[:, None] if shared else None)
-    ids, weights = mt.route(logits.to(DEVICE), k, True, gate.to(DEVICE) if shared else None)
-    out = mt.moe_decode(x.to(DEVICE), ids, weights, on_device(gate_up), on_device(down),
-                        shared_expert=(on_device(sh_gu), on_device(sh_down)) if shared else None,
-                        grouped_from=1, tile_rows=tile_rows)
-    assert out.shape == (T, H) and rel_err(out.cpu(), ref) <= 1e-2
-
-
 # (path, tokens, top-k, bits, group size of gate_up, of down, renormalise, shared expert)
 CASES = [
     ("decode", 1, 2, 4, 64, 64, True, True),

@@ -52,26 +52,6 @@ def test_split_k_and_ragged_shapes():
         assert rel_err(out.cpu(), ref) < 1e-2
 
 
-@pytest.mark.parametrize("bits,group_size,K", [(4, 64, 384), (8, 32, 576), (2, 128, 4096), (4, 32, 4096)])
-@pytest.mark.parametrize("rows,rows_per_program,block_n", [(5, 8, 2), (13, 4, 4), (2, 8, 1)])
-def test_gemv_rows_reads_w_once_for_several_rows(bits, group_size, K, rows, rows_per_program, block_n):
-    """The batch GEMV (R rows of x per W block) equals the reference; ragged rows, ragged N, masked steps (576),
-    several steps per split (4096)."""
-    from sluice.kernels.qmatmul.gemv_rows import qgemv_rows
-
-    g = torch.Generator().manual_seed(bits + K + rows)
-    qt = quantize(torch.randn(37, K, generator=g), bits=bits, group_size=group_size)
-    x = torch.randn(rows, K, generator=g).bfloat16()
-    ref = reference.qmatmul(x.float(), qt)
-    qt = type(qt)(*(t.to(DEVICE) for t in (qt.weight, qt.scales, qt.biases)), bits, group_size)
-    out = qgemv_rows(x.to(DEVICE), qt, rows_per_program, block_n)
-    assert out.dtype == torch.bfloat16 and out.shape == (rows, 37)
-    assert rel_err(out.cpu(), ref) < 1e-2
-    # a row's result does not depend on the rows beside it
-    alone = qgemv_rows(x[1:2].to(DEVICE), qt, rows_per_program, block_n)
-    assert torch.equal(out[1:2].cpu(), alone.cpu())
-
-
 @pytest.mark.parametrize("bits,group_size", [(4, 64), (8, 32), (2, 128), (2, 32)])
 def test_gemv_several_steps_per_split(bits, group_size):
     """Rows longer than one GEMV step (128 words per warp), split or not, with ragged N."""

@@ -169,6 +169,8 @@ def cmd_serve(args) -> int:
         print(f"sluice: warning: serving on {config.host} without --api-key: anyone who can reach it may use it",
               file=sys.stderr)
     options = {"max_batch": args.max_batch, "graphs": not args.no_graphs}
+    if args.load_format != "auto":
+        options["load_format"] = args.load_format
     model = _load(args, **options)
     max_seq_len = args.max_seq_len or min(model.context_length, 4096)
     model = _with_engine_options(model, max_seq_len=max_seq_len)
@@ -243,6 +245,8 @@ def build_parser() -> argparse.ArgumentParser:
                      help="positions per sequence, prompt + output (default: the context window, at most 4096)")
     srv.add_argument("--max-body-mb", type=float, default=8.0, help="largest request body accepted (413 beyond)")
     srv.add_argument("--no-graphs", action="store_true", help="decode eagerly (no CUDA graphs)")
+    srv.add_argument("--load-format", default="auto", help="auto, or dummy: random weights at the shapes of "
+                     "--model's config.json, made on the device (to measure a model without downloading it)")
     srv.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     srv.set_defaults(func=cmd_serve)
     conv = sub.add_parser("convert", help="HF checkpoint directory -> MLX-format quantized directory")

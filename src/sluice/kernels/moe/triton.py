@@ -6,8 +6,6 @@ Everything stays on the device (no host synchronisation, so a decode step can be
 - `moe_decode` (a few tokens): the T*k (token, expert) slots are rows of ONE indexed GEMV per projection
   (`qmatmul.triton.gemv_launch` with expert ids read on the device); between them `swiglu_prep` (`prep_x` in
   its SwiGLU mode) turns the gate_up partial sums into h = silu(g) * u already in the GEMV's prepared-activation layout.
-  From `grouped_from` tokens on (a decode batch) the slots are first sorted by expert on the device and each hit
-  expert is read once for all its slots (`qmatmul.gemv_rows`).
 - `moe_prefill` (many tokens): slots sorted by expert, a table of BLOCK_M-row tiles (expert, first row) built on
   the device, ONE grouped tensor-core GEMM launch per projection (W tiles dequantized in registers), SwiGLU
   fused into the gate_up epilogue.
@@ -23,14 +21,12 @@ import triton.language as tl
 
 from sluice.kernels import launch
 from sluice.kernels.qmatmul import triton as tq
-from sluice.kernels.qmatmul.gemv_rows import gemv_rows_launch, rows_plan
 from sluice.quant.affine import QuantizedTensor
 
 MAX_TOP_K = 16
 MAX_EXPERTS = 1024
-DECODE_MAX_TOKENS = 128  # up to this many tokens (decode batches) the GEMV decode path; beyond, the grouped GEMMs
-GROUPED_FROM_TOKENS = 16  # from this many tokens on, the decode path reads each hit expert once (docs/PERF.md)
-EXPERT_TILE_ROWS = 4  # slots of one expert per program of the grouped decode GEMV
+DECODE_MAX_TOKENS = 128  # up to this many tokens (decode batches) the indexed GEMVs, one expert read per slot;
+# beyond, the grouped GEMMs (docs/PERF.md, "engine")
 
 
 # ---------------------------------------------------------------------------------------------------- router
@@ -186,41 +182,17 @@ def _expert_gemv(xp: torch.Tensor, qt: QuantizedTensor, ids: torch.Tensor, x_div
     return out
 
 
-def _expert_gemv_grouped(xp: torch.Tensor, qt: QuantizedTensor, table, x_div: int,
-                         extra: QuantizedTensor | None, rows_per_program: int, block_n: int) -> torch.Tensor:
-    """Partials [splits, slots, N] fp32 as `_expert_gemv`'s, each expert's W block read once per tile of up to
-    `rows_per_program` of its slots (table: `_tile_table` over the experts, the extra one last)."""
-    N, K = qt.out_features, qt.in_features
-    slots = table[0].numel()
-    split = rows_plan(N, K, qt.bits, block_n, xp.device)
-    out = torch.empty((split[0], slots, N), dtype=torch.float32, device=xp.device)
-    gemv_rows_launch(xp, qt.weight.view(torch.int32), qt.scales, qt.biases, out, slots, N, K, qt.bits,
-                     qt.group_size, rows_per_program, block_n, table=table, x_div=x_div, split=split,
-                     extra=None if extra is None else (extra.weight.view(torch.int32), extra.scales, extra.biases))
-    return out
-
-
 def moe_decode(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_up: QuantizedTensor,
                down: QuantizedTensor, shared_out: torch.Tensor | None = None,
                shared_gate_logit: torch.Tensor | None = None,
-               shared_expert: tuple[QuantizedTensor, QuantizedTensor] | None = None,
-               grouped_from: int = GROUPED_FROM_TOKENS, tile_rows: int = EXPERT_TILE_ROWS,
-               block_n: int = 4) -> torch.Tensor:
-    """MoE output [T, H] in x's dtype for a decode batch: five launches whatever k is, one GEMV row per (token,
-    expert) slot; from `grouped_from` tokens on, the slots sorted by expert first and each hit expert read once
-    per tile of `tile_rows` of its slots (`block_n` expert rows per program). With `shared_expert` (its gate_up
-    [2I, H] and down [H, I], stored like the routed experts) the ids and weights come from
+               shared_expert: tuple[QuantizedTensor, QuantizedTensor] | None = None) -> torch.Tensor:
+    """MoE output [T, H] in x's dtype for a decode batch: five launches whatever k is. With `shared_expert` (its
+    gate_up [2I, H] and down [H, I], stored like the routed experts) the ids and weights come from
     `route(..., shared_gate_logit)`: id E is the shared expert, run as one more slot of the same launches."""
     _check_moe(x, ids, weights, gate_up, down, shared_out, shared_gate_logit, shared_expert)
+    ids = ids.contiguous().view(-1)
     gu_extra, down_extra = shared_expert if shared_expert is not None else (None, None)
     xp = tq.prep_x(x.contiguous(), gate_up.bits, gate_up.group_size)
-    if x.shape[0] >= grouped_from:
-        table = _tile_table(ids, gate_up.weight.shape[0] + (shared_expert is not None), tile_rows)
-        y_gu = _expert_gemv_grouped(xp, gate_up, table, weights.shape[1], gu_extra, tile_rows, block_n)
-        hp = swiglu_prep(y_gu, down.bits, down.group_size)
-        y = _expert_gemv_grouped(hp, down, table, 1, down_extra, tile_rows, block_n)
-        return combine(y, weights, x.dtype, shared_out, shared_gate_logit)
-    ids = ids.contiguous().view(-1)
     y_gu = _expert_gemv(xp, gate_up, ids, x_div=weights.shape[1], extra=gu_extra)
     y = _expert_gemv(swiglu_prep(y_gu, down.bits, down.group_size), down, ids, x_div=1, extra=down_extra)
     return combine(y, weights, x.dtype, shared_out, shared_gate_logit)
