@@ -7,12 +7,12 @@ shared-expert gate 8-bit g64 or bf16), random weights built directly in the pack
 - correctness against the fp32 torch reference (kernels/moe/reference.py): router ids, decode (T = 1, 4) and
   prefill (T = 4096), the experts given the reference's ids (bf16 logits tie; the router is checked on its own);
 - decode, one token: the whole SparseMoE layer (router -> top-k -> expert GEMVs -> combine, shared expert and its
-  gate included) under CUDA-graph replay, rotating over enough layer copies to exceed L2 ~4x: the one-launch
-  decode (kernels/moe/fused_decode.py) and the multi-launch decode (each checked against the reference first);
-  the floor is the bytes that must be read (k experts, shared expert, router, shared gate) over the measured copy
-  bandwidth; a sweep of the one-launch kernel's warps and tile size;
+  gate included) under CUDA-graph replay, rotating over enough layer copies to exceed L2 ~4x: the multi-launch
+  decode and variants of it that differ by one setting (each checked against the reference first); the floor is
+  the bytes that must be read (k experts, shared expert, router, shared gate) over the measured copy bandwidth
+  (the one-launch decode measured here until 2026-11-25 lost and was deleted; git keeps it);
 - the multi-launch decode's critical path: graph time of its first n launches (with --chain-only: only this);
-- --quick: the chain, the checks and the decode table only (no one-launch timeline or sweep, nothing else);
+- --quick: the chain, the checks and the decode table only;
 - --gemv-sweep: the chain and the expert GEMVs' launch sweep only;
 - (not with --decode-only) the multi-launch kernels: router and expert GEMV checks, their launch sweep;
 - routed experts at T = 1, 4, 16: decode GEMVs vs prefill grouped GEMMs (where to switch);
@@ -34,10 +34,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from qmatmul_gpu import (copies_for, copy_bandwidth, events_time, graph_time, qt_bytes, random_qt,  # noqa: E402
                          rel_err, start_run)
-from sluice.kernels.moe import fused_decode as fd  # noqa: E402
 from sluice.kernels.moe import reference  # noqa: E402
 from sluice.kernels.moe import triton as mt  # noqa: E402
-from sluice.kernels import launch  # noqa: E402
 from sluice.kernels.qmatmul import triton as tq  # noqa: E402
 from sluice.layers.linear import Linear  # noqa: E402
 from sluice.layers.moe import SparseMoE, SwiGLU  # noqa: E402
@@ -110,28 +108,10 @@ def check_correctness(res, name, layer, H, E, k):
               f"{row['router_ids_equal']}, {'ok' if row['ok'] else 'FAILED'}", flush=True)
 
 
-def check_fused(res, name, layers, k):
-    """The one-launch decode at the real shape against the layer's reference path (fp32 x: no router near-ties)."""
-    for kind in ROUTERS:
-        layer = layers[kind][0]
-        x = torch.randn(1, layer.gate_up.shape[2], device="cuda")
-        use_path(DECODE_PATHS["one launch"])
-        args = layer._fused_decode_args(mt)
-        use_path()
-        assert args is not None, "the one-launch decode does not take this layer"
-        out = fd.moe_decode_fused(x, args[0], layer.gate_up, layer.down, k, True, args[1])
-        row = {"model": name, "T": 1, "path": f"one-launch decode, {kind} router",
-               "rel_err": rel_err(out, layer._forward_reference(x))}
-        row["ok"] = row["rel_err"] <= 1e-2
-        res["correctness"].append(row)
-        print(f"check {name} one-launch decode ({kind} router): rel err {row['rel_err']:.2e}, "
-              f"{'ok' if row['ok'] else 'FAILED'}", flush=True)
-
-
-# label: (fd.ENABLED, tq.GEMV_PREFETCH, tq.GEMV_PREFETCH_INDEXED, tq.GEMV_RAW_X, mt.expert_block_n); the last is
-# the multi-launch decode as it was before RAW_X, PREFETCH 2 and `expert_block_n` (the router's x prepared by a
-# launch of its own, the GEMVs' first weights asked of L2, the dense GEMVs' rows per program)
-DEFAULT_PATH = (fd.ENABLED, tq.GEMV_PREFETCH, tq.GEMV_PREFETCH_INDEXED, tq.GEMV_RAW_X, mt.expert_block_n)
+# label: (tq.GEMV_PREFETCH, tq.GEMV_PREFETCH_INDEXED, tq.GEMV_RAW_X, mt.expert_block_n); the last is the
+# multi-launch decode as it was before RAW_X, PREFETCH 2 and `expert_block_n` (the router's x prepared by a launch
+# of its own, the GEMVs' first weights asked of L2, the dense GEMVs' rows per program)
+DEFAULT_PATH = (tq.GEMV_PREFETCH, tq.GEMV_PREFETCH_INDEXED, tq.GEMV_RAW_X, mt.expert_block_n)
 
 
 def _dense_rows(N, K, bits, rows):
@@ -140,18 +120,18 @@ def _dense_rows(N, K, bits, rows):
 
 def _path(**change):
     """The multi-launch decode with some of DEFAULT_PATH's settings changed."""
-    names = ("fused", "prefetch", "prefetch_indexed", "raw_x", "rows")
-    return tuple(change.get(n, v) for n, v in zip(names, (False, *DEFAULT_PATH[1:])))
+    names = ("prefetch", "prefetch_indexed", "raw_x", "rows")
+    return tuple(change.get(n, v) for n, v in zip(names, DEFAULT_PATH))
 
 
-DECODE_PATHS = {"one launch": (True, *DEFAULT_PATH[1:]), "multi-launch": _path(),
+DECODE_PATHS = {"multi-launch": _path(),
                 "multi-launch, expert PREFETCH 1": _path(prefetch_indexed=1),
                 "multi-launch, dense rows rule": _path(rows=_dense_rows),
                 "multi-launch, before": _path(prefetch=1, prefetch_indexed=1, raw_x=False, rows=_dense_rows)}
 
 
 def use_path(settings=DEFAULT_PATH):
-    fd.ENABLED, tq.GEMV_PREFETCH, tq.GEMV_PREFETCH_INDEXED, tq.GEMV_RAW_X, mt.expert_block_n = settings
+    tq.GEMV_PREFETCH, tq.GEMV_PREFETCH_INDEXED, tq.GEMV_RAW_X, mt.expert_block_n = settings
 
 
 def check_layer(res, name, layers, k):
@@ -171,8 +151,8 @@ def check_layer(res, name, layers, k):
 
 
 def time_decode(res, name, layers, k, copy_bw):
-    """The whole layer for one token, each call on its own layer copy (cold L2): the one-launch decode and the
-    multi-launch decode (`fd.ENABLED` picks which one SparseMoE runs)."""
+    """The whole layer for one token, each call on its own layer copy (cold L2): the multi-launch decode and its
+    variants."""
     for kind in ROUTERS:
         rot = layers[kind]
         xs = [torch.randn(1, rot[0].gate_up.shape[2], device="cuda", dtype=BF16) for _ in rot]
@@ -188,53 +168,6 @@ def time_decode(res, name, layers, k, copy_bw):
         print(f"decode {name} router {kind}: floor {row['floor_us']:.1f} us; " + "; ".join(
             f"{key} {v:.1f} ({floor * 1e6 / v * 100:.0f}%)" for key, v in row.items() if key.endswith(" us")),
             flush=True)
-
-
-FUSED_CONFIGS = [  # (num_warps, item_words, programs per multiprocessor, router rows per program)
-    (4, 8192, 2, 4), (4, 4096, 2, 4), (16, 8192, 1, 4), (16, 4096, 1, 4), (8, 4096, 1, 4), (16, 8192, 1, 2)]
-STAMPS = ["start", "after PDL wait", "router rows done", "x prepared", "top-k done", "gate_up items all done",
-          "own items done", "down items all done", "end"]
-
-
-def sweep_fused(res, name, layers, k):
-    """Launch options of the one-launch decode (8-bit router): warps per program, packed words per item,
-    programs per multiprocessor, router rows per program."""
-    rot = layers["8-bit"]
-    xs = [torch.randn(1, rot[0].gate_up.shape[2], device="cuda", dtype=BF16) for _ in rot]
-    args = [m._fused_decode_args(mt) for m in rot]
-    for w, words, per_sm, rr in FUSED_CONFIGS:
-        calls = [lambda m=m, x=x, a=a, w=w, words=words, per_sm=per_sm, rr=rr: fd.moe_decode_fused(
-            x, a[0], m.gate_up, m.down, k, True, a[1], item_words=words, num_warps=w, per_sm=per_sm,
-            router_rows=rr) for m, x, a in zip(rot, xs, args)]
-        row = {"model": name, "kernel": "one-launch decode", "item_words": words, "num_warps": w, "per_sm": per_sm,
-               "router_rows": rr}
-        case(res, f"{name} sweep {row}", lambda: row.update(us=graph_time(calls) * 1e6))
-        res["sweep"].append(row)
-        print(f"sweep {row}", flush=True)
-
-
-def fused_timeline(res, name, layers, k):
-    """Where one launch spends its time: every program's global-timer stamps (ns) at its milestones (STAMPS), for
-    the last of a run over all layer copies (its weights cold), as min / median / max over the programs that
-    passed that point (some points only some programs pass: router rows, combine), of the time since the
-    earliest program passed the PDL wait."""
-    rot = layers["8-bit"]
-    G = fd.PER_SM * launch.num_sms(torch.device("cuda"))
-    ts = torch.zeros(G, 16, dtype=torch.int64, device="cuda")
-    for m in rot:
-        a = m._fused_decode_args(mt)
-        ts.zero_()
-        fd.moe_decode_fused(torch.randn(1, m.gate_up.shape[2], device="cuda", dtype=BF16), a[0], m.gate_up, m.down,
-                            k, True, a[1], timeline=ts)
-    torch.cuda.synchronize()
-    t = ts[:, :len(STAMPS)].double()
-    t0 = t[:, 1].min()
-    cols = [(t[:, j][t[:, j] > 0] - t0) / 1e3 for j in range(len(STAMPS))]
-    row = {"model": name, "stamps": {s: [float(c.min()), float(c.median()), float(c.max())]
-                                     for s, c in zip(STAMPS, cols) if c.numel()}}
-    res["timeline"].append(row)
-    for s_, (lo, med, hi) in row["stamps"].items():
-        print(f"timeline {name} {s_:20s} min {lo:7.2f} median {med:7.2f} max {hi:7.2f} us", flush=True)
 
 
 CHAIN = ["router GEMV (x prepared in it)", "route (top-k)", "x prep (4-bit)", "gate_up GEMV", "SwiGLU prep",
@@ -405,7 +338,6 @@ def print_tables(res):
 
 
 def main():
-    fd.ENABLED = True  # the one-launch decode is measured whatever the layer's default
     a, dev, res = start_run("correctness", "decode", "sweep", "crossover", "prefill", "errors", "timeline", "chain",
                             flags=("--decode-only", "--chain-only", "--quick", "--gemv-sweep"))
     copy_bw = copy_bandwidth(dev)
@@ -435,13 +367,10 @@ def main():
                 case(res, f"{name} expert GEMV sweep",
                      lambda: sweep_decode_launches(res, name, layers, k, route_too=False))
                 continue
-            case(res, f"{name} correctness", lambda: check_fused(res, name, layers, k))
             case(res, f"{name} layer correctness", lambda: check_layer(res, name, layers, k))
             case(res, f"{name} decode", lambda: time_decode(res, name, layers, k, copy_bw))
             if a.quick:
                 continue
-            case(res, f"{name} one-launch timeline", lambda: fused_timeline(res, name, layers, k))
-            case(res, f"{name} one-launch sweep", lambda: sweep_fused(res, name, layers, k))
             if not a.decode_only:
                 case(res, f"{name} correctness", lambda: check_correctness(res, name, layers["8-bit"][0], H, E, k))
                 case(res, f"{name} launch sweep", lambda: sweep_decode_launches(res, name, layers, k))

@@ -2,10 +2,9 @@
 kernel's own duration, caches flushed between kernels (ncu's default), to set against the graph-replay time
 of the whole layer in `moe_gpu.py` (the difference is what launches and dependencies cost):
 
-    ncu --clock-control none --metrics gpu__time_duration.sum python benchmarks/profile_moe.py [--fused] [model]
+    ncu --clock-control none --metrics gpu__time_duration.sum python benchmarks/profile_moe.py [model]
 
---fused: the one-launch decode (kernels/moe/fused_decode.py) instead of the multi-launch one; model: a key of
-moe_gpu.MODELS (default: all).
+model: a key of moe_gpu.MODELS (default: all).
 """
 
 import sys
@@ -16,10 +15,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from moe_gpu import MODELS, build_layers  # noqa: E402
 
-from sluice.kernels.moe import fused_decode  # noqa: E402
-
 args = sys.argv[1:]
-fused_decode.ENABLED = "--fused" in args
 names = [a for a in args if a in MODELS] or list(MODELS)
 for name in names:
     H, E, I, k, Is = MODELS[name]

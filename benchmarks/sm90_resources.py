@@ -1,7 +1,7 @@
 """Compile our Triton kernels for sm_90 (H100/H200) on a machine without a GPU and print what ptxas reports:
 registers, spill bytes, shared memory. Costs no device time; run it before a device run.
 
-    PYTHONPATH=/path/to/triton-3.6 python benchmarks/sm90_resources.py [gdn | attention | moe | decode]
+    PYTHONPATH=/path/to/triton-3.6 python benchmarks/sm90_resources.py [gdn | attention | decode | gemv]
 
 `attention` also prints the instruction mix of each decode kernel's longest loop (SASS, cuobjdump): per position
 of a block, what the kernel must issue whatever the memory does.
@@ -190,46 +190,6 @@ def attention():
         print(f"{name:36s} {heads:>6s} {D:4d}  {res}")
 
 
-def moe():
-    """The one-launch MoE decode at Qwen3-Next and Qwen3.5 shapes (8-bit and bf16 routers). The stacked experts
-    are stride-0 views of one expert: only dtypes and strides matter for compiling."""
-    from sluice.kernels.moe import fused_decode as fd
-    from sluice.kernels.qmatmul import triton as qt
-    from sluice.quant.affine import QuantizedTensor
-
-    def q(E, N, K, bits=4, gs=64):
-        parts = (torch.zeros(1, N, K * bits // 32, dtype=torch.int32), torch.zeros(1, N, K // gs).bfloat16(),
-                 torch.zeros(1, N, K // gs).bfloat16())
-        return QuantizedTensor(*(t.expand(E, *t.shape[1:]) if E else t[0] for t in parts), bits, gs)
-
-    rows = []
-    for H, I in ((2048, 512), (4096, 1024)):
-        E, k = 512, 10
-        routers = {"8-bit": q(0, E + 1, H, 8, 64), "bf16": torch.zeros(E + 1, H).bfloat16()}
-        for name, router in routers.items():
-            for warps, words in ((4, 8192), (4, 4096)):
-                interp, qt.INTERPRET = qt.INTERPRET, True  # passes the device check; the kernel flags are set below
-                try:
-                    launches = _capture_all(fd, ["_fused_decode_kernel"], lambda: fd.moe_decode_fused(
-                        torch.zeros(1, H).bfloat16(), router, q(E, 2 * I, H), q(E, H, I), k, True,
-                        (q(0, 2 * I, H), q(0, H, I)), num_warps=warps, item_words=words,
-                        per_sm=1 if warps > 4 else 2))
-                finally:
-                    qt.INTERPRET = interp
-                for kname, fn, (grid, args, kw) in launches:
-                    kw = dict(kw, ASM=True, PDL=True, PREFETCH=True, TIMELINE=True)
-                    try:
-                        r = compile_launch(fn, args, kw)
-                    except Exception as e:  # noqa: BLE001 - report and go on
-                        r = f"{type(e).__name__}: {str(e)[-1500:]}"
-                    rows.append((f"{kname} w{words}", f"H{H} I{I}", name, warps, r))
-                    print(*rows[-1], flush=True)
-    print(f"\n{'kernel':28s} {'shape':>12s} {'router':>6s} {'warps':>5s}  regs spill shared")
-    for name, shape, router, w, r in rows:
-        res = f"{r[0]:4d} {r[1]:5d} {r[2]:6d}" if isinstance(r, tuple) else r
-        print(f"{name:28s} {shape:>12s} {router:>6s} {w:5d}  {res}")
-
-
 def decode():
     """The multi-launch MoE decode (x prep, router GEMV, route, expert GEMVs with the shared expert as a slot,
     SwiGLU prep, combine) at the Qwen3.5 shape: every distinct launch compiles."""
@@ -306,4 +266,4 @@ def gemv():
 
 
 if __name__ == "__main__":
-    {"gdn": gdn, "attention": attention, "moe": moe, "decode": decode, "gemv": gemv}[sys.argv[1] if len(sys.argv) > 1 else "gdn"]()
+    {"gdn": gdn, "attention": attention, "decode": decode, "gemv": gemv}[sys.argv[1] if len(sys.argv) > 1 else "gdn"]()

@@ -60,9 +60,6 @@ def show(res, label, timeline):
 def moe(res):
     from moe_gpu import MODELS, build_layers
 
-    from sluice.kernels.moe import fused_decode as fd
-
-    fd.ENABLED = False
     for name, (H, E, I, k, Is) in MODELS.items():
         layers = [build_layers(H, E, I, k, Is)["8-bit"] for _ in range(COPIES)]
         xs = [torch.randn(1, H, device="cuda", dtype=torch.bfloat16) for _ in layers]

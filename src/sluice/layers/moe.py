@@ -85,29 +85,7 @@ class SparseMoE(nn.Module):
             logits = g(x2)
         return kernels.route(logits[..., :E], self.top_k, self.norm_topk_prob, logits[..., E])
 
-    def _fused_decode_args(self, kernels):
-        """(router, shared expert) for `fused_decode.moe_decode_fused` when one launch runs this block, else None."""
-        from sluice.kernels.moe import fused_decode
-
-        g = self.gates
-        if not (fused_decode.ENABLED and isinstance(g, Linear)):
-            return None
-        router = g.qt if g.quantized else g.weight
-        shared_expert = self._shared_as_expert(kernels)
-        if self.shared is not None and shared_expert is None:
-            return None
-        if not fused_decode.supports(router, self.gate_up, self.down, self.top_k, shared_expert):
-            return None
-        return router, shared_expert
-
     def _forward_triton(self, x2: torch.Tensor, kernels) -> torch.Tensor:
-        if x2.shape[0] == 1:  # one token: the whole block in one launch when it qualifies
-            fused = self._fused_decode_args(kernels)
-            if fused is not None:
-                from sluice.kernels.moe.fused_decode import moe_decode_fused
-
-                return moe_decode_fused(x2, fused[0], self.gate_up, self.down, self.top_k, self.norm_topk_prob,
-                                        fused[1])
         shared_expert = self._shared_as_expert(kernels) if x2.shape[0] <= kernels.DECODE_MAX_TOKENS else None
         if shared_expert is not None:  # decode: the shared expert is slot k of every token
             ids, weights = self._route_with_shared_slot(x2, kernels)

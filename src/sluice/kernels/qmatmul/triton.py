@@ -35,9 +35,9 @@ GEMV_PREFETCH_INDEXED = 2  # the same for the MoE expert GEMVs (with `moe.triton
 
 
 @triton.jit
-def _load_x(x_row, offs, mask, K, S, stride_xs, SWIGLU: tl.constexpr, CG: tl.constexpr):
+def _load_x(x_row, offs, mask, K, S, stride_xs, SWIGLU: tl.constexpr):
     """fp32 x at columns `offs`; with SWIGLU the row is [gate | up] (K columns each) as S split-K partials and
-    x = silu(gate) * up. CG: x was written by other programs of the same launch, read past the (incoherent) L1."""
+    x = silu(gate) * up."""
     if SWIGLU:
         g = tl.load(x_row + offs, mask=mask, other=0.0)
         u = tl.load(x_row + K + offs, mask=mask, other=0.0)
@@ -45,15 +45,13 @@ def _load_x(x_row, offs, mask, K, S, stride_xs, SWIGLU: tl.constexpr, CG: tl.con
             g += tl.load(x_row + s * stride_xs + offs, mask=mask, other=0.0)
             u += tl.load(x_row + s * stride_xs + K + offs, mask=mask, other=0.0)
         return g / (1.0 + tl.exp(-g)) * u
-    elif CG:
-        return tl.load(x_row + offs, mask=mask, other=0.0, cache_modifier=".cg").to(tl.float32)
     else:
         return tl.load(x_row + offs, mask=mask, other=0.0).to(tl.float32)
 
 
 @triton.jit
 def _prep_groups(x_row, p_row, offs_g, g_ok, K, S, stride_xs, BITS: tl.constexpr, GS: tl.constexpr,
-                 SWIGLU: tl.constexpr, CG: tl.constexpr):
+                 SWIGLU: tl.constexpr):
     """Prepare the groups `offs_g` of one row x (K columns) into p_row (layout: `_prep_x_kernel`). x is loaded
     once, as [groups, GS]; the planes are picked out of it in registers (loading x again per plane would wait
     for the previous plane's stores: the compiler cannot know they do not alias x)."""
@@ -64,8 +62,7 @@ def _prep_groups(x_row, p_row, offs_g, g_ok, K, S, stride_xs, BITS: tl.constexpr
     KW = K // EPW
     NG = K // GS
     f_row = p_row.to(tl.pointer_type(tl.float32))
-    xg = _load_x(x_row, offs_g[:, None] * GS + tl.arange(0, GS)[None, :], g_ok[:, None], K, S, stride_xs, SWIGLU,
-                 CG)
+    xg = _load_x(x_row, offs_g[:, None] * GS + tl.arange(0, GS)[None, :], g_ok[:, None], K, S, stride_xs, SWIGLU)
     amax = tl.max(tl.abs(xg), axis=1)
     inv = tl.where(amax > 0, _X_INT_MAX / tl.maximum(amax, 1e-30), 0.0)[:, None]
     tl.store(f_row + 2 * D * KW + offs_g, amax / _X_INT_MAX, mask=g_ok)
@@ -90,7 +87,7 @@ def _prep_x_kernel(x_ptr, xp_ptr, K, S, stride_xs, stride_xm, stride_pm, BITS: t
     m = tl.program_id(0)
     offs_g = tl.program_id(1) * GB + tl.arange(0, GB)
     _prep_groups(x_ptr + m.to(tl.int64) * stride_xm, xp_ptr + m.to(tl.int64) * stride_pm, offs_g, offs_g < K // GS,
-                 K, S, stride_xs, BITS, GS, SWIGLU, False)
+                 K, S, stride_xs, BITS, GS, SWIGLU)
 
 
 @triton.jit
@@ -110,20 +107,6 @@ def _dp2a(a, b, c, HI: tl.constexpr, ASM: tl.constexpr):
 
 
 @triton.jit
-def _rows_load(w_ptr, s_ptr, b_ptr, rows, stride_wn, stride_sn, K: tl.constexpr, BITS: tl.constexpr,
-               GS: tl.constexpr):
-    """(packed words [BN, K/(32/BITS)], scales and biases fp32 [BN, K/GS]) of W[rows]: the loads of `_rows_dot`,
-    apart so that a caller can have them in flight while it prepares x."""
-    offs_k = tl.arange(0, K // (32 // BITS))
-    offs_g = tl.arange(0, K // GS)
-    rows = rows.to(tl.int64)
-    words = tl.load(w_ptr + rows[:, None] * stride_wn + offs_k[None, :])
-    s = tl.load(s_ptr + rows[:, None] * stride_sn + offs_g[None, :]).to(tl.float32)
-    b = tl.load(b_ptr + rows[:, None] * stride_sn + offs_g[None, :]).to(tl.float32)
-    return words, s, b
-
-
-@triton.jit
 def _code_bytes(words, i: tl.constexpr, BITS: tl.constexpr):
     """Codes i, i + D, i + 2D, i + 3D of each word (D = 8 / BITS), one per byte: what `_dp2a` multiplies."""
     if BITS == 8:
@@ -131,39 +114,6 @@ def _code_bytes(words, i: tl.constexpr, BITS: tl.constexpr):
     else:
         a = (words >> (i * BITS)) & (((1 << BITS) - 1) * 0x01010101)
     return a
-
-
-@triton.jit
-def _rows_dot_loaded(xp_row, words, s, b, K: tl.constexpr, BITS: tl.constexpr, GS: tl.constexpr, BN: tl.constexpr,
-                     ASM: tl.constexpr):
-    """[BN] fp32: the rows loaded by `_rows_load` . x prepared at xp_row (`_prep_groups`)."""
-    EPW: tl.constexpr = 32 // BITS
-    D: tl.constexpr = 8 // BITS
-    KW: tl.constexpr = K // EPW
-    WPG: tl.constexpr = GS // EPW
-    NG: tl.constexpr = K // GS
-    offs_k = tl.arange(0, KW)
-    offs_g = tl.arange(0, NG)
-    xf = xp_row.to(tl.pointer_type(tl.float32)) + 2 * D * KW
-    xs = tl.load(xf + offs_g)
-    xg = tl.load(xf + NG + offs_g)
-    dot = tl.zeros((BN, KW), dtype=tl.int32)
-    for i in tl.static_range(D):
-        a = _code_bytes(words, i, BITS)
-        dot = _dp2a(tl.load(xp_row + (2 * i) * KW + offs_k)[None, :], a, dot, False, ASM)
-        dot = _dp2a(tl.load(xp_row + (2 * i + 1) * KW + offs_k)[None, :], a, dot, True, ASM)
-    part = tl.sum(tl.reshape(dot, (BN, NG, WPG)), axis=2)
-    return tl.sum(part.to(tl.float32) * s * xs[None, :] + b * xg[None, :], axis=1)
-
-
-@triton.jit
-def _rows_dot(xp_row, w_ptr, s_ptr, b_ptr, rows, stride_wn, stride_sn, K: tl.constexpr, BITS: tl.constexpr,
-              GS: tl.constexpr, BN: tl.constexpr, ASM: tl.constexpr):
-    """[BN] fp32: W[rows] . x over the whole of K in one tile (K / (32/BITS) and K / GS powers of two), x prepared
-    at xp_row (`_prep_groups`). The one-step form of `_gemv_kernel`'s loop, for kernels that walk many small
-    row blocks (kernels/moe/fused_decode.py)."""
-    words, s, b = _rows_load(w_ptr, s_ptr, b_ptr, rows, stride_wn, stride_sn, K, BITS, GS)
-    return _rows_dot_loaded(xp_row, words, s, b, K, BITS, GS, BN, ASM)
 
 
 def prep_len(K: int, group_size: int) -> int:
