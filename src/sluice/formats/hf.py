@@ -45,14 +45,42 @@ def _read_header(path: Path) -> tuple[dict, int]:
             raise ModelFileError(f"{path}: corrupt safetensors header length. Download it again.")
         try:
             header = json.loads(f.read(n))
-        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
             raise ModelFileError(f"{path}: corrupt safetensors header ({e}). Download it again.") from e
+    if not isinstance(header, dict):
+        raise ModelFileError(f"{path}: corrupt safetensors header (a JSON object was expected). Download it again.")
     data_len = size - 8 - n
     for name, info in header.items():
-        if name != "__metadata__" and info["data_offsets"][1] > data_len:
-            raise ModelFileError(f"{path}: truncated safetensors file (tensor '{name}' ends past the end of "
-                                 "the file). Download it again.")
+        if name == "__metadata__":
+            if info is not None and not isinstance(info, dict):
+                raise ModelFileError(f"{path}: corrupt safetensors header (__metadata__ is not an object).")
+            continue
+        problem = _entry_problem(info, data_len)
+        if problem:
+            raise ModelFileError(f"{path}: corrupt safetensors header: tensor '{name}' {problem}. "
+                                 "Download the file again.")
     return header, 8 + n
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _entry_problem(info, data_len: int) -> str | None:
+    """What is wrong with one tensor's header entry ({"dtype", "shape", "data_offsets"}), or None."""
+    if not isinstance(info, dict):
+        return "has an entry that is not a JSON object"
+    if not isinstance(info.get("dtype"), str):
+        return "has no dtype string"
+    shape, offsets = info.get("shape"), info.get("data_offsets")
+    if not isinstance(shape, list) or len(shape) > 8 or not all(_is_int(d) and d >= 0 for d in shape):
+        return f"has shape {shape!r}; a list of at most 8 non-negative integers is needed"
+    if not (isinstance(offsets, list) and len(offsets) == 2 and all(_is_int(o) for o in offsets)
+            and 0 <= offsets[0] <= offsets[1]):
+        return f"has data_offsets {offsets!r}; [begin, end] with 0 <= begin <= end is needed"
+    if offsets[1] > data_len:
+        return "ends past the end of the file (truncated?)"
+    return None
 
 
 @dataclass(frozen=True)
@@ -85,10 +113,18 @@ def mlx_quantization(config: dict, module: str) -> tuple[int | None, int | None]
     """(bits, group_size) for `module` from config.json's MLX `quantization` block (its per-module entry, else the
     block's defaults; (None, None) without a block); None when the module's entry is `false` (not quantized)."""
     q = config.get("quantization") or config.get("quantization_config") or {}
-    spec = q.get(module, q)
+    spec = q.get(module, q) if isinstance(q, dict) else q
     if spec is False:
         return None
-    return spec.get("bits"), spec.get("group_size")
+    if not isinstance(spec, dict):
+        raise ModelFileError(f"config.json: quantization entry for '{module}' is {spec!r}; an object with bits and "
+                             "group_size (or false) is needed.")
+    bits, gs = spec.get("bits"), spec.get("group_size")
+    if (bits is not None and bits not in (2, 3, 4, 5, 6, 8)) or \
+            (gs is not None and not (_is_int(gs) and 1 <= gs <= 1 << 16)):
+        raise ModelFileError(f"config.json: quantization of '{module}' has bits={bits!r}, group_size={gs!r}; "
+                             "bits must be 2, 3, 4, 5, 6 or 8 and group_size a positive integer.")
+    return bits, gs
 
 
 class _Staging:
@@ -144,9 +180,12 @@ class HFDirectory:
             raise ModelFileError(f"{self.path}: no config.json. A model directory needs config.json, "
                                  "*.safetensors and tokenizer.json (as on the HF hub); or pass a .gguf file.")
         try:
-            self.config = json.loads(cfg.read_text())
-        except json.JSONDecodeError as e:
-            raise ModelFileError(f"{cfg}: not valid JSON ({e}).") from e
+            self.config = json.loads(cfg.read_bytes().decode("utf-8"))
+        except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
+            raise ModelFileError(f"{cfg}: not valid UTF-8 JSON ({e}).") from e
+        if not isinstance(self.config, dict):
+            raise ModelFileError(f"{cfg}: a JSON object (the model's settings) is needed, found "
+                                 f"{type(self.config).__name__}.")
         files = sorted(self.path.glob("*.safetensors"))
         if not files:
             raise ModelFileError(f"{self.path}: no *.safetensors files. sluice reads safetensors only "
@@ -236,6 +275,9 @@ class HFDirectory:
         if w_entry.dtype != torch.uint32:
             raise ModelFileError(f"{self.path}: quantized tensor '{name}' should be uint32, found {w_entry.dtype}.")
         w_shape = w_entry.shape
+        if not w_shape or not s_shape or w_shape[:-1] != s_shape[:-1]:
+            raise ModelFileError(f"{self.path}: quantized tensor '{name}' has shape {w_shape} and scales {s_shape}; "
+                                 "they must agree in every dim but the last.")
         bits, gs = self.quantization(module) or (None, None)
         # The shapes decide; config.json must agree with them.
         gs_shape = None

@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import threading
 import warnings
+from contextlib import contextmanager
 from datetime import datetime
 from pathlib import Path
 from typing import Any, Iterable, Mapping
@@ -203,6 +204,11 @@ class Tokenizer:
     @classmethod
     def from_gguf(cls, fields: Mapping[str, Any]) -> "Tokenizer":
         """From GGUF metadata: pass `gguf.GGUFReader(path).fields` (the caller keeps the reader)."""
+        with untrusted("the GGUF file's tokenizer metadata (tokenizer.ggml.*)"):
+            return cls._from_gguf(fields)
+
+    @classmethod
+    def _from_gguf(cls, fields: Mapping[str, Any]) -> "Tokenizer":
         from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
         from tokenizers import Tokenizer as HFTokenizer
 
@@ -312,6 +318,11 @@ class Tokenizer:
     def from_hf_dir(cls, path: str | Path) -> "Tokenizer":
         """From a Hugging Face model directory: tokenizer.json (+ tokenizer_config.json, generation_config.json,
         chat_template.jinja / chat_template.json when present)."""
+        with untrusted(f"the tokenizer files in {path}"):
+            return cls._from_hf_dir(path)
+
+    @classmethod
+    def _from_hf_dir(cls, path: str | Path) -> "Tokenizer":
         from tokenizers import Tokenizer as HFTokenizer
 
         path = Path(path)
@@ -328,7 +339,9 @@ class Tokenizer:
             text = tj.read_text(encoding="utf-8")
             spec = json.loads(text)
             tok = HFTokenizer.from_str(text)
-        except Exception as e:
+        except BaseException as e:
+            if not (isinstance(e, Exception) or is_rust_panic(e)):
+                raise
             raise ModelFileError(f"{tj}: cannot read the tokenizer ({type(e).__name__}: {e}); the file is "
                                  "truncated or corrupt. Download it again.") from e
 
@@ -470,6 +483,27 @@ def _jinja_env():
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
     return env
+
+
+_PARSE_ERRORS = (TypeError, ValueError, KeyError, IndexError, AttributeError, OverflowError, RecursionError)
+
+
+def is_rust_panic(e: BaseException) -> bool:
+    """A panic inside a Rust extension (`tokenizers`) arrives as pyo3's PanicException, a BaseException."""
+    return type(e).__name__ == "PanicException"
+
+
+@contextmanager
+def untrusted(what: str):
+    """Parse file contents that may be damaged or hostile: a wrong type or value deep inside (TypeError,
+    ValueError, KeyError, ...) or a panic of the Rust `tokenizers` library becomes a ModelFileError naming `what`."""
+    try:
+        yield
+    except BaseException as e:
+        if isinstance(e, SluiceError) or not (isinstance(e, _PARSE_ERRORS) or is_rust_panic(e)):
+            raise
+        raise ModelFileError(f"{what}: malformed ({type(e).__name__}: {e}). Download or convert the model "
+                             "again.") from e
 
 
 def _read_json(p: Path) -> dict:

@@ -15,8 +15,8 @@ ARCHITECTURES = {
 def architecture_module(name: str):
     import importlib
 
-    mod = ARCHITECTURES.get(name)
+    mod = ARCHITECTURES.get(name) if isinstance(name, str) else None
     if mod is None:
-        raise UnsupportedError(f"unsupported model architecture '{name}'; sluice supports: "
+        raise UnsupportedError(f"unsupported model architecture {name!r}; sluice supports: "
                                f"{', '.join(sorted(ARCHITECTURES))}.")
     return importlib.import_module(mod)
