@@ -19,7 +19,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from qmatmul_gpu import copies_for, copy_bandwidth, graph_time, qt_bytes, random_qt, rel_err  # noqa: E402
 
 from sluice.kernels.qmatmul import reference  # noqa: E402
-from sluice.kernels.qmatmul import triton as tq  # noqa: E402
+from sluice.kernels.qmatmul import triton as qmm  # noqa: E402
 
 
 
@@ -60,7 +60,7 @@ def main():
         ref = reference.qmatmul(xs[0].float(), base)
         steps = K // 64 // 8
         steps = triton.cdiv(K // 8, 128)
-        cands = [("qgemv", tq.qgemv, dict(block_n=bn, num_warps=w, split_k=sp))
+        cands = [("qgemv", qmm.qgemv, dict(block_n=bn, num_warps=w, split_k=sp))
                  for bn, w, sp in itertools.product((2, 4, 8, 16, 32), (1, 2, 4), (None, 1, 2, steps))]
         for kname, fn, kw in cands:
             try:

@@ -36,7 +36,7 @@ from qmatmul_gpu import (copies_for, copy_bandwidth, events_time, graph_time, qt
                          rel_err, start_run)
 from sluice.kernels.moe import reference  # noqa: E402
 from sluice.kernels.moe import triton as mt  # noqa: E402
-from sluice.kernels.qmatmul import triton as tq  # noqa: E402
+from sluice.kernels.qmatmul import triton as qmm  # noqa: E402
 from sluice.layers.linear import Linear  # noqa: E402
 from sluice.layers.moe import SparseMoE, SwiGLU  # noqa: E402
 from sluice.quant.affine import QuantizedTensor  # noqa: E402
@@ -108,14 +108,14 @@ def check_correctness(res, name, layer, H, E, k):
               f"{row['router_ids_equal']}, {'ok' if row['ok'] else 'FAILED'}", flush=True)
 
 
-# label: (tq.GEMV_PREFETCH, tq.GEMV_PREFETCH_INDEXED, tq.GEMV_RAW_X, mt.expert_block_n); the last is the
+# label: (qmm.GEMV_PREFETCH, qmm.GEMV_PREFETCH_INDEXED, qmm.GEMV_RAW_X, mt.expert_block_n); the last is the
 # multi-launch decode as it was before RAW_X, PREFETCH 2 and `expert_block_n` (the router's x prepared by a launch
 # of its own, the GEMVs' first weights asked of L2, the dense GEMVs' rows per program)
-DEFAULT_PATH = (tq.GEMV_PREFETCH, tq.GEMV_PREFETCH_INDEXED, tq.GEMV_RAW_X, mt.expert_block_n)
+DEFAULT_PATH = (qmm.GEMV_PREFETCH, qmm.GEMV_PREFETCH_INDEXED, qmm.GEMV_RAW_X, mt.expert_block_n)
 
 
 def _dense_rows(N, K, bits, rows):
-    return tq.gemv_block_n(N, rows, torch.device("cuda"))
+    return qmm.gemv_block_n(N, rows, torch.device("cuda"))
 
 
 def _path(**change):
@@ -131,7 +131,7 @@ DECODE_PATHS = {"multi-launch": _path(),
 
 
 def use_path(settings=DEFAULT_PATH):
-    tq.GEMV_PREFETCH, tq.GEMV_PREFETCH_INDEXED, tq.GEMV_RAW_X, mt.expert_block_n = settings
+    qmm.GEMV_PREFETCH, qmm.GEMV_PREFETCH_INDEXED, qmm.GEMV_RAW_X, mt.expert_block_n = settings
 
 
 def check_layer(res, name, layers, k):
@@ -177,7 +177,7 @@ CHAIN = ["router GEMV (x prepared in it)", "route (top-k)", "x prep (4-bit)", "g
 def chain_prefix(m, x, k, n):
     """The first n launches of the multi-launch decode of layer m (8-bit router), as SparseMoE runs them."""
     g = m.gates.qt
-    logits = tq.qgemv_partials(x, g)
+    logits = qmm.qgemv_partials(x, g)
     if n == 1:
         return
     E = m.num_experts
@@ -185,7 +185,7 @@ def chain_prefix(m, x, k, n):
     if n == 2:
         return
     extra = m._shared_as_expert(mt)
-    xp = tq.prep_x(x, m.gate_up.bits, m.gate_up.group_size)
+    xp = qmm.prep_x(x, m.gate_up.bits, m.gate_up.group_size)
     if n == 3:
         return
     y_gu = mt._expert_gemv(xp, m.gate_up, ids.view(-1), k + 1, extra[0])
@@ -234,7 +234,7 @@ def sweep_decode_launches(res, name, layers, k, route_too=True):
     xs = [torch.randn(1, rot[0].gate_up.shape[2], device="cuda", dtype=BF16) for _ in rot]
     routed = [m._route_with_shared_slot(x, mt) for m, x in zip(rot, xs)]
     extras = [m._shared_as_expert(mt) for m in rot]
-    xps = [tq.prep_x(x, m.gate_up.bits, m.gate_up.group_size) for m, x in zip(rot, xs)]
+    xps = [qmm.prep_x(x, m.gate_up.bits, m.gate_up.group_size) for m, x in zip(rot, xs)]
     ys = [mt._expert_gemv(xp, m.gate_up, r[0].view(-1), k + 1, e[0]) for m, xp, r, e in zip(rot, xps, routed, extras)]
     hps = [mt.swiglu_prep(y, m.down.bits, m.down.group_size) for m, y in zip(rot, ys)]
     copy_bw = res.get("copy_bandwidth_Bps")

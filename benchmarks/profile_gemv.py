@@ -11,11 +11,11 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from qmatmul_gpu import random_qt  # noqa: E402
 
-from sluice.kernels.qmatmul import triton as tq  # noqa: E402
+from sluice.kernels.qmatmul import triton as qmm  # noqa: E402
 
 N, K, block_n, warps = (int(a) for a in sys.argv[1:5]) if len(sys.argv) > 4 else (151936, 2048, 8, 1)
 qt = random_qt(N, K)
 x = torch.randn(1, K, device="cuda", dtype=torch.bfloat16)
 for _ in range(3):
-    tq.qgemv(x, qt, block_n=block_n, num_warps=warps)
+    qmm.qgemv(x, qt, block_n=block_n, num_warps=warps)
 torch.cuda.synchronize()

@@ -30,7 +30,7 @@ import triton.language as tl
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 from sluice.kernels import launch  # noqa: E402
 from sluice.kernels.qmatmul import reference  # noqa: E402
-from sluice.kernels.qmatmul import triton as tq  # noqa: E402
+from sluice.kernels.qmatmul import triton as qmm  # noqa: E402
 from sluice.quant.affine import QuantizedTensor, quantize  # noqa: E402
 
 GEMV_SHAPES = {  # name: (N, K)
@@ -56,14 +56,14 @@ GEMV_CONFIGS = ["default", (4, None, 1, False, 1), (8, None, 1, False, 1), (4, N
 
 
 def gemv_config(q, x, c):
-    """tq.qgemv with config c of GEMV_CONFIGS (PREFETCH is a module setting, read at launch: graph capture)."""
+    """qmm.qgemv with config c of GEMV_CONFIGS (PREFETCH is a module setting, read at launch: graph capture)."""
     if c == "default":
-        return tq.qgemv(x, q)
-    before, tq.GEMV_PREFETCH = tq.GEMV_PREFETCH, c[4]
+        return qmm.qgemv(x, q)
+    before, qmm.GEMV_PREFETCH = qmm.GEMV_PREFETCH, c[4]
     try:
-        return tq.qgemv(x, q, *c[:3], raw_x=c[3])
+        return qmm.qgemv(x, q, *c[:3], raw_x=c[3])
     finally:
-        tq.GEMV_PREFETCH = before
+        qmm.GEMV_PREFETCH = before
 
 
 # M = 4, 16, tensor cores with swapped operands: (block_m, block_n, block_k, num_warps, num_stages)
@@ -197,7 +197,7 @@ def start_run(*sections, flags=(), values=()):
     dev = torch.device("cuda")
     props = torch.cuda.get_device_properties(dev)
     res = {"gpu": props.name, "sms": props.multi_processor_count, "torch": torch.__version__,
-           "triton": tq.triton.__version__, **{name: [] for name in sections}}
+           "triton": qmm.triton.__version__, **{name: [] for name in sections}}
     return ap.parse_args(), dev, res
 
 
@@ -231,9 +231,9 @@ def main():
             for M in (1, 2, 7, 16, 33, 512):
                 x = torch.randn(M, 2048, device=dev, dtype=torch.bfloat16)
                 ref = reference.qmatmul(x.float(), qt)
-                outs = {"qmatmul": tq.qmatmul(x, qt)}
+                outs = {"qmatmul": qmm.qmatmul(x, qt)}
                 if M <= 2:
-                    outs["gemv split 3"] = tq.qgemv(x, qt, split_k=3)
+                    outs["gemv split 3"] = qmm.qgemv(x, qt, split_k=3)
                 for what, y in outs.items():
                     err = rel_err(y, ref)
                     res["correctness"].append({"bits": bits, "group": gs, "M": M, "path": what, "rel_err": err})
@@ -254,8 +254,8 @@ def main():
             if M == 1:
                 cands = [(c, lambda q, x, c=c: gemv_config(q, x, c)) for c in GEMV_CONFIGS]
             else:
-                cands = [(c, lambda q, x, c=c: tq.qgemm(x, q, c[0], c[1], c[2], c[3], c[4], swap=True))
-                         for c in SMALL_M_CONFIGS] + [("gemv per row", lambda q, x: tq.qgemv(x, q))]
+                cands = [(c, lambda q, x, c=c: qmm.qgemm(x, q, c[0], c[1], c[2], c[3], c[4], swap=True))
+                         for c in SMALL_M_CONFIGS] + [("gemv per row", lambda q, x: qmm.qgemv(x, q))]
             # each config's output is checked on the first copy (fp32 reference, in row chunks: lm_heads are big)
             ref = torch.cat([xs[0].float() @ base_rows.dequantize(torch.float32).T for base_rows in
                              (QuantizedTensor(base.weight[i:i + 16384], base.scales[i:i + 16384],
@@ -303,14 +303,14 @@ def main():
         best = None
         for bm, bn, bk, warps, stages in GEMM_CONFIGS:
             try:
-                t = events_time(lambda: tq.qgemm(x, qt, bm, bn, bk, warps, stages), reps=10)
+                t = events_time(lambda: qmm.qgemm(x, qt, bm, bn, bk, warps, stages), reps=10)
             except Exception as e:  # a config that does not fit shared memory
                 print(f"  config {(bm, bn, bk, warps, stages)} failed: {type(e).__name__}", flush=True)
                 continue
             res["sweep"].append({"shape": name, "M": M, "config": str((bm, bn, bk, warps, stages)), "us": t * 1e6})
             if best is None or t < best[0]:
                 best = (t, (bm, bn, bk, warps, stages))
-        t_deq = events_time(lambda: tq.qgemm_dequant(x, qt), reps=10)
+        t_deq = events_time(lambda: qmm.qgemm_dequant(x, qt), reps=10)
         t_cublas = events_time(lambda: x @ w.T, reps=10)
         flops = 2 * M * N * K
         row = {"shape": name, "M": M, "N": N, "K": K, "us": best[0] * 1e6, "config": best[1],

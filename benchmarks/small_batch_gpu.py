@@ -28,7 +28,7 @@ from moe_gpu import stacked_qt  # noqa: E402
 from qmatmul_gpu import copies_for, copy_bandwidth, end_run, graph_time, qt_bytes, random_qt, rel_err, start_run  # noqa: E402
 
 from sluice.kernels.moe import triton as mt  # noqa: E402
-from sluice.kernels.qmatmul import triton as tq  # noqa: E402
+from sluice.kernels.qmatmul import triton as qmm  # noqa: E402
 
 DENSE = {"qkvz 12288x2048": (12288, 2048), "gdn out 2048x4096": (2048, 4096), "attn q 8192x2048": (8192, 2048),
          "lm_head 151936x2048": (151936, 2048)}
@@ -44,7 +44,7 @@ def dense(res, copy_bw):
         ref_w = base.dequantize(torch.float32) if N * K <= 1 << 26 else None
         for M in (5, 8, 16, 32, 64):
             xs = [torch.randn(M, K, device="cuda", dtype=torch.bfloat16) for _ in qts]
-            cands = {"dispatch": lambda q, x: tq.qmatmul(x, q), "gemv per row": lambda q, x: tq.qgemv(x, q)}
+            cands = {"dispatch": lambda q, x: qmm.qmatmul(x, q), "gemv per row": lambda q, x: qmm.qgemv(x, q)}
             row = {"shape": name, "M": M, "floor_us": nb / copy_bw * 1e6}
             for label, fn in cands.items():
                 try:

@@ -12,7 +12,7 @@ triton = pytest.importorskip("triton")
 
 from sluice.kernels.moe import reference  # noqa: E402
 from sluice.kernels.moe import triton as mt  # noqa: E402
-from sluice.kernels.qmatmul import triton as tq  # noqa: E402
+from sluice.kernels.qmatmul import triton as qmm  # noqa: E402
 from sluice.quant.affine import QuantizedTensor, quantize  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -148,15 +148,15 @@ def test_swiglu_prep_is_prep_x_of_h(bits, group_size):
     y[:, :, :256] += 50  # gate >= ~90: exp(-g) vanishes against 1, silu(g) = g exactly, so h is exact too
     gate, up = y.sum(0).chunk(2, dim=-1)
     xp = mt.swiglu_prep(y.to(DEVICE), bits, group_size).cpu()
-    assert xp.shape == tq.prep_x(up.to(DEVICE), bits, group_size).shape
-    ref = tq.prep_x((gate * up).to(DEVICE), bits, group_size).cpu()
+    assert xp.shape == qmm.prep_x(up.to(DEVICE), bits, group_size).shape
+    ref = qmm.prep_x((gate * up).to(DEVICE), bits, group_size).cpu()
     assert torch.equal(xp[:, :128], ref[:, :128])  # the int16 planes
     torch.testing.assert_close(xp[:, 128:n].view(torch.float32), ref[:, 128:n].view(torch.float32),
                                rtol=1e-4, atol=1e-5)  # scales and sums (summed in another order)
     y = torch.randn(2, 5, 512, generator=g)  # silu in the general case: the exp may differ by an ulp
     gate, up = y.sum(0).chunk(2, dim=-1)
     xp = mt.swiglu_prep(y.to(DEVICE), bits, group_size).cpu()
-    ref = tq.prep_x((torch.nn.functional.silu(gate) * up).to(DEVICE), bits, group_size).cpu()
+    ref = qmm.prep_x((torch.nn.functional.silu(gate) * up).to(DEVICE), bits, group_size).cpu()
     lo = lambda t: ((t.to(torch.int64) & 0xFFFF) ^ 0x8000) - 0x8000  # noqa: E731
     assert (lo(xp[:, :128]) - lo(ref[:, :128])).abs().max() <= 1  # an ulp may move a rounding by one
     assert ((xp[:, :128].to(torch.int64) >> 16) - (ref[:, :128].to(torch.int64) >> 16)).abs().max() <= 1

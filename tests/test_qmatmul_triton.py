@@ -7,7 +7,7 @@ import torch
 triton = pytest.importorskip("triton")
 
 from sluice.kernels.qmatmul import reference  # noqa: E402
-from sluice.kernels.qmatmul import triton as tq  # noqa: E402
+from sluice.kernels.qmatmul import triton as qmm  # noqa: E402
 from sluice.quant.affine import quantize  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -28,12 +28,12 @@ def test_matches_reference(bits, group_size, rows, dtype):
     qt = type(qt)(qt.weight.to(DEVICE), qt.scales.to(DEVICE), qt.biases.to(DEVICE), bits, group_size)
     x = torch.randn(rows, 384, generator=g).to(dtype)
     ref = reference.qmatmul(x.float(), type(qt)(qt.weight.cpu(), qt.scales.cpu(), qt.biases.cpu(), bits, group_size))
-    outs = {"qmatmul": tq.qmatmul(x.to(DEVICE), qt),
-            "gemm": tq.qgemm(x.to(DEVICE), qt, block_m=32, block_n=32, block_k=64, swap=False),
-            "gemm swapped, split-K": tq.qgemm(x.to(DEVICE), qt, block_m=16, block_n=32, block_k=128, swap=True,
+    outs = {"qmatmul": qmm.qmatmul(x.to(DEVICE), qt),
+            "gemm": qmm.qgemm(x.to(DEVICE), qt, block_m=32, block_n=32, block_k=64, swap=False),
+            "gemm swapped, split-K": qmm.qgemm(x.to(DEVICE), qt, block_m=16, block_n=32, block_k=128, swap=True,
                                                split_k=2)}
     if rows <= 3:
-        outs["gemv"] = tq.qgemv(x.to(DEVICE), qt)
+        outs["gemv"] = qmm.qgemv(x.to(DEVICE), qt)
     for what, out in outs.items():
         assert out.dtype == dtype and out.shape == (rows, 48), what
         assert rel_err(out.cpu(), ref) < 1e-2, what
@@ -46,9 +46,9 @@ def test_split_k_and_ragged_shapes():
     ref = reference.qmatmul(x, type(qt)(*(t.cpu() for t in (qt.weight, qt.scales, qt.biases)), 4, 64))
     for split in (1, 3):
         for block_n, num_warps in ((8, 1), (16, 2)):
-            out = tq.qgemv(x.to(DEVICE).bfloat16(), qt, block_n=block_n, num_warps=num_warps, split_k=split)
+            out = qmm.qgemv(x.to(DEVICE).bfloat16(), qt, block_n=block_n, num_warps=num_warps, split_k=split)
             assert rel_err(out.cpu(), ref) < 1e-2
-        out = tq.qgemm(x.to(DEVICE).bfloat16(), qt, block_m=16, block_n=32, block_k=128, split_k=split)
+        out = qmm.qgemm(x.to(DEVICE).bfloat16(), qt, block_m=16, block_n=32, block_k=128, split_k=split)
         assert rel_err(out.cpu(), ref) < 1e-2
 
 
@@ -60,7 +60,7 @@ def test_gemv_several_steps_per_split(bits, group_size):
     ref = reference.qmatmul(x.float(), qt)
     qt = type(qt)(*(t.to(DEVICE) for t in (qt.weight, qt.scales, qt.biases)), bits, group_size)
     for split in (1, 2, 3):
-        out = tq.qgemv(x.to(DEVICE), qt, block_n=8, split_k=split)
+        out = qmm.qgemv(x.to(DEVICE), qt, block_n=8, split_k=split)
         assert rel_err(out.cpu(), ref) < 1e-2
 
 
@@ -70,7 +70,7 @@ def test_gemv_preparing_x_itself_matches_prep_x(prefetch, monkeypatch):
     whether the first step's weights are read before the dependency wait into L2 (1), registers (2) or not (0);
     several steps per split, split or not, masked steps, ragged N. 2-bit g32 (a group inside one thread's
     words) takes prep_x."""
-    monkeypatch.setattr(tq, "GEMV_PREFETCH", prefetch)
+    monkeypatch.setattr(qmm, "GEMV_PREFETCH", prefetch)
     g = torch.Generator().manual_seed(prefetch)
     for bits, gs, K in ((4, 64, 2304), (8, 32, 1024), (2, 128, 4096), (4, 32, 320)):
         qt = quantize(torch.randn(20, K, generator=g), bits=bits, group_size=gs)
@@ -79,17 +79,17 @@ def test_gemv_preparing_x_itself_matches_prep_x(prefetch, monkeypatch):
         ref = reference.qmatmul(x.float().cpu(), type(qt)(*(t.cpu() for t in (qt.weight, qt.scales, qt.biases)),
                                                           bits, gs))
         for split in (1, 2):
-            raw = tq.qgemv_partials(x, qt, block_n=8, split_k=split, raw_x=True).sum(0)
-            prepped = tq.qgemv_partials(x, qt, block_n=8, split_k=split, raw_x=False).sum(0)
+            raw = qmm.qgemv_partials(x, qt, block_n=8, split_k=split, raw_x=True).sum(0)
+            prepped = qmm.qgemv_partials(x, qt, block_n=8, split_k=split, raw_x=False).sum(0)
             assert rel_err(raw.cpu(), prepped.cpu()) < 1e-4, (bits, gs, split)
             assert rel_err(raw.cpu(), ref) < 1e-2, (bits, gs, split)
-    assert not tq.raw_x_supported(2, 32) and tq.raw_x_supported(2, 64) and tq.raw_x_supported(8, 32)
+    assert not qmm.raw_x_supported(2, 32) and qmm.raw_x_supported(2, 64) and qmm.raw_x_supported(8, 32)
     cpu = quantize(torch.randn(8, 256, generator=g), bits=2, group_size=32)
     qt = type(cpu)(*(t.to(DEVICE) for t in (cpu.weight, cpu.scales, cpu.biases)), 2, 32)
     x = torch.randn(1, 256, generator=g)
     with pytest.raises(ValueError, match="cannot be prepared"):
-        tq.qgemv(x.to(DEVICE), qt, raw_x=True)
-    assert rel_err(tq.qgemv(x.to(DEVICE), qt).cpu(), reference.qmatmul(x, cpu)) < 1e-2  # prep_x, then the GEMV
+        qmm.qgemv(x.to(DEVICE), qt, raw_x=True)
+    assert rel_err(qmm.qgemv(x.to(DEVICE), qt).cpu(), reference.qmatmul(x, cpu)) < 1e-2  # prep_x, then the GEMV
 
 
 def unpack_prepared(xp: torch.Tensor, bits: int, gs: int, K: int):
@@ -111,12 +111,12 @@ def test_prep_x_rounds_x_to_int16_per_group():
     x = torch.randn(2, 256)
     x[1, :64] = 0  # an all-zero group: scale 0, codes 0
     for bits, gs in ((4, 64), (2, 32), (8, 128)):
-        q, xs, sums = unpack_prepared(tq.prep_x(x.to(DEVICE), bits, gs).cpu(), bits, gs, 256)
+        q, xs, sums = unpack_prepared(qmm.prep_x(x.to(DEVICE), bits, gs).cpu(), bits, gs, 256)
         amax = x.view(2, -1, gs).abs().amax(-1)
-        torch.testing.assert_close(xs, amax / tq.X_INT_MAX)
+        torch.testing.assert_close(xs, amax / qmm.X_INT_MAX)
         torch.testing.assert_close(sums, x.view(2, -1, gs).sum(-1))
-        assert q.abs().max() == tq.X_INT_MAX
-        expect = torch.round(x.view(2, -1, gs) / torch.where(amax > 0, amax / tq.X_INT_MAX, 1)[..., None])
+        assert q.abs().max() == qmm.X_INT_MAX
+        expect = torch.round(x.view(2, -1, gs) / torch.where(amax > 0, amax / qmm.X_INT_MAX, 1)[..., None])
         assert (q - expect.view(2, 256)).abs().max() <= 1  # round-half-even vs half-up, fp32 vs fp32 divide
         assert torch.equal(q[1, :64], torch.zeros(64, dtype=torch.int64))
 
@@ -124,12 +124,12 @@ def test_prep_x_rounds_x_to_int16_per_group():
 def test_bad_inputs_raise_before_launch():
     qt = quantize(torch.randn(16, 128), bits=3, group_size=32)
     with pytest.raises(ValueError, match="3-bit"):
-        tq.qgemv(torch.randn(1, 128), qt)
+        qmm.qgemv(torch.randn(1, 128), qt)
     qt = quantize(torch.randn(16, 128), bits=4, group_size=32)
     with pytest.raises(ValueError, match=r"\[M, 128\]"):
-        tq.qgemv(torch.randn(1, 64), qt)
+        qmm.qgemv(torch.randn(1, 64), qt)
     with pytest.raises(ValueError, match="bf16, fp16 or fp32"):
-        tq.qgemv(torch.ones(1, 128, dtype=torch.int32), qt)
+        qmm.qgemv(torch.ones(1, 128, dtype=torch.int32), qt)
 
 
 @pytest.mark.parametrize("bits,group_size,K", [(4, 64, 1024), (8, 32, 384), (2, 128, 256), (4, 64, 576)])
@@ -138,7 +138,7 @@ def test_dequantize_and_dequant_gemm(bits, group_size, K):
     s * q + b into one rounding); the prefill path (dequantize + dense GEMM) matches the reference."""
     qt = quantize(torch.randn(70, K), bits=bits, group_size=group_size)
     dev = type(qt)(*(t.to(DEVICE) for t in (qt.weight, qt.scales, qt.biases)), bits, group_size)
-    torch.testing.assert_close(tq.dequantize(dev, torch.float32).cpu(), qt.dequantize(torch.float32),
+    torch.testing.assert_close(qmm.dequantize(dev, torch.float32).cpu(), qt.dequantize(torch.float32),
                                rtol=1e-6 if DEVICE == "cuda" else 0, atol=1e-6 if DEVICE == "cuda" else 0)
     x = torch.randn(40, K)
-    assert rel_err(tq.qgemm_dequant(x.to(DEVICE), dev).cpu(), reference.qmatmul(x, qt)) < 1e-3  # TF32 on a GPU
+    assert rel_err(qmm.qgemm_dequant(x.to(DEVICE), dev).cpu(), reference.qmatmul(x, qt)) < 1e-3  # TF32 on a GPU

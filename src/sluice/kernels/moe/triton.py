@@ -20,7 +20,7 @@ import triton
 import triton.language as tl
 
 from sluice.kernels import launch
-from sluice.kernels.qmatmul import triton as tq
+from sluice.kernels.qmatmul import triton as qmm
 from sluice.quant.affine import QuantizedTensor
 
 MAX_TOP_K = 16
@@ -143,15 +143,15 @@ def route(logits: torch.Tensor, top_k: int, norm_topk_prob: bool, shared_gate_lo
 
 
 def swiglu_prep(y: torch.Tensor, bits: int, group_size: int) -> torch.Tensor:
-    """gate_up GEMV partials y fp32 [S, rows, 2I] -> exactly `tq.prep_x(silu(g) * u, bits, group_size)` with
+    """gate_up GEMV partials y fp32 [S, rows, 2I] -> exactly `qmm.prep_x(silu(g) * u, bits, group_size)` with
     g, u = y.sum(0).chunk(2, -1): the down projection's prepared activations, without materialising h."""
     if y.dim() != 3 or y.dtype != torch.float32 or y.shape[2] % 2 or y.stride(2) != 1:
         raise ValueError(f"moe swiglu_prep: y must be fp32 [S, rows, 2I] with unit column stride, got {y.dtype} "
                          f"{tuple(y.shape)}")
     I = y.shape[2] // 2
-    if bits not in tq.SUPPORTED_BITS or group_size not in tq.SUPPORTED_GROUPS or I % group_size:
+    if bits not in qmm.SUPPORTED_BITS or group_size not in qmm.SUPPORTED_GROUPS or I % group_size:
         raise ValueError(f"moe swiglu_prep: unsupported bits {bits} / group size {group_size} for I = {I}")
-    return tq.prep_x(y, bits, group_size, swiglu=True)
+    return qmm.prep_x(y, bits, group_size, swiglu=True)
 
 
 def expert_block_n(N: int, K: int, bits: int, rows: int) -> int:
@@ -159,7 +159,7 @@ def expert_block_n(N: int, K: int, bits: int, rows: int) -> int:
     (<= 64 packed words). From the H100 sweep at the decode shapes (11 slots; docs/PERF.md 2026-11-25, "GEMV and
     MoE decode"): Qwen3.5 gate_up 19.7 us with 8 rows against 22.4 / 24.2 with 4 / 16, down 11.5 against
     15.7 / 13.0; Qwen3-Next gate_up 6.0 against 7.7 / 7.8, down (64 words a row) 4.0 with 16 rows against 4.5
-    with 8. The grid-filling rule of dense GEMVs (`tq.gemv_block_n`, which takes N and rows) picked 16 / 4 / 8
+    with 8. The grid-filling rule of dense GEMVs (`qmm.gemv_block_n`, which takes N and rows) picked 16 / 4 / 8
     rows there: the layer was 1.0-1.9 us slower with it."""
     return 16 if K * bits // 32 <= 64 else 8
 
@@ -173,10 +173,10 @@ def _expert_gemv(xp: torch.Tensor, qt: QuantizedTensor, ids: torch.Tensor, x_div
     N, K = qt.out_features, qt.in_features
     block_n = block_n or expert_block_n(N, K, qt.bits, rows)
     # K is split only when the rows and N-blocks alone leave multiprocessors idle
-    split_k = tq.gemv_split_k(N, K, qt.bits, rows, block_n, num_warps, device=xp.device)
-    used = tq.gemv_used_splits(K, qt.bits, split_k, num_warps)[0]
+    split_k = qmm.gemv_split_k(N, K, qt.bits, rows, block_n, num_warps, device=xp.device)
+    used = qmm.gemv_used_splits(K, qt.bits, split_k, num_warps)[0]
     out = torch.empty((used, rows, N), dtype=torch.float32, device=xp.device)
-    tq.gemv_launch(xp, qt.weight.view(torch.int32), qt.scales, qt.biases, out, ids, rows, N, K, qt.bits,
+    qmm.gemv_launch(xp, qt.weight.view(torch.int32), qt.scales, qt.biases, out, ids, rows, N, K, qt.bits,
                    qt.group_size, split_k, x_div=x_div, block_n=block_n, num_warps=num_warps, ids_ready=True,
                    extra=None if extra is None else (extra.weight.view(torch.int32), extra.scales, extra.biases))
     return out
@@ -192,7 +192,7 @@ def moe_decode(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_u
     _check_moe(x, ids, weights, gate_up, down, shared_out, shared_gate_logit, shared_expert)
     ids = ids.contiguous().view(-1)
     gu_extra, down_extra = shared_expert if shared_expert is not None else (None, None)
-    xp = tq.prep_x(x.contiguous(), gate_up.bits, gate_up.group_size)
+    xp = qmm.prep_x(x.contiguous(), gate_up.bits, gate_up.group_size)
     y_gu = _expert_gemv(xp, gate_up, ids, x_div=weights.shape[1], extra=gu_extra)
     y = _expert_gemv(swiglu_prep(y_gu, down.bits, down.group_size), down, ids, x_div=1, extra=down_extra)
     return combine(y, weights, x.dtype, shared_out, shared_gate_logit)
@@ -309,7 +309,7 @@ def _grouped_gemm(a, a_div, qt, c, table, swiglu, block_m, block_n, block_k, num
         a.stride(0), w.stride(0), w.stride(1), qt.scales.stride(0), qt.scales.stride(1), c.stride(0),
         BITS=qt.bits, GS=qt.group_size, BLOCK_M=block_m, BLOCK_N=block_n,
         BLOCK_K=min(block_k, K & -K),  # the largest power of two dividing K (>= 32) caps the K step
-        SWIGLU=swiglu, DOT_FP32=tq.INTERPRET or a.dtype == torch.float32, num_warps=num_warps, num_stages=num_stages)
+        SWIGLU=swiglu, DOT_FP32=qmm.INTERPRET or a.dtype == torch.float32, num_warps=num_warps, num_stages=num_stages)
 
 
 def moe_prefill(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_up: QuantizedTensor,
@@ -394,8 +394,8 @@ def moe(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_up: Quan
 
 def supports(gate_up, down, top_k: int) -> bool:
     """Whether these kernels run a block with these stacked expert weights and this top-k."""
-    quantized = all(isinstance(qt, QuantizedTensor) and qt.weight.dim() == 3 and qt.bits in tq.SUPPORTED_BITS
-                    and qt.group_size in tq.SUPPORTED_GROUPS for qt in (gate_up, down))
+    quantized = all(isinstance(qt, QuantizedTensor) and qt.weight.dim() == 3 and qt.bits in qmm.SUPPORTED_BITS
+                    and qt.group_size in qmm.SUPPORTED_GROUPS for qt in (gate_up, down))
     return quantized and gate_up.weight.shape[0] <= MAX_EXPERTS and top_k <= min(MAX_TOP_K, gate_up.weight.shape[0])
 
 
@@ -413,7 +413,7 @@ def _check_device(*tensors) -> None:
     dev = tensors[0].device
     if any(t.device != dev for t in tensors):
         raise ValueError("moe: all tensors must be on the same device")
-    if not (dev.type == "cuda" or tq.INTERPRET):
+    if not (dev.type == "cuda" or qmm.INTERPRET):
         raise ValueError("moe: tensors must be on a CUDA device (or set TRITON_INTERPRET=1)")
 
 
@@ -436,9 +436,9 @@ def _check_moe(x, ids, weights, gate_up, down, shared_out, shared_gate_logit, sh
     for name, qt in (("gate_up", gate_up), ("down", down)):
         if not isinstance(qt, QuantizedTensor) or qt.weight.dim() != 3:
             raise ValueError(f"moe: {name} must be a stacked QuantizedTensor [E, N, K*bits/32]")
-        if qt.bits not in tq.SUPPORTED_BITS or qt.group_size not in tq.SUPPORTED_GROUPS:
+        if qt.bits not in qmm.SUPPORTED_BITS or qt.group_size not in qmm.SUPPORTED_GROUPS:
             raise ValueError(f"moe: {name} is {qt.bits}-bit with group size {qt.group_size}; supported: bits "
-                             f"{tq.SUPPORTED_BITS}, group sizes {tq.SUPPORTED_GROUPS}")
+                             f"{qmm.SUPPORTED_BITS}, group sizes {qmm.SUPPORTED_GROUPS}")
         groups = (*qt.weight.shape[:2], qt.in_features // qt.group_size)
         if tuple(qt.scales.shape) != groups or qt.scales.stride() != qt.biases.stride():
             raise ValueError(f"moe: {name} scales and biases must both be {groups} with the same strides")

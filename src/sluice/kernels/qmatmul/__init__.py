@@ -25,12 +25,12 @@ def prepare(qt):
 
 def _triton_for(qt):
     try:
-        from sluice.kernels.qmatmul import triton as tq
+        from sluice.kernels.qmatmul import triton as qmm
     except ImportError:  # no Triton: the reference (correct, slow)
         return None
-    if qt.bits not in tq.SUPPORTED_BITS or qt.group_size not in tq.SUPPORTED_GROUPS or qt.weight.dim() != 2:
+    if qt.bits not in qmm.SUPPORTED_BITS or qt.group_size not in qmm.SUPPORTED_GROUPS or qt.weight.dim() != 2:
         return None
-    return lambda x2: tq.qmatmul(x2, qt)
+    return lambda x2: qmm.qmatmul(x2, qt)
 
 
 def qmatmul(x: torch.Tensor, qt, prepared=None) -> torch.Tensor:
