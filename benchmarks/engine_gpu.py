@@ -132,11 +132,9 @@ def main() -> int:
                 r["graph_replay_ms"] = replay_ms(graphs[batch][0])
                 r["lone_replay_ms"] = lone_replay_ms(graphs[batch][0])
                 profiles[f"{kind} batch {batch}"] = profile_graph(graphs[batch][0])
-                if batch > 1:
-                    anatomy = step_anatomy(model, batch)
-                    r["anatomy"] = anatomy
-                    print(f"step anatomy, batch {batch}: step {anatomy['step_ms']:.2f} ms, runner "
-                          f"{anatomy['runner_ms']:.2f} ms\n{anatomy['profile']}", flush=True)
+                anatomy = r["anatomy"] = step_anatomy(model, batch)
+                print(f"step anatomy, batch {batch}: step {anatomy['step_ms']:.2f} ms, runner "
+                      f"{anatomy['runner_ms']:.2f} ms\n{anatomy['profile']}", flush=True)
             rows.append(r)
             dump(args.json, args.config, rows, {})
             print(json.dumps({k: r.get(k) for k in ("kv_cache", "batch", "graphs", "ttft_cold_s", "ttft_warm_s",
