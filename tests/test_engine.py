@@ -135,3 +135,60 @@ def test_bench_batch(qwen):
     assert r["batch"] == 3 and r["decode_tok_s"] > 0 and r["ttft_cold_s"] > 0 and r["decode_steps"] >= 4
     with pytest.raises(InvalidOptionError, match="batch"):
         qwen.bench(batch=0)
+
+
+def _poison_row(monkeypatch, engine, row, after_steps):
+    """Make decode's logits NaN for one cache row once `after_steps` decode steps have run (damaged weights)."""
+    decode, steps = engine.runner.decode, [0]
+
+    def poisoned(rows, positions, ids):
+        logits = decode(rows, positions, ids)
+        steps[0] += 1
+        if steps[0] > after_steps and row in rows:
+            logits = logits.clone()
+            logits[rows.index(row), 3] = float("nan")
+        return logits
+
+    monkeypatch.setattr(engine.runner, "decode", poisoned)
+
+
+def test_nan_logits_stop_that_request_only(demo, monkeypatch):
+    engine = demo.engine
+    ps = prompts(demo, n=2, seed=3)
+    seqs = [engine.add_request(p, max_tokens=12, stop_ids=()) for p in ps]
+    engine.step()  # the first prompt is in: it holds a row
+    _poison_row(monkeypatch, engine, seqs[0].row, after_steps=2)
+    engine.run(seqs)
+    bad, good = seqs
+    assert bad.finish_reason == "error" and "NaN or inf logits" in bad.error and f"request {bad.id}" in bad.error
+    assert 0 < len(bad.output) < 12
+    assert good.finish_reason == "length" and len(good.output) == 12 and good.output == alone(demo, ps[1], 12)
+    assert engine.runner.pool.free_rows == engine.runner.pool.rows
+
+
+def test_nan_logits_raise_from_generate(demo, monkeypatch):
+    from sluice.engine.engine import GenerationError
+
+    engine = demo.engine
+    _poison_row(monkeypatch, engine, 0, after_steps=0)
+    engine.runner.build_pool(1, 256)  # one row: the request takes row 0
+    with pytest.raises(GenerationError, match="request [0-9]+: the model produced NaN or inf logits"):
+        demo.generate("The capital of France is", max_tokens=8, temperature=0)
+    assert engine.runner.pool.free_rows == engine.runner.pool.rows
+
+
+def test_nan_logits_become_an_openai_error(tmp_path, monkeypatch):
+    httpx = pytest.importorskip("httpx")
+    from helpers import save_hf_dir, tiny_llama
+
+    from sluice.server import Server, ServerConfig
+
+    model = sluice.load(save_hf_dir(tiny_llama(seed=4), tmp_path / "m"), device="cpu", max_seq_len=128, max_batch=2)
+    _poison_row(monkeypatch, model.engine, 0, after_steps=1)
+    body = {"model": "m", "prompt": [5, 6, 7], "max_tokens": 8, "temperature": 0}
+    with Server(model, ServerConfig(port=0, log_level="warning")) as s:
+        r = httpx.post(s.url + "/v1/completions", json=body, timeout=60)
+        assert r.status_code == 500 and "NaN or inf logits" in r.json()["error"]["message"], r.text
+        events = httpx.post(s.url + "/v1/completions", json={**body, "stream": True}, timeout=60).text
+        assert '"server_error"' in events and "NaN or inf logits" in events and events.endswith("[DONE]\n\n")
+        assert httpx.get(s.url + "/health").json()["failed"] == 2

@@ -29,9 +29,13 @@ from sluice.engine.sampler import SamplingBatch, fill_seen, mark_seen, output_co
 from sluice.engine.sampling import SamplingParams
 from sluice.engine.scheduler import Scheduler
 from sluice.engine.sequence import DECODING, Sequence, TokenConstraint, stop_text
-from sluice.errors import ContextLengthError, InvalidOptionError
+from sluice.errors import ContextLengthError, InvalidOptionError, SluiceError
 
 POOL_POSITIONS = 256  # a growing pool's capacity is a multiple of this
+
+
+class GenerationError(SluiceError):
+    """A request could not go on: the model produced NaN or inf logits for it (damaged weights, overflow)."""
 
 
 @dataclass
@@ -175,8 +179,12 @@ class Engine:
             ids = sample(logits, batch, self.runner.seen, rows, counts)
             if rows is not None:
                 mark_seen(self.runner.seen, rows, ids)
-        logprobs = self._logprobs(seqs, raw, ids)
-        return [self._append(s, t, *logprobs.get(i, ())) for i, (s, t) in enumerate(zip(seqs, ids.tolist()))]
+        # NaN/inf logits end that request: the check is read back with the ids (one transfer, no extra sync)
+        ids_ok = torch.stack([ids, torch.isfinite(raw).all(-1).to(ids.dtype)]).tolist()
+        ok = [bool(f) for f in ids_ok[1]]
+        logprobs = self._logprobs(seqs, raw, ids)  # a failed row's are NaN, never shown
+        return [self._append(s, t, *logprobs.get(i, ())) if ok[i] else self._fail(s, "NaN or inf logits")
+                for i, (s, t) in enumerate(zip(seqs, ids_ok[0]))]
 
     @staticmethod
     def _masked(seqs: list[Sequence], logits: torch.Tensor) -> torch.Tensor:
@@ -200,6 +208,14 @@ class Engine:
         top = lp.topk(max(seqs[i].logprobs for i in want), dim=-1)
         values, indices = top.values.tolist(), top.indices.tolist()
         return {i: (chosen[j], list(zip(indices[j], values[j]))[:seqs[i].logprobs]) for j, i in enumerate(want)}
+
+    def _fail(self, seq: Sequence, why: str) -> StepOutput:
+        """End a request that cannot go on (finish_reason "error"); the others in the batch continue."""
+        seq.error = (f"request {seq.id}: the model produced {why} after {len(seq.output)} generated tokens; its output"
+                     " would be garbage, so it was stopped. The weights may be damaged, or the dtype overflows "
+                     "(try --dtype float32).")
+        self.scheduler.finish(seq, "error", self.runner.pool)
+        return StepOutput(seq, None, "", True)
 
     def _append(self, seq: Sequence, token: int, logprob: float | None = None,
                 top_logprobs: list[tuple[int, float]] | None = None) -> StepOutput:

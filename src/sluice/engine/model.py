@@ -10,7 +10,7 @@ import torch
 
 from sluice.config import EngineConfig
 from sluice.engine.batch import ForwardMeta
-from sluice.engine.engine import Engine, check_prompt
+from sluice.engine.engine import Engine, GenerationError, check_prompt
 from sluice.errors import InvalidOptionError
 from sluice.layers.linear import RMSNorm, _WeightHolder
 from sluice.quant.affine import QuantizedTensor
@@ -103,15 +103,22 @@ class Model:
             while not seq.finished:
                 for out in engine.step():
                     if out.seq is seq:
+                        if seq.finish_reason == "error":
+                            raise GenerationError(seq.error)
                         yield out
         finally:
             engine.abort(seq)
 
-    def stream(self, prompt, max_tokens: int = 256, chat: bool = False, system: str | None = None,
-               stop=(), **sampling) -> Iterator[str]:
-        """Yield text pieces as they are decoded (whole UTF-8 characters only; `stop` strings end it, unshown)."""
+    def outputs(self, prompt, max_tokens: int = 256, chat: bool = False, system: str | None = None,
+                stop=(), **sampling) -> Iterator:
+        """Yield the request's `StepOutput`s (text, token, finished; `.seq` has finish_reason and max_tokens, which
+        the context window may have lowered). NaN/inf logits raise a `GenerationError`."""
         ids = self.encode_prompt(prompt, chat=chat, system=system)
-        for out in self._run_one(ids, max_tokens, stop=stop, **sampling):
+        yield from self._run_one(ids, max_tokens, stop=stop, **sampling)
+
+    def stream(self, prompt, max_tokens: int = 256, **kwargs) -> Iterator[str]:
+        """Yield text pieces as they are decoded (whole UTF-8 characters only; `stop` strings end it, unshown)."""
+        for out in self.outputs(prompt, max_tokens, **kwargs):
             if out.text:
                 yield out.text
 
@@ -134,6 +141,9 @@ class Model:
         finally:
             for s in seqs:
                 engine.abort(s)
+        failed = [s.error for s in seqs if s.finish_reason == "error"]
+        if failed:
+            raise GenerationError("; ".join(failed))
         return ["".join(texts[s.id]) for s in seqs]
 
     def bench(self, **options) -> dict:
@@ -174,7 +184,10 @@ class Model:
             if mod is getattr(self.module, "lm_head", None) and self.config.tie_word_embeddings:
                 continue
             count(n, kind, nb)
-        return {"path": str(self.path), "format": self.format, "architecture": self.config.architecture,
+        fmt = self.format
+        if fmt == "hf" and any("affine" in kind for kind in kinds):  # quantized safetensors: an MLX-format directory
+            fmt = "mlx"
+        return {"path": str(self.path), "format": fmt, "architecture": self.config.architecture,
                 "config": dict(vars(self.config)), "parameters": params, "weight_bytes": nbytes,
                 "weights_by_kind": kinds, "kv_cache": self.kv_cache, **self._kv_layout(),
                 "device": str(self.device), "dtype": str(self.dtype).removeprefix("torch.")}

@@ -34,12 +34,13 @@ class Sequence:
     stop: tuple[str, ...] = ()  # stop strings: end it, the text cut before the first one
     output: list[int] = field(default_factory=list)
     status: str = WAITING
-    finish_reason: str | None = None  # "stop" (a stop id or string), "length" (max_tokens), "abort"
+    finish_reason: str | None = None  # "stop" (a stop id or string), "length" (max_tokens), "abort", "error"
     row: int | None = None  # the cache row while it holds one
     prefilled: int = 0  # prompt tokens already in the cache
     text: _StopText | None = None  # the detokenized output, held back while it may start a stop string
     logprobs: int | None = None  # None: off; N: each step reports the token's logprob and the N most likely
     constraint: TokenConstraint | None = None  # which tokens may be sampled next (structured output)
+    error: str | None = None  # with finish_reason "error": what went wrong (e.g. NaN/inf logits)
 
     @property
     def length(self) -> int:

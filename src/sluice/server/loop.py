@@ -156,6 +156,10 @@ class EngineLoop:
                 continue
             if out.finished:
                 del self._live[out.seq.id]
+                if out.seq.finish_reason == "error":  # NaN/inf logits: this request fails, the others go on
+                    self.counters.failed += 1
+                    sub.deliver(EngineFailure(out.seq.error))
+                    continue
                 self.counters.finished += 1
             sub.deliver(out)
 
