@@ -9,7 +9,7 @@ import sys
 import time
 
 from sluice.cache import KV_CACHE_KINDS
-from sluice.errors import SluiceError
+from sluice.errors import InvalidOptionError, ModelFileError, SluiceError
 
 
 def _add_model_args(p: argparse.ArgumentParser):
@@ -22,13 +22,17 @@ def _add_model_args(p: argparse.ArgumentParser):
 
 
 def _add_sampling_args(p: argparse.ArgumentParser):
-    p.add_argument("--max-tokens", "-n", type=int, default=256)
-    p.add_argument("--temperature", "-t", type=float, default=0.7, help="0 = greedy")
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--min-p", type=float, default=0.0)
-    p.add_argument("--repetition-penalty", type=float, default=1.0)
-    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--max-tokens", "-n", type=int, default=256,
+                   help="most tokens to generate (default 256; the context window may end it sooner)")
+    p.add_argument("--temperature", "-t", type=float, default=0.7, help="randomness (default 0.7; 0 = greedy)")
+    p.add_argument("--top-k", type=int, default=0, help="sample among the k likeliest tokens (default 0 = all)")
+    p.add_argument("--top-p", type=float, default=1.0,
+                   help="sample among the likeliest tokens whose probabilities sum to p (default 1 = all)")
+    p.add_argument("--min-p", type=float, default=0.0,
+                   help="drop tokens less likely than min-p times the likeliest (default 0 = none)")
+    p.add_argument("--repetition-penalty", type=float, default=1.0,
+                   help="divide the logits of tokens already seen by this (default 1 = off)")
+    p.add_argument("--seed", type=int, default=None, help="seed for sampling: the same seed, the same text")
 
 
 def _sampling(args) -> dict:
@@ -49,44 +53,34 @@ def cmd_run(args) -> int:
     SamplingParams(**_sampling(args)).validate()  # bad options fail before the model loads
     prompt = args.prompt if args.prompt is not None else (sys.stdin.read() if not sys.stdin.isatty() else "")
     model = _load(args)
-    t0, n = time.perf_counter(), 0
-    for piece in model.stream(prompt, max_tokens=args.max_tokens, chat=args.chat, system=args.system,
-                              **_sampling(args)):
-        sys.stdout.write(piece)
+    t0, seq = time.perf_counter(), None
+    for out in model.outputs(prompt, max_tokens=args.max_tokens, chat=args.chat, system=args.system,
+                             **_sampling(args)):
+        sys.stdout.write(out.text)
         sys.stdout.flush()
-        n += 1
+        seq = out.seq
     sys.stdout.write("\n")
+    sys.stdout.flush()
+    note_context_end(model, seq, args.max_tokens)
     if args.verbose:
         print(f"[{time.perf_counter() - t0:.2f} s]", file=sys.stderr)
     return 0
 
 
+def note_context_end(model, seq, max_tokens: int) -> None:
+    """Say so when the context window, not --max-tokens or a stop, ended the generation."""
+    if seq is not None and seq.finish_reason == "length" and seq.max_tokens < max_tokens:
+        print(f"sluice: stopped after {len(seq.output)} tokens: the context window ({model.engine.max_length} "
+              f"positions, {len(seq.prompt)} of them the prompt) is full; --max-tokens {max_tokens} was not reached.",
+              file=sys.stderr)
+
+
 def cmd_chat(args) -> int:
+    from sluice.chat import chat
     from sluice.engine.sampling import SamplingParams
 
     SamplingParams(**_sampling(args)).validate()
-    model = _load(args)
-    messages = [{"role": "system", "content": args.system}] if args.system else []
-    print("sluice chat — empty line or Ctrl-D to quit, /reset to start over.", file=sys.stderr)
-    while True:
-        try:
-            line = input("> ")
-        except EOFError:
-            print()
-            return 0
-        if not line.strip():
-            return 0
-        if line.strip() == "/reset":
-            messages = messages[:1] if args.system else []
-            continue
-        messages.append({"role": "user", "content": line})
-        reply = []
-        for piece in model.stream(messages, max_tokens=args.max_tokens, **_sampling(args)):
-            sys.stdout.write(piece)
-            sys.stdout.flush()
-            reply.append(piece)
-        sys.stdout.write("\n")
-        messages.append({"role": "assistant", "content": "".join(reply)})
+    return chat(_load(args), args.system, args.max_tokens, _sampling(args))
 
 
 def _human(n: float) -> str:
@@ -102,10 +96,20 @@ def _add_kv_cache_arg(p):
                    help="dense (the model's dtype) or turboquant4 (4-bit codes + a scale per vector, ~3.8x smaller)")
 
 
+def _count(n: float) -> str:
+    """A parameter count: 12.3 M, 45.6 K or 789 (never 0.0 M)."""
+    for scale, unit in ((1e9, " B"), (1e6, " M"), (1e3, " K")):
+        if n >= scale:
+            return f"{n / scale:.1f}{unit}"
+    return f"{n:.0f}"
+
+
 def cmd_info(args) -> int:
     import sluice
 
-    model = sluice.load(args.model, device="cpu", kv_cache=args.kv_cache)
+    if args.model and args.model_opt and args.model != args.model_opt:
+        raise InvalidOptionError(f"two models given ({args.model} and --model {args.model_opt}); give one.")
+    model = sluice.load(args.model or args.model_opt, device="cpu", kv_cache=args.kv_cache)
     info = model.info()
     if args.json:
         print(json.dumps(info, indent=2))
@@ -115,9 +119,9 @@ def cmd_info(args) -> int:
     print(f"architecture: {info['architecture']}: {c['num_layers']} layers, hidden {c['hidden_size']}, "
           f"{c['num_heads']} heads / {c['num_kv_heads']} kv heads of {c['head_dim']}, "
           f"MLP {c['intermediate_size']}, vocab {c['vocab_size']}, context {c['context_length']}")
-    print(f"parameters:   {info['parameters'] / 1e6:.1f} M, {_human(info['weight_bytes'])} of weights in memory")
+    print(f"parameters:   {_count(info['parameters'])}, {_human(info['weight_bytes'])} of weights in memory")
     for kind, n in sorted(info["weights_by_kind"].items(), key=lambda kv: -kv[1]):
-        print(f"  {kind:28s} {n / 1e6:8.1f} M params")
+        print(f"  {kind:28s} {_count(n):>9s} params")
     kv = info["kv_cache_bytes_per_token"]
     kind = info["dtype"] if info["kv_cache"] == "dense" else info["kv_cache"]
     fixed = info["kv_cache_fixed_bytes"]
@@ -132,13 +136,20 @@ def cmd_bench(args) -> int:
     options = {"graphs": not args.no_graphs, "max_batch": max(args.batch, 1)}
     if args.load_format != "auto":
         options["load_format"] = args.load_format
+    _progress(f"loading {args.model or 'the demo model'}")
+    t0 = time.perf_counter()
     model = _load(args, **options)
+    _progress(f"loaded in {time.perf_counter() - t0:.1f} s")
     rows = []
     for kind in args.kv_cache_kinds or [args.kv_cache]:
         if kind != model.kv_cache:
             model = _with_engine_options(model, kv_cache=kind)
+        _progress(f"{kind} KV cache: {args.repeats} runs of batch {args.batch}, {args.prompt_tokens} prompt + "
+                  f"{args.gen_tokens} generated tokens each")
+        t0 = time.perf_counter()
         rows.append(model.bench(prompt_tokens=args.prompt_tokens, gen_tokens=args.gen_tokens, batch=args.batch,
                                 repeats=args.repeats))
+        _progress(f"{kind} KV cache: done in {time.perf_counter() - t0:.1f} s")
     if args.json:
         print(json.dumps(rows, indent=2))
         return 0
@@ -154,6 +165,10 @@ def cmd_bench(args) -> int:
         print(f"{r['kv_cache']:12s} {r['ttft_cold_s']:11.3f} {r['ttft_warm_s']:11.3f} {r['prefill_tok_s']:14.1f} "
               f"{r['decode_tok_s']:13.1f} {r['decode_tok_s_per_seq']:8.1f} {fl} {r['kv_cache_bytes_per_token']:11d}")
     return 0
+
+
+def _progress(message: str) -> None:
+    print(f"sluice: bench: {message}", file=sys.stderr, flush=True)
 
 
 def cmd_serve(args) -> int:
@@ -191,15 +206,28 @@ def _with_engine_options(model, **options):
 
 
 def cmd_convert(args) -> int:
+    from pathlib import Path
+
     from sluice.formats.convert import convert
 
+    src = Path(args.src)
+    if not src.exists():
+        raise ModelFileError(f"{src} does not exist: give the directory of an HF checkpoint (config.json, "
+                             "*.safetensors, tokenizer.json).")
+    if src.is_file():
+        kind = "a GGUF file" if src.suffix.lower() == ".gguf" else "a file"
+        raise ModelFileError(f"{src} is {kind}; sluice convert reads an HF checkpoint directory (Qwen3-Next or "
+                             f"Qwen3.5/3.6-MoE). A GGUF file needs no conversion: sluice run --model {src}")
     out = convert(args.src, args.dst, bits=args.bits, group_size=args.group_size)
     print(f"wrote {out}")
     return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
+    import sluice
+
     ap = argparse.ArgumentParser(prog="sluice", description="Run gated MoE language models from quantized weights.")
+    ap.add_argument("--version", action="version", version=f"sluice {sluice.__version__}")
     sub = ap.add_subparsers(dest="command", required=True)
     run = sub.add_parser("run", help="generate a continuation of a prompt")
     run.add_argument("prompt", nargs="?", default=None, help="the prompt (default: read standard input)")
@@ -207,36 +235,38 @@ def build_parser() -> argparse.ArgumentParser:
     _add_sampling_args(run)
     run.add_argument("--chat", action="store_true", help="apply the model's chat template")
     run.add_argument("--system", default=None, help="system message (with --chat)")
-    run.add_argument("--verbose", "-v", action="store_true")
+    run.add_argument("--verbose", "-v", action="store_true", help="print the time taken to standard error")
     run.set_defaults(func=cmd_run)
     chat = sub.add_parser("chat", help="interactive chat")
     _add_model_args(chat)
     _add_sampling_args(chat)
-    chat.add_argument("--system", default=None)
+    chat.add_argument("--system", default=None, help="system message, kept when old turns are dropped")
     chat.set_defaults(func=cmd_chat)
     info = sub.add_parser("info", help="architecture, sizes, quantization, memory estimate")
-    info.add_argument("model", nargs="?", default=None)
-    info.add_argument("--json", action="store_true")
+    info.add_argument("model", nargs="?", default=None, help="GGUF file or model directory (or --model)")
+    info.add_argument("--model", "-m", dest="model_opt", default=None,
+                      help="GGUF file or model directory (default: the demo model)")
+    info.add_argument("--json", action="store_true", help="print everything as JSON")
     _add_kv_cache_arg(info)
     info.set_defaults(func=cmd_info)
     bench = sub.add_parser("bench", help="prefill and decode speed, and KV-cache bytes per token")
     _add_model_args(bench)
-    bench.add_argument("--prompt-tokens", type=int, default=512)
-    bench.add_argument("--gen-tokens", type=int, default=64)
+    bench.add_argument("--prompt-tokens", type=int, default=512, help="tokens in each random prompt (default 512)")
+    bench.add_argument("--gen-tokens", type=int, default=64, help="tokens generated per sequence (default 64)")
     bench.add_argument("--batch", type=int, default=1, help="sequences decoding together (distinct prompts)")
-    bench.add_argument("--repeats", type=int, default=2)
+    bench.add_argument("--repeats", type=int, default=2, help="runs; the best counts (default 2)")
     bench.add_argument("--load-format", default="auto", help="auto, or dummy: random weights at the shapes of "
                        "--model's config.json (a directory or a config.json file), made on the device")
     bench.add_argument("--no-graphs", action="store_true", help="decode eagerly (no CUDA graphs), to compare")
     bench.add_argument("--compare-kv-caches", dest="kv_cache_kinds", action="store_const",
                        const=list(KV_CACHE_KINDS), help="one row per KV cache kind")
-    bench.add_argument("--json", action="store_true")
+    bench.add_argument("--json", action="store_true", help="print the rows as JSON")
     bench.set_defaults(func=cmd_bench)
     srv = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (/v1/chat/completions, /v1/completions, "
                          "/v1/models, /health)")
     _add_model_args(srv)
     srv.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine only)")
-    srv.add_argument("--port", type=int, default=8000)
+    srv.add_argument("--port", type=int, default=8000, help="port to listen on (default 8000)")
     srv.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on every endpoint but "
                      "/health (default: $SLUICE_API_KEY, else none)")
     srv.add_argument("--served-model-name", default=None, help="the model's name in the API (default: its file name)")
@@ -247,26 +277,69 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--no-graphs", action="store_true", help="decode eagerly (no CUDA graphs)")
     srv.add_argument("--load-format", default="auto", help="auto, or dummy: random weights at the shapes of "
                      "--model's config.json, made on the device (to measure a model without downloading it)")
-    srv.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    srv.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
+                     help="server log detail (default info)")
     srv.set_defaults(func=cmd_serve)
-    conv = sub.add_parser("convert", help="HF checkpoint directory -> MLX-format quantized directory")
-    conv.add_argument("src")
-    conv.add_argument("dst")
-    conv.add_argument("--bits", type=int, default=4)
-    conv.add_argument("--group-size", type=int, default=64)
+    conv = sub.add_parser("convert", help="HF checkpoint directory -> MLX-format quantized directory (Qwen3-Next "
+                          "and Qwen3.5/3.6-MoE only; other models run from their HF directory or a GGUF)")
+    conv.add_argument("src", help="HF checkpoint directory (config.json, *.safetensors, tokenizer.json)")
+    conv.add_argument("dst", help="output directory (must not exist)")
+    # the values sluice.quant.affine supports (SUPPORTED_BITS, SUPPORTED_GROUP_SIZES); convert checks them too
+    conv.add_argument("--bits", type=int, default=4, choices=(2, 3, 4, 5, 6, 8), metavar="{2,3,4,5,6,8}",
+                      help="bits per weight: 2, 3, 4, 5, 6 or 8 (default 4; router gates stay at 8)")
+    conv.add_argument("--group-size", type=int, default=64, choices=(32, 64, 128), metavar="{32,64,128}",
+                      help="weights sharing one scale and bias: 32, 64 or 128 (default 64)")
     conv.set_defaults(func=cmd_convert)
     return ap
+
+
+def _usable_home() -> None:
+    """$SLUICE_HOME (default ~/.cache/sluice) holds the demo model and the compiled kernels: when it cannot be written,
+    use a directory under the system's temporary one for this run, and say so."""
+    import os
+    import tempfile
+    from pathlib import Path
+
+    from sluice.formats.demo import cache_dir
+
+    home = cache_dir()
+    try:
+        home.mkdir(parents=True, exist_ok=True)
+        if os.access(home, os.W_OK | os.X_OK):
+            return
+    except OSError:
+        pass
+    fallback = Path(tempfile.gettempdir()) / f"sluice-{os.getuid() if hasattr(os, 'getuid') else 'user'}"
+    print(f"sluice: warning: cannot write to {home} (SLUICE_HOME): using {fallback} for this run. Set SLUICE_HOME to "
+          "a writable directory to keep the demo model and compiled kernels.", file=sys.stderr)
+    os.environ["SLUICE_HOME"] = str(fallback)
+
+
+def _stdout_gone() -> int:
+    """The reader of standard output went away (`sluice ... | head`): stop quietly, as a Unix tool does."""
+    import os
+
+    try:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # the exit flush then writes nowhere
+    except (OSError, ValueError):
+        pass
+    return 141  # 128 + SIGPIPE, what a shell reports for a tool that SIGPIPE ended
 
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        return args.func(args)
+        _usable_home()
+        status = args.func(args)
+        sys.stdout.flush()
+        return status
     except SluiceError as e:
         print(f"sluice: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:
+        return _stdout_gone()
 
 
 if __name__ == "__main__":
