@@ -137,3 +137,86 @@ def test_wrongly_typed_tokenizer_metadata(tmp_path, gguf_bytes):
     bad = _patch(gguf_bytes, _value_type_pos(gguf_bytes, "tokenizer.ggml.model"), "<I", 10)
     with pytest.raises(SluiceError):
         _load(tmp_path, bad)
+
+
+# -- class 3 (and the epsilon of class 6): config values checked in one place before any allocation ---------------
+
+def _with_config(tmp_path, src_dir, **edits):
+    d = _copy_dir(src_dir, tmp_path / "m")
+    cfg = json.loads((d / "config.json").read_text())
+    cfg.update(edits)
+    (d / "config.json").write_text(json.dumps(cfg))
+    return d
+
+
+@pytest.mark.parametrize("edits, needle", [
+    ({"num_key_value_heads": 2**31}, "num_key_value_heads"),
+    ({"head_dim": 2**31}, "head_dim"),
+    ({"num_key_value_heads": 3}, "divisor"),
+    ({"hidden_size": "64"}, "hidden_size"),
+    ({"hidden_size": 66, "head_dim": None}, "multiple of"),
+    ({"num_attention_heads": 0}, "num_attention_heads"),
+    ({"vocab_size": 1.5}, "vocab_size"),
+    ({"rms_norm_eps": float("nan")}, "rms_norm_eps"),
+    ({"rms_norm_eps": -1e-5}, "rms_norm_eps"),
+    ({"rope_theta": float("inf")}, "rope_theta"),
+    ({"num_hidden_layers": 2**40}, "num_hidden_layers"),
+])
+def test_llama_config_values(tmp_path, hf_dir, edits, needle):
+    with pytest.raises(ModelFileError, match=needle) as e:
+        sluice.load(_with_config(tmp_path, hf_dir, **edits), device="cpu")
+    assert "config.json" in str(e.value)
+
+
+@pytest.fixture(scope="module")
+def qwen_dir(tmp_path_factory):
+    from test_qwen3_next import qwen3_next, save
+
+    return save(qwen3_next(seed=1), tmp_path_factory.mktemp("q") / "hf")
+
+
+@pytest.mark.parametrize("edits, needle", [
+    ({"partial_rotary_factor": 2**32}, "partial_rotary_factor"),
+    ({"partial_rotary_factor": float("nan")}, "malformed"),
+    ({"num_hidden_layers": 2**40}, "num_hidden_layers"),
+    ({"num_experts_per_tok": 99}, "num_experts_per_tok"),
+    ({"linear_num_key_heads": 3}, "linear_num_value_heads"),
+    ({"layer_types": [["x"], 2]}, "layer_types|malformed"),
+])
+def test_qwen3_next_config_values(tmp_path, qwen_dir, edits, needle):
+    with pytest.raises(ModelFileError, match=needle):
+        sluice.load(_with_config(tmp_path, qwen_dir, **edits), device="cpu")
+
+
+def test_gguf_nan_or_negative_epsilon(tmp_path, gguf_bytes):
+    pos = _value_type_pos(gguf_bytes, "llama.attention.layer_norm_rms_epsilon") + 4
+    for value in (float("nan"), -1e-5):
+        with pytest.raises(ModelFileError, match="rms_norm_eps"):
+            _load(tmp_path, _patch(gguf_bytes, pos, "<f", value))
+
+
+# -- class 5 and class 1: tensors that disagree with the config never reach a kernel ----------------------------
+
+def _tensor_dims_pos(path, name: str) -> int:
+    t = next(t for t in gguf.GGUFReader(path).tensors if t.name == name)
+    return t.field.offset + sum(p.nbytes for p in t.field.parts[:3])  # after the name's length, name, n_dims
+
+
+@pytest.mark.parametrize("dim0", [0, 32])
+def test_short_norm_weight_refused(tmp_path, gguf_bytes, dim0):
+    """A norm weight shorter than hidden_size (dim 0 set to 0 segfaulted the native RMSNorm)."""
+    src = tmp_path / "ok.gguf"
+    src.write_bytes(gguf_bytes)
+    bad = _patch(gguf_bytes, _tensor_dims_pos(src, "blk.1.ffn_norm.weight"), "<Q", dim0)
+    with pytest.raises(ModelFileError, match=r"blk.1|post_attention_layernorm.*config implies \(64,\)"):
+        _load(tmp_path, bad)
+
+
+def test_hf_config_disagreeing_with_tensors(tmp_path, hf_dir):
+    for edits, needle in (({"intermediate_size": 128}, "mlp.gate_proj"), ({"vocab_size": 512}, "embed_tokens"),
+                          ({"num_key_value_heads": 4}, "k_proj")):
+        import shutil
+
+        shutil.rmtree(tmp_path / "m", ignore_errors=True)
+        with pytest.raises(ModelFileError, match=needle):
+            sluice.load(_with_config(tmp_path, hf_dir, **edits), device="cpu")

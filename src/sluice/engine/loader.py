@@ -150,6 +150,10 @@ def load(path=None, device=None, dtype=None, keep_quantized: bool = True, kv_cac
                 mod.dequantize_(dt)
         if module.cfg.tie_word_embeddings:  # share the one dense copy again
             module.lm_head = module.embed.as_linear()
+    if tokenizer.vocab_size > module.cfg.vocab_size:  # ids past the embedding would be read out of bounds
+        raise ModelFileError(f"{path}: the tokenizer has {tokenizer.vocab_size} tokens but the model's embedding "
+                             f"only {module.cfg.vocab_size} rows; the tokenizer and the weights do not belong "
+                             "together.")
     try:  # a cache kind the model cannot use is the user's error, said before any generation
         module.check_cache_kind(kv_cache)
     except ValueError as e:

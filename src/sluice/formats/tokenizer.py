@@ -13,12 +13,12 @@ from __future__ import annotations
 import json
 import threading
 import warnings
-from contextlib import contextmanager
 from datetime import datetime
 from pathlib import Path
 from typing import Any, Iterable, Mapping
 
 from sluice.errors import ModelFileError, SluiceError, UnsupportedError
+from sluice.formats.validate import is_rust_panic, untrusted
 
 REPLACEMENT_CHAR = "\ufffd"
 
@@ -483,27 +483,6 @@ def _jinja_env():
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
     return env
-
-
-_PARSE_ERRORS = (TypeError, ValueError, KeyError, IndexError, AttributeError, OverflowError, RecursionError)
-
-
-def is_rust_panic(e: BaseException) -> bool:
-    """A panic inside a Rust extension (`tokenizers`) arrives as pyo3's PanicException, a BaseException."""
-    return type(e).__name__ == "PanicException"
-
-
-@contextmanager
-def untrusted(what: str):
-    """Parse file contents that may be damaged or hostile: a wrong type or value deep inside (TypeError,
-    ValueError, KeyError, ...) or a panic of the Rust `tokenizers` library becomes a ModelFileError naming `what`."""
-    try:
-        yield
-    except BaseException as e:
-        if isinstance(e, SluiceError) or not (isinstance(e, _PARSE_ERRORS) or is_rust_panic(e)):
-            raise
-        raise ModelFileError(f"{what}: malformed ({type(e).__name__}: {e}). Download or convert the model "
-                             "again.") from e
 
 
 def _read_json(p: Path) -> dict:

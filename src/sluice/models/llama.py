@@ -10,7 +10,8 @@ import torch.nn.functional as F
 
 from sluice.cache.kv import make_kv_cache
 from sluice.cache.pool import CachePool
-from sluice.errors import UnsupportedError
+from sluice.errors import ModelFileError, UnsupportedError
+from sluice.formats.validate import check_config, head_dim_default, untrusted
 from sluice.kernels.rope.reference import rope_cos_sin, rope_inv_freq
 from sluice.layers.attention import Attention
 from sluice.layers.linear import Embedding, Linear, RMSNorm, fuse_linears
@@ -34,9 +35,24 @@ class LlamaConfig:
 
     @classmethod
     def from_gguf(cls, g) -> LlamaConfig:
+        where = f"{g.path} (GGUF metadata)"
+        with untrusted(where):
+            cfg = cls._from_gguf(g, where)
+        check_config(cfg, where)
+        return cfg
+
+    @classmethod
+    def from_hf(cls, c: dict, where: str = "config.json") -> LlamaConfig:
+        with untrusted(where):
+            cfg = cls._from_hf(c, where)
+        check_config(cfg, where)
+        return cfg
+
+    @classmethod
+    def _from_gguf(cls, g, where: str) -> LlamaConfig:
         a = g.architecture
         hidden, heads = int(g.meta(f"{a}.embedding_length")), int(g.meta(f"{a}.attention.head_count"))
-        head_dim = int(g.meta(f"{a}.attention.key_length", hidden // heads))
+        head_dim = int(g.meta(f"{a}.attention.key_length", 0)) or head_dim_default(hidden, heads, where)
         if int(g.meta(f"{a}.rope.dimension_count", head_dim)) != head_dim:
             raise UnsupportedError("GGUF llama model with partial rotary embedding is not supported.")
         if g.meta(f"{a}.rope.scaling.type", "none") not in ("none", None):
@@ -54,7 +70,7 @@ class LlamaConfig:
                    sliding_window=_window(g.meta(f"{a}.attention.sliding_window", None)))
 
     @classmethod
-    def from_hf(cls, c: dict) -> LlamaConfig:
+    def _from_hf(cls, c: dict, where: str) -> LlamaConfig:
         rs = c.get("rope_scaling") or (c.get("rope_parameters") or {})
         if rs and rs.get("rope_type", rs.get("type", "default")) not in ("default", None):
             raise UnsupportedError(f"Llama with rope_scaling {rs.get('rope_type', rs.get('type'))!r} is not "
@@ -66,7 +82,8 @@ class LlamaConfig:
         return cls(vocab_size=c["vocab_size"], hidden_size=c["hidden_size"],
                    intermediate_size=c["intermediate_size"], num_layers=c["num_hidden_layers"], num_heads=heads,
                    num_kv_heads=c.get("num_key_value_heads") or heads,
-                   head_dim=c.get("head_dim") or c["hidden_size"] // heads, rope_theta=float(theta),
+                   head_dim=c.get("head_dim") or head_dim_default(c["hidden_size"], heads, where),
+                   rope_theta=float(theta),
                    rms_norm_eps=float(c.get("rms_norm_eps", 1e-6)),
                    context_length=int(c.get("max_position_embeddings", 2048)),
                    tie_word_embeddings=bool(c.get("tie_word_embeddings", False)),
@@ -173,11 +190,37 @@ def _prepare(t, dtype):
     return t if not isinstance(t, torch.Tensor) else t.to(dtype)
 
 
+def expected_shape(cfg: LlamaConfig, hf_name: str) -> tuple[int, ...]:
+    """The shape config.json (or the GGUF metadata) implies for a weight, under its HF name."""
+    H, I, V = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
+    q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    leaf = hf_name.split(".")[-2]
+    return {"embed_tokens": (V, H), "lm_head": (V, H), "norm": (H,), "input_layernorm": (H,),
+            "post_attention_layernorm": (H,), "q_proj": (q, H), "k_proj": (kv, H), "v_proj": (kv, H),
+            "o_proj": (H, q), "gate_proj": (I, H), "up_proj": (I, H), "down_proj": (H, I)}[leaf]
+
+
+def checked(cfg: LlamaConfig, read, where):
+    """`read(hf_name)` with each tensor's shape (and kind: norms dense) checked against the config before any
+    kernel sees it."""
+    def get(hf_name):
+        t = read(hf_name)
+        want, got = expected_shape(cfg, hf_name), tuple(t.shape)
+        if got != want:
+            raise ModelFileError(f"{where}: tensor '{hf_name}' has shape {got}, but the config implies {want}. The "
+                                 "weights and the config do not belong together (or the file is corrupt).")
+        if len(want) == 1 and not isinstance(t, torch.Tensor):
+            raise ModelFileError(f"{where}: norm weight '{hf_name}' is quantized; sluice needs it dense.")
+        return t
+    return get
+
+
 def build_from_gguf(g, dtype: torch.dtype) -> LlamaModel:
     cfg = LlamaConfig.from_gguf(g)
+    read = checked(cfg, lambda hf_name: _prepare(g.tensor(_gguf_name(hf_name)), dtype), g.path)
 
     def get(hf_name):
-        t = _prepare(g.tensor(_gguf_name(hf_name)), dtype)
+        t = read(hf_name)
         if hf_name.endswith("q_proj.weight"):
             t = _unpermute_rows(t, cfg.num_heads)
         elif hf_name.endswith("k_proj.weight"):
@@ -188,5 +231,5 @@ def build_from_gguf(g, dtype: torch.dtype) -> LlamaModel:
 
 
 def build_from_hf(d, dtype: torch.dtype) -> LlamaModel:
-    cfg = LlamaConfig.from_hf(d.config)
-    return LlamaModel(cfg, lambda name: _prepare(d.tensor(name), dtype))
+    cfg = LlamaConfig.from_hf(d.config, f"{d.path}/config.json")
+    return LlamaModel(cfg, checked(cfg, lambda name: _prepare(d.tensor(name), dtype), d.path))

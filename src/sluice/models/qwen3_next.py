@@ -16,6 +16,7 @@ import torch.nn as nn
 from sluice.cache.kv import make_kv_cache
 from sluice.cache.pool import CachePool, RecurrentStates
 from sluice.errors import ModelFileError, UnsupportedError
+from sluice.formats.validate import bounded_int, check_config, head_dim_default, untrusted
 from sluice.kernels.norm.reference import rms_norm_fp32_scale
 from sluice.kernels.rope.reference import rope_cos_sin, rope_inv_freq
 from sluice.layers.attention import GatedAttention
@@ -64,7 +65,14 @@ class Qwen3NextConfig:
                 and (i + 1) % self.decoder_sparse_step == 0)
 
     @classmethod
-    def from_hf(cls, c: dict) -> Qwen3NextConfig:
+    def from_hf(cls, c: dict, where: str = "config.json") -> Qwen3NextConfig:
+        with untrusted(where):
+            cfg = cls._from_hf(c, where)
+        check_config(cfg, where)
+        return cfg
+
+    @classmethod
+    def _from_hf(cls, c: dict, where: str) -> Qwen3NextConfig:
         model_type = c.get("model_type")
         if model_type == "qwen3_5_moe":  # the multimodal wrapper: the language model's config is nested
             c = {**c.get("text_config", {}), "model_type": model_type}
@@ -74,11 +82,11 @@ class Qwen3NextConfig:
                 raise UnsupportedError(f"{model_type}: rope scaling {rope.get('rope_type')!r} is not supported yet.")
             partial = c.get("partial_rotary_factor", rope.get("partial_rotary_factor", 0.25))
             theta = c.get("rope_theta", rope.get("rope_theta", 10000.0))
-            n = c["num_hidden_layers"]
+            n = bounded_int(c["num_hidden_layers"], "num_layers", where)
             interval = c.get("full_attention_interval", 4)
             layer_types = c.get("layer_types") or [
                 "linear_attention" if (i + 1) % interval else "full_attention" for i in range(n)]
-            head_dim = c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"]
+            head_dim = c.get("head_dim") or head_dim_default(c["hidden_size"], c["num_attention_heads"], where)
             qwen35 = model_type in ("qwen3_5_moe", "qwen3_5_moe_text")
             cfg = cls(model_type=model_type, vocab_size=c["vocab_size"], hidden_size=c["hidden_size"], num_layers=n,
                       num_heads=c["num_attention_heads"], num_kv_heads=c["num_key_value_heads"], head_dim=head_dim,
@@ -98,12 +106,10 @@ class Qwen3NextConfig:
                       decoder_sparse_step=1 if qwen35 else int(c.get("decoder_sparse_step", 1)),
                       architecture=model_type)
         except KeyError as e:
-            raise ModelFileError(f"config.json of this {model_type} model lacks the key {e.args[0]!r}.") from e
+            raise ModelFileError(f"{where} of this {model_type} model lacks the key {e.args[0]!r}.") from e
         if len(cfg.layer_types) != n or set(cfg.layer_types) - {"linear_attention", "full_attention"}:
-            raise ModelFileError(f"config.json: layer_types must list {n} entries of 'linear_attention' / "
+            raise ModelFileError(f"{where}: layer_types must list {n} entries of 'linear_attention' / "
                                  "'full_attention'.")
-        if cfg.linear_num_value_heads % cfg.linear_num_key_heads:
-            raise ModelFileError("config.json: linear_num_value_heads must be a multiple of linear_num_key_heads.")
         return cfg
 
 
@@ -275,7 +281,7 @@ def _take_rows(w, rows: torch.Tensor):
 
 
 def build_from_hf(d, dtype: torch.dtype) -> Qwen3NextModel:
-    cfg = Qwen3NextConfig.from_hf(d.config)
+    cfg = Qwen3NextConfig.from_hf(d.config, f"{d.path}/config.json")
     return Qwen3NextModel(cfg, _Weights(d, cfg, dtype))
 
 
