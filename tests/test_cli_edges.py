@@ -147,3 +147,15 @@ def test_chat_ctrl_c_stops_the_reply_and_reset_confirms(tiny, monkeypatch, capsy
                        ["first", "/reset", "second", ""], monkeypatch, capsys)
     assert status == 0 and out.out.count("[stopped]") == 2  # both replies stopped, the session went on
     assert "conversation cleared" in out.err
+
+
+def test_openmp_threads_sleep_while_waiting_unless_told_otherwise():
+    """Spinning OpenMP waiters collapse decode on a shared machine: the CLI asks for passive waiting before torch
+    (whose libgomp sluice's kernels share) is loaded, and keeps a policy the user set."""
+    code = "import os, sys, sluice.cli; print(os.environ['OMP_WAIT_POLICY'], 'torch' in sys.modules)"
+    env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True).stdout
+    assert out.split() == ["passive", "False"]
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         env={**env, "OMP_WAIT_POLICY": "active"}).stdout
+    assert out.split() == ["active", "False"]

@@ -5,8 +5,15 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
+
+# OpenMP worker threads spin while they wait for work (libgomp's default). Beside another busy process on the same
+# cores they steal its time and it steals theirs: on 2 cores demo decode fell from ~30 to 3-5 tok/s. Waiting threads
+# that sleep keep a shared machine usable. libgomp reads this once, when torch loads it (sluice's native kernels share
+# torch's copy), so it is set here, before anything imports torch; the user's own setting wins.
+os.environ.setdefault("OMP_WAIT_POLICY", "passive")
 
 from sluice.cache import KV_CACHE_KINDS
 from sluice.errors import InvalidOptionError, ModelFileError, SluiceError
@@ -172,8 +179,6 @@ def _progress(message: str) -> None:
 
 
 def cmd_serve(args) -> int:
-    import os
-
     from sluice.server import ServerConfig, _require_server_packages, serve
 
     _require_server_packages()  # before the model loads
@@ -296,7 +301,6 @@ def build_parser() -> argparse.ArgumentParser:
 def _usable_home() -> None:
     """$SLUICE_HOME (default ~/.cache/sluice) holds the demo model and the compiled kernels: when it cannot be written,
     use a directory under the system's temporary one for this run, and say so."""
-    import os
     import tempfile
     from pathlib import Path
 
@@ -317,8 +321,6 @@ def _usable_home() -> None:
 
 def _stdout_gone() -> int:
     """The reader of standard output went away (`sluice ... | head`): stop quietly, as a Unix tool does."""
-    import os
-
     try:
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # the exit flush then writes nowhere
     except (OSError, ValueError):
