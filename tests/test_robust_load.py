@@ -220,3 +220,10 @@ def test_hf_config_disagreeing_with_tensors(tmp_path, hf_dir):
         shutil.rmtree(tmp_path / "m", ignore_errors=True)
         with pytest.raises(ModelFileError, match=needle):
             sluice.load(_with_config(tmp_path, hf_dir, **edits), device="cpu")
+
+
+def test_safetensors_metadata_of_any_type(tmp_path, hf_dir):
+    """A non-string "format" in __metadata__ (found by the fuzzer: unhashable) is ignored like a missing one."""
+    d = _copy_dir(hf_dir, tmp_path / "m")
+    _rewrite_header(d / "model.safetensors", lambda h: h["__metadata__"].__setitem__("format", ["p"]))
+    sluice.load(d, device="cpu")

@@ -109,6 +109,8 @@ def scan_header(buf) -> None:
         numel = 1
         for d in dims:
             numel *= d
+        if 0 in dims:
+            raise _Corrupt(f"tensor '{name}' has a zero dim (shape {dims})")
         if dims and dims[0] % block:
             raise _Corrupt(f"tensor '{name}': its first dim {dims[0]} is not a multiple of the {block}-value block "
                            f"of its type")

@@ -194,7 +194,8 @@ class HFDirectory:
         formats = set()
         for f in files:
             header, data_start = _read_header(f)
-            formats.add((header.get("__metadata__") or {}).get("format"))
+            fmt = (header.get("__metadata__") or {}).get("format")
+            formats.add(fmt if isinstance(fmt, str) else None)
             for name, info in header.items():
                 if name != "__metadata__":
                     self._entries[name] = _entry(f, name, info, data_start)
