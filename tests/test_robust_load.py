@@ -227,3 +227,10 @@ def test_safetensors_metadata_of_any_type(tmp_path, hf_dir):
     d = _copy_dir(hf_dir, tmp_path / "m")
     _rewrite_header(d / "model.safetensors", lambda h: h["__metadata__"].__setitem__("format", ["p"]))
     sluice.load(d, device="cpu")
+
+
+def test_tokenizer_larger_than_embedding(tmp_path):
+    """Token ids past the embedding's rows would be read out of bounds: refused at load."""
+    d = save_hf_dir(tiny_llama(seed=1, vocab_size=200), tmp_path / "m")  # the tokenizer has 260 tokens
+    with pytest.raises(ModelFileError, match="tokenizer has 260 tokens.*200 rows"):
+        sluice.load(d, device="cpu")
