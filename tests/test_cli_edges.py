@@ -159,3 +159,25 @@ def test_openmp_threads_sleep_while_waiting_unless_told_otherwise():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                          env={**env, "OMP_WAIT_POLICY": "active"}).stdout
     assert out.split() == ["active", "False"]
+
+
+def test_chat_real_ctrl_c_mid_reply(demo_gguf_path):
+    """SIGINT while the demo model is replying: the reply stops, the next question is answered."""
+    import select
+    import signal
+    import time
+
+    proc = subprocess.Popen([sys.executable, "-m", "sluice", "chat", "--model", str(demo_gguf_path), "--temperature",
+                             "0", "--max-tokens", "400"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE)
+    proc.stdin.write(b"Write a long story about a dragon.\n")
+    proc.stdin.flush()
+    shown, deadline = b"", time.monotonic() + 120
+    while shown.count(b" ") < 15 and time.monotonic() < deadline:  # the reply is under way
+        if select.select([proc.stdout], [], [], 5)[0]:
+            shown += os.read(proc.stdout.fileno(), 1000)
+    proc.send_signal(signal.SIGINT)
+    time.sleep(0.5)
+    out, err = proc.communicate(b"What is the capital of France?\n\n", timeout=120)
+    assert proc.returncode == 0 and "Traceback" not in err.decode(), err.decode()
+    assert b"[stopped]" in shown + out and b"Paris" in out
