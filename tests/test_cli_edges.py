@@ -181,3 +181,14 @@ def test_chat_real_ctrl_c_mid_reply(demo_gguf_path):
     out, err = proc.communicate(b"What is the capital of France?\n\n", timeout=120)
     assert proc.returncode == 0 and "Traceback" not in err.decode(), err.decode()
     assert b"[stopped]" in shown + out and b"Paris" in out
+
+
+def test_serve_on_a_port_in_use_fails_cleanly(tiny, capsys):
+    import socket
+
+    pytest.importorskip("uvicorn")
+    with socket.create_server(("127.0.0.1", 0)) as busy:
+        port = busy.getsockname()[1]
+        assert main(["serve", "--model", str(tiny), "--port", str(port)]) == 2
+    err = capsys.readouterr().err
+    assert f"cannot listen on 127.0.0.1:{port}" in err and "choose another --port" in err

@@ -182,6 +182,7 @@ def cmd_serve(args) -> int:
     from sluice.server import ServerConfig, _require_server_packages, serve
 
     _require_server_packages()  # before the model loads
+    _check_port(args.host, args.port)
     api_key = args.api_key if args.api_key is not None else os.environ.get("SLUICE_API_KEY")
     config = ServerConfig(host=args.host, port=args.port, api_key=api_key, model_name=args.served_model_name,
                           max_body_bytes=int(args.max_body_mb * (1 << 20)), log_level=args.log_level)
@@ -198,6 +199,18 @@ def cmd_serve(args) -> int:
           f"of up to {max_seq_len} positions{', API key required' if config.api_key else ''})", file=sys.stderr)
     serve(model, config)
     return 0
+
+
+def _check_port(host: str, port: int) -> None:
+    """Fail before the model loads when the address cannot be listened on (a port in use, a bad host)."""
+    import socket
+
+    try:
+        with socket.create_server((host, port)):
+            pass
+    except OSError as e:
+        raise InvalidOptionError(f"cannot listen on {host}:{port} ({e.strerror or e}); choose another --port or "
+                                 "--host.") from None
 
 
 def _with_engine_options(model, **options):
