@@ -192,3 +192,15 @@ def test_nan_logits_become_an_openai_error(tmp_path, monkeypatch):
         events = httpx.post(s.url + "/v1/completions", json={**body, "stream": True}, timeout=60).text
         assert '"server_error"' in events and "NaN or inf logits" in events and events.endswith("[DONE]\n\n")
         assert httpx.get(s.url + "/health").json()["failed"] == 2
+
+
+def test_nan_logits_in_a_batch_raise_naming_the_request(demo, monkeypatch):
+    from sluice.engine.engine import GenerationError
+
+    engine = demo.engine
+    engine.runner.build_pool(2, 256)
+    _poison_row(monkeypatch, engine, 1, after_steps=1)
+    with pytest.raises(GenerationError, match=r"request [0-9]+: the model produced NaN or inf logits") as e:
+        demo.generate_batch(["The capital of France is", "Once upon a time"], max_tokens=6, temperature=0)
+    assert str(e.value).count("request ") == 1  # only the poisoned row's request failed
+    assert engine.runner.pool.free_rows == engine.runner.pool.rows
