@@ -26,7 +26,7 @@ class _Cursor:
     before anything is read or iterated, so scanning a header is linear in the file size."""
 
     def __init__(self, buf):
-        self.buf, self.pos = buf, 0
+        self.buf, self.pos = memoryview(buf), 0
 
     def take(self, n: int, what: str) -> int:
         if n < 0 or n > len(self.buf) - self.pos:
@@ -62,6 +62,16 @@ class _Cursor:
                                "can hold")
             if itype in _SCALARS:
                 self.take(count * least, what)
+            elif itype == _STRING:  # the vocabulary: ~10^5 strings, so a tight loop
+                buf, pos, end, unpack = self.buf, self.pos, len(self.buf), struct.unpack_from
+                try:
+                    for _ in range(count):
+                        pos += 8 + unpack("<Q", buf, pos)[0]
+                        if pos > end:
+                            raise struct.error
+                except struct.error:  # a length field or a string past the end of the file
+                    raise _Corrupt(f"a string of {what} runs past the end of the file") from None
+                self.pos = pos
             else:
                 for _ in range(count):
                     self.value(itype, what, depth + 1)
