@@ -72,7 +72,17 @@ def _gguf_spots(path: Path) -> tuple[int, list[int], list[int]]:
 
 def _mutate_gguf(data: bytearray, spots, rng: random.Random) -> str:
     header_len, types, infos = spots
-    op = rng.choice(["flip", "int", "type", "count", "tensor", "truncate", "data"])
+    op = rng.choice(["flip", "int", "type", "count", "value", "value", "tensor", "truncate", "data"])
+    if op == "value":  # a numeric metadata value (head counts, lengths, epsilon, token ids) set to an edge
+        pos = rng.choice(types)
+        fmt = {4: "<I", 5: "<i", 6: "<f", 10: "<Q", 11: "<q", 12: "<d"}.get(struct.unpack_from("<I", data, pos)[0])
+        if fmt is None:
+            op = "int"
+        elif fmt in ("<f", "<d"):
+            struct.pack_into(fmt, data, pos + 4, rng.choice([float("nan"), float("inf"), -1.0, 0.0, 1e30, -1e-6]))
+        else:
+            v = rng.choice(INTERESTING) % (2**32 if fmt in ("<I", "<i") else 2**64)
+            struct.pack_into(fmt.upper(), data, pos + 4, v)
     if op == "flip":
         for _ in range(rng.randint(1, 8)):
             data[rng.randrange(header_len)] ^= 1 << rng.randrange(8)

@@ -234,3 +234,10 @@ def test_tokenizer_larger_than_embedding(tmp_path):
     d = save_hf_dir(tiny_llama(seed=1, vocab_size=200), tmp_path / "m")  # the tokenizer has 260 tokens
     with pytest.raises(ModelFileError, match="tokenizer has 260 tokens.*200 rows"):
         sluice.load(d, device="cpu")
+
+
+def test_gguf_string_not_utf8(tmp_path, gguf_bytes):
+    k = b"general.architecture"
+    pos = gguf_bytes.index(struct.pack("<Q", len(k)) + k) + 8 + len(k) + 4 + 8  # the value's first byte
+    with pytest.raises(ModelFileError, match="general.architecture.*UnicodeDecodeError"):
+        _load(tmp_path, _patch(gguf_bytes, pos, "<B", 0x80))

@@ -9,6 +9,7 @@ import numpy as np
 import torch
 
 from sluice.errors import ModelFileError
+from sluice.formats.validate import untrusted
 
 GGUF_MAGIC = b"GGUF"
 _MISSING = object()
@@ -200,7 +201,8 @@ class GGUFFile:
                 raise ModelFileError(f"{self.path}: GGUF metadata key '{key}' is missing; the file is incomplete "
                                      "or was written for another architecture.")
             return default
-        value = field.contents()
+        with untrusted(f"{self.path}: GGUF metadata '{key}'"):  # e.g. a string that is not UTF-8
+            value = field.contents()
         if isinstance(value, (np.generic,)):
             value = value.item()
         return value
