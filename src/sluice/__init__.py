@@ -1,6 +1,15 @@
 """sluice: run gated Mixture-of-Experts language models from quantized weights."""
 
-from sluice.errors import SluiceError
+import os
+
+# OpenMP worker threads spin while they wait for work (libgomp's default). Beside another busy process on the same
+# cores they steal its time and it steals theirs: on 2 cores demo decode fell from ~30 to 3-5 tok/s (docs/PERF.md).
+# Waiting threads that sleep keep a shared machine usable. libgomp reads this once, when torch loads it (sluice's
+# native kernels share torch's copy), so it is set here, before anything of sluice imports torch (the CLI, and any
+# program that imports sluice first); the user's own setting wins.
+os.environ.setdefault("OMP_WAIT_POLICY", "passive")
+
+from sluice.errors import SluiceError  # noqa: E402
 
 __version__ = "0.1.0"
 

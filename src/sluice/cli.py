@@ -9,12 +9,6 @@ import os
 import sys
 import time
 
-# OpenMP worker threads spin while they wait for work (libgomp's default). Beside another busy process on the same
-# cores they steal its time and it steals theirs: on 2 cores demo decode fell from ~30 to 3-5 tok/s. Waiting threads
-# that sleep keep a shared machine usable. libgomp reads this once, when torch loads it (sluice's native kernels share
-# torch's copy), so it is set here, before anything imports torch; the user's own setting wins.
-os.environ.setdefault("OMP_WAIT_POLICY", "passive")
-
 from sluice.cache import KV_CACHE_KINDS
 from sluice.errors import InvalidOptionError, ModelFileError, SluiceError
 
