@@ -119,11 +119,10 @@ def main() -> int:
     info = base.info()
     print(f"loaded {info['weight_bytes'] / 1e9:.1f} GB of dummy weights in {load_s:.1f} s; copy bandwidth "
           f"{copy_bandwidth(base.device) / 1e9:.0f} GB/s", flush=True)
-    from sluice.cli import _with_engine_options
 
     rows, profiles = [], {}
     for kind in args.kinds.split(","):
-        model = base if kind == base.kv_cache else _with_engine_options(base, kv_cache=kind)
+        model = base if kind == base.kv_cache else base.with_engine(kv_cache=kind)
         for batch in (int(b) for b in args.batches.split(",")):
             prompt, gen = (512, 64) if batch == 1 else (128, 32)
             r = model.bench(prompt_tokens=prompt, gen_tokens=gen, batch=batch, repeats=2)
@@ -144,7 +143,7 @@ def main() -> int:
         model._engine = None
         torch.cuda.empty_cache()
         if args.eager:
-            eager = _with_engine_options(base, kv_cache=kind, graphs=False)
+            eager = base.with_engine(kv_cache=kind, graphs=False)
             rows.append(eager.bench(prompt_tokens=512, gen_tokens=16, batch=1, repeats=1))
             eager._engine = None
             torch.cuda.empty_cache()

@@ -130,6 +130,16 @@ def test_bad_engine_options(demo_gguf_path, option, value):
         sluice.load(demo_gguf_path, device="cpu", **{option: value})
 
 
+def test_with_engine_shares_the_weights_and_checks_its_options(qwen):
+    other = qwen.with_engine(kv_cache="turboquant4", max_batch=2)
+    assert other.module is qwen.module and other.engine is not qwen.engine
+    assert (other.kv_cache, other.engine_config.max_batch) == ("turboquant4", 2)
+    assert qwen.kv_cache == "dense"
+    for bad in ({"max_batch": 0}, {"no_such_option": 1}, {"kv_cache": "nope"}):
+        with pytest.raises(InvalidOptionError, match=next(iter(bad))):
+            qwen.with_engine(**bad)
+
+
 def test_bench_batch(qwen):
     r = qwen.bench(prompt_tokens=20, gen_tokens=4, batch=3, repeats=1)
     assert r["batch"] == 3 and r["decode_tok_s"] > 0 and r["ttft_cold_s"] > 0 and r["decode_steps"] >= 4

@@ -144,7 +144,7 @@ def cmd_bench(args) -> int:
     rows = []
     for kind in args.kv_cache_kinds or [args.kv_cache]:
         if kind != model.kv_cache:
-            model = _with_engine_options(model, kv_cache=kind)
+            model = model.with_engine(kv_cache=kind)
         _progress(f"{kind} KV cache: {args.repeats} runs of batch {args.batch}, {args.prompt_tokens} prompt + "
                   f"{args.gen_tokens} generated tokens each")
         t0 = time.perf_counter()
@@ -188,7 +188,7 @@ def cmd_serve(args) -> int:
         options["load_format"] = args.load_format
     model = _load(args, **options)
     max_seq_len = args.max_seq_len or min(model.context_length, 4096)
-    model = _with_engine_options(model, max_seq_len=max_seq_len)
+    model = model.with_engine(max_seq_len=max_seq_len)
     print(f"sluice: serving {model.path.name} on http://{config.host}:{config.port}/v1 ({args.max_batch} sequences "
           f"of up to {max_seq_len} positions{', API key required' if config.api_key else ''})", file=sys.stderr)
     serve(model, config)
@@ -205,16 +205,6 @@ def _check_port(host: str, port: int) -> None:
     except OSError as e:
         raise InvalidOptionError(f"cannot listen on {host}:{port} ({e.strerror or e}); choose another --port or "
                                  "--host.") from None
-
-
-def _with_engine_options(model, **options):
-    """The same weights with other engine settings (a new engine: its own cache pool and graphs)."""
-    from dataclasses import replace
-
-    from sluice.engine.model import Model
-
-    return Model(model.module, model.tokenizer, model.path, model.format, model.device, model.dtype,
-                 replace(model.engine_config, **options))
 
 
 def cmd_convert(args) -> int:

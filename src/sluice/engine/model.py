@@ -40,6 +40,18 @@ class Model:
             self._engine = Engine(self.module, self.tokenizer, self.engine_config, self.device, self.dtype)
         return self._engine
 
+    def with_engine(self, **options) -> "Model":
+        """The same weights (shared, not copied) with other engine settings (`sluice.config.EngineConfig`: kv_cache,
+        max_batch, max_seq_len, prefill_chunk, graphs, graph_batch_sizes): a model with its own engine, cache pool
+        and graphs."""
+        from dataclasses import fields, replace
+
+        unknown = sorted(set(options) - {f.name for f in fields(EngineConfig)})
+        if unknown:
+            raise InvalidOptionError(f"unknown engine option(s): {', '.join(unknown)}.")
+        return Model(self.module, self.tokenizer, self.path, self.format, self.device, self.dtype,
+                     replace(self.engine_config, **options))
+
     def new_cache(self, capacity: int, rows: int = 1):
         """Empty caches for `rows` sequences of up to `capacity` positions (the architecture decides the kinds)."""
         return self.module.new_cache(rows, capacity, self.dtype, self.device, self.kv_cache)
