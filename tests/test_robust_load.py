@@ -241,3 +241,14 @@ def test_gguf_string_not_utf8(tmp_path, gguf_bytes):
     pos = gguf_bytes.index(struct.pack("<Q", len(k)) + k) + 8 + len(k) + 4 + 8  # the value's first byte
     with pytest.raises(ModelFileError, match="general.architecture.*UnicodeDecodeError"):
         _load(tmp_path, _patch(gguf_bytes, pos, "<B", 0x80))
+
+
+def test_mlx_experts_half_quantized(tmp_path, qwen_dir):
+    """The fuzzer's find: an MLX checkpoint whose expert gate lost its scales (dense) while up stays quantized."""
+    from sluice.formats.convert import convert
+
+    d = convert(qwen_dir, tmp_path / "mlx", bits=4, group_size=32, quiet=True)
+    name = "model.layers.0.mlp.switch_mlp.gate_proj.scales"
+    _rewrite_header(d / "model.safetensors", lambda h: h.__setitem__(name.replace("scales", "scalez"), h.pop(name)))
+    with pytest.raises(ModelFileError, match="quantized differently"):
+        sluice.load(d, device="cpu")

@@ -264,7 +264,7 @@ class _Weights:
 
 def _cat_rows(ws):
     """Concatenate [..., rows, in] weights along the rows (dense or quantized alike)."""
-    if isinstance(ws[0], QuantizedTensor):
+    if any(isinstance(w, QuantizedTensor) for w in ws):
         if any(not isinstance(w, QuantizedTensor) or (w.bits, w.group_size) != (ws[0].bits, ws[0].group_size)
                for w in ws):
             raise ModelFileError("expert gate and up projections are quantized differently; sluice needs them alike.")
