@@ -3,6 +3,7 @@
 * `untrusted(what)`: a parse of damaged or hostile file contents whose wrong types or values surface deep inside
   (TypeError, ValueError, KeyError, ...; a panic of the Rust `tokenizers` library) becomes a ModelFileError naming
   `what`.
+* `parse_config(parse, where)`: both of these around a config's parse.
 * `check_config(cfg, where)`: a model's normalised config (a dataclass, whether it came from config.json or from
   GGUF metadata) against the limits below: integers of the right type in range, finite floats in range, and the
   relations between fields (heads divisible by KV heads, an even head_dim, a rotary part no wider than a head,
@@ -78,6 +79,14 @@ SOURCE_KEYS = {"num_kv_heads": "num_key_value_heads", "num_layers": "num_hidden_
 def _bad(where: str, name: str, value, want: str) -> ModelFileError:
     key = f"{name} ({SOURCE_KEYS[name]})" if name in SOURCE_KEYS else name
     return ModelFileError(f"{where}: {key} = {value!r} is not valid; it must be {want}.")
+
+
+def parse_config(parse, where: str):
+    """`parse()` (a config's parse from untrusted contents) under `untrusted(where)`, then `check_config`."""
+    with untrusted(where):
+        cfg = parse()
+    check_config(cfg, where)
+    return cfg
 
 
 def check_config(cfg, where: str) -> None:

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from sluice.cache.kv import make_kv_cache
 from sluice.cache.pool import CachePool
 from sluice.errors import ModelFileError, UnsupportedError
-from sluice.formats.validate import check_config, head_dim_default, untrusted
+from sluice.formats.validate import head_dim_default, parse_config
 from sluice.kernels.rope.reference import rope_cos_sin, rope_inv_freq
 from sluice.layers.attention import Attention
 from sluice.layers.linear import Embedding, Linear, RMSNorm, fuse_linears
@@ -36,17 +36,11 @@ class LlamaConfig:
     @classmethod
     def from_gguf(cls, g) -> LlamaConfig:
         where = f"{g.path} (GGUF metadata)"
-        with untrusted(where):
-            cfg = cls._from_gguf(g, where)
-        check_config(cfg, where)
-        return cfg
+        return parse_config(lambda: cls._from_gguf(g, where), where)
 
     @classmethod
     def from_hf(cls, c: dict, where: str = "config.json") -> LlamaConfig:
-        with untrusted(where):
-            cfg = cls._from_hf(c, where)
-        check_config(cfg, where)
-        return cfg
+        return parse_config(lambda: cls._from_hf(c, where), where)
 
     @classmethod
     def _from_gguf(cls, g, where: str) -> LlamaConfig:

@@ -16,7 +16,7 @@ import torch.nn as nn
 from sluice.cache.kv import make_kv_cache
 from sluice.cache.pool import CachePool, RecurrentStates
 from sluice.errors import ModelFileError, UnsupportedError
-from sluice.formats.validate import bounded_int, check_config, head_dim_default, untrusted
+from sluice.formats.validate import bounded_int, head_dim_default, parse_config
 from sluice.kernels.norm.reference import rms_norm_fp32_scale
 from sluice.kernels.rope.reference import rope_cos_sin, rope_inv_freq
 from sluice.layers.attention import GatedAttention
@@ -66,10 +66,7 @@ class Qwen3NextConfig:
 
     @classmethod
     def from_hf(cls, c: dict, where: str = "config.json") -> Qwen3NextConfig:
-        with untrusted(where):
-            cfg = cls._from_hf(c, where)
-        check_config(cfg, where)
-        return cfg
+        return parse_config(lambda: cls._from_hf(c, where), where)
 
     @classmethod
     def _from_hf(cls, c: dict, where: str) -> Qwen3NextConfig:
