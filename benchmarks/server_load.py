@@ -75,7 +75,7 @@ def request_body(endpoint: str, model: str, prompt: str, max_tokens: int, stream
     return body
 
 
-async def stream_chat(client: httpx.AsyncClient, model: str, prompt: str, max_tokens: int,
+async def stream_request(client: httpx.AsyncClient, model: str, prompt: str, max_tokens: int,
                       endpoint: str = "chat") -> dict:
     """One streamed greedy chat (or text) completion: its text, time to first token, total time, errors."""
     body = request_body(endpoint, model, prompt, max_tokens, True)
@@ -124,7 +124,7 @@ async def load(url: str, model: str, args, references: dict[str, str]) -> dict:
                 prompt = prompts[k % args.prompts]
                 k += args.clients
                 try:
-                    r = await stream_chat(client, model, prompt, args.max_tokens, args.endpoint)
+                    r = await stream_request(client, model, prompt, args.max_tokens, args.endpoint)
                 except httpx.HTTPError as e:
                     r = {"error": f"{type(e).__name__}: {e}"}
                 r["prompt"], r["end"] = prompt, time.perf_counter()
