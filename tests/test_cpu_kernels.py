@@ -44,6 +44,24 @@ def test_attention_decode_step_rejects_bad_shapes():
                                   torch.zeros(2, 4, 64), 4, 0.125)
 
 
+def test_native_kernels_refuse_short_buffers():
+    """Raw pointers go to C, so a buffer shorter than its shape claims is a ValueError in the wrapper, never a read
+    past it (issue #26: a GGUF whose norm weight was short made the native RMSNorm read past its buffer)."""
+    with pytest.raises(ValueError, match="weight"):
+        norm_cpu.rms_norm(torch.randn(3, 64), torch.randn(32), 1e-5)
+    with pytest.raises(ValueError, match="float32"):
+        norm_cpu.rms_norm(torch.randn(3, 64), torch.randn(64, dtype=torch.float64), 1e-5)
+    qkv, cache = torch.randn(8, 64), torch.zeros(2, 4, 64)
+    with pytest.raises(ValueError, match="unsupported"):  # cos longer than the head
+        attention_cpu.decode_step(qkv, torch.ones(128), torch.zeros(128), cache, cache.clone(), 1, 0.125)
+    with pytest.raises(ValueError, match="sin"):
+        attention_cpu.decode_step(qkv, torch.ones(64), torch.zeros(32), cache, cache.clone(), 1, 0.125)
+    with pytest.raises(ValueError, match="v_cache"):
+        attention_cpu.decode_step(qkv, torch.ones(64), torch.zeros(64), cache, torch.zeros(2, 64, 4).transpose(1, 2), 1, 0.125)
+    with pytest.raises(ValueError, match="unsupported"):
+        attention_cpu.decode_step(qkv, torch.ones(64), torch.zeros(64), cache, cache.clone(), -1, 0.125)
+
+
 @pytest.mark.parametrize("shape", [(1, 1, 576), (3, 7, 64), (5, 2048)])
 def test_rms_norm_matches_reference(shape):
     g = torch.Generator().manual_seed(sum(shape))

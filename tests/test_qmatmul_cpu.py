@@ -57,3 +57,18 @@ def test_batched_leading_dims():
     x = torch.randn(2, 5, 64)
     assert qm.qmatmul(x, qt).shape == (2, 5, 24)
     assert isinstance(qt, QuantizedTensor)
+
+
+def test_native_kernel_refuses_short_buffers():
+    """The C kernel takes raw pointers: a packed weight, scales or input shorter than the shapes claim is a
+    ValueError in the wrapper, never a read past the buffer (issue #26)."""
+    qt = quantize(torch.randn(16, 128), bits=4, group_size=32)
+    short_scales = QuantizedTensor(qt.weight, qt.scales[:8], qt.biases, 4, 32)  # 16 rows of words, 8 of scales
+    with pytest.raises(ValueError, match="scales"):
+        cpu.QMatmul(short_scales)
+    with pytest.raises(ValueError, match="biases"):
+        cpu.dequantize_rows(QuantizedTensor(qt.weight, qt.scales, qt.biases[:, :2].contiguous(), 4, 32))
+    with pytest.raises(ValueError, match="features"):
+        cpu.QMatmul(qt)(torch.randn(1, 64))
+    with pytest.raises(ValueError, match="contiguous"):
+        cpu.QMatmul(qt)(torch.randn(128, 2).T)

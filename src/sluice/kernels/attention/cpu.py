@@ -3,7 +3,7 @@
 
 import torch
 
-from sluice.kernels.cpu import lib
+from sluice.kernels.cpu import check_buffer, lib
 
 
 def decode_step(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
@@ -12,8 +12,14 @@ def decode_step(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache
     contiguous. Writes rope(k), v at `pos` and returns the attention output [Hq * D]."""
     Hkv, cap, D = k_cache.shape
     Hq = qkv.shape[0] - 2 * Hkv
-    if D > 512 or Hq % Hkv or pos >= cap:
-        raise ValueError(f"attn decode: unsupported shape (Hq={Hq}, Hkv={Hkv}, D={D}, pos={pos}, cap={cap})")
+    rot = cos.shape[-1]
+    if (D > 512 or Hkv <= 0 or Hq <= 0 or Hq % Hkv or not 0 <= pos < cap or qkv.shape[-1] != D or rot > D or rot % 2
+            or tuple(v_cache.shape) != (Hkv, cap, D)):
+        raise ValueError(f"attn decode: unsupported shape (Hq={Hq}, Hkv={Hkv}, D={D}, rot={rot}, pos={pos}, "
+                         f"cap={cap})")
+    for name, t, n in (("qkv", qkv, (Hq + 2 * Hkv) * D), ("cos", cos, rot), ("sin", sin, rot),
+                       ("k_cache", k_cache, Hkv * cap * D), ("v_cache", v_cache, Hkv * cap * D)):
+        check_buffer(name, t, torch.float32, n)
     out = torch.empty(Hq * D, dtype=torch.float32)
     lib().attn_decode(qkv.data_ptr(), cos.data_ptr(), sin.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
                       Hq, Hkv, D, cos.shape[-1], cap, pos, scale, out.data_ptr())
@@ -31,11 +37,21 @@ def turboquant_decode_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_
     contiguous, written in place; returns [B, Hq, D] fp32."""
     B, Hq, D = q.shape
     Hkv, cap = k_codes.shape[1], k_codes.shape[2]
+    R = k_ring.shape[2]
     caches = (k_codes, k_scale, v_codes, v_scale, k_ring, v_ring)
-    if (D > 512 or D & (D - 1) or Hq % Hkv or k_codes.shape[-1] != D // 2 or k_ring.dtype != torch.float32
-            or tuple(v_codes.shape) != (B, Hkv, cap // 4, D // 2, 4) or cap % 4
-            or not all(t.is_contiguous() for t in caches)):
-        raise ValueError(f"TurboQuant CPU decode: unsupported shapes (Hq={Hq}, Hkv={Hkv}, D={D}) or cache layout")
+    if (D > 512 or D < 2 or D & (D - 1) or Hkv <= 0 or Hq % Hkv or cap <= 0 or cap % 4 or R <= 0
+            or tuple(k_codes.shape) != (B, Hkv, cap, D // 2) or tuple(v_codes.shape) != (B, Hkv, cap // 4, D // 2, 4)
+            or tuple(k.shape) != (B, Hkv, D) or tuple(v.shape) != (B, Hkv, D)
+            or not 0 <= first <= pos or (not ring and pos >= cap)):
+        raise ValueError(f"TurboQuant CPU decode: unsupported shapes (Hq={Hq}, Hkv={Hkv}, D={D}, cap={cap}, "
+                         f"first={first}, pos={pos}) or cache layout")
+    for name, t, dtype, n in (("k_codes", k_codes, torch.uint8, B * Hkv * cap * D // 2),
+                              ("k_scale", k_scale, torch.float32, B * Hkv * cap),
+                              ("v_codes", v_codes, torch.uint8, B * Hkv * cap * D // 2),
+                              ("v_scale", v_scale, torch.float32, B * Hkv * cap),
+                              ("k_ring", k_ring, torch.float32, B * Hkv * R * D),
+                              ("v_ring", v_ring, torch.float32, B * Hkv * R * D)):
+        check_buffer(name, t, dtype, n)
     q, k, v = (t.float().contiguous() for t in (q, k, v))
     out = torch.empty(B, Hq, D, dtype=torch.float32)
     lib().tq_decode_steps(q.data_ptr(), k.data_ptr(), v.data_ptr(), *(t.data_ptr() for t in _tq_tables(D)),

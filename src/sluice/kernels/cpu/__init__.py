@@ -96,3 +96,13 @@ def lib() -> ctypes.CDLL | None:
 
 def available() -> bool:
     return lib() is not None
+
+
+def check_buffer(name: str, t, dtype, numel: int) -> None:
+    """The native kernels take raw pointers, so their wrappers check every buffer here before C sees it: a
+    contiguous CPU tensor of `dtype` holding at least `numel` elements, or a ValueError (never a read past the
+    end of a buffer)."""
+    if t.device.type != "cpu" or t.dtype != dtype or not t.is_contiguous() or t.numel() < numel:
+        raise ValueError(f"native CPU kernel: {name} must be a contiguous CPU {dtype} tensor of at least {numel} "
+                         f"elements, got {tuple(t.shape)} {t.dtype} on {t.device}"
+                         f"{'' if t.is_contiguous() else ' (not contiguous)'}")
