@@ -214,3 +214,20 @@ def test_nan_logits_in_a_batch_raise_naming_the_request(demo, monkeypatch):
         demo.generate_batch(["The capital of France is", "Once upon a time"], max_tokens=6, temperature=0)
     assert str(e.value).count("request ") == 1  # only the poisoned row's request failed
     assert engine.runner.pool.free_rows == engine.runner.pool.rows
+
+
+def test_a_cache_pool_bigger_than_memory_is_refused_before_it_is_made(tmp_path):
+    """The pool is sized on the meta device and checked against free memory first (issue #26): a config that asks
+    for terabytes gets a clear error, not a giant allocation or the OOM killer."""
+    from helpers import save_hf_dir, tiny_llama
+
+    from sluice.engine.runner import available_memory
+
+    path = save_hf_dir(tiny_llama(seed=4, max_position_embeddings=1 << 24), tmp_path / "m")
+    model = sluice.load(path, device="cpu", max_seq_len=1 << 24, max_batch=4096)
+    with pytest.raises(InvalidOptionError, match=r"need [0-9.]+ GiB \(dense KV\).*GiB free; lower max_batch"):
+        model.generate("hi", max_tokens=2)
+    assert model.engine.runner.pool is None
+    assert 0 < available_memory(torch.device("cpu")) < 1 << 50
+    small = sluice.load(path, device="cpu", max_seq_len=64, max_batch=2)
+    assert small.generate("hi", max_tokens=2, temperature=0)  # a pool that fits is made as before

@@ -78,3 +78,8 @@ class CachePool:
 
     def bytes_per_token(self) -> int:
         return self.kv.bytes_per_token() if self.kv is not None else 0
+
+    def nbytes(self) -> int:
+        """Bytes all the caches hold (exact on the "meta" device too, where a pool is sized before it is made)."""
+        return sum(t.nbytes for part in (self.kv, self.states) if part is not None
+                   for t in vars(part).values() if isinstance(t, torch.Tensor))

@@ -9,11 +9,30 @@ waits on the host; the host reads the sampled ids only.
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from sluice.config import EngineConfig
 from sluice.engine.batch import ForwardMeta
 from sluice.errors import InvalidOptionError
+
+
+def available_memory(device: torch.device) -> int:
+    """Bytes that can still be allocated on `device`: free GPU memory, or the host's MemAvailable."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return 1 << 62  # unknown: let the allocator decide
 
 
 class ModelRunner:
@@ -36,6 +55,15 @@ class ModelRunner:
         self._graphs.clear()
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
+        kind = self.config.kv_cache
+        need = (self.module.new_cache(rows, capacity, self.dtype, "meta", kind).nbytes()
+                + (rows + 1) * self.vocab_size)
+        free = available_memory(self.device)
+        if need > free:  # sized before it is made: no giant allocation, no OOM killer
+            raise InvalidOptionError(
+                f"the caches of {rows} sequence(s) of {capacity} positions need {need / 2**30:.2f} GiB ({kind} KV), "
+                f"but {self.device} has {free / 2**30:.2f} GiB free; lower max_batch or max_seq_len"
+                f"{' or use --kv-cache turboquant' if kind == 'dense' else ''}.")
         try:
             self.pool = self.module.new_cache(rows, capacity, self.dtype, self.device, self.config.kv_cache)
             self.seen = torch.zeros(rows + 1, self.vocab_size, dtype=torch.bool, device=self.device)
