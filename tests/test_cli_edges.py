@@ -192,3 +192,17 @@ def test_serve_on_a_port_in_use_fails_cleanly(tiny, capsys):
         assert main(["serve", "--model", str(tiny), "--port", str(port)]) == 2
     err = capsys.readouterr().err
     assert f"cannot listen on 127.0.0.1:{port}" in err and "choose another --port" in err
+
+
+def test_unquantized_mlx_directory_is_labelled_mlx(tmp_path, capsys):
+    """mlx-lm marks its safetensors {"format": "mlx"} whether or not it quantized them: the label follows the files,
+    not the weights' kind."""
+    from helpers import save_hf_dir, tiny_llama
+    from safetensors.torch import load_file, save_file
+
+    path = save_hf_dir(tiny_llama(seed=4), tmp_path / "m")
+    for f in path.glob("*.safetensors"):
+        save_file(load_file(f), f, metadata={"format": "mlx"})
+    assert main(["info", "--model", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "(mlx)" in out and "affine" not in out

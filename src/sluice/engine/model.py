@@ -196,10 +196,7 @@ class Model:
             if mod is getattr(self.module, "lm_head", None) and self.config.tie_word_embeddings:
                 continue
             count(n, kind, nb)
-        fmt = self.format
-        if fmt == "hf" and any("affine" in kind for kind in kinds):  # quantized safetensors: an MLX-format directory
-            fmt = "mlx"
-        return {"path": str(self.path), "format": fmt, "architecture": self.config.architecture,
+        return {"path": str(self.path), "format": self.format, "architecture": self.config.architecture,
                 "config": dict(vars(self.config)), "parameters": params, "weight_bytes": nbytes,
                 "weights_by_kind": kinds, "kv_cache": self.kv_cache, **self._kv_layout(),
                 "device": str(self.device), "dtype": str(self.dtype).removeprefix("torch.")}

@@ -170,7 +170,6 @@ class HFDirectory:
     """A checkpoint directory. `tensor(name, device)` reads one tensor onto `device` (see the module docstring);
     `names()`, `has(name)`, `config`, `quantization(module)`, `is_mlx`, `total_bytes` describe the checkpoint."""
 
-    format = "hf"
     reads_to_device = True  # tensor() takes the target device: the loader need not move what it returns
 
     def __init__(self, path: str | Path):
@@ -201,6 +200,7 @@ class HFDirectory:
                     self._entries[name] = _entry(f, name, info, data_start)
         # mlx-lm writes {"format": "mlx"}; its checkpoints hold post-sanitize parameters (e.g. norms with +1 baked)
         self.is_mlx = "mlx" in formats or "quantization" in self.config
+        self.format = "mlx" if self.is_mlx else "hf"
         self._maps: dict[Path, mmap.mmap] = {}
         self._fds: dict[Path, int] = {}
         self._staging: _Staging | None = None
