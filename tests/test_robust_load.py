@@ -252,3 +252,11 @@ def test_mlx_experts_half_quantized(tmp_path, qwen_dir):
     _rewrite_header(d / "model.safetensors", lambda h: h.__setitem__(name.replace("scales", "scalez"), h.pop(name)))
     with pytest.raises(ModelFileError, match="quantized differently"):
         sluice.load(d, device="cpu")
+
+
+def test_every_load_error_names_the_file(tmp_path, gguf_bytes):
+    """An error raised deep in a parser (here the GGUF tokenizer, which sees only metadata) still names the file."""
+    key = b"tokenizer.ggml.model"
+    bad = gguf_bytes.replace(struct.pack("<Q", len(key)) + key, struct.pack("<Q", len(key)) + b"tokenizer.ggml.mode_")
+    with pytest.raises(ModelFileError, match=r"^.*bad\.gguf: GGUF has no tokenizer"):
+        _load(tmp_path, bad)

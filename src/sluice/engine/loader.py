@@ -103,32 +103,11 @@ class _DeviceReader:
 ENGINE_OPTIONS = ("max_batch", "max_seq_len", "prefill_chunk", "graphs", "graph_batch_sizes")
 
 
-def load(path=None, device=None, dtype=None, keep_quantized: bool = True, kv_cache: str = "dense",
-         load_format: str = "auto", **options) -> Model:
-    """Load a GGUF file or an HF/MLX directory (None: the demo model) onto `device`, tensor by tensor. Quantized
-    weights stay packed unless keep_quantized=False, which dequantizes them once to `dtype` (more memory; dense
-    matmuls). kv_cache: "dense" (K/V in `dtype`) or "turboquant4" (4-bit codes of the rotated vectors + a scale
-    each: ~3.8x smaller). load_format: "auto" (the checkpoint at `path`) or "dummy" (`path` is a config.json or
-    its directory; random weights at the shapes and bit widths of that config's MLX checkpoint, made on the device:
-    `sluice.formats.dummy`). Engine options (`sluice.config.EngineConfig`): max_batch, max_seq_len,
-    prefill_chunk, graphs, graph_batch_sizes."""
+def _read_checkpoint(path, load_format: str, dev: torch.device, dt: torch.dtype):
+    """(source, module, tokenizer) of the checkpoint at `path`, its weights read onto `dev`."""
     from sluice.formats.tokenizer import Tokenizer
     from sluice.models import architecture_module
 
-    unknown = sorted(set(options) - set(ENGINE_OPTIONS))
-    if unknown:
-        raise InvalidOptionError(f"unknown load option(s): {', '.join(unknown)}.")
-    if load_format not in LOAD_FORMATS:
-        raise InvalidOptionError(f"load_format={load_format!r}: use one of {', '.join(map(repr, LOAD_FORMATS))}.")
-    config = EngineConfig(kv_cache=kv_cache, **options)
-    if path is None:
-        if load_format == "dummy":
-            raise InvalidOptionError("load_format='dummy' needs a path: a config.json or the directory holding it.")
-        from sluice.formats.demo import demo_model_path
-
-        path = demo_model_path()
-    dev = _resolve_device(device)
-    dt = _resolve_dtype(dtype, dev)
     src = open_source(path, load_format)
     if src.format == "gguf":
         arch = architecture_module(src.architecture)
@@ -144,6 +123,38 @@ def load(path=None, device=None, dtype=None, keep_quantized: bool = True, kv_cac
         module = build(reader, dt)
     finally:
         reader.close()
+    return src, module, tokenizer
+
+
+def load(path=None, device=None, dtype=None, keep_quantized: bool = True, kv_cache: str = "dense",
+         load_format: str = "auto", **options) -> Model:
+    """Load a GGUF file or an HF/MLX directory (None: the demo model) onto `device`, tensor by tensor. Quantized
+    weights stay packed unless keep_quantized=False, which dequantizes them once to `dtype` (more memory; dense
+    matmuls). kv_cache: "dense" (K/V in `dtype`) or "turboquant4" (4-bit codes of the rotated vectors + a scale
+    each: ~3.8x smaller). load_format: "auto" (the checkpoint at `path`) or "dummy" (`path` is a config.json or
+    its directory; random weights at the shapes and bit widths of that config's MLX checkpoint, made on the device:
+    `sluice.formats.dummy`). Engine options (`sluice.config.EngineConfig`): max_batch, max_seq_len,
+    prefill_chunk, graphs, graph_batch_sizes."""
+    unknown = sorted(set(options) - set(ENGINE_OPTIONS))
+    if unknown:
+        raise InvalidOptionError(f"unknown load option(s): {', '.join(unknown)}.")
+    if load_format not in LOAD_FORMATS:
+        raise InvalidOptionError(f"load_format={load_format!r}: use one of {', '.join(map(repr, LOAD_FORMATS))}.")
+    config = EngineConfig(kv_cache=kv_cache, **options)
+    if path is None:
+        if load_format == "dummy":
+            raise InvalidOptionError("load_format='dummy' needs a path: a config.json or the directory holding it.")
+        from sluice.formats.demo import demo_model_path
+
+        path = demo_model_path()
+    dev = _resolve_device(device)
+    dt = _resolve_dtype(dtype, dev)
+    try:
+        src, module, tokenizer = _read_checkpoint(path, load_format, dev, dt)
+    except ModelFileError as e:  # every load error names the file it is about
+        if str(path) in str(e):
+            raise
+        raise ModelFileError(f"{path}: {e}") from e
     if not keep_quantized:
         for mod in module.modules():
             if hasattr(mod, "dequantize_"):
