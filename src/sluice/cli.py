@@ -20,6 +20,15 @@ def _add_model_args(p: argparse.ArgumentParser):
     _add_kv_cache_arg(p)
     p.add_argument("--dequantize", action="store_true",
                    help="hold quantized weights dense in memory (more memory; dense matmuls)")
+    _add_placement_args(p)
+
+
+def _add_placement_args(p: argparse.ArgumentParser):
+    p.add_argument("--gpu-memory", default=None, metavar="SIZE",
+                   help="device memory the model may use, e.g. 24GiB; routed experts that do not fit stay in host "
+                        "memory and stream through a slot cache (default: the free GPU memory)")
+    p.add_argument("--expert-slots", type=int, default=None, metavar="N",
+                   help="stream routed experts through N device slots per MoE layer, whatever the budget")
 
 
 def _add_sampling_args(p: argparse.ArgumentParser):
@@ -45,7 +54,7 @@ def _load(args, **options):
     import sluice
 
     return sluice.load(args.model, device=args.device, dtype=args.dtype, keep_quantized=not args.dequantize,
-                       kv_cache=args.kv_cache, **options)
+                       kv_cache=args.kv_cache, gpu_memory=args.gpu_memory, expert_slots=args.expert_slots, **options)
 
 
 def cmd_run(args) -> int:
@@ -110,7 +119,8 @@ def cmd_info(args) -> int:
 
     if args.model and args.model_opt and args.model != args.model_opt:
         raise InvalidOptionError(f"two models given ({args.model} and --model {args.model_opt}); give one.")
-    model = sluice.load(args.model or args.model_opt, device="cpu", kv_cache=args.kv_cache)
+    model = sluice.load(args.model or args.model_opt, device="cpu", kv_cache=args.kv_cache,
+                        gpu_memory=args.gpu_memory, expert_slots=args.expert_slots)
     info = model.info()
     if args.json:
         print(json.dumps(info, indent=2))
@@ -130,7 +140,16 @@ def cmd_info(args) -> int:
           f"each of {info['kv_cache_layers']} attention layers){f' + {_human(fixed)} fixed' if fixed else ''}; "
           f"full context {_human(kv * c['context_length'] + fixed)}")
     print(f"memory:       ~{_human(info['weight_bytes'] + kv * c['context_length'])} at full context")
+    if info.get("placement"):
+        print(f"placement:    {_placement_line(info['placement'])}")
     return 0
+
+
+def _placement_line(p: dict) -> str:
+    hit = "" if p["hit_rate"] is None else f"; hit rate {100 * p['hit_rate']:.1f} % (distinct experts a step)"
+    return (f"{p['slots_per_layer']} of {p['experts_per_layer']} routed experts a layer in device slots "
+            f"({_human(p['slot_bytes'])}), all {_human(p['host_expert_bytes'])} in host memory; "
+            f"{_human(p['resident_bytes'])} resident{hit}")
 
 
 def cmd_bench(args) -> int:
@@ -165,6 +184,9 @@ def cmd_bench(args) -> int:
         fl = f"{r['floor_decode_tok_s']:12.0f}" if floor else f"{'':12s}"
         print(f"{r['kv_cache']:12s} {r['ttft_cold_s']:11.3f} {r['ttft_warm_s']:11.3f} {r['prefill_tok_s']:14.1f} "
               f"{r['decode_tok_s']:13.1f} {r['decode_tok_s_per_seq']:8.1f} {fl} {r['kv_cache_bytes_per_token']:11d}")
+    for r in rows:
+        if r.get("placement"):
+            print(f"placement ({r['kv_cache']}): {_placement_line(r['placement'])}")
     return 0
 
 
@@ -250,6 +272,7 @@ def build_parser() -> argparse.ArgumentParser:
                       help="GGUF file or model directory (default: the demo model)")
     info.add_argument("--json", action="store_true", help="print everything as JSON")
     _add_kv_cache_arg(info)
+    _add_placement_args(info)
     info.set_defaults(func=cmd_info)
     bench = sub.add_parser("bench", help="prefill and decode speed, and KV-cache bytes per token")
     _add_model_args(bench)

@@ -38,6 +38,9 @@ def bench(model, prompt_tokens: int = 512, gen_tokens: int = 64, batch: int = 1,
     result["decode_tok_s_per_seq"] = result["decode_tok_s"] / batch
     if model.device.type == "cuda":
         result.update(floor(model, batch, prompt_tokens + gen_tokens // 2))
+    placement = getattr(model.module, "placement", None)
+    if placement is not None:
+        result["placement"] = placement.summary()
     return result
 
 

@@ -12,6 +12,7 @@ import torch
 from sluice.config import EngineConfig
 from sluice.engine.model import Model
 from sluice.errors import InvalidOptionError, ModelFileError, UnsupportedError
+from sluice.experts.placement import is_routed_expert, parse_bytes, place, streams
 
 
 def _resolve_device(device) -> torch.device:
@@ -77,10 +78,10 @@ class _DeviceReader:
     it is read (readers with `reads_to_device` put it there themselves; GGUF tensors are moved one by one), so
     the model never exists whole on the host. A tqdm bar of the bytes read, on a terminal only."""
 
-    def __init__(self, src, device: torch.device, total_bytes: int):
+    def __init__(self, src, device: torch.device, total_bytes: int, host_experts: bool = False):
         from tqdm import tqdm
 
-        self.src, self.device = src, device
+        self.src, self.device, self.host_experts = src, device, host_experts
         self.direct = getattr(src, "reads_to_device", False)
         self.bar = tqdm(total=total_bytes, desc="loading", unit="B", unit_scale=True, unit_divisor=1024,
                         leave=False, disable=not sys.stderr.isatty())
@@ -89,7 +90,14 @@ class _DeviceReader:
         return getattr(self.src, name)
 
     def tensor(self, name: str):
-        t = self.src.tensor(name, self.device) if self.direct else _to_device(self.src.tensor(name), self.device)
+        if self.host_experts and is_routed_expert(name):  # streamed experts live in host memory
+            # dummy weights are made fast on the device, then moved; checkpoints are read to the host directly
+            made = self.src.tensor(name, self.device if self.src.format == "dummy" else "cpu")
+            t = _to_device(made, torch.device("cpu"))
+        elif self.direct:
+            t = self.src.tensor(name, self.device)
+        else:
+            t = _to_device(self.src.tensor(name), self.device)
         self.bar.update(t.nbytes)
         return t
 
@@ -103,12 +111,14 @@ class _DeviceReader:
 ENGINE_OPTIONS = ("max_batch", "max_seq_len", "prefill_chunk", "graphs", "graph_batch_sizes")
 
 
-def _read_checkpoint(path, load_format: str, dev: torch.device, dt: torch.dtype):
-    """(source, module, tokenizer) of the checkpoint at `path`, its weights read onto `dev`."""
+def _read_checkpoint(path, load_format: str, dev: torch.device, dt: torch.dtype, gpu_memory, expert_slots):
+    """(source, module, tokenizer) of the checkpoint at `path`, its weights read onto `dev` (the routed experts
+    into host memory when they stream: `experts.placement`)."""
     from sluice.formats.tokenizer import Tokenizer
     from sluice.models import architecture_module
 
     src = open_source(path, load_format)
+    host_experts = streams(src, dev, gpu_memory, expert_slots)
     if src.format == "gguf":
         arch = architecture_module(src.architecture)
         tokenizer = Tokenizer.from_gguf(src.fields)
@@ -117,23 +127,27 @@ def _read_checkpoint(path, load_format: str, dev: torch.device, dt: torch.dtype)
     else:
         arch = architecture_module(src.config.get("model_type", "<missing model_type>"))
         tokenizer = src.tokenizer() if src.format == "dummy" else Tokenizer.from_hf_dir(src.path)
-        reader = _DeviceReader(src, dev, src.total_bytes)
+        reader = _DeviceReader(src, dev, src.total_bytes, host_experts)
         build = arch.build_from_hf
     try:
         module = build(reader, dt)
     finally:
         reader.close()
+    module.placement = place(module, dev, gpu_memory, expert_slots) if host_experts else None
     return src, module, tokenizer
 
 
 def load(path=None, device=None, dtype=None, keep_quantized: bool = True, kv_cache: str = "dense",
-         load_format: str = "auto", **options) -> Model:
+         load_format: str = "auto", gpu_memory=None, expert_slots: int | None = None, **options) -> Model:
     """Load a GGUF file or an HF/MLX directory (None: the demo model) onto `device`, tensor by tensor. Quantized
     weights stay packed unless keep_quantized=False, which dequantizes them once to `dtype` (more memory; dense
     matmuls). kv_cache: "dense" (K/V in `dtype`) or "turboquant4" (4-bit codes of the rotated vectors + a scale
     each: ~3.8x smaller). load_format: "auto" (the checkpoint at `path`) or "dummy" (`path` is a config.json or
     its directory; random weights at the shapes and bit widths of that config's MLX checkpoint, made on the device:
-    `sluice.formats.dummy`). Engine options (`sluice.config.EngineConfig`): max_batch, max_seq_len,
+    `sluice.formats.dummy`). gpu_memory (bytes, or a size such as "24GiB"): the device memory the model may use;
+    when it does not fit, its routed experts stay in host memory and each MoE layer keeps the slots that fit on the
+    device (`sluice.experts`; without it, a model bigger than the free GPU memory streams the same way).
+    expert_slots: that many slots a layer, whatever the budget. Engine options (`sluice.config.EngineConfig`): max_batch, max_seq_len,
     prefill_chunk, graphs, graph_batch_sizes."""
     unknown = sorted(set(options) - set(ENGINE_OPTIONS))
     if unknown:
@@ -149,13 +163,19 @@ def load(path=None, device=None, dtype=None, keep_quantized: bool = True, kv_cac
         path = demo_model_path()
     dev = _resolve_device(device)
     dt = _resolve_dtype(dtype, dev)
+    if gpu_memory is not None:
+        gpu_memory = parse_bytes(gpu_memory)
+    if expert_slots is not None and (not isinstance(expert_slots, int) or isinstance(expert_slots, bool)):
+        raise InvalidOptionError(f"expert_slots={expert_slots!r}: use an integer.")
     try:
-        src, module, tokenizer = _read_checkpoint(path, load_format, dev, dt)
+        src, module, tokenizer = _read_checkpoint(path, load_format, dev, dt, gpu_memory, expert_slots)
     except ModelFileError as e:  # every load error names the file it is about
         if str(path) in str(e):
             raise
         raise ModelFileError(f"{path}: {e}") from e
     if not keep_quantized:
+        if module.placement is not None:
+            raise InvalidOptionError("keep_quantized=False cannot be combined with streamed experts.")
         for mod in module.modules():
             if hasattr(mod, "dequantize_"):
                 mod.dequantize_(dt)

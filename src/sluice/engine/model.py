@@ -26,6 +26,11 @@ class Model:
         self._engine = None
 
     @property
+    def placement(self):
+        """Where the routed experts live when they stream (`sluice.experts.placement.Placement`), else None."""
+        return getattr(self.module, "placement", None)
+
+    @property
     def kv_cache(self) -> str:
         return self.engine_config.kv_cache
 
@@ -180,7 +185,9 @@ class Model:
             kinds[kind] = kinds.get(kind, 0) + n
 
         for mod in self.module.modules():
-            for w in (getattr(mod, "gate_up", None), getattr(mod, "down", None)):  # stacked MoE experts
+            cache = getattr(mod, "expert_cache", None)  # streamed experts: count them where they all are
+            stacked = cache.host if cache is not None else (getattr(mod, "gate_up", None), getattr(mod, "down", None))
+            for w in stacked:  # stacked MoE experts
                 if isinstance(w, QuantizedTensor):
                     count(math.prod(w.shape), f"{w.bits}-bit affine, group {w.group_size}", w.nbytes)
                 elif isinstance(w, torch.Tensor):
@@ -199,4 +206,5 @@ class Model:
         return {"path": str(self.path), "format": self.format, "architecture": self.config.architecture,
                 "config": dict(vars(self.config)), "parameters": params, "weight_bytes": nbytes,
                 "weights_by_kind": kinds, "kv_cache": self.kv_cache, **self._kv_layout(),
-                "device": str(self.device), "dtype": str(self.dtype).removeprefix("torch.")}
+                "device": str(self.device), "dtype": str(self.dtype).removeprefix("torch."),
+                "placement": None if self.placement is None else self.placement.summary()}

@@ -89,7 +89,7 @@ class ModelRunner:
         """One decode step: token tokens[b] at positions[b] of the sequence in rows[b]; logits [B, vocab] fp32 (with
         graphs, a view of the graph's output: read it before the next step)."""
         n = len(rows)
-        size = self.config.graph_size(n) if self.uses_graphs else None
+        size = self._graph_size(n)
         if size is None:
             meta = ForwardMeta.decode_host(rows, positions, self.pool.visible, self.device)
             ids = torch.tensor(tokens, dtype=torch.long)[:, None].to(self.device)
@@ -98,6 +98,16 @@ class ModelRunner:
         self._inputs[:, :size].copy_(self._padded([tokens, positions, rows], size))
         graph.replay()
         return logits[:n]
+
+    def _graph_size(self, n: int) -> int | None:
+        """The captured batch size a decode step of n sequences replays in; None: run it eagerly (no graphs, larger
+        than any graph, or, with streamed experts, more tokens than a layer's slots hold: such a step stages whole
+        layers, which a graph cannot)."""
+        size = self.config.graph_size(n) if self.uses_graphs else None
+        placement = getattr(self.module, "placement", None)
+        if size is not None and placement is not None and size > placement.max_cached_tokens:
+            return None
+        return size
 
     def _padded(self, inputs: list[list[int]], size: int) -> torch.Tensor:
         """[3, size] ids, positions, rows; the rows past the batch point at the scratch row, position 0."""
@@ -133,5 +143,5 @@ class ModelRunner:
         """Capture the decode graphs of these batch sizes now (largest first: the smaller reuse its memory)."""
         if self.uses_graphs:
             with torch.inference_mode():
-                for size in sorted({self.config.graph_size(s) or s for s in sizes}, reverse=True):
+                for size in sorted({self._graph_size(s) for s in sizes} - {None}, reverse=True):
                     self._graph(size)

@@ -251,6 +251,10 @@ class DummyCheckpoint:
     def total_bytes(self) -> int:
         return sum(s.nbytes for s in self.specs.values())
 
+    def tensor_nbytes(self) -> dict[str, int]:
+        """Every tensor's name and size in bytes (as `HFDirectory` says it)."""
+        return {name: s.nbytes for name, s in self.specs.items()}
+
     def quantization(self, module: str):
         """(bits, group_size) for a module, from config.json's `quantization` block, as `HFDirectory` says it."""
         return mlx_quantization(self.config, module)

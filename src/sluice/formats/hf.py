@@ -215,6 +215,10 @@ class HFDirectory:
     def total_bytes(self) -> int:
         return sum(e.nbytes for e in self._entries.values())
 
+    def tensor_nbytes(self) -> dict[str, int]:
+        """Every stored tensor's name and size in bytes."""
+        return {name: e.nbytes for name, e in self._entries.items()}
+
     def close(self) -> None:
         """Close the files read through `pread` and free the pinned staging buffers. Tensors already returned stay
         valid (a memory-mapped one keeps its mapping alive)."""

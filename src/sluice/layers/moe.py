@@ -43,6 +43,19 @@ class SparseMoE(nn.Module):
         self.gate_up, self.down = gate_up, down  # stacked experts (tensor or QuantizedTensor)
         self.top_k, self.norm_topk_prob = top_k, norm_topk_prob
         self.num_experts = (gate_up.weight if isinstance(gate_up, QuantizedTensor) else gate_up).shape[0]
+        self.expert_cache = None
+
+    def stream_from(self, cache) -> None:
+        """Run the routed experts from an `experts.cache.ExpertCache` (its device slots stand in for the stacked
+        experts; every step maps its routed ids to slots first)."""
+        self.expert_cache = cache
+        self.gate_up, self.down = cache.gate_up, cache.down
+
+    def _experts_for(self, ids: torch.Tensor):
+        """(gate_up, down, ids) a step routed to ids runs on: the stacked experts, or the expert cache's."""
+        if self.expert_cache is None:
+            return self.gate_up, self.down, ids
+        return self.expert_cache.for_step(ids, self.top_k)
 
     def _apply(self, fn, recurse=True):  # move the stacked expert weights with the module
         super()._apply(fn, recurse)
@@ -89,13 +102,15 @@ class SparseMoE(nn.Module):
         shared_expert = self._shared_as_expert(kernels) if x2.shape[0] <= kernels.DECODE_MAX_TOKENS else None
         if shared_expert is not None:  # decode: the shared expert is slot k of every token
             ids, weights = self._route_with_shared_slot(x2, kernels)
-            return kernels.moe_decode(x2, ids, weights, self.gate_up, self.down, shared_expert=shared_expert)
+            gate_up, down, ids = self._experts_for(ids)
+            return kernels.moe_decode(x2, ids, weights, gate_up, down, shared_expert=shared_expert)
         E = self.num_experts
         logits = self.gates(x2)
         gate_logit = logits[:, E] if self.shared is not None else None
         ids, weights = kernels.route(logits[:, :E], self.top_k, self.norm_topk_prob)
+        gate_up, down, ids = self._experts_for(ids)
         shared_out = self.shared(x2) if self.shared is not None else None
-        return kernels.moe(x2, ids, weights, self.gate_up, self.down, shared_out, gate_logit)
+        return kernels.moe(x2, ids, weights, gate_up, down, shared_out, gate_logit)
 
     def _forward_reference(self, x2: torch.Tensor) -> torch.Tensor:
         logits = self.gates(x2)
@@ -103,12 +118,14 @@ class SparseMoE(nn.Module):
         top_w, top_i = torch.topk(probs, self.top_k, dim=-1)
         if self.norm_topk_prob:
             top_w = top_w / top_w.sum(-1, keepdim=True)
+        gate_up, down, where = self._experts_for(top_i.to(torch.int32))  # where: top_i, or the experts' slots
         out = torch.zeros_like(x2)
-        for e in top_i.unique().tolist():
+        for e in top_i.unique().tolist():  # in expert order, wherever the experts are: the same sums
             tok, slot = (top_i == e).nonzero(as_tuple=True)
+            w = int(where[tok[0], slot[0]])
             xe = x2[tok]
-            g, u = _expert_matmul(xe, self.gate_up, e).chunk(2, dim=-1)
-            h = _expert_matmul(F.silu(g) * u, self.down, e)
+            g, u = _expert_matmul(xe, gate_up, w).chunk(2, dim=-1)
+            h = _expert_matmul(F.silu(g) * u, down, w)
             out.index_add_(0, tok, (h * top_w[tok, slot, None]).to(x2.dtype))
         if self.shared is not None:
             out = out + torch.sigmoid(logits[:, self.num_experts:]) * self.shared(x2)

@@ -1,0 +1,116 @@
+"""One MoE layer's slot cache of routed experts, and the double-buffered whole-layer staging of big steps."""
+
+from __future__ import annotations
+
+import torch
+
+from sluice.kernels.expert_cache import reference
+from sluice.quant.affine import QuantizedTensor
+
+
+def _parts(gate_up: QuantizedTensor, down: QuantizedTensor) -> list[torch.Tensor]:
+    return [gate_up.weight, gate_up.scales, gate_up.biases, down.weight, down.scales, down.biases]
+
+
+def _empty_like(qt: QuantizedTensor, n: int, device) -> QuantizedTensor:
+    """A stacked QuantizedTensor of n experts shaped like qt's, zeros, on `device`."""
+    return QuantizedTensor(*(torch.zeros((n, *t.shape[1:]), dtype=t.dtype, device=device)
+                             for t in (qt.weight, qt.scales, qt.biases)), qt.bits, qt.group_size)
+
+
+class ExpertCache:
+    """The routed experts of one MoE layer: all E in host memory (`host`), S of them in device slots
+    (`gate_up`, `down`: stacked like the full experts, so the MoE kernels run on them unchanged).
+
+    `for_step(ids, k)` gives the expert weights and ids a step's MoE runs on: the slots and the ids mapped to
+    them when the step's k-routed pairs fit the slots (misses copied in first), else the whole layer from the
+    staging buffers with the ids as they are. The slot policy (least recently used) is `kernels/expert_cache`."""
+
+    def __init__(self, host_gate_up: QuantizedTensor, host_down: QuantizedTensor, slots: int, device: torch.device,
+                 staging: LayerStaging, index: int):
+        self.host = (host_gate_up, host_down)
+        self.num_experts, self.slots, self.device = host_gate_up.weight.shape[0], slots, torch.device(device)
+        self.gate_up, self.down = (_empty_like(q, slots, device) for q in self.host)
+        self.staging, self.index = staging, index
+        E, S = self.num_experts, slots
+        self.slot_of = torch.full((E,), -1, dtype=torch.int32, device=device)
+        self.expert_in = torch.full((S,), -1, dtype=torch.int32, device=device)
+        self.stamp = torch.zeros(S, dtype=torch.int64, device=device)
+        self.clock = torch.zeros(1, dtype=torch.int64, device=device)
+        self.stats = torch.zeros(2, dtype=torch.int64, device=device)  # hits, misses (distinct experts a step)
+        self._kernels = None
+        if self.device.type == "cuda":
+            from sluice.kernels.expert_cache import triton as kernels
+
+            self._kernels = kernels
+            self._scratch = torch.empty(1 << (S - 1).bit_length(), dtype=torch.int64, device=device)
+            self._n_jobs = torch.zeros(1, dtype=torch.int32, device=device)
+            self._jobs = torch.zeros(2, S, dtype=torch.int32, device=device)
+
+    @property
+    def expert_bytes(self) -> int:
+        return sum(t[0].nbytes for t in _parts(*self.host))
+
+    def fits(self, tokens: int, k: int) -> bool:
+        """Whether a step of `tokens` tokens runs from the slots (else from the staged whole layer)."""
+        return tokens * k <= self.slots
+
+    def for_step(self, ids: torch.Tensor, k: int) -> tuple[QuantizedTensor, QuantizedTensor, torch.Tensor]:
+        """(gate_up, down, ids) for a step routed to ids [T, k or k + 1] (columns past k: the shared expert, id E,
+        which becomes id S)."""
+        if not self.fits(ids.shape[0], k):
+            gate_up, down = self.staging.layer(self)
+            return gate_up, down, ids
+        host, slots = _parts(*self.host), _parts(self.gate_up, self.down)
+        if self._kernels is None:
+            out, missed, victims = reference.resolve(ids, k, self.slot_of, self.expert_in, self.stamp, self.clock,
+                                                     self.stats)
+            reference.fill(host, slots, missed, victims)
+            return self.gate_up, self.down, out
+        out = self._kernels.resolve(ids, k, self.slot_of, self.expert_in, self.stamp, self.clock, self.stats,
+                                    self._jobs, self._n_jobs, self._scratch)
+        self._kernels.fill(host, slots, self._jobs, self._n_jobs)
+        return self.gate_up, self.down, out
+
+
+class LayerStaging:
+    """Two device buffers of one whole layer's experts: a big step's MoE reads its layer from one while the next
+    layer's experts are copied into the other on a side stream (on the CPU the host experts are used directly)."""
+
+    def __init__(self, device: torch.device):
+        self.device = torch.device(device)
+        self.caches: list[ExpertCache] = []
+        self._buffers = None
+
+    def nbytes(self, cache: ExpertCache) -> int:
+        return 0 if self.device.type != "cuda" else 2 * cache.expert_bytes * cache.num_experts
+
+    def layer(self, cache: ExpertCache) -> tuple[QuantizedTensor, QuantizedTensor]:
+        if self.device.type != "cuda":
+            return cache.host
+        if self._buffers is None:
+            self._buffers = [tuple(_empty_like(q, cache.num_experts, self.device) for q in cache.host)
+                             for _ in range(2)]
+            self._stream = torch.cuda.Stream(self.device)
+            self._ready = [torch.cuda.Event() for _ in range(2)]
+            self._free = [torch.cuda.Event() for _ in range(2)]
+            self._held = [None, None]
+        i = cache.index
+        b = self._held.index(i) if i in self._held else self._load(i, 1 - self._held.index(i - 1)
+                                                                   if i - 1 in self._held else 0)
+        torch.cuda.current_stream(self.device).wait_event(self._ready[b])
+        if i + 1 < len(self.caches) and i + 1 not in self._held:  # prefetch the next layer into the other buffer
+            self._load(i + 1, 1 - b)
+        return self._buffers[b]
+
+    def _load(self, i: int, b: int) -> int:
+        """Copy layer i's experts into buffer b on the side stream, once the kernels enqueued so far (those that
+        read b) are done."""
+        self._free[b].record(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self._stream):
+            self._stream.wait_event(self._free[b])
+            for src, dst in zip(_parts(*self.caches[i].host), _parts(*self._buffers[b])):
+                dst.copy_(src, non_blocking=True)
+            self._ready[b].record(self._stream)
+        self._held[b] = i
+        return b

@@ -1,0 +1,205 @@
+"""Placement of a model's weights under a device memory budget: which routed experts stream, and how many slots
+each MoE layer keeps on the device.
+
+Decided twice: before loading (`streams`), from the checkpoint's tensor sizes, whether the routed experts must
+stay in host memory (then the loader reads them there, never to the device); after building (`place`), from
+what the rest of the model really takes, the slots per layer. Below 3 x top-k slots per layer an LRU cache hits
+almost nothing (docs/PERF.md, issue #27), so a smaller budget is refused, naming the smallest that works."""
+
+from __future__ import annotations
+
+import sys
+import weakref
+from dataclasses import dataclass
+
+import torch
+
+from sluice.errors import InvalidOptionError, UnsupportedError
+
+CACHE_RESERVE = 2 << 30  # bytes of the budget left for KV caches, recurrent states, activations and graphs
+MIN_SLOTS_PER_TOP_K = 3
+_ROUTED = (".switch_mlp.", ".mlp.experts.")
+
+
+def is_routed_expert(name: str) -> bool:
+    """Whether a checkpoint tensor belongs to the routed experts (MLX switch_mlp, HF experts), not the shared one."""
+    return any(p in name for p in _ROUTED)
+
+
+def parse_bytes(text) -> int:
+    """'24GiB', '20GB', '512MiB', '1.5T' or a number of bytes -> bytes (InvalidOptionError otherwise)."""
+    if isinstance(text, (int, float)) and not isinstance(text, bool):
+        value, unit = float(text), ""
+    else:
+        s = str(text).strip().replace(" ", "")
+        i = len(s) - len(s.lstrip("0123456789.")) if s[:1].isdigit() or s[:1] == "." else 0
+        value_text, unit = s[:i], s[i:].lower().removesuffix("b")
+        try:
+            value = float(value_text)
+        except ValueError:
+            value = -1.0
+    scale = {"": 1, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12, "ki": 2**10, "mi": 2**20, "gi": 2**30, "ti": 2**40}
+    if unit not in scale or not value > 0 or value * scale[unit] > 2**60:
+        raise InvalidOptionError(f"gpu_memory={text!r}: use a size such as 24GiB, 20GB or 512MiB.")
+    return int(value * scale[unit])
+
+
+def streams(src, device: torch.device, gpu_memory: int | None, expert_slots: int | None) -> bool:
+    """Whether the routed experts of checkpoint `src` stay in host memory: asked for (expert_slots), or the
+    checkpoint does not fit the budget (gpu_memory, else the free device memory) with room for the caches."""
+    sizes = src.tensor_nbytes() if hasattr(src, "tensor_nbytes") else {}
+    experts = sum(n for name, n in sizes.items() if is_routed_expert(name))
+    if expert_slots is not None:
+        if not experts:
+            raise UnsupportedError("expert_slots: this model has no routed experts to stream.")
+        return True
+    budget = gpu_memory if gpu_memory is not None else (
+        torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else None)
+    total = getattr(src, "total_bytes", 0)
+    if budget is None or total + CACHE_RESERVE <= budget:
+        return False
+    if not experts:
+        if gpu_memory is not None:
+            raise InvalidOptionError(f"gpu_memory: the model takes {total / 2**30:.1f} GiB (and ~"
+                                     f"{CACHE_RESERVE / 2**30:.0f} GiB for caches), more than the {budget / 2**30:.1f} "
+                                     "GiB given, and has no routed experts that could stay in host memory.")
+        return False
+    return True
+
+
+@dataclass
+class Placement:
+    """What `place` decided (reported by `Model.info`, `sluice info` and `bench`)."""
+
+    layers: int
+    experts: int
+    slots: int
+    top_k: int
+    expert_bytes: int
+    resident_bytes: int
+    budget: int | None
+    caches: list
+
+    @property
+    def host_bytes(self) -> int:
+        return self.layers * self.experts * self.expert_bytes
+
+    @property
+    def slot_bytes(self) -> int:
+        return self.layers * self.slots * self.expert_bytes
+
+    @property
+    def max_cached_tokens(self) -> int:
+        """The most tokens a step may have to run from the slots (graph-captured decode); bigger steps stage whole
+        layers."""
+        return self.slots // self.top_k
+
+    def hit_rate(self) -> float | None:
+        hits, misses = (sum(int(c.stats[i]) for c in self.caches) for i in range(2))
+        return hits / (hits + misses) if hits + misses else None
+
+    def summary(self) -> dict:
+        return {"streamed_layers": self.layers, "experts_per_layer": self.experts, "slots_per_layer": self.slots,
+                "expert_bytes": self.expert_bytes, "host_expert_bytes": self.host_bytes,
+                "slot_bytes": self.slot_bytes, "resident_bytes": self.resident_bytes, "budget_bytes": self.budget,
+                "hit_rate": self.hit_rate()}
+
+    def describe(self) -> str:
+        gb = 1e9
+        return (f"routed experts in {'page-locked ' if self.caches[0].device.type == 'cuda' else ''}host memory "
+                f"({self.host_bytes / gb:.1f} GB); {self.slots} of {self.experts} experts a layer in device slots "
+                f"({self.slot_bytes / gb:.1f} GB); {self.resident_bytes / gb:.1f} GB of other weights on the device")
+
+
+def place(module, device: torch.device, gpu_memory: int | None, expert_slots: int | None) -> Placement | None:
+    """Give every MoE layer of a model built with its routed experts in host memory an `ExpertCache`; None (and the
+    experts moved to the device) when all of them fit after all."""
+    from sluice.experts.cache import ExpertCache, LayerStaging
+    from sluice.layers.moe import SparseMoE
+    from sluice.quant.affine import QuantizedTensor
+
+    moes = [m for m in module.modules() if isinstance(m, SparseMoE)]
+    if any(not isinstance(w, QuantizedTensor) for m in moes for w in (m.gate_up, m.down)):
+        raise UnsupportedError("streaming experts needs quantized experts (an MLX checkpoint, `sluice convert`, or "
+                               "--load-format dummy with a quantization block).")
+    first = moes[0]
+    E, k, L = first.num_experts, first.top_k, len(moes)
+    expert_bytes = sum(t[0].nbytes for w in (first.gate_up, first.down) for t in (w.weight, w.scales, w.biases))
+    staging = LayerStaging(device)
+    staging_bytes = 2 * E * expert_bytes if device.type == "cuda" else 0
+    resident = torch.cuda.memory_allocated(device) if device.type == "cuda" else _resident_bytes(module, moes)
+    smallest = MIN_SLOTS_PER_TOP_K * k
+    if expert_slots is None:
+        free = gpu_memory if gpu_memory is not None else torch.cuda.mem_get_info(device)[0] + resident
+        room = free - resident - CACHE_RESERVE - staging_bytes
+        slots = min(E, max(0, room // (L * expert_bytes)))
+        if slots < smallest:
+            need = resident + CACHE_RESERVE + staging_bytes + L * smallest * expert_bytes
+            raise InvalidOptionError(
+                f"a device memory budget of {free / 2**30:.1f} GiB is too small for this model: it needs "
+                f"{resident / 2**30:.1f} GiB for the weights other than the routed experts, "
+                f"{CACHE_RESERVE / 2**30:.0f} GiB for caches, {staging_bytes / 2**30:.1f} GiB to stage a layer's "
+                f"experts and at least {smallest} expert slots a layer ({L * smallest * expert_bytes / 2**30:.1f} "
+                f"GiB; fewer make the cache useless). The smallest budget that works is {need / 2**30:.1f} GiB.")
+        if slots == E:  # it all fits after all
+            for m in moes:
+                m.gate_up, m.down = (_to(w, device) for w in (m.gate_up, m.down))
+            return None
+    else:
+        if not smallest <= expert_slots <= E:
+            raise InvalidOptionError(f"expert_slots={expert_slots}: use {smallest} (3 x top-k) to {E}.")
+        slots = expert_slots
+    caches = []
+    for i, m in enumerate(moes):
+        host = tuple(_page_locked(w) if device.type == "cuda" else w for w in (m.gate_up, m.down))
+        caches.append(ExpertCache(*host, slots, device, staging, i))
+        m.stream_from(caches[-1])
+    staging.caches = caches
+    placement = Placement(L, E, slots, k, expert_bytes, resident, gpu_memory, caches)
+    print(f"sluice: {placement.describe()}", file=sys.stderr)
+    return placement
+
+
+def _to(qt, device):
+    from sluice.quant.affine import QuantizedTensor
+
+    return QuantizedTensor(qt.weight.to(device), qt.scales.to(device), qt.biases.to(device), qt.bits, qt.group_size)
+
+
+def _resident_bytes(module, moes) -> int:
+    """Bytes of every tensor of the model but the routed experts (what stays on the device)."""
+    experts = {id(t) for m in moes for w in (m.gate_up, m.down) for t in (w.weight, w.scales, w.biases)}
+    seen, total = set(), 0
+    for t in [*module.parameters(), *module.buffers(), *_quantized_tensors(module)]:
+        if id(t) not in experts and t.untyped_storage().data_ptr() not in seen:
+            seen.add(t.untyped_storage().data_ptr())
+            total += t.untyped_storage().nbytes()
+    return total
+
+
+def _quantized_tensors(module):
+    from sluice.quant.affine import QuantizedTensor
+
+    for mod in module.modules():
+        for v in vars(mod).values():
+            if isinstance(v, QuantizedTensor):
+                yield from (v.weight, v.scales, v.biases)
+            elif isinstance(v, torch.Tensor) and not isinstance(v, torch.nn.Parameter):
+                yield v
+
+
+def _page_locked(qt):
+    """A copy of a host QuantizedTensor in page-locked memory (cudaHostRegister on fresh memory of the exact size:
+    the caching pinned allocator would round each allocation up to a power of two), readable by kernels in place."""
+    from sluice.quant.affine import QuantizedTensor
+
+    parts = []
+    for t in (qt.weight, qt.scales, qt.biases):
+        t = t.contiguous().clone()
+        err = torch.cuda.cudart().cudaHostRegister(t.data_ptr(), t.nbytes, 3)  # portable | mapped
+        if int(err) != 0:
+            raise InvalidOptionError(f"could not page-lock {t.nbytes / 2**30:.1f} GiB of host memory for the experts "
+                                     f"(CUDA error {int(err)}); is the host short of memory?")
+        weakref.finalize(t, torch.cuda.cudart().cudaHostUnregister, t.data_ptr())
+        parts.append(t)
+    return QuantizedTensor(*parts, qt.bits, qt.group_size)

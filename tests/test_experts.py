@@ -1,0 +1,89 @@
+"""Streamed experts (issue #27): routed experts in host memory, a per-layer slot cache on the device. On the CPU the
+same classes run with the torch policy (`kernels/expert_cache/reference.py`); the logits must be identical to the
+model with all its experts in place, decode (from slots, with misses and evictions) and prefill (whole layers)."""
+
+import pytest
+import torch
+
+import sluice
+from sluice.errors import InvalidOptionError, SluiceError
+from sluice.experts.placement import parse_bytes
+from test_qwen3_next import qwen3_next, save
+
+
+@pytest.fixture(scope="module")
+def mlx_dir(tmp_path_factory):
+    from sluice.formats.convert import convert
+
+    d = tmp_path_factory.mktemp("stream")
+    src = save(qwen3_next(seed=21, num_experts=16, num_experts_per_tok=2), d / "hf")
+    return convert(src, d / "mlx", bits=4, group_size=32, quiet=True)
+
+
+def test_streamed_experts_give_identical_logits(mlx_dir):
+    whole = sluice.load(mlx_dir, device="cpu")
+    streamed = sluice.load(mlx_dir, device="cpu", expert_slots=6)
+    p = streamed.placement
+    assert whole.placement is None and p is not None
+    assert (p.layers, p.experts, p.slots, p.max_cached_tokens) == (4, 16, 6, 3)
+    moe = streamed.module.layers[0].mlp
+    assert moe.gate_up.weight.shape[0] == 6 and moe.expert_cache.host[0].weight.shape[0] == 16
+    g = torch.Generator().manual_seed(5)
+    prompt = torch.randint(0, 300, (1, 9), generator=g)
+    caches = [m.new_cache(64) for m in (whole, streamed)]
+    # prefill: 9 tokens x 2 experts > 6 slots: whole layers, read from the host experts
+    ref, got = (m.forward(prompt, c, 0) for m, c in zip((whole, streamed), caches))
+    assert torch.equal(ref, got)
+    # decode, one token a step: from the slots; 16 experts through 6 slots miss and evict
+    tok = ref[:, -1].argmax(-1, keepdim=True)
+    for pos in range(9, 30):
+        ref, got = (m.forward(tok, c, pos) for m, c in zip((whole, streamed), caches))
+        assert torch.equal(ref, got), pos
+        tok = ref[:, -1].argmax(-1, keepdim=True)
+    hits, misses = (sum(int(c.stats[i]) for c in p.caches) for i in range(2))
+    assert misses > 16 and hits > 0  # evictions happened (more misses than experts) and some reuse
+    assert 0 < p.hit_rate() < 1
+    assert streamed.info()["placement"]["slots_per_layer"] == 6
+    assert streamed.info()["parameters"] == whole.info()["parameters"]
+
+
+def test_greedy_generation_is_identical_through_the_engine(mlx_dir):
+    whole = sluice.load(mlx_dir, device="cpu", max_batch=4)
+    streamed = sluice.load(mlx_dir, device="cpu", expert_slots=6, max_batch=4)
+    prompts = [[5, 6, 7], [9, 1, 200, 3], [42]]
+    kw = dict(max_tokens=12, temperature=0)
+    assert whole.generate_batch(prompts, **kw) == streamed.generate_batch(prompts, **kw)
+
+
+def test_budgets_too_small_or_malformed_are_refused(mlx_dir):
+    with pytest.raises(InvalidOptionError, match="use 6 \\(3 x top-k\\) to 16"):
+        sluice.load(mlx_dir, device="cpu", expert_slots=4)
+    with pytest.raises(InvalidOptionError, match="smallest budget that works is"):
+        sluice.load(mlx_dir, device="cpu", gpu_memory="1MiB")
+    with pytest.raises(InvalidOptionError, match="24GiB"):
+        sluice.load(mlx_dir, device="cpu", gpu_memory="lots")
+    assert sluice.load(mlx_dir, device="cpu", gpu_memory="64GiB").placement is None  # it fits: nothing streams
+    assert (parse_bytes("24GiB"), parse_bytes("1.5GB"), parse_bytes(4096)) == (24 << 30, 1_500_000_000, 4096)
+
+
+def test_a_model_without_experts_cannot_stream(tmp_path):
+    from helpers import save_hf_dir, tiny_llama
+
+    path = save_hf_dir(tiny_llama(seed=4), tmp_path / "m")
+    with pytest.raises(SluiceError, match="no routed experts"):
+        sluice.load(path, device="cpu", expert_slots=6)
+    assert sluice.load(path, device="cpu", gpu_memory="64GiB").placement is None
+
+
+def test_info_and_bench_print_the_placement(mlx_dir, capsys):
+    from sluice.cli import main
+
+    assert main(["info", "--model", str(mlx_dir), "--expert-slots", "8"]) == 0
+    out = capsys.readouterr().out
+    assert "placement:    8 of 16 routed experts a layer in device slots" in out
+    assert main(["bench", "--model", str(mlx_dir), "--device", "cpu", "--expert-slots", "6", "--prompt-tokens", "8",
+                 "--gen-tokens", "4", "--repeats", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "placement (dense): 6 of 16 routed experts" in out and "hit rate" in out
+    assert main(["info", "--model", str(mlx_dir), "--gpu-memory", "2KiB"]) == 2
+    assert "smallest budget that works" in capsys.readouterr().err
