@@ -68,19 +68,24 @@ def _run(engine, prompts, max_tokens: int) -> dict:
     return {"ttft_s": ttft, "prefill_s": prefill_end, "decode_s": decode_s, "decode_tokens": decode_tokens}
 
 
-def copy_bandwidth(device, nbytes: int = 1 << 30) -> float:
-    """Device copy bandwidth in bytes/s (read + write), the best of a few copies of `nbytes`."""
-    src = torch.empty(nbytes // 4, dtype=torch.float32, device=device)
-    dst = torch.empty_like(src)
+def copy_bandwidth(device, nbytes: int = 256 << 20, host: bool = False) -> float:
+    """Device copy bandwidth in bytes/s (read + write), the best of a few copies of `nbytes`; host: the
+    host-to-device bandwidth from page-locked memory (bytes moved, counted once)."""
+    if host:
+        src = torch.empty(nbytes // 4, dtype=torch.float32).pin_memory()
+        dst = torch.empty_like(src, device=device)
+    else:
+        src = torch.empty(nbytes // 4, dtype=torch.float32, device=device)
+        dst = torch.empty_like(src)
     best = float("inf")
     for _ in range(5):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        dst.copy_(src)
+        dst.copy_(src, non_blocking=True)
         end.record()
         end.synchronize()
         best = min(best, start.elapsed_time(end) / 1e3)
-    return 2 * nbytes / best
+    return (1 if host else 2) * nbytes / best
 
 
 def step_bytes(model, batch: int, context: int) -> int:
@@ -102,7 +107,19 @@ def step_bytes(model, batch: int, context: int) -> int:
 
 
 def floor(model, batch: int, context: int) -> dict:
+    """The decode floor: the step's bytes at the device copy bandwidth; with streamed experts, the misses of a
+    uniform routing (the experts a batch hits outside the slots) at the host-to-device bandwidth, the two
+    overlapped at best."""
     bandwidth = copy_bandwidth(model.device)
     nbytes = step_bytes(model, batch, context)
-    return {"copy_bandwidth_gb_s": bandwidth / 1e9, "step_bytes": nbytes,
-            "floor_decode_tok_s": batch * bandwidth / nbytes}
+    out = {"copy_bandwidth_gb_s": bandwidth / 1e9, "step_bytes": nbytes}
+    seconds = nbytes / bandwidth
+    p = getattr(model.module, "placement", None)
+    if p is not None:
+        host = copy_bandwidth(model.device, host=True)
+        hit = p.experts * (1 - (1 - p.top_k / p.experts) ** batch)
+        miss_bytes = p.layers * hit * (1 - p.slots / p.experts) * p.expert_bytes
+        out.update(host_copy_bandwidth_gb_s=host / 1e9, step_miss_bytes=int(miss_bytes))
+        seconds = max(seconds, miss_bytes / host)
+    out["floor_decode_tok_s"] = batch / seconds
+    return out

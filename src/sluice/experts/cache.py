@@ -69,7 +69,7 @@ class ExpertCache:
             return self.gate_up, self.down, out
         out = self._kernels.resolve(ids, k, self.slot_of, self.expert_in, self.stamp, self.clock, self.stats,
                                     self._jobs, self._n_jobs, self._scratch)
-        self._kernels.fill(host, slots, self._jobs, self._n_jobs)
+        self._kernels.fill(host, slots, self._jobs, self._n_jobs, ids.shape[0] * k)
         return self.gate_up, self.down, out
 
 

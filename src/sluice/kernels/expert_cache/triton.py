@@ -10,7 +10,7 @@ import torch
 import triton
 import triton.language as tl
 
-FILL_BLOCK = 4096  # 4-byte words per program of `fill`
+FILL_BLOCK, FILL_WARPS = 1024, 4  # words per program of `fill`, its warps (docs/PERF.md, "streamed experts")
 
 
 @triton.jit
@@ -106,13 +106,15 @@ def _words(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.int32) if t.element_size() == 4 else t.view(-1).view(torch.int32)
 
 
-def fill(host_parts, slot_parts, jobs: torch.Tensor, n_jobs: torch.Tensor) -> None:
+def fill(host_parts, slot_parts, jobs: torch.Tensor, n_jobs: torch.Tensor, max_jobs: int | None = None,
+         block: int = FILL_BLOCK, num_warps: int = FILL_WARPS) -> None:
     """Copy the experts of the fill jobs from the host tensors [E, ...] (page-locked, read in place by the kernel)
-    into the slot tensors [S, ...] (every part a whole number of 4-byte words per expert)."""
+    into the slot tensors [S, ...] (every part a whole number of 4-byte words per expert). max_jobs: the most
+    jobs there can be (the step's routed pairs), which sizes the grid (default: all of jobs)."""
     args, most = [], 0
     for src, dst in zip(host_parts, slot_parts):
         n = src[0].numel() * src.element_size() // 4
         args += [_words(src), _words(dst), n]
         most = max(most, n)
-    _fill_kernel[(jobs.shape[1], triton.cdiv(most, FILL_BLOCK))](jobs, n_jobs, jobs.shape[1], *args,
-                                                                 BLOCK=FILL_BLOCK, num_warps=4)
+    grid = (min(max_jobs or jobs.shape[1], jobs.shape[1]), triton.cdiv(most, block))
+    _fill_kernel[grid](jobs, n_jobs, jobs.shape[1], *args, BLOCK=block, num_warps=num_warps)
