@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import os
 import resource
 import tempfile
 import time
@@ -44,7 +45,7 @@ def miss_copy_gb_s(cache, n: int) -> dict:
     memory zero-copy (swept over its block and warps), and explicit asynchronous copies by the copy engine (one
     per part and expert: what a host-driven cache would issue once it knew the misses). The cache's slots are
     restored afterwards."""
-    from sluice.experts.cache import _parts
+    from sluice.experts.store import parts as _parts
     from sluice.kernels.expert_cache import triton as ect
 
     experts = torch.randperm(cache.num_experts)[:n]
@@ -52,7 +53,7 @@ def miss_copy_gb_s(cache, n: int) -> dict:
     jobs[0, :n] = experts.to(torch.int32).to(cache.device)
     jobs[1, :n] = torch.arange(n, dtype=torch.int32, device=cache.device)
     n_jobs = torch.tensor([n], dtype=torch.int32, device=cache.device)
-    host, slots = _parts(*cache.host), _parts(cache.gate_up, cache.down)
+    host, slots = _parts(*cache.experts), _parts(cache.gate_up, cache.down)
     saved = [t.clone() for t in slots]
     nbytes = n * cache.expert_bytes
     out = {"experts": n, "expert_bytes": cache.expert_bytes, "fill": {}}
@@ -90,6 +91,44 @@ def config_path(config: str, layers: int | None) -> str:
     return str(out)
 
 
+def evict(files) -> None:
+    """Drop the files from the OS page cache, so that the next reads come from the disk."""
+    for f in files:
+        fd = os.open(f, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def disk_run(model, files, prompt_tokens: int, steps: int) -> dict:
+    """One sequence through the engine with experts read from disk: the prefill (whole layers read) and then
+    `steps` decode steps, the page cache emptied before each; tokens/s, disk GB/s and the hit rate of the decode."""
+    p, engine = model.placement, model.engine
+    g = torch.Generator().manual_seed(3)
+    evict(files)
+    b0, t0 = p.disk_bytes_read(), time.perf_counter()
+    seq = engine.add_request(torch.randint(0, model.config.vocab_size, (prompt_tokens,), generator=g).tolist(),
+                             max_tokens=steps + 4, stop_ids=())
+    while seq.status != "decoding":
+        engine.step()
+    torch.cuda.synchronize()
+    prefill_s, prefill_bytes = time.perf_counter() - t0, p.disk_bytes_read() - b0
+    evict(files)
+    hits0, misses0 = (sum(int(c.stats[i]) for c in p.caches) for i in range(2))
+    b1, t1 = p.disk_bytes_read(), time.perf_counter()
+    for _ in range(steps):
+        engine.step()
+    torch.cuda.synchronize()
+    decode_s, decode_bytes = time.perf_counter() - t1, p.disk_bytes_read() - b1
+    hits, misses = (sum(int(c.stats[i]) for c in p.caches) - v for i, v in enumerate((hits0, misses0)))
+    engine.abort(seq)
+    return {"prompt_tokens": prompt_tokens, "prefill_s": prefill_s, "prefill_disk_gb_s": prefill_bytes / prefill_s / 1e9,
+            "decode_steps": steps, "decode_tok_s": steps / decode_s, "decode_disk_gb_s": decode_bytes / decode_s / 1e9,
+            "decode_bytes_per_step": decode_bytes / steps, "hit_rate": hits / max(1, hits + misses)}
+
+
 def greedy(model, prompts, n):
     return [model.generate(p, max_tokens=n, temperature=0) for p in prompts]
 
@@ -103,6 +142,9 @@ def main() -> int:
     ap.add_argument("--prompt-tokens", type=int, default=64)
     ap.add_argument("--gen-tokens", type=int, default=48)
     ap.add_argument("--check-greedy", action="store_true")
+    ap.add_argument("--disk", type=Path, default=None,
+                    help="write the dummy checkpoint here (MLX layout) and stream the experts from these files")
+    ap.add_argument("--disk-steps", type=int, default=24)
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
     dev = torch.device("cuda")
@@ -122,8 +164,22 @@ def main() -> int:
         gc.collect()
         torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
+    if args.disk is not None:
+        from sluice.formats.dummy import DummyCheckpoint
+
+        t0 = time.perf_counter()
+        if not any(args.disk.glob("*.safetensors")):
+            DummyCheckpoint(cfg).write(args.disk, device="cuda")
+        files = sorted(args.disk.glob("*.safetensors"))
+        out["checkpoint_gb"] = sum(f.stat().st_size for f in files) / 1e9
+        out["write_s"] = time.perf_counter() - t0
+        print(f"checkpoint on disk: {out['checkpoint_gb']:.1f} GB in {args.disk} ({out['write_s']:.0f} s)", flush=True)
+        evict(files)
     t0 = time.perf_counter()
-    model = sluice.load(cfg, load_format="dummy", device="cuda", gpu_memory=args.gpu_memory)
+    if args.disk is not None:
+        model = sluice.load(args.disk, device="cuda", gpu_memory=args.gpu_memory, expert_store="disk")
+    else:
+        model = sluice.load(cfg, load_format="dummy", device="cuda", gpu_memory=args.gpu_memory)
     out["load_s"] = time.perf_counter() - t0
     p = model.placement
     out["placement"] = p.summary()
@@ -132,7 +188,17 @@ def main() -> int:
         got = greedy(model, prompts, 16)
         out["greedy_identical"] = got == ref
         print(f"greedy tokens identical to the resident model: {got == ref}", flush=True)
-    for n in sorted({min(p.slots, p.top_k), min(p.slots, 4 * p.top_k)}):
+    if args.disk is not None:
+        for run in range(2):
+            r = disk_run(model, files, args.prompt_tokens, args.disk_steps)
+            out.setdefault("disk_runs", []).append(r)
+            print(f"from disk (page cache emptied first), run {run + 1}: prefill of {r['prompt_tokens']} tokens "
+                  f"{r['prefill_s']:.1f} s ({r['prefill_disk_gb_s']:.2f} GB/s from disk); decode "
+                  f"{r['decode_tok_s']:.2f} tok/s, {r['decode_disk_gb_s']:.2f} GB/s from disk, "
+                  f"{r['decode_bytes_per_step'] / 1e9:.2f} GB a step, hit rate {100 * r['hit_rate']:.1f} %",
+                  flush=True)
+        args.batches = ""
+    for n in sorted({min(p.slots, p.top_k), min(p.slots, 4 * p.top_k)}) if p.store == "host" else ():
         mc = miss_copy_gb_s(p.caches[0], n)
         out.setdefault("miss_copy", []).append(mc)
         best = max(mc["fill"], key=mc["fill"].get)
@@ -141,7 +207,7 @@ def main() -> int:
               f"{mc['fill'][best]:.1f}), copy engine {mc['copy_engine']:.1f} GB/s; sweep "
               + " ".join(f"{k}={v:.1f}" for k, v in mc["fill"].items()), flush=True)
     out["runs"] = []
-    for batch in (int(b) for b in args.batches.split(",")):
+    for batch in (int(b) for b in args.batches.split(",") if b):
         m = model.with_engine(max_batch=batch)
         before = [sum(int(c.stats[i]) for c in p.caches) for i in range(2)]
         r = m.bench(prompt_tokens=args.prompt_tokens, gen_tokens=args.gen_tokens, batch=batch, repeats=2)

@@ -27,7 +27,7 @@ def test_streamed_experts_give_identical_logits(mlx_dir):
     assert whole.placement is None and p is not None
     assert (p.layers, p.experts, p.slots, p.max_cached_tokens) == (4, 16, 6, 3)
     moe = streamed.module.layers[0].mlp
-    assert moe.gate_up.weight.shape[0] == 6 and moe.expert_cache.host[0].weight.shape[0] == 16
+    assert moe.gate_up.weight.shape[0] == 6 and moe.expert_cache.experts[0].weight.shape[0] == 16
     g = torch.Generator().manual_seed(5)
     prompt = torch.randint(0, 300, (1, 9), generator=g)
     caches = [m.new_cache(64) for m in (whole, streamed)]
@@ -87,3 +87,48 @@ def test_info_and_bench_print_the_placement(mlx_dir, capsys):
     assert "placement (dense): 6 of 16 routed experts" in out and "hit rate" in out
     assert main(["info", "--model", str(mlx_dir), "--gpu-memory", "2KiB"]) == 2
     assert "smallest budget that works" in capsys.readouterr().err
+
+
+def test_experts_streamed_from_disk_give_identical_logits(mlx_dir):
+    """The disk store: experts never read at load (meta tensors), misses read from the safetensors files with
+    parallel preads, prefill reads whole layers; the same logits as the resident model."""
+    whole = sluice.load(mlx_dir, device="cpu")
+    disk = sluice.load(mlx_dir, device="cpu", expert_slots=6, expert_store="disk")
+    p = disk.placement
+    assert p.store == "disk" and p.disk_bytes_read() == 0
+    assert disk.module.layers[0].mlp.expert_cache.experts[0].weight.is_meta
+    g = torch.Generator().manual_seed(8)
+    prompt = torch.randint(0, 300, (1, 7), generator=g)
+    caches = [m.new_cache(64) for m in (whole, disk)]
+    ref, got = (m.forward(prompt, c, 0) for m, c in zip((whole, disk), caches))
+    assert torch.equal(ref, got)
+    assert p.disk_bytes_read() == p.host_bytes  # the prefill read every layer once
+    tok = ref[:, -1].argmax(-1, keepdim=True)
+    for pos in range(7, 20):
+        ref, got = (m.forward(tok, c, pos) for m, c in zip((whole, disk), caches))
+        assert torch.equal(ref, got), pos
+        tok = ref[:, -1].argmax(-1, keepdim=True)
+    misses = sum(int(c.stats[1]) for c in p.caches)
+    assert p.disk_bytes_read() == p.host_bytes + misses * p.expert_bytes  # a miss reads one expert, nothing more
+    kw = dict(max_tokens=10, temperature=0)
+    assert disk.generate_batch([[5, 6, 7], [42]], **kw) == whole.generate_batch([[5, 6, 7], [42]], **kw)
+
+
+def test_disk_store_needs_files(mlx_dir):
+    with pytest.raises(InvalidOptionError, match="write them to disk first"):
+        sluice.load(mlx_dir / "config.json", load_format="dummy", device="cpu", expert_store="disk", expert_slots=6)
+    with pytest.raises(InvalidOptionError, match="expert_store='nowhere'"):
+        sluice.load(mlx_dir, device="cpu", expert_store="nowhere", expert_slots=6)
+
+
+def test_dummy_checkpoint_written_to_disk_reads_back_the_same(mlx_dir, tmp_path):
+    """`DummyCheckpoint.write` (how the GPU benchmark makes a checkpoint to stream from disk) writes the same
+    weights the dummy loader makes, in the MLX layout."""
+    from sluice.formats.dummy import DummyCheckpoint
+
+    out = DummyCheckpoint(mlx_dir / "config.json").write(tmp_path / "d", shard_bytes=100_000)
+    assert len(list(out.glob("*.safetensors"))) > 1
+    dummy = sluice.load(mlx_dir / "config.json", load_format="dummy", device="cpu")
+    files = sluice.load(out, device="cpu", expert_slots=6, expert_store="disk")
+    ids = [[3, 1, 4, 1, 5, 9, 2, 6]]
+    assert files.format == "mlx" and torch.equal(dummy.logits(ids), files.logits(ids))

@@ -29,6 +29,9 @@ def _add_placement_args(p: argparse.ArgumentParser):
                         "memory and stream through a slot cache (default: the free GPU memory)")
     p.add_argument("--expert-slots", type=int, default=None, metavar="N",
                    help="stream routed experts through N device slots per MoE layer, whatever the budget")
+    p.add_argument("--expert-store", default="auto", choices=("auto", "host", "disk"),
+                   help="where streamed experts stay: host memory when they fit there, else the checkpoint's files "
+                        "(auto, the default), or always host / disk")
 
 
 def _add_sampling_args(p: argparse.ArgumentParser):
@@ -54,7 +57,8 @@ def _load(args, **options):
     import sluice
 
     return sluice.load(args.model, device=args.device, dtype=args.dtype, keep_quantized=not args.dequantize,
-                       kv_cache=args.kv_cache, gpu_memory=args.gpu_memory, expert_slots=args.expert_slots, **options)
+                       kv_cache=args.kv_cache, gpu_memory=args.gpu_memory, expert_slots=args.expert_slots,
+                       expert_store=args.expert_store, **options)
 
 
 def cmd_run(args) -> int:
@@ -120,7 +124,7 @@ def cmd_info(args) -> int:
     if args.model and args.model_opt and args.model != args.model_opt:
         raise InvalidOptionError(f"two models given ({args.model} and --model {args.model_opt}); give one.")
     model = sluice.load(args.model or args.model_opt, device="cpu", kv_cache=args.kv_cache,
-                        gpu_memory=args.gpu_memory, expert_slots=args.expert_slots)
+                        gpu_memory=args.gpu_memory, expert_slots=args.expert_slots, expert_store=args.expert_store)
     info = model.info()
     if args.json:
         print(json.dumps(info, indent=2))
@@ -147,8 +151,9 @@ def cmd_info(args) -> int:
 
 def _placement_line(p: dict) -> str:
     hit = "" if p["hit_rate"] is None else f"; hit rate {100 * p['hit_rate']:.1f} % (distinct experts a step)"
+    where = "on disk" if p["store"] == "disk" else "in host memory"
     return (f"{p['slots_per_layer']} of {p['experts_per_layer']} routed experts a layer in device slots "
-            f"({_human(p['slot_bytes'])}), all {_human(p['host_expert_bytes'])} in host memory; "
+            f"({_human(p['slot_bytes'])}), all {_human(p['host_expert_bytes'])} {where}; "
             f"{_human(p['resident_bytes'])} resident{hit}")
 
 

@@ -78,10 +78,11 @@ class _DeviceReader:
     it is read (readers with `reads_to_device` put it there themselves; GGUF tensors are moved one by one), so
     the model never exists whole on the host. A tqdm bar of the bytes read, on a terminal only."""
 
-    def __init__(self, src, device: torch.device, total_bytes: int, host_experts: bool = False):
+    def __init__(self, src, device: torch.device, total_bytes: int, expert_store: str | None = None):
         from tqdm import tqdm
 
-        self.src, self.device, self.host_experts = src, device, host_experts
+        self.src, self.device, self.expert_store = src, device, expert_store
+        self.streamed_prefixes: list[str] = []  # the MoE layers whose experts stay on disk, in the order read
         self.direct = getattr(src, "reads_to_device", False)
         self.bar = tqdm(total=total_bytes, desc="loading", unit="B", unit_scale=True, unit_divisor=1024,
                         leave=False, disable=not sys.stderr.isatty())
@@ -90,7 +91,12 @@ class _DeviceReader:
         return getattr(self.src, name)
 
     def tensor(self, name: str):
-        if self.host_experts and is_routed_expert(name):  # streamed experts live in host memory
+        if self.expert_store == "disk" and is_routed_expert(name):  # read later from the files: shapes only
+            prefix = name[: name.index("switch_mlp.")] if "switch_mlp." in name else name
+            if prefix not in self.streamed_prefixes:
+                self.streamed_prefixes.append(prefix)
+            t = _to_device(self.src.tensor(name, "cpu"), torch.device("meta"))  # zero-copy views: nothing read
+        elif self.expert_store == "host" and is_routed_expert(name):  # streamed experts live in host memory
             # dummy weights are made fast on the device, then moved; checkpoints are read to the host directly
             made = self.src.tensor(name, self.device if self.src.format == "dummy" else "cpu")
             t = _to_device(made, torch.device("cpu"))
@@ -111,14 +117,15 @@ class _DeviceReader:
 ENGINE_OPTIONS = ("max_batch", "max_seq_len", "prefill_chunk", "graphs", "graph_batch_sizes")
 
 
-def _read_checkpoint(path, load_format: str, dev: torch.device, dt: torch.dtype, gpu_memory, expert_slots):
+def _read_checkpoint(path, load_format: str, dev: torch.device, dt: torch.dtype, gpu_memory, expert_slots,
+                     expert_store: str):
     """(source, module, tokenizer) of the checkpoint at `path`, its weights read onto `dev` (the routed experts
     into host memory when they stream: `experts.placement`)."""
     from sluice.formats.tokenizer import Tokenizer
     from sluice.models import architecture_module
 
     src = open_source(path, load_format)
-    host_experts = streams(src, dev, gpu_memory, expert_slots)
+    store = streams(src, dev, gpu_memory, expert_slots, expert_store)
     if src.format == "gguf":
         arch = architecture_module(src.architecture)
         tokenizer = Tokenizer.from_gguf(src.fields)
@@ -127,18 +134,20 @@ def _read_checkpoint(path, load_format: str, dev: torch.device, dt: torch.dtype,
     else:
         arch = architecture_module(src.config.get("model_type", "<missing model_type>"))
         tokenizer = src.tokenizer() if src.format == "dummy" else Tokenizer.from_hf_dir(src.path)
-        reader = _DeviceReader(src, dev, src.total_bytes, host_experts)
+        reader = _DeviceReader(src, dev, src.total_bytes, store)
         build = arch.build_from_hf
     try:
         module = build(reader, dt)
     finally:
         reader.close()
-    module.placement = place(module, dev, gpu_memory, expert_slots) if host_experts else None
+    disk = (src, reader.streamed_prefixes) if store == "disk" else None
+    module.placement = place(module, dev, gpu_memory, expert_slots, disk) if store else None
     return src, module, tokenizer
 
 
 def load(path=None, device=None, dtype=None, keep_quantized: bool = True, kv_cache: str = "dense",
-         load_format: str = "auto", gpu_memory=None, expert_slots: int | None = None, **options) -> Model:
+         load_format: str = "auto", gpu_memory=None, expert_slots: int | None = None, expert_store: str = "auto",
+         **options) -> Model:
     """Load a GGUF file or an HF/MLX directory (None: the demo model) onto `device`, tensor by tensor. Quantized
     weights stay packed unless keep_quantized=False, which dequantizes them once to `dtype` (more memory; dense
     matmuls). kv_cache: "dense" (K/V in `dtype`) or "turboquant4" (4-bit codes of the rotated vectors + a scale
@@ -147,7 +156,8 @@ def load(path=None, device=None, dtype=None, keep_quantized: bool = True, kv_cac
     `sluice.formats.dummy`). gpu_memory (bytes, or a size such as "24GiB"): the device memory the model may use;
     when it does not fit, its routed experts stay in host memory and each MoE layer keeps the slots that fit on the
     device (`sluice.experts`; without it, a model bigger than the free GPU memory streams the same way).
-    expert_slots: that many slots a layer, whatever the budget. Engine options (`sluice.config.EngineConfig`): max_batch, max_seq_len,
+    expert_slots: that many slots a layer, whatever the budget. expert_store: where streamed experts stay: "auto"
+    (host memory when they fit there, else the checkpoint's files), "host" or "disk". Engine options (`sluice.config.EngineConfig`): max_batch, max_seq_len,
     prefill_chunk, graphs, graph_batch_sizes."""
     unknown = sorted(set(options) - set(ENGINE_OPTIONS))
     if unknown:
@@ -168,7 +178,8 @@ def load(path=None, device=None, dtype=None, keep_quantized: bool = True, kv_cac
     if expert_slots is not None and (not isinstance(expert_slots, int) or isinstance(expert_slots, bool)):
         raise InvalidOptionError(f"expert_slots={expert_slots!r}: use an integer.")
     try:
-        src, module, tokenizer = _read_checkpoint(path, load_format, dev, dt, gpu_memory, expert_slots)
+        src, module, tokenizer = _read_checkpoint(path, load_format, dev, dt, gpu_memory, expert_slots,
+                                                  expert_store)
     except ModelFileError as e:  # every load error names the file it is about
         if str(path) in str(e):
             raise

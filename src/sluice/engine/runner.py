@@ -101,11 +101,11 @@ class ModelRunner:
 
     def _graph_size(self, n: int) -> int | None:
         """The captured batch size a decode step of n sequences replays in; None: run it eagerly (no graphs, larger
-        than any graph, or, with streamed experts, more tokens than a layer's slots hold: such a step stages whole
-        layers, which a graph cannot)."""
+        than any graph, or, with streamed experts, more tokens than a layer's slots hold, which stages whole layers, or
+        any step whose misses the host must read from disk)."""
         size = self.config.graph_size(n) if self.uses_graphs else None
         placement = getattr(self.module, "placement", None)
-        if size is not None and placement is not None and size > placement.max_cached_tokens:
+        if size is not None and placement is not None and size > placement.max_graph_tokens:
             return None
         return size
 

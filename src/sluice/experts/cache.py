@@ -4,12 +4,9 @@ from __future__ import annotations
 
 import torch
 
+from sluice.experts.store import parts as _parts
 from sluice.kernels.expert_cache import reference
 from sluice.quant.affine import QuantizedTensor
-
-
-def _parts(gate_up: QuantizedTensor, down: QuantizedTensor) -> list[torch.Tensor]:
-    return [gate_up.weight, gate_up.scales, gate_up.biases, down.weight, down.scales, down.biases]
 
 
 def _empty_like(qt: QuantizedTensor, n: int, device) -> QuantizedTensor:
@@ -19,18 +16,20 @@ def _empty_like(qt: QuantizedTensor, n: int, device) -> QuantizedTensor:
 
 
 class ExpertCache:
-    """The routed experts of one MoE layer: all E in host memory (`host`), S of them in device slots
-    (`gate_up`, `down`: stacked like the full experts, so the MoE kernels run on them unchanged).
+    """The routed experts of one MoE layer: all E in a store (`experts/store.py`: host memory or the checkpoint's
+    files), S of them in device slots (`gate_up`, `down`: stacked like the full experts, so the MoE kernels run on
+    them unchanged). `experts`: the full stacked experts as the store holds them (host tensors), or their shapes
+    only (meta tensors) for a disk store.
 
     `for_step(ids, k)` gives the expert weights and ids a step's MoE runs on: the slots and the ids mapped to
     them when the step's k-routed pairs fit the slots (misses copied in first), else the whole layer from the
     staging buffers with the ids as they are. The slot policy (least recently used) is `kernels/expert_cache`."""
 
-    def __init__(self, host_gate_up: QuantizedTensor, host_down: QuantizedTensor, slots: int, device: torch.device,
+    def __init__(self, store, experts: tuple[QuantizedTensor, QuantizedTensor], slots: int, device: torch.device,
                  staging: LayerStaging, index: int):
-        self.host = (host_gate_up, host_down)
-        self.num_experts, self.slots, self.device = host_gate_up.weight.shape[0], slots, torch.device(device)
-        self.gate_up, self.down = (_empty_like(q, slots, device) for q in self.host)
+        self.store, self.experts = store, experts
+        self.num_experts, self.slots, self.device = experts[0].weight.shape[0], slots, torch.device(device)
+        self.gate_up, self.down = (_empty_like(q, slots, device) for q in experts)
         self.staging, self.index = staging, index
         E, S = self.num_experts, slots
         self.slot_of = torch.full((E,), -1, dtype=torch.int32, device=device)
@@ -39,7 +38,7 @@ class ExpertCache:
         self.clock = torch.zeros(1, dtype=torch.int64, device=device)
         self.stats = torch.zeros(2, dtype=torch.int64, device=device)  # hits, misses (distinct experts a step)
         self._kernels = None
-        if self.device.type == "cuda":
+        if self.device.type == "cuda":  # resolve on the device; fill there too when the store allows it
             from sluice.kernels.expert_cache import triton as kernels
 
             self._kernels = kernels
@@ -49,7 +48,12 @@ class ExpertCache:
 
     @property
     def expert_bytes(self) -> int:
-        return sum(t[0].nbytes for t in _parts(*self.host))
+        return sum(t[0].nbytes for t in _parts(*self.experts))
+
+    @property
+    def in_graph(self) -> bool:
+        """Whether a step from the slots needs nothing from the host (then it can be graph-captured)."""
+        return self._kernels is not None and self.store.in_place
 
     def fits(self, tokens: int, k: int) -> bool:
         """Whether a step of `tokens` tokens runs from the slots (else from the staged whole layer)."""
@@ -61,15 +65,20 @@ class ExpertCache:
         if not self.fits(ids.shape[0], k):
             gate_up, down = self.staging.layer(self)
             return gate_up, down, ids
-        host, slots = _parts(*self.host), _parts(self.gate_up, self.down)
+        slots = _parts(self.gate_up, self.down)
         if self._kernels is None:
             out, missed, victims = reference.resolve(ids, k, self.slot_of, self.expert_in, self.stamp, self.clock,
                                                      self.stats)
-            reference.fill(host, slots, missed, victims)
+            self.store.fill(missed.tolist(), victims.tolist(), slots)
             return self.gate_up, self.down, out
         out = self._kernels.resolve(ids, k, self.slot_of, self.expert_in, self.stamp, self.clock, self.stats,
                                     self._jobs, self._n_jobs, self._scratch)
-        self._kernels.fill(host, slots, self._jobs, self._n_jobs, ids.shape[0] * k)
+        if self.store.in_place:
+            self._kernels.fill(_parts(*self.experts), slots, self._jobs, self._n_jobs, ids.shape[0] * k)
+        else:  # the host must read the misses: one sync a layer (no graph)
+            n = int(self._n_jobs)
+            missed, victims = self._jobs[:, :n].tolist()
+            self.store.fill(missed, victims, slots)
         return self.gate_up, self.down, out
 
 
@@ -87,9 +96,9 @@ class LayerStaging:
 
     def layer(self, cache: ExpertCache) -> tuple[QuantizedTensor, QuantizedTensor]:
         if self.device.type != "cuda":
-            return cache.host
+            return cache.store.layer()
         if self._buffers is None:
-            self._buffers = [tuple(_empty_like(q, cache.num_experts, self.device) for q in cache.host)
+            self._buffers = [tuple(_empty_like(q, cache.num_experts, self.device) for q in cache.experts)
                              for _ in range(2)]
             self._stream = torch.cuda.Stream(self.device)
             self._ready = [torch.cuda.Event() for _ in range(2)]
@@ -107,9 +116,11 @@ class LayerStaging:
         """Copy layer i's experts into buffer b on the side stream, once the kernels enqueued so far (those that
         read b) are done."""
         self._free[b].record(torch.cuda.current_stream(self.device))
+        store = self.caches[i].store
+        layer = store.layer() if store.in_place else store.layer(pinned=True)  # a disk store reads it now
         with torch.cuda.stream(self._stream):
             self._stream.wait_event(self._free[b])
-            for src, dst in zip(_parts(*self.caches[i].host), _parts(*self._buffers[b])):
+            for src, dst in zip(_parts(*layer), _parts(*self._buffers[b])):
                 dst.copy_(src, non_blocking=True)
             self._ready[b].record(self._stream)
         self._held[b] = i

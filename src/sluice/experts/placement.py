@@ -17,7 +17,9 @@ import torch
 from sluice.errors import InvalidOptionError, UnsupportedError
 
 CACHE_RESERVE = 2 << 30  # bytes of the budget left for KV caches, recurrent states, activations and graphs
+HOST_RESERVE = 4 << 30  # host memory left free when deciding whether the experts fit in host RAM
 MIN_SLOTS_PER_TOP_K = 3
+EXPERT_STORES = ("auto", "host", "disk")
 _ROUTED = (".switch_mlp.", ".mlp.experts.")
 
 
@@ -44,27 +46,41 @@ def parse_bytes(text) -> int:
     return int(value * scale[unit])
 
 
-def streams(src, device: torch.device, gpu_memory: int | None, expert_slots: int | None) -> bool:
-    """Whether the routed experts of checkpoint `src` stay in host memory: asked for (expert_slots), or the
-    checkpoint does not fit the budget (gpu_memory, else the free device memory) with room for the caches."""
+def streams(src, device: torch.device, gpu_memory: int | None, expert_slots: int | None,
+            expert_store: str = "auto") -> str | None:
+    """Where the routed experts of checkpoint `src` stay, if not on the device: "host" (host memory) or "disk" (the
+    checkpoint's files); None: everything on the device. They stream when asked to (expert_slots, or
+    expert_store="disk") or when the checkpoint does not fit the budget (gpu_memory, else the free device memory)
+    with room for the caches; then in host memory if they fit there (expert_store="auto"), else from disk."""
+    if expert_store not in EXPERT_STORES:
+        raise InvalidOptionError(f"expert_store={expert_store!r}: use one of {', '.join(EXPERT_STORES)}.")
     sizes = src.tensor_nbytes() if hasattr(src, "tensor_nbytes") else {}
     experts = sum(n for name, n in sizes.items() if is_routed_expert(name))
-    if expert_slots is not None:
+    asked = expert_slots is not None or expert_store == "disk"
+    if asked and not experts:
+        raise UnsupportedError("expert_slots / expert_store: this model has no routed experts to stream.")
+    if not asked:
+        budget = gpu_memory if gpu_memory is not None else (
+            torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else None)
+        total = getattr(src, "total_bytes", 0)
+        if budget is None or total + CACHE_RESERVE <= budget:
+            return None
         if not experts:
-            raise UnsupportedError("expert_slots: this model has no routed experts to stream.")
-        return True
-    budget = gpu_memory if gpu_memory is not None else (
-        torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else None)
-    total = getattr(src, "total_bytes", 0)
-    if budget is None or total + CACHE_RESERVE <= budget:
-        return False
-    if not experts:
-        if gpu_memory is not None:
-            raise InvalidOptionError(f"gpu_memory: the model takes {total / 2**30:.1f} GiB (and ~"
-                                     f"{CACHE_RESERVE / 2**30:.0f} GiB for caches), more than the {budget / 2**30:.1f} "
-                                     "GiB given, and has no routed experts that could stay in host memory.")
-        return False
-    return True
+            if gpu_memory is not None:
+                raise InvalidOptionError(f"gpu_memory: the model takes {total / 2**30:.1f} GiB (and ~"
+                                         f"{CACHE_RESERVE / 2**30:.0f} GiB for caches), more than the "
+                                         f"{budget / 2**30:.1f} GiB given, and has no routed experts that could "
+                                         "stay off the device.")
+            return None
+    on_disk = hasattr(src, "location")
+    if expert_store == "disk" and not on_disk:
+        raise InvalidOptionError("expert_store='disk' reads the experts from a checkpoint directory's files; this "
+                                 "checkpoint has none (dummy weights: write them to disk first).")
+    if expert_store == "auto" and on_disk:
+        from sluice.engine.runner import available_memory
+
+        return "host" if experts + HOST_RESERVE <= available_memory(torch.device("cpu")) else "disk"
+    return "disk" if expert_store == "disk" else "host"
 
 
 @dataclass
@@ -90,9 +106,14 @@ class Placement:
 
     @property
     def max_cached_tokens(self) -> int:
-        """The most tokens a step may have to run from the slots (graph-captured decode); bigger steps stage whole
-        layers."""
+        """The most tokens a step may have to run from the slots; bigger steps stage whole layers."""
         return self.slots // self.top_k
+
+    @property
+    def max_graph_tokens(self) -> int:
+        """The most tokens a decode step may have to be graph-captured: none when a miss needs the host (a disk
+        store reads it), else those that run from the slots."""
+        return self.max_cached_tokens if all(c.in_graph for c in self.caches) else 0
 
     def hit_rate(self) -> float | None:
         hits, misses = (sum(int(c.stats[i]) for c in self.caches) for i in range(2))
@@ -102,19 +123,30 @@ class Placement:
         return {"streamed_layers": self.layers, "experts_per_layer": self.experts, "slots_per_layer": self.slots,
                 "expert_bytes": self.expert_bytes, "host_expert_bytes": self.host_bytes,
                 "slot_bytes": self.slot_bytes, "resident_bytes": self.resident_bytes, "budget_bytes": self.budget,
-                "hit_rate": self.hit_rate()}
+                "store": self.store, "disk_bytes_read": self.disk_bytes_read(), "hit_rate": self.hit_rate()}
+
+    @property
+    def store(self) -> str:
+        return "host" if self.caches[0].store.in_place else "disk"
+
+    def disk_bytes_read(self) -> int:
+        return sum(getattr(c.store, "bytes_read", 0) for c in self.caches)
 
     def describe(self) -> str:
         gb = 1e9
-        return (f"routed experts in {'page-locked ' if self.caches[0].device.type == 'cuda' else ''}host memory "
-                f"({self.host_bytes / gb:.1f} GB); {self.slots} of {self.experts} experts a layer in device slots "
+        where = ("read from the checkpoint's files" if self.store == "disk" else
+                 f"in {'page-locked ' if self.caches[0].device.type == 'cuda' else ''}host memory")
+        return (f"routed experts {where} ({self.host_bytes / gb:.1f} GB); {self.slots} of {self.experts} experts a layer in device slots "
                 f"({self.slot_bytes / gb:.1f} GB); {self.resident_bytes / gb:.1f} GB of other weights on the device")
 
 
-def place(module, device: torch.device, gpu_memory: int | None, expert_slots: int | None) -> Placement | None:
-    """Give every MoE layer of a model built with its routed experts in host memory an `ExpertCache`; None (and the
-    experts moved to the device) when all of them fit after all."""
+def place(module, device: torch.device, gpu_memory: int | None, expert_slots: int | None,
+          disk: tuple | None = None) -> Placement | None:
+    """Give every MoE layer of a model built with its routed experts off the device an `ExpertCache`: over its host
+    tensors, or (disk = (checkpoint, the MoE layers' name prefixes in order), the experts built as meta tensors) over
+    the checkpoint's files. None (and the host experts moved to the device) when all of them fit after all."""
     from sluice.experts.cache import ExpertCache, LayerStaging
+    from sluice.experts.store import HostStore
     from sluice.layers.moe import SparseMoE
     from sluice.quant.affine import QuantizedTensor
 
@@ -141,7 +173,7 @@ def place(module, device: torch.device, gpu_memory: int | None, expert_slots: in
                 f"{CACHE_RESERVE / 2**30:.0f} GiB for caches, {staging_bytes / 2**30:.1f} GiB to stage a layer's "
                 f"experts and at least {smallest} expert slots a layer ({L * smallest * expert_bytes / 2**30:.1f} "
                 f"GiB; fewer make the cache useless). The smallest budget that works is {need / 2**30:.1f} GiB.")
-        if slots == E:  # it all fits after all
+        if slots == E and disk is None:  # it all fits after all
             for m in moes:
                 m.gate_up, m.down = (_to(w, device) for w in (m.gate_up, m.down))
             return None
@@ -149,15 +181,38 @@ def place(module, device: torch.device, gpu_memory: int | None, expert_slots: in
         if not smallest <= expert_slots <= E:
             raise InvalidOptionError(f"expert_slots={expert_slots}: use {smallest} (3 x top-k) to {E}.")
         slots = expert_slots
-    caches = []
+    caches, fds = [], {}
     for i, m in enumerate(moes):
-        host = tuple(_page_locked(w) if device.type == "cuda" else w for w in (m.gate_up, m.down))
-        caches.append(ExpertCache(*host, slots, device, staging, i))
+        if disk is not None:
+            store, experts = _disk_store(disk[0], disk[1][i], m, fds), (m.gate_up, m.down)
+        else:
+            experts = tuple(_page_locked(w) if device.type == "cuda" else w for w in (m.gate_up, m.down))
+            store = HostStore(*experts)
+        caches.append(ExpertCache(store, experts, slots, device, staging, i))
         m.stream_from(caches[-1])
     staging.caches = caches
     placement = Placement(L, E, slots, k, expert_bytes, resident, gpu_memory, caches)
     print(f"sluice: {placement.describe()}", file=sys.stderr)
     return placement
+
+
+def _disk_store(src, prefix: str, moe, fds: dict):
+    """The DiskStore of one MoE layer of an MLX checkpoint: gate, up and down projections (weight, scales, biases
+    each) stacked per projection in the files, read into the slot parts' rows."""
+    from sluice.experts.store import DiskStore, FilePiece
+
+    I = moe.down.in_features
+    pieces = []
+    for proj, row0, part0 in (("gate_proj", 0, 0), ("up_proj", I, 0), ("down_proj", 0, 3)):
+        for j, field in enumerate(("weight", "scales", "biases")):
+            name = f"{prefix}switch_mlp.{proj}.{field}"
+            if not src.has(name):
+                raise UnsupportedError(f"{src.path}: streaming experts from disk needs an MLX-layout checkpoint "
+                                       f"(switch_mlp.*), found no '{name}'.")
+            file, start, nbytes, shape, dtype = src.location(name)
+            E = shape[0]
+            pieces.append(FilePiece(part0 + j, row0, file, start, nbytes // E, tuple(shape[1:]), dtype))
+    return DiskStore(pieces, moe.down.bits, moe.down.group_size, moe.num_experts, fds)
 
 
 def _to(qt, device):

@@ -283,6 +283,30 @@ class DummyCheckpoint:
             return (torch.randn(s.shape, generator=g, device=device) * s.value).to(s.dtype)
         return torch.empty(s.shape, device=device).uniform_(1.0, 16.0, generator=g).log_().to(s.dtype)  # A_log
 
+    def write(self, out: str | Path, device: str | torch.device = "cpu", shard_bytes: int = 4 << 30) -> Path:
+        """Write this dummy checkpoint to directory `out` as an MLX checkpoint directory (config.json,
+        tokenizer.json, safetensors shards of about `shard_bytes` marked {"format": "mlx"}): the same weights,
+        read back from files (tensors made on `device`, then moved to the host shard by shard)."""
+        from safetensors.torch import save_file
+
+        out = Path(out).expanduser()
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "config.json").write_text(json.dumps(self.config, indent=2))
+        if (self.path / "tokenizer.json").is_file():
+            (out / "tokenizer.json").write_bytes((self.path / "tokenizer.json").read_bytes())
+        else:
+            byte_level_tokenizer().save(str(out / "tokenizer.json"))
+        shard, size, index = {}, 0, 0
+        names = list(self.specs)
+        for i, name in enumerate(names):
+            shard[name] = self._make(name, device).cpu()
+            size += self.specs[name].nbytes
+            if size >= shard_bytes or i == len(names) - 1:
+                index += 1
+                save_file(shard, str(out / f"model-{index:05d}.safetensors"), metadata={"format": "mlx"})
+                shard, size = {}, 0
+        return out
+
     def tokenizer(self):
         """The model's tokenizer: tokenizer.json beside config.json when there is one, else a byte-level stand-in
         (`byte_level_tokenizer`) with no end-of-generation token, so generation runs to max_tokens. Token ids

@@ -219,6 +219,13 @@ class HFDirectory:
         """Every stored tensor's name and size in bytes."""
         return {name: e.nbytes for name, e in self._entries.items()}
 
+    def location(self, name: str) -> tuple[Path, int, int, tuple[int, ...], torch.dtype]:
+        """(file, first byte, bytes, shape, dtype) of a stored tensor, for readers of their own (streamed experts)."""
+        e = self._entries.get(name)
+        if e is None:
+            raise ModelFileError(f"{self.path}: tensor '{name}' is missing from the checkpoint.")
+        return e.file, e.start, e.nbytes, tuple(e.shape), e.dtype
+
     def close(self) -> None:
         """Close the files read through `pread` and free the pinned staging buffers. Tensors already returned stay
         valid (a memory-mapped one keeps its mapping alive)."""
