@@ -96,3 +96,31 @@ def test_bad_inputs_raise():
     if DEVICE == "cuda":
         with pytest.raises(ValueError):
             nt.gated_rms_norm(x, x, w.cpu(), EPS)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(1, 1, 2048), (3, 5, 96), (2, 1, 4, 256)])
+@pytest.mark.parametrize("with_delta", [True, False])
+def test_add_rms_norm_matches_the_residual_add_and_norm(shape, dtype, with_delta):
+    """The decoder block's residual add and next input norm in one launch: s = h + delta exactly as torch adds
+    (bit-identical), y = rms_norm_fp32_scale(s) to the last ulp almost everywhere."""
+    g = torch.Generator().manual_seed(sum(shape) + with_delta)
+    h = rand(g, *shape, dtype=dtype, scale=3.0)
+    wide = rand(g, *shape[:-1], 2 * shape[-1], dtype=dtype)
+    delta = wide[..., shape[-1]:]  # a strided view
+    w = rand(g, shape[-1]) * 0.5 + 1.0
+    s, y = nt.add_rms_norm(h.to(DEVICE), delta.to(DEVICE) if with_delta else None, w.to(DEVICE), EPS)
+    s_ref = h + delta if with_delta else h
+    y_ref = reference.rms_norm_fp32_scale(s_ref, w, EPS)
+    assert torch.equal(s.cpu(), s_ref)
+    assert y.dtype == dtype and y.shape == h.shape
+    if dtype == torch.float32:
+        assert rel_err(y.cpu(), y_ref) <= 1e-6
+    else:
+        assert rel_err(y.cpu(), y_ref) <= 1e-2 and (y.cpu() == y_ref).float().mean() >= 0.99
+
+
+def test_add_rms_norm_rejects_mismatched_shapes():
+    with pytest.raises(ValueError, match="h \\(and delta"):
+        nt.add_rms_norm(torch.zeros(2, 8, device=DEVICE), torch.zeros(2, 4, device=DEVICE),
+                        torch.ones(8, device=DEVICE), EPS)

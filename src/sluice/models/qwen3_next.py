@@ -17,7 +17,7 @@ from sluice.cache.kv import make_kv_cache
 from sluice.cache.pool import CachePool, RecurrentStates
 from sluice.errors import ModelFileError, UnsupportedError
 from sluice.formats.validate import bounded_int, head_dim_default, parse_config
-from sluice.kernels.norm.reference import rms_norm_fp32_scale
+from sluice.kernels.norm import add_rms_norm_fp32_scale
 from sluice.kernels.rope.reference import rope_cos_sin, rope_inv_freq
 from sluice.layers.attention import GatedAttention
 from sluice.layers.gated_deltanet import GatedDeltaNet, ba_rows, qkvz_rows
@@ -131,13 +131,16 @@ class Qwen3NextBlock(nn.Module):
             self.mixer = w.gated_deltanet(cfg, p + "linear_attn.", gdn_index)
         self.mlp = w.moe(cfg, p + "mlp.") if cfg.is_moe(i) else w.mlp(p + "mlp.", cfg.intermediate_size, H)
 
-    def forward(self, h, cos, sin, cache, meta):
-        x = rms_norm_fp32_scale(h, self.input_norm, self.eps)
+    def forward(self, h, delta, cos, sin, cache, meta):
+        """(h, delta) -> (h', delta'): the residual stream and the last sublayer's output not yet added to it
+        (None at the first layer), so that every residual add runs in one kernel with the norm after it."""
+        h, x = add_rms_norm_fp32_scale(h, delta, self.input_norm, self.eps)
         if isinstance(self.mixer, GatedAttention):
-            h = h + self.mixer(x, cos, sin, cache, meta)
+            mixed = self.mixer(x, cos, sin, cache, meta)
         else:
-            h = h + self.mixer(x, cache, meta)
-        return h + self.mlp(rms_norm_fp32_scale(h, self.post_norm, self.eps))
+            mixed = self.mixer(x, cache, meta)
+        h, x = add_rms_norm_fp32_scale(h, mixed, self.post_norm, self.eps)
+        return h, self.mlp(x)
 
 
 class Qwen3NextModel(nn.Module):
@@ -171,13 +174,13 @@ class Qwen3NextModel(nn.Module):
 
     def forward(self, ids: torch.Tensor, cache: CachePool, meta, dtype: torch.dtype, last_only: bool = False):
         """Logits (float32) [B, T or 1, vocab] of ids [B, T] at meta's rows and positions, updating the caches."""
-        h = self.embed(ids, dtype)
+        h, delta = self.embed(ids, dtype), None
         cos, sin = rope_cos_sin(meta.positions, self.inv_freq, dtype)
         for layer in self.layers:
-            h = layer(h, cos, sin, cache, meta)
+            h, delta = layer(h, delta, cos, sin, cache, meta)
         if last_only:
-            h = h[:, -1:]
-        return self.lm_head(rms_norm_fp32_scale(h, self.norm, self.cfg.rms_norm_eps)).float()
+            h, delta = h[:, -1:], (None if delta is None else delta[:, -1:])
+        return self.lm_head(add_rms_norm_fp32_scale(h, delta, self.norm, self.cfg.rms_norm_eps)[1]).float()
 
 
 class _Weights:

@@ -103,3 +103,66 @@ def gated_rms_norm(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: 
         x3, z3, weight, y, R, heads, D, x3.stride(0), x3.stride(1), z3.stride(0), z3.stride(1), eps,
         H_DTYPE=h_dtype, RNE_BF16=INTERPRET, BLOCK_R=block_r, BLOCK_D=block_d, num_warps=num_warps)
     return y
+
+
+@triton.jit
+def _add_rms_norm_kernel(h_ptr, d_ptr, w_ptr, s_ptr, y_ptr, R, H, D, stride_ho, stride_hh, stride_do, stride_dh, eps,
+                         HAS_DELTA: tl.constexpr, RNE_BF16: tl.constexpr, BLOCK_R: tl.constexpr,
+                         BLOCK_D: tl.constexpr):
+    """s = h + delta (rounded to h's dtype, as torch adds), y = (s * rsqrt(mean(s^2) + eps)) * w in fp32, rounded
+    once (`reference.rms_norm_fp32_scale`); rows addressed as [outer, heads, D]."""
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    outer = rows // H
+    head = rows - outer * H
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d < D
+    mask = (rows < R)[:, None] & d_ok[None, :]
+    h_rows = outer.to(tl.int64) * stride_ho + head.to(tl.int64) * stride_hh
+    x = tl.load(h_ptr + h_rows[:, None] + offs_d[None, :], mask=mask, other=0.0).to(tl.float32)
+    out_rows = rows.to(tl.int64)[:, None] * D + offs_d[None, :]
+    if HAS_DELTA:
+        d_rows = outer.to(tl.int64) * stride_do + head.to(tl.int64) * stride_dh
+        x += tl.load(d_ptr + d_rows[:, None] + offs_d[None, :], mask=mask, other=0.0).to(tl.float32)
+        x = _round(x, h_ptr.dtype.element_ty, RNE_BF16)
+        tl.store(s_ptr + out_rows, x.to(s_ptr.dtype.element_ty), mask=mask)
+    inv = tl.math.rsqrt(tl.sum(x * x, axis=1) / D + eps)
+    w = tl.load(w_ptr + offs_d, mask=d_ok, other=0.0).to(tl.float32)
+    y = _round((x * inv[:, None]) * w[None, :], y_ptr.dtype.element_ty, RNE_BF16)
+    tl.store(y_ptr + out_rows, y.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+def add_rms_norm(h: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float,
+                 block_elems: int = 4096, num_warps: int = 4) -> tuple[torch.Tensor, torch.Tensor]:
+    """(s, y): s = h + delta in h's dtype (h itself when delta is None) and y = `reference.rms_norm_fp32_scale(s,
+    weight, eps)`, both [..., D] contiguous, in one launch: the residual add and the next layer's input norm of a
+    decoder block. h and delta may be views with unit last stride (read in place)."""
+    what = "add_rms_norm"
+    if h.dim() < 1 or h.dtype not in _DTYPES or (delta is not None and (delta.shape != h.shape
+                                                                        or delta.dtype not in _DTYPES)):
+        raise ValueError(f"{what}: h (and delta of its shape) must be bf16, fp16 or fp32 [..., D], got {h.dtype} "
+                         f"{tuple(h.shape)}{'' if delta is None else f' and {delta.dtype} {tuple(delta.shape)}'}")
+    D = h.shape[-1]
+    if weight.dim() != 1 or weight.shape[0] != D or weight.dtype not in _DTYPES:
+        raise ValueError(f"{what}: weight must be a float [{D}] tensor, got {weight.dtype} {tuple(weight.shape)}")
+    if not 1 <= D <= MAX_D:
+        raise ValueError(f"{what}: D must be in [1, {MAX_D}], got {D}")
+    if any(t.device != h.device for t in (weight, delta) if t is not None):
+        raise ValueError(f"{what}: all tensors must be on the same device")
+    if not (h.is_cuda or INTERPRET):
+        raise ValueError(f"{what}: tensors must be on a CUDA device (or set TRITON_INTERPRET=1)")
+    y = torch.empty(h.shape, dtype=h.dtype, device=h.device)
+    s = h if delta is None else torch.empty(h.shape, dtype=h.dtype, device=h.device)
+    R = h.numel() // D
+    if R == 0:
+        return s, y
+    heads = h.shape[-2] if h.dim() >= 2 else 1
+    outer = R // heads
+    h3 = _as_rows(h, outer, heads, D)
+    d3 = h3 if delta is None else _as_rows(delta, outer, heads, D)
+    weight = weight if weight.stride(0) == 1 else weight.contiguous()
+    block_d = triton.next_power_of_2(D)
+    block_r = min(max(1, block_elems // block_d), triton.next_power_of_2(R))
+    _add_rms_norm_kernel[(triton.cdiv(R, block_r),)](
+        h3, d3, weight, s, y, R, heads, D, h3.stride(0), h3.stride(1), d3.stride(0), d3.stride(1), eps,
+        HAS_DELTA=delta is not None, RNE_BF16=INTERPRET, BLOCK_R=block_r, BLOCK_D=block_d, num_warps=num_warps)
+    return s, y
