@@ -43,10 +43,15 @@ class ModelRunner:
         self.seen = None  # bool [rows + 1, vocab]: the tokens each row has seen (repetition penalty)
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self._graph_memory = None
+        self._capturable = None
 
     @property
     def uses_graphs(self) -> bool:
-        return self.config.graphs and self.device.type == "cuda"
+        """Decode steps replay CUDA graphs: asked for, on a GPU, and every layer can be captured (a layer on a
+        torch reference path that reads back to the host runs eagerly)."""
+        if self._capturable is None:
+            self._capturable = all(getattr(m, "capturable", True) for m in self.module.modules())
+        return self.config.graphs and self.device.type == "cuda" and self._capturable
 
     # -- the cache pool -------------------------------------------------------------------------------------
     def build_pool(self, rows: int, capacity: int) -> None:

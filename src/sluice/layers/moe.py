@@ -45,6 +45,13 @@ class SparseMoE(nn.Module):
         self.num_experts = (gate_up.weight if isinstance(gate_up, QuantizedTensor) else gate_up).shape[0]
         self.expert_cache = None
 
+    @property
+    def capturable(self) -> bool:
+        """Whether a decode step through this block can be captured in a CUDA graph: not the reference path on a
+        GPU, whose loop over the hit experts reads them back to the host."""
+        w = self.gate_up.weight if isinstance(self.gate_up, QuantizedTensor) else self.gate_up
+        return not w.is_cuda or triton_for(self.gate_up, self.down, self.top_k) is not None
+
     def stream_from(self, cache) -> None:
         """Run the routed experts from an `experts.cache.ExpertCache` (its device slots stand in for the stacked
         experts; every step maps its routed ids to slots first)."""
