@@ -108,51 +108,22 @@ def check_correctness(res, name, layer, H, E, k):
               f"{row['router_ids_equal']}, {'ok' if row['ok'] else 'FAILED'}", flush=True)
 
 
-# label: (qmm.GEMV_PREFETCH, qmm.GEMV_PREFETCH_INDEXED, qmm.GEMV_RAW_X, mt.expert_block_n); the last is the
-# multi-launch decode as it was before RAW_X, PREFETCH 2 and `expert_block_n` (the router's x prepared by a launch
-# of its own, the GEMVs' first weights asked of L2, the dense GEMVs' rows per program)
-DEFAULT_PATH = (qmm.GEMV_PREFETCH, qmm.GEMV_PREFETCH_INDEXED, qmm.GEMV_RAW_X, mt.expert_block_n)
-
-
-def _dense_rows(N, K, bits, rows):
-    return qmm.gemv_block_n(N, rows, torch.device("cuda"))
-
-
-def _path(**change):
-    """The multi-launch decode with some of DEFAULT_PATH's settings changed."""
-    names = ("prefetch", "prefetch_indexed", "raw_x", "rows")
-    return tuple(change.get(n, v) for n, v in zip(names, DEFAULT_PATH))
-
-
-DECODE_PATHS = {"multi-launch": _path(),
-                "multi-launch, expert PREFETCH 1": _path(prefetch_indexed=1),
-                "multi-launch, dense rows rule": _path(rows=_dense_rows),
-                "multi-launch, before": _path(prefetch=1, prefetch_indexed=1, raw_x=False, rows=_dense_rows)}
-
-
-def use_path(settings=DEFAULT_PATH):
-    qmm.GEMV_PREFETCH, qmm.GEMV_PREFETCH_INDEXED, qmm.GEMV_RAW_X, mt.expert_block_n = settings
-
-
 def check_layer(res, name, layers, k):
-    """The layer's decode paths at the real shape against its reference path (fp32 x: no router near-ties)."""
+    """The layer's decode path at the real shape against its reference path (fp32 x: no router near-ties)."""
     for kind in ROUTERS:
         layer = layers[kind][0]
         x = torch.randn(1, layer.gate_up.shape[2], device="cuda")
         ref = layer._forward_reference(x)
-        for label, settings in DECODE_PATHS.items():
-            use_path(settings)
-            row = {"model": name, "T": 1, "path": f"{label}, {kind} router", "rel_err": rel_err(layer(x), ref)}
-            row["ok"] = row["rel_err"] <= 1e-2
-            res["correctness"].append(row)
-            print(f"check {name} {label} ({kind} router): rel err {row['rel_err']:.2e}, "
-                  f"{'ok' if row['ok'] else 'FAILED'}", flush=True)
-    use_path()
+        row = {"model": name, "T": 1, "path": f"multi-launch, {kind} router", "rel_err": rel_err(layer(x), ref)}
+        row["ok"] = row["rel_err"] <= 1e-2
+        res["correctness"].append(row)
+        print(f"check {name} multi-launch ({kind} router): rel err {row['rel_err']:.2e}, "
+              f"{'ok' if row['ok'] else 'FAILED'}", flush=True)
 
 
 def time_decode(res, name, layers, k, copy_bw):
-    """The whole layer for one token, each call on its own layer copy (cold L2): the multi-launch decode and its
-    variants."""
+    """The whole layer for one token, each call on its own layer copy (cold L2): the multi-launch decode (the
+    variants it was measured against, commit 0fab2e5, are in docs/PERF.md)."""
     for kind in ROUTERS:
         rot = layers[kind]
         xs = [torch.randn(1, rot[0].gate_up.shape[2], device="cuda", dtype=BF16) for _ in rot]
@@ -160,10 +131,7 @@ def time_decode(res, name, layers, k, copy_bw):
         nbytes = decode_floor_bytes(rot[0], k)
         floor = nbytes / copy_bw
         row = {"model": name, "router": kind, "floor_bytes": nbytes, "floor_us": floor * 1e6, "copies": len(rot)}
-        for label, settings in DECODE_PATHS.items():
-            use_path(settings)
-            row[f"{label} us"] = graph_time(calls) * 1e6
-        use_path()
+        row["multi-launch us"] = graph_time(calls) * 1e6
         res["decode"].append(row)
         print(f"decode {name} router {kind}: floor {row['floor_us']:.1f} us; " + "; ".join(
             f"{key} {v:.1f} ({floor * 1e6 / v * 100:.0f}%)" for key, v in row.items() if key.endswith(" us")),
@@ -205,7 +173,6 @@ def chain_ablation(res, name, layers, k):
     in the layer); the increments are each launch's cost on the critical path."""
     rot = layers["8-bit"]
     xs = [torch.randn(1, rot[0].gate_up.shape[2], device="cuda", dtype=BF16) for _ in rot]
-    use_path(DECODE_PATHS["multi-launch"])
     prev = 0.0
     for n in range(1, len(CHAIN) + 1):
         calls = [lambda m=m, x=x, n=n: chain_prefix(m, x, k, n) for m, x in zip(rot, xs)]
@@ -219,7 +186,6 @@ def chain_ablation(res, name, layers, k):
     full = graph_time([lambda m=m, x=x: m(x) for m, x in zip(rot, xs)]) * 1e6
     res["chain"].append({"model": name, "launches": "layer", "us": full})
     print(f"chain {name} the layer itself: {full:.1f} us", flush=True)
-    use_path()
 
 
 # expert GEMV launches swept: (block_n, num_warps)

@@ -56,14 +56,10 @@ GEMV_CONFIGS = ["default", (4, None, 1, False, 1), (8, None, 1, False, 1), (4, N
 
 
 def gemv_config(q, x, c):
-    """qmm.qgemv with config c of GEMV_CONFIGS (PREFETCH is a module setting, read at launch: graph capture)."""
+    """qmm.qgemv with config c of GEMV_CONFIGS."""
     if c == "default":
         return qmm.qgemv(x, q)
-    before, qmm.GEMV_PREFETCH = qmm.GEMV_PREFETCH, c[4]
-    try:
-        return qmm.qgemv(x, q, *c[:3], raw_x=c[3])
-    finally:
-        qmm.GEMV_PREFETCH = before
+    return qmm.qgemv(x, q, *c[:3], raw_x=c[3], prefetch=c[4])
 
 
 # M = 4, 16, tensor cores with swapped operands: (block_m, block_n, block_k, num_warps, num_stages)

@@ -65,12 +65,11 @@ def test_gemv_several_steps_per_split(bits, group_size):
 
 
 @pytest.mark.parametrize("prefetch", [0, 1, 2])
-def test_gemv_preparing_x_itself_matches_prep_x(prefetch, monkeypatch):
+def test_gemv_preparing_x_itself_matches_prep_x(prefetch):
     """The one-launch GEMV (x rounded to int16 per group in registers, RAW_X) computes what prep_x + GEMV does,
     whether the first step's weights are read before the dependency wait into L2 (1), registers (2) or not (0);
     several steps per split, split or not, masked steps, ragged N. 2-bit g32 (a group inside one thread's
     words) takes prep_x."""
-    monkeypatch.setattr(qmm, "GEMV_PREFETCH", prefetch)
     g = torch.Generator().manual_seed(prefetch)
     for bits, gs, K in ((4, 64, 2304), (8, 32, 1024), (2, 128, 4096), (4, 32, 320)):
         qt = quantize(torch.randn(20, K, generator=g), bits=bits, group_size=gs)
@@ -79,8 +78,8 @@ def test_gemv_preparing_x_itself_matches_prep_x(prefetch, monkeypatch):
         ref = reference.qmatmul(x.float().cpu(), type(qt)(*(t.cpu() for t in (qt.weight, qt.scales, qt.biases)),
                                                           bits, gs))
         for split in (1, 2):
-            raw = qmm.qgemv_partials(x, qt, block_n=8, split_k=split, raw_x=True).sum(0)
-            prepped = qmm.qgemv_partials(x, qt, block_n=8, split_k=split, raw_x=False).sum(0)
+            raw = qmm.qgemv_partials(x, qt, block_n=8, split_k=split, raw_x=True, prefetch=prefetch).sum(0)
+            prepped = qmm.qgemv_partials(x, qt, block_n=8, split_k=split, raw_x=False, prefetch=prefetch).sum(0)
             assert rel_err(raw.cpu(), prepped.cpu()) < 1e-4, (bits, gs, split)
             assert rel_err(raw.cpu(), ref) < 1e-2, (bits, gs, split)
     assert not qmm.raw_x_supported(2, 32) and qmm.raw_x_supported(2, 64) and qmm.raw_x_supported(8, 32)

@@ -29,9 +29,10 @@ SUPPORTED_BITS = (2, 4, 8)
 SUPPORTED_GROUPS = (32, 64, 128)
 X_INT_MAX = 32767  # x is rounded to int16 per group: x ~= xq * amax / X_INT_MAX
 _X_INT_MAX = tl.constexpr(X_INT_MAX)
-GEMV_RAW_X = True  # dense GEMVs prepare x inside the GEMV (`_raw_x_step`), not in a launch of their own
-GEMV_PREFETCH = 2  # `_gemv_kernel`'s PREFETCH where the weights may be read before the wait: 1 L2, 2 registers
-GEMV_PREFETCH_INDEXED = 2  # the same for the MoE expert GEMVs (with `moe.triton.expert_block_n`: docs/PERF.md)
+# `_gemv_kernel`'s PREFETCH where the weights may be read before the dependency wait (0 no, 1 into L2, 2 into
+# registers), dense and MoE expert GEMVs: defaults from the H100 sweeps (docs/PERF.md); `prefetch=` overrides.
+GEMV_PREFETCH = 2
+GEMV_PREFETCH_INDEXED = 2
 
 
 @triton.jit
@@ -504,7 +505,7 @@ def gemv_plan(N: int, K: int, bits: int, group_size: int, rows: int, device=None
       (~12 programs per multiprocessor at the registers the in-kernel x prep takes)."""
     sms = num_sms(device)
     fours = triton.cdiv(N, 4) * rows
-    if not (GEMV_RAW_X and raw_x_supported(bits, group_size)) or fours > 3 * 32 * sms:
+    if not raw_x_supported(bits, group_size) or fours > 3 * 32 * sms:
         return gemv_block_n(N, rows, device), 1, False
     kw = K // (32 // bits)
     if kw >= 256 and fours <= 4 * sms:
@@ -515,10 +516,11 @@ def gemv_plan(N: int, K: int, bits: int, group_size: int, rows: int, device=None
 
 def qgemv_partials(x: torch.Tensor, qt, block_n: int | None = None, split_k: int | None = None,
                    num_warps: int | None = None, dtype: torch.dtype = torch.float32,
-                   raw_x: bool | None = None) -> torch.Tensor:
+                   raw_x: bool | None = None, prefetch: int | None = None) -> torch.Tensor:
     """[S, M, N]: the S split-K partial sums (fp32) of x [M, K] @ W^T, for a consumer that adds them itself
     instead of paying a launch for it; when K is not split (S = 1) the result itself, in `dtype`. raw_x: the
-    GEMV prepares x itself, one launch, or `prep_x` runs first. What is not given comes from `gemv_plan`."""
+    GEMV prepares x itself, one launch, or `prep_x` runs first. prefetch: `gemv_launch`'s. What is not given
+    comes from `gemv_plan`."""
     check(x, qt)
     M, K = x.shape
     N = qt.weight.shape[0]
@@ -535,15 +537,15 @@ def qgemv_partials(x: torch.Tensor, qt, block_n: int | None = None, split_k: int
     split, _ = gemv_used_splits(K, qt.bits, split_k, num_warps)
     out = torch.empty((split, M, N), dtype=dtype if split == 1 else torch.float32, device=x.device)
     gemv_launch(xp, qt.weight.view(torch.int32), qt.scales, qt.biases, out, None, M, N, K, qt.bits, qt.group_size,
-                split_k, block_n=block_n, num_warps=num_warps, raw_x=raw_x)
+                split_k, block_n=block_n, num_warps=num_warps, raw_x=raw_x, prefetch=prefetch)
     return out
 
 
 def qgemv(x: torch.Tensor, qt, block_n: int | None = None, split_k: int | None = None,
-          num_warps: int | None = None, raw_x: bool | None = None) -> torch.Tensor:
+          num_warps: int | None = None, raw_x: bool | None = None, prefetch: int | None = None) -> torch.Tensor:
     """y [M, N] = x [M, K] @ W^T for a few rows on CUDA cores (each row its own programs; W is re-read per row,
     mostly from L2)."""
-    out = qgemv_partials(x, qt, block_n, split_k, num_warps, dtype=x.dtype, raw_x=raw_x)
+    out = qgemv_partials(x, qt, block_n, split_k, num_warps, dtype=x.dtype, raw_x=raw_x, prefetch=prefetch)
     return out[0] if out.shape[0] == 1 else out.sum(0).to(x.dtype)
 
 
