@@ -7,8 +7,8 @@ import torch.nn as nn
 
 from sluice.kernels import cpu as native
 from sluice.kernels.attention import cpu as attention_cpu
+from sluice.kernels.rope import norm_rope
 from sluice.kernels.rope.reference import apply_rope
-from sluice.kernels.norm import add_rms_norm_fp32_scale
 from sluice.layers.linear import Linear, fuse_linears
 
 
@@ -63,10 +63,8 @@ class GatedAttention(nn.Module):
         H, Hkv, D = self.num_heads, self.num_kv_heads, self.head_dim
         qg, k, v = self.qkv(x).split([2 * H * D, Hkv * D, Hkv * D], dim=-1)
         q, gate = qg.view(B, T, H, 2 * D).chunk(2, dim=-1)
-        cos, sin = cos[:, :, None], sin[:, :, None]
-        q = apply_rope(add_rms_norm_fp32_scale(q, None, self.q_norm, self.eps)[1], cos, sin).transpose(1, 2)
-        k = apply_rope(add_rms_norm_fp32_scale(k.view(B, T, Hkv, D), None, self.k_norm, self.eps)[1], cos,
-                       sin).transpose(1, 2)
+        q = norm_rope(q, self.q_norm, cos, sin, self.eps).transpose(1, 2)  # one launch each on CUDA
+        k = norm_rope(k.view(B, T, Hkv, D), self.k_norm, cos, sin, self.eps).transpose(1, 2)
         v = v.view(B, T, Hkv, D).transpose(1, 2)
         o = cache.attend(self.cache_index, q, k, v, meta, self.scale).transpose(1, 2).reshape(B, T, H * D)
         return self.o(o * torch.sigmoid(gate.reshape(B, T, H * D)))
