@@ -76,3 +76,16 @@ def test_quantized_moe_decode_steps_on_gpu(tmp_path):
         steps[device] = torch.stack([model.forward(ids[:, t:t + 1], cache, t, last_only=True)[0, -1].cpu()
                                      for t in range(20, 30)])
     assert rel_err(steps["cuda"], steps["cpu"]) < 2e-2
+
+
+def test_fused_decode_gives_the_cpu_reference_tokens(tmp_path):
+    """The GPU step's fused kernels (residual add + norm, q/k norm + RoPE, issue #28) against the unfused torch
+    path on the CPU: a small random Qwen3-Next in fp32, greedy, through the engine (graphs on the GPU)."""
+    from test_qwen3_next import qwen3_next, save
+
+    src = save(qwen3_next(seed=5), tmp_path / "q")
+    prompts = [[5, 17, 42, 7], [200, 3], [9, 9, 9, 1, 4]]
+    kw = dict(max_tokens=16, temperature=0)
+    cpu = sluice.load(src, device="cpu", max_batch=4).generate_batch(prompts, **kw)
+    gpu = sluice.load(src, device="cuda", dtype="float32", max_batch=4).generate_batch(prompts, **kw)
+    assert gpu == cpu
