@@ -56,7 +56,7 @@ def test_greedy_generation_is_identical_through_the_engine(mlx_dir):
 
 
 def test_budgets_too_small_or_malformed_are_refused(mlx_dir):
-    with pytest.raises(InvalidOptionError, match="use 6 \\(3 x top-k\\) to 16"):
+    with pytest.raises(InvalidOptionError, match="use 6 \\(3 x top-k.*\\) to 16"):
         sluice.load(mlx_dir, device="cpu", expert_slots=4)
     with pytest.raises(InvalidOptionError, match="smallest budget that works is"):
         sluice.load(mlx_dir, device="cpu", gpu_memory="1MiB")
@@ -132,3 +132,63 @@ def test_dummy_checkpoint_written_to_disk_reads_back_the_same(mlx_dir, tmp_path)
     files = sluice.load(out, device="cpu", expert_slots=6, expert_store="disk")
     ids = [[3, 1, 4, 1, 5, 9, 2, 6]]
     assert files.format == "mlx" and torch.equal(dummy.logits(ids), files.logits(ids))
+
+
+def test_the_smallest_budget_named_is_accepted(mlx_dir):
+    import re
+
+    with pytest.raises(InvalidOptionError) as e:
+        sluice.load(mlx_dir, device="cpu", gpu_memory="1MiB")
+    smallest = re.search(r"smallest budget that works is ([0-9.]+) GiB", str(e.value)).group(1)
+    sluice.load(mlx_dir, device="cpu", gpu_memory=f"{smallest}GiB")  # works (here: it even fits whole)
+
+
+def test_disk_store_without_a_budget_and_with_every_slot(mlx_dir):
+    """Off the GPU with no budget a disk store gets a slot for every expert; then no step restages a layer: its
+    distinct experts always fit (at most E)."""
+    disk = sluice.load(mlx_dir, device="cpu", expert_store="disk")
+    p = disk.placement
+    assert p.slots == p.experts == 16 and p.max_cached_tokens >= 1 << 20
+    disk.logits([[1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12]])  # 12 tokens x 2 > 16 slots, but at most 16 experts
+    assert p.disk_bytes_read() <= p.host_bytes  # each expert read at most once, no whole-layer staging
+
+
+def test_a_failed_disk_read_empties_the_slots_it_took(mlx_dir, monkeypatch):
+    from sluice.errors import ModelFileError
+    from sluice.experts import store
+
+    disk = sluice.load(mlx_dir, device="cpu", expert_slots=6, expert_store="disk")
+    cache = disk.placement.caches[0]
+
+    def broken(*args):
+        raise OSError(5, "Input/output error")
+
+    monkeypatch.setattr(store.os, "preadv", broken)
+    with pytest.raises(ModelFileError, match="MoE layer 0.*Input/output error"):
+        cache.for_step(torch.tensor([[3, 7]], dtype=torch.int32), 2)
+    assert (cache.slot_of == -1).all() and (cache.expert_in == -1).all() and (cache.stamp == 0).all()
+    monkeypatch.undo()
+    gate_up, down, slots = cache.for_step(torch.tensor([[3, 7]], dtype=torch.int32), 2)  # read now, and right
+    ref = disk.placement.caches[0].store.layer()[0].weight
+    assert torch.equal(gate_up.weight[slots[0, 0]].view(torch.int32), ref[3].view(torch.int32))
+
+
+def test_few_experts_stream_with_as_many_slots(tmp_path):
+    """Fewer experts than 3 x top-k: the smallest slot count is all of them."""
+    from sluice.formats.convert import convert
+
+    src = save(qwen3_next(seed=3, num_experts=4, num_experts_per_tok=2), tmp_path / "hf")
+    q = convert(src, tmp_path / "q", bits=4, group_size=32, quiet=True)
+    assert sluice.load(q, device="cpu", expert_slots=4).placement.slots == 4
+    with pytest.raises(InvalidOptionError, match="use 4"):
+        sluice.load(q, device="cpu", expert_slots=3)
+
+
+def test_gguf_models_are_held_to_the_budget(tmp_path):
+    from helpers import save_llama_gguf, tiny_llama
+
+    path = save_llama_gguf(tiny_llama(seed=2), tmp_path / "t.gguf")
+    with pytest.raises(SluiceError, match="no routed experts"):
+        sluice.load(path, device="cpu", expert_slots=6)
+    with pytest.raises(InvalidOptionError, match="more than the .* GiB given"):
+        sluice.load(path, device="cpu", gpu_memory="1KiB")

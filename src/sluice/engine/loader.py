@@ -129,7 +129,7 @@ def _read_checkpoint(path, load_format: str, dev: torch.device, dt: torch.dtype,
     if src.format == "gguf":
         arch = architecture_module(src.architecture)
         tokenizer = Tokenizer.from_gguf(src.fields)
-        reader = _DeviceReader(src, dev, sum(int(t.n_bytes) for t in src.tensors.values()))
+        reader = _DeviceReader(src, dev, src.total_bytes)
         build = arch.build_from_gguf
     else:
         arch = architecture_module(src.config.get("model_type", "<missing model_type>"))

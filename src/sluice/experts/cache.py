@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from sluice.errors import ModelFileError
 from sluice.experts.store import parts as _parts
 from sluice.kernels.expert_cache import reference
 from sluice.quant.affine import QuantizedTensor
@@ -56,8 +57,9 @@ class ExpertCache:
         return self._kernels is not None and self.store.in_place
 
     def fits(self, tokens: int, k: int) -> bool:
-        """Whether a step of `tokens` tokens runs from the slots (else from the staged whole layer)."""
-        return tokens * k <= self.slots
+        """Whether a step of `tokens` tokens runs from the slots (else from the staged whole layer): its distinct
+        experts, at most tokens * k and at most E, always fit."""
+        return min(tokens * k, self.num_experts) <= self.slots
 
     def for_step(self, ids: torch.Tensor, k: int) -> tuple[QuantizedTensor, QuantizedTensor, torch.Tensor]:
         """(gate_up, down, ids) for a step routed to ids [T, k or k + 1] (columns past k: the shared expert, id E,
@@ -69,7 +71,7 @@ class ExpertCache:
         if self._kernels is None:
             out, missed, victims = reference.resolve(ids, k, self.slot_of, self.expert_in, self.stamp, self.clock,
                                                      self.stats)
-            self.store.fill(missed.tolist(), victims.tolist(), slots)
+            self._fill(missed.tolist(), victims.tolist(), slots)
             return self.gate_up, self.down, out
         out = self._kernels.resolve(ids, k, self.slot_of, self.expert_in, self.stamp, self.clock, self.stats,
                                     self._jobs, self._n_jobs, self._scratch)
@@ -78,8 +80,19 @@ class ExpertCache:
         else:  # the host must read the misses: one sync a layer (no graph)
             n = int(self._n_jobs)
             missed, victims = self._jobs[:, :n].tolist()
-            self.store.fill(missed, victims, slots)
+            self._fill(missed, victims, slots)
         return self.gate_up, self.down, out
+
+    def _fill(self, missed: list, victims: list, slots: list[torch.Tensor]) -> None:
+        """The store fills the slots the policy gave the misses; if it cannot (a read fails), those slots are
+        emptied again, so no later step takes them for the experts they never received."""
+        try:
+            self.store.fill(missed, victims, slots)
+        except OSError as e:
+            v = torch.as_tensor(victims, dtype=torch.long, device=self.device)
+            self.slot_of[torch.as_tensor(missed, dtype=torch.long, device=self.device)] = -1
+            self.expert_in[v], self.stamp[v] = -1, 0
+            raise ModelFileError(f"could not read experts of MoE layer {self.index} from the checkpoint: {e}") from e
 
 
 class LayerStaging:

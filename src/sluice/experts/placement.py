@@ -8,6 +8,7 @@ almost nothing (docs/PERF.md, issue #27), so a smaller budget is refused, naming
 
 from __future__ import annotations
 
+import math
 import sys
 import weakref
 from dataclasses import dataclass
@@ -24,8 +25,9 @@ _ROUTED = (".switch_mlp.", ".mlp.experts.")
 
 
 def is_routed_expert(name: str) -> bool:
-    """Whether a checkpoint tensor belongs to the routed experts (MLX switch_mlp, HF experts), not the shared one."""
-    return any(p in name for p in _ROUTED)
+    """Whether a checkpoint tensor belongs to the routed experts (MLX switch_mlp, HF experts), not the shared one
+    (nor to the multi-token-prediction layer, which sluice does not load)."""
+    return any(p in name for p in _ROUTED) and "mtp." not in name
 
 
 def parse_bytes(text) -> int:
@@ -107,13 +109,13 @@ class Placement:
     @property
     def max_cached_tokens(self) -> int:
         """The most tokens a step may have to run from the slots; bigger steps stage whole layers."""
-        return self.slots // self.top_k
+        return self.slots // self.top_k if self.slots < self.experts else 1 << 30
 
     @property
     def max_graph_tokens(self) -> int:
         """The most tokens a decode step may have to be graph-captured: none when a miss needs the host (a disk
         store reads it), else those that run from the slots."""
-        return self.max_cached_tokens if all(c.in_graph for c in self.caches) else 0
+        return self.max_cached_tokens if self.caches[0].in_graph else 0  # one store kind for all layers
 
     def hit_rate(self) -> float | None:
         hits, misses = (sum(int(c.stats[i]) for c in self.caches) for i in range(2))
@@ -155,16 +157,28 @@ def place(module, device: torch.device, gpu_memory: int | None, expert_slots: in
         raise UnsupportedError("streaming experts needs quantized experts (an MLX checkpoint, `sluice convert`, or "
                                "--load-format dummy with a quantization block).")
     first = moes[0]
+    layout = _layout(first)
+    if any(_layout(m) != layout for m in moes[1:]):
+        raise UnsupportedError("streaming experts needs every MoE layer to store its experts alike (the same shapes, "
+                               "bits and group sizes); this checkpoint mixes them.")
     E, k, L = first.num_experts, first.top_k, len(moes)
     expert_bytes = sum(t[0].nbytes for w in (first.gate_up, first.down) for t in (w.weight, w.scales, w.biases))
     staging = LayerStaging(device)
     staging_bytes = 2 * E * expert_bytes if device.type == "cuda" else 0
     resident = torch.cuda.memory_allocated(device) if device.type == "cuda" else _resident_bytes(module, moes)
-    smallest = MIN_SLOTS_PER_TOP_K * k
+    smallest = min(MIN_SLOTS_PER_TOP_K * k, E)
     if expert_slots is None:
-        free = gpu_memory if gpu_memory is not None else torch.cuda.mem_get_info(device)[0] + resident
-        room = free - resident - CACHE_RESERVE - staging_bytes
-        slots = min(E, max(0, room // (L * expert_bytes)))
+        free = gpu_memory if gpu_memory is not None else (
+            torch.cuda.mem_get_info(device)[0] + resident if device.type == "cuda" else None)
+        if free is None:  # no budget off the GPU (a disk store asked for): a slot for every expert
+            slots = E
+        else:
+            room = free - resident - CACHE_RESERVE - staging_bytes
+            slots = min(E, max(0, room // (L * expert_bytes)))
+        if slots == E and disk is None:  # it all fits after all
+            for m in moes:
+                m.gate_up, m.down = (_to(w, device) for w in (m.gate_up, m.down))
+            return None
         if slots < smallest:
             need = resident + CACHE_RESERVE + staging_bytes + L * smallest * expert_bytes
             raise InvalidOptionError(
@@ -172,14 +186,12 @@ def place(module, device: torch.device, gpu_memory: int | None, expert_slots: in
                 f"{resident / 2**30:.1f} GiB for the weights other than the routed experts, "
                 f"{CACHE_RESERVE / 2**30:.0f} GiB for caches, {staging_bytes / 2**30:.1f} GiB to stage a layer's "
                 f"experts and at least {smallest} expert slots a layer ({L * smallest * expert_bytes / 2**30:.1f} "
-                f"GiB; fewer make the cache useless). The smallest budget that works is {need / 2**30:.1f} GiB.")
-        if slots == E and disk is None:  # it all fits after all
-            for m in moes:
-                m.gate_up, m.down = (_to(w, device) for w in (m.gate_up, m.down))
-            return None
+                f"GiB; fewer make the cache useless). The smallest budget that works is "
+                f"{math.ceil(need / 2**30 * 10) / 10:.1f} GiB.")
     else:
         if not smallest <= expert_slots <= E:
-            raise InvalidOptionError(f"expert_slots={expert_slots}: use {smallest} (3 x top-k) to {E}.")
+            raise InvalidOptionError(f"expert_slots={expert_slots}: use {smallest} (3 x top-k, at most the {E} "
+                                     f"experts) to {E}.")
         slots = expert_slots
     caches, fds = [], {}
     for i, m in enumerate(moes):
@@ -212,7 +224,13 @@ def _disk_store(src, prefix: str, moe, fds: dict):
             file, start, nbytes, shape, dtype = src.location(name)
             E = shape[0]
             pieces.append(FilePiece(part0 + j, row0, file, start, nbytes // E, tuple(shape[1:]), dtype))
-    return DiskStore(pieces, moe.down.bits, moe.down.group_size, moe.num_experts, fds)
+    return DiskStore(pieces, [(q.bits, q.group_size) for q in (moe.gate_up, moe.down)], moe.num_experts, fds)
+
+
+def _layout(moe) -> tuple:
+    """What must agree between the MoE layers that share one set of staging buffers and one slot size."""
+    return tuple((tuple(t.shape), t.dtype, q.bits, q.group_size) for q in (moe.gate_up, moe.down)
+                 for t in (q.weight, q.scales, q.biases))
 
 
 def _to(qt, device):

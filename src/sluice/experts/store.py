@@ -67,17 +67,16 @@ class DiskStore:
     """A layer's experts in the checkpoint's files: `pieces` say where each slot part's rows lie (MLX checkpoints
     keep gate, up and down apart, each with weight, scales, biases: nine pieces for six parts)."""
 
-    def __init__(self, pieces: list[FilePiece], bits: int, group_size: int, num_experts: int, fds: dict):
-        self.pieces, self.bits, self.group_size, self.num_experts = pieces, bits, group_size, num_experts
+    def __init__(self, pieces: list[FilePiece], quant: list[tuple[int, int]], num_experts: int, fds: dict):
+        """quant: (bits, group_size) of gate_up and of down; fds: path -> open file, shared by the layers (opened
+        here, on the loading thread, so the reader threads only read the dict)."""
+        self.pieces, self.quant, self.num_experts = pieces, quant, num_experts
         self.in_place = False
-        self._fds = fds  # path -> fd, shared by the layers
+        for p in pieces:
+            if p.file not in fds:
+                fds[p.file] = os.open(p.file, os.O_RDONLY)
+        self._fds = fds
         self.bytes_read = 0
-
-    def _fd(self, path: Path) -> int:
-        fd = self._fds.get(path)
-        if fd is None:
-            fd = self._fds[path] = os.open(path, os.O_RDONLY)
-        return fd
 
     def _read(self, jobs: list[tuple[FilePiece, int, memoryview]]) -> None:
         """pread each (piece, expert, destination) in parallel threads (os.preadv lets go of the GIL)."""
@@ -85,7 +84,7 @@ class DiskStore:
             piece, e, dst = job
             done, offset = 0, piece.start + e * piece.nbytes
             while done < piece.nbytes:
-                n = os.preadv(self._fd(piece.file), [dst[done:]], offset + done)
+                n = os.preadv(self._fds[piece.file], [dst[done:]], offset + done)
                 if n <= 0:
                     raise OSError(f"{piece.file}: short read at byte {offset + done}")
                 done += n
@@ -116,8 +115,7 @@ class DiskStore:
             for e in range(E):  # rows of one expert are contiguous inside its part
                 jobs.append((p, e, _bytes(dst[e])))
         self._read(jobs)
-        return (QuantizedTensor(*out[:3], self.bits, self.group_size),
-                QuantizedTensor(*out[3:], self.bits, self.group_size))
+        return QuantizedTensor(*out[:3], *self.quant[0]), QuantizedTensor(*out[3:], *self.quant[1])
 
     def fill(self, missed, victims, slots: list[torch.Tensor]) -> None:
         """Read the missed experts into page-locked staging (parallel preads), then copy each piece into its slot

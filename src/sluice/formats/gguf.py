@@ -191,6 +191,14 @@ class GGUFFile:
                                      "of the file). Download it again.")
 
     @property
+    def total_bytes(self) -> int:
+        return sum(int(t.n_bytes) for t in self.tensors.values())
+
+    def tensor_nbytes(self) -> dict[str, int]:
+        """Every tensor's name and size in bytes (as `HFDirectory` says it)."""
+        return {name: int(t.n_bytes) for name, t in self.tensors.items()}
+
+    @property
     def fields(self):
         return self.reader.fields
 

@@ -20,8 +20,7 @@ def _resolve_kernel(ids_ptr, out_ptr, slot_of_ptr, expert_in_ptr, stamp_ptr, clo
     """ids [T, KA] (columns < K routed); jobs [2, MAX_JOBS] (missed experts, then their slots); sorted: scratch
     [BLOCK_S] int64. Global stores are read back by other threads only after a barrier (one program: the CTA's
     barrier makes them visible)."""
-    clock = tl.load(clock_ptr) + 1
-    tl.store(clock_ptr, clock)
+    clock = tl.load(clock_ptr) + 1  # stored at the end: every thread must read the old value first
     offs_e = tl.arange(0, BLOCK_E)
     e_ok = offs_e < E
     wanted = tl.zeros((BLOCK_E,), dtype=tl.int32)
@@ -64,6 +63,7 @@ def _resolve_kernel(ids_ptr, out_ptr, slot_of_ptr, expert_in_ptr, stamp_ptr, clo
         routed = (i % KA < K) & (e < E)
         s = tl.load(slot_of_ptr + e, mask=m & routed, other=0)
         tl.store(out_ptr + i, tl.where(routed, s, S), mask=m)
+    tl.store(clock_ptr, clock)
 
 
 def resolve(ids: torch.Tensor, k: int, slot_of, expert_in, stamp, clock, stats, jobs, n_jobs, scratch):

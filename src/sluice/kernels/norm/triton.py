@@ -133,14 +133,15 @@ def _add_rms_norm_kernel(h_ptr, d_ptr, w_ptr, s_ptr, y_ptr, R, H, D, stride_ho, 
 
 def add_rms_norm(h: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float,
                  block_elems: int = 4096, num_warps: int = 4) -> tuple[torch.Tensor, torch.Tensor]:
-    """(s, y): s = h + delta in h's dtype (h itself when delta is None) and y = `reference.rms_norm_fp32_scale(s,
-    weight, eps)`, both [..., D] contiguous, in one launch: the residual add and the next layer's input norm of a
+    """(s, y): s = h + delta in h's dtype (delta of the same dtype; h itself, as it is, when delta is None) and
+    y = `reference.rms_norm_fp32_scale(s, weight, eps)` [..., D] contiguous, in one launch: the residual add and the next layer's input norm of a
     decoder block. h and delta may be views with unit last stride (read in place)."""
     what = "add_rms_norm"
     if h.dim() < 1 or h.dtype not in _DTYPES or (delta is not None and (delta.shape != h.shape
-                                                                        or delta.dtype not in _DTYPES)):
+                                                                        or delta.dtype != h.dtype)):
         raise ValueError(f"{what}: h (and delta of its shape) must be bf16, fp16 or fp32 [..., D], got {h.dtype} "
-                         f"{tuple(h.shape)}{'' if delta is None else f' and {delta.dtype} {tuple(delta.shape)}'}")
+                         f"{tuple(h.shape)}{'' if delta is None else f' and {delta.dtype} {tuple(delta.shape)}'} (delta in "
+                         "h's dtype)")
     D = h.shape[-1]
     if weight.dim() != 1 or weight.shape[0] != D or weight.dtype not in _DTYPES:
         raise ValueError(f"{what}: weight must be a float [{D}] tensor, got {weight.dtype} {tuple(weight.shape)}")
