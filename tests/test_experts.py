@@ -192,3 +192,8 @@ def test_gguf_models_are_held_to_the_budget(tmp_path):
         sluice.load(path, device="cpu", expert_slots=6)
     with pytest.raises(InvalidOptionError, match="more than the .* GiB given"):
         sluice.load(path, device="cpu", gpu_memory="1KiB")
+
+
+def test_dequantized_weights_cannot_stream(mlx_dir):
+    with pytest.raises(InvalidOptionError, match="keep_quantized=False"):
+        sluice.load(mlx_dir, device="cpu", expert_slots=6, keep_quantized=False)

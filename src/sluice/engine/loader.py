@@ -177,6 +177,8 @@ def load(path=None, device=None, dtype=None, keep_quantized: bool = True, kv_cac
         gpu_memory = parse_bytes(gpu_memory)
     if expert_slots is not None and (not isinstance(expert_slots, int) or isinstance(expert_slots, bool)):
         raise InvalidOptionError(f"expert_slots={expert_slots!r}: use an integer.")
+    if not keep_quantized and (expert_slots is not None or expert_store == "disk"):
+        raise InvalidOptionError("keep_quantized=False cannot be combined with streamed experts.")
     try:
         src, module, tokenizer = _read_checkpoint(path, load_format, dev, dt, gpu_memory, expert_slots,
                                                   expert_store)
