@@ -19,12 +19,12 @@ import triton.language as tl
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 MAX_D = 8192  # a row lives in registers
-_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 
 
 @triton.jit
-def _round(v, dtype: tl.constexpr, RNE_BF16: tl.constexpr):
+def round_to(v, dtype: tl.constexpr, RNE_BF16: tl.constexpr):
     """fp32 v rounded to `dtype`, returned in fp32. RNE_BF16: round to nearest even by hand, since the Triton
     interpreter truncates fp32 -> bf16 casts (a GPU rounds to nearest even; so the tests see its rounding)."""
     if RNE_BF16:
@@ -36,28 +36,35 @@ def _round(v, dtype: tl.constexpr, RNE_BF16: tl.constexpr):
 
 
 @triton.jit
-def _gated_rms_norm_kernel(x_ptr, z_ptr, w_ptr, y_ptr, R, H, D, stride_xo, stride_xh, stride_zo, stride_zh, eps,
-                           H_DTYPE: tl.constexpr, RNE_BF16: tl.constexpr, BLOCK_R: tl.constexpr,
-                           BLOCK_D: tl.constexpr):
+def row_block(R, H, D, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
+    """This program's rows of an [outer, heads, D] tensor: (rows, outer index, head index, column offsets,
+    column mask, [BLOCK_R, BLOCK_D] mask). Shared by the row-wise norm kernels (here and `kernels/rope`)."""
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     outer = rows // H
     head = rows - outer * H
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d < D
-    mask = (rows < R)[:, None] & d_ok[None, :]
+    return rows, outer, head, offs_d, d_ok, (rows < R)[:, None] & d_ok[None, :]
+
+
+@triton.jit
+def _gated_rms_norm_kernel(x_ptr, z_ptr, w_ptr, y_ptr, R, H, D, stride_xo, stride_xh, stride_zo, stride_zh, eps,
+                           H_DTYPE: tl.constexpr, RNE_BF16: tl.constexpr, BLOCK_R: tl.constexpr,
+                           BLOCK_D: tl.constexpr):
+    rows, outer, head, offs_d, d_ok, mask = row_block(R, H, D, BLOCK_R, BLOCK_D)
     x_rows = outer.to(tl.int64) * stride_xo + head.to(tl.int64) * stride_xh
     x = tl.load(x_ptr + x_rows[:, None] + offs_d[None, :], mask=mask, other=0.0).to(tl.float32)
     inv = tl.math.rsqrt(tl.sum(x * x, axis=1) / D + eps)
-    n = _round(x * inv[:, None], x_ptr.dtype.element_ty, RNE_BF16)
+    n = round_to(x * inv[:, None], x_ptr.dtype.element_ty, RNE_BF16)
     w = tl.load(w_ptr + offs_d, mask=d_ok, other=0.0).to(tl.float32)
-    h = _round(w[None, :] * n, H_DTYPE, RNE_BF16)
+    h = round_to(w[None, :] * n, H_DTYPE, RNE_BF16)
     z_rows = outer.to(tl.int64) * stride_zo + head.to(tl.int64) * stride_zh
     z = tl.load(z_ptr + z_rows[:, None] + offs_d[None, :], mask=mask, other=0.0).to(tl.float32)
-    out = _round(h * (z * tl.sigmoid(z)), y_ptr.dtype.element_ty, RNE_BF16)
+    out = round_to(h * (z * tl.sigmoid(z)), y_ptr.dtype.element_ty, RNE_BF16)
     tl.store(y_ptr + rows.to(tl.int64)[:, None] * D + offs_d[None, :], out.to(y_ptr.dtype.element_ty), mask=mask)
 
 
-def _as_rows(t: torch.Tensor, outer: int, heads: int, D: int) -> torch.Tensor:
+def as_rows(t: torch.Tensor, outer: int, heads: int, D: int) -> torch.Tensor:
     """t [..., D] as an [outer, heads, D] view with unit last stride (a copy only if no such view exists)."""
     if t.stride(-1) == 1:
         try:
@@ -72,13 +79,13 @@ def gated_rms_norm(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: 
     """x, z [..., D] (bf16/fp16/fp32; views with unit last stride are read in place), weight [D]
     -> w * rmsnorm(x) * silu(z), [..., D] in x's dtype (contiguous), as `reference.gated_rms_norm`."""
     what = "gated_rms_norm"
-    if x.dim() < 1 or x.dtype not in _DTYPES or z.dtype not in _DTYPES:
+    if x.dim() < 1 or x.dtype not in FLOAT_DTYPES or z.dtype not in FLOAT_DTYPES:
         raise ValueError(f"{what}: x and z must be bf16, fp16 or fp32 [..., D], got {x.dtype} {tuple(x.shape)} and "
                          f"{z.dtype}")
     if z.shape != x.shape:
         raise ValueError(f"{what}: z {tuple(z.shape)} must have x's shape {tuple(x.shape)}")
     D = x.shape[-1]
-    if weight.dim() != 1 or weight.shape[0] != D or weight.dtype not in _DTYPES:
+    if weight.dim() != 1 or weight.shape[0] != D or weight.dtype not in FLOAT_DTYPES:
         raise ValueError(f"{what}: weight must be a bf16/fp16/fp32 [{D}] tensor, got {weight.dtype} "
                          f"{tuple(weight.shape)}")
     if not 1 <= D <= MAX_D:
@@ -94,7 +101,7 @@ def gated_rms_norm(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: 
         return y
     heads = x.shape[-2] if x.dim() >= 2 else 1
     outer = R // heads
-    x3, z3 = _as_rows(x, outer, heads, D), _as_rows(z, outer, heads, D)
+    x3, z3 = as_rows(x, outer, heads, D), as_rows(z, outer, heads, D)
     weight = weight if weight.stride(0) == 1 else weight.contiguous()
     block_d = triton.next_power_of_2(D)
     block_r = min(max(1, block_elems // block_d), triton.next_power_of_2(R))
@@ -111,23 +118,18 @@ def _add_rms_norm_kernel(h_ptr, d_ptr, w_ptr, s_ptr, y_ptr, R, H, D, stride_ho, 
                          BLOCK_D: tl.constexpr):
     """s = h + delta (rounded to h's dtype, as torch adds), y = (s * rsqrt(mean(s^2) + eps)) * w in fp32, rounded
     once (`reference.rms_norm_fp32_scale`); rows addressed as [outer, heads, D]."""
-    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
-    outer = rows // H
-    head = rows - outer * H
-    offs_d = tl.arange(0, BLOCK_D)
-    d_ok = offs_d < D
-    mask = (rows < R)[:, None] & d_ok[None, :]
+    rows, outer, head, offs_d, d_ok, mask = row_block(R, H, D, BLOCK_R, BLOCK_D)
     h_rows = outer.to(tl.int64) * stride_ho + head.to(tl.int64) * stride_hh
     x = tl.load(h_ptr + h_rows[:, None] + offs_d[None, :], mask=mask, other=0.0).to(tl.float32)
     out_rows = rows.to(tl.int64)[:, None] * D + offs_d[None, :]
     if HAS_DELTA:
         d_rows = outer.to(tl.int64) * stride_do + head.to(tl.int64) * stride_dh
         x += tl.load(d_ptr + d_rows[:, None] + offs_d[None, :], mask=mask, other=0.0).to(tl.float32)
-        x = _round(x, h_ptr.dtype.element_ty, RNE_BF16)
+        x = round_to(x, h_ptr.dtype.element_ty, RNE_BF16)
         tl.store(s_ptr + out_rows, x.to(s_ptr.dtype.element_ty), mask=mask)
     inv = tl.math.rsqrt(tl.sum(x * x, axis=1) / D + eps)
     w = tl.load(w_ptr + offs_d, mask=d_ok, other=0.0).to(tl.float32)
-    y = _round((x * inv[:, None]) * w[None, :], y_ptr.dtype.element_ty, RNE_BF16)
+    y = round_to((x * inv[:, None]) * w[None, :], y_ptr.dtype.element_ty, RNE_BF16)
     tl.store(y_ptr + out_rows, y.to(y_ptr.dtype.element_ty), mask=mask)
 
 
@@ -137,13 +139,13 @@ def add_rms_norm(h: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tens
     y = `reference.rms_norm_fp32_scale(s, weight, eps)` [..., D] contiguous, in one launch: the residual add and the next layer's input norm of a
     decoder block. h and delta may be views with unit last stride (read in place)."""
     what = "add_rms_norm"
-    if h.dim() < 1 or h.dtype not in _DTYPES or (delta is not None and (delta.shape != h.shape
+    if h.dim() < 1 or h.dtype not in FLOAT_DTYPES or (delta is not None and (delta.shape != h.shape
                                                                         or delta.dtype != h.dtype)):
         raise ValueError(f"{what}: h (and delta of its shape) must be bf16, fp16 or fp32 [..., D], got {h.dtype} "
                          f"{tuple(h.shape)}{'' if delta is None else f' and {delta.dtype} {tuple(delta.shape)}'} (delta in "
                          "h's dtype)")
     D = h.shape[-1]
-    if weight.dim() != 1 or weight.shape[0] != D or weight.dtype not in _DTYPES:
+    if weight.dim() != 1 or weight.shape[0] != D or weight.dtype not in FLOAT_DTYPES:
         raise ValueError(f"{what}: weight must be a float [{D}] tensor, got {weight.dtype} {tuple(weight.shape)}")
     if not 1 <= D <= MAX_D:
         raise ValueError(f"{what}: D must be in [1, {MAX_D}], got {D}")
@@ -158,8 +160,8 @@ def add_rms_norm(h: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tens
         return s, y
     heads = h.shape[-2] if h.dim() >= 2 else 1
     outer = R // heads
-    h3 = _as_rows(h, outer, heads, D)
-    d3 = h3 if delta is None else _as_rows(delta, outer, heads, D)
+    h3 = as_rows(h, outer, heads, D)
+    d3 = h3 if delta is None else as_rows(delta, outer, heads, D)
     weight = weight if weight.stride(0) == 1 else weight.contiguous()
     block_d = triton.next_power_of_2(D)
     block_r = min(max(1, block_elems // block_d), triton.next_power_of_2(R))

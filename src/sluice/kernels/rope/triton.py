@@ -10,19 +10,14 @@ import torch
 import triton
 import triton.language as tl
 
-from sluice.kernels.norm.triton import _DTYPES, INTERPRET, _as_rows, _round
+from sluice.kernels.norm.triton import FLOAT_DTYPES, INTERPRET, as_rows, round_to, row_block
 
 
 @triton.jit
 def _norm_rope_kernel(x_ptr, w_ptr, cos_ptr, sin_ptr, y_ptr, R, H, D, ROT, stride_xo, stride_xh, stride_c, eps,
                       RNE_BF16: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
     """Rows are (token, head) pairs addressed as [tokens, heads, D]; cos/sin [tokens, ROT]."""
-    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
-    tok = rows // H
-    head = rows - tok * H
-    offs = tl.arange(0, BLOCK_D)
-    d_ok = offs < D
-    mask = (rows < R)[:, None] & d_ok[None, :]
+    rows, tok, head, offs, d_ok, mask = row_block(R, H, D, BLOCK_R, BLOCK_D)
     half = ROT // 2
     partner = tl.where(offs < half, offs + half, tl.where(offs < ROT, offs - half, offs))
     base = (tok.to(tl.int64) * stride_xo + head.to(tl.int64) * stride_xh)[:, None]
@@ -30,14 +25,14 @@ def _norm_rope_kernel(x_ptr, w_ptr, cos_ptr, sin_ptr, y_ptr, R, H, D, ROT, strid
     xq = tl.load(x_ptr + base + partner[None, :], mask=mask, other=0.0).to(tl.float32)
     inv = tl.math.rsqrt(tl.sum(x * x, axis=1) / D + eps)[:, None]
     dt = y_ptr.dtype.element_ty
-    n = _round((x * inv) * tl.load(w_ptr + offs, mask=d_ok, other=0.0).to(tl.float32)[None, :], dt, RNE_BF16)
-    nq = _round((xq * inv) * tl.load(w_ptr + partner, mask=d_ok, other=0.0).to(tl.float32)[None, :], dt, RNE_BF16)
+    n = round_to((x * inv) * tl.load(w_ptr + offs, mask=d_ok, other=0.0).to(tl.float32)[None, :], dt, RNE_BF16)
+    nq = round_to((xq * inv) * tl.load(w_ptr + partner, mask=d_ok, other=0.0).to(tl.float32)[None, :], dt, RNE_BF16)
     rot = (offs < ROT)[None, :]
     c_off = tok.to(tl.int64)[:, None] * stride_c + tl.where(offs < ROT, offs, 0)[None, :]
     c = tl.load(cos_ptr + c_off, mask=mask & rot, other=0.0).to(tl.float32)
     s = tl.load(sin_ptr + c_off, mask=mask & rot, other=0.0).to(tl.float32)
     sign = tl.where(offs < half, -1.0, 1.0)[None, :]
-    y = _round(_round(n * c, dt, RNE_BF16) + sign * _round(nq * s, dt, RNE_BF16), dt, RNE_BF16)
+    y = round_to(round_to(n * c, dt, RNE_BF16) + sign * round_to(nq * s, dt, RNE_BF16), dt, RNE_BF16)
     y = tl.where(rot, y, n)
     tl.store(y_ptr + rows.to(tl.int64)[:, None] * D + offs[None, :], y.to(dt), mask=mask)
 
@@ -47,7 +42,7 @@ def norm_rope(x: torch.Tensor, weight: torch.Tensor, cos: torch.Tensor, sin: tor
     """x [B, T, heads, D] (a view with unit last stride is read in place), weight [D], cos, sin [B, T, r] (r even,
     <= D) -> apply_rope(rms_norm_fp32_scale(x, weight, eps), cos[:, :, None], sin[:, :, None]), contiguous."""
     what = "norm_rope"
-    if x.dim() != 4 or x.dtype not in _DTYPES:
+    if x.dim() != 4 or x.dtype not in FLOAT_DTYPES:
         raise ValueError(f"{what}: x must be a bf16/fp16/fp32 [B, T, heads, D] tensor, got {x.dtype} "
                          f"{tuple(x.shape)}")
     B, T, H, D = x.shape
@@ -63,7 +58,7 @@ def norm_rope(x: torch.Tensor, weight: torch.Tensor, cos: torch.Tensor, sin: tor
     R = B * T * H
     if R == 0:
         return y
-    x3 = _as_rows(x, B * T, H, D)
+    x3 = as_rows(x, B * T, H, D)
     cos, sin = (t.reshape(B * T, r).contiguous() for t in (cos, sin))
     block_d = triton.next_power_of_2(D)
     block_r = min(max(1, block_elems // block_d), triton.next_power_of_2(R))
