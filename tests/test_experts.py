@@ -197,3 +197,16 @@ def test_gguf_models_are_held_to_the_budget(tmp_path):
 def test_dequantized_weights_cannot_stream(mlx_dir):
     with pytest.raises(InvalidOptionError, match="keep_quantized=False"):
         sluice.load(mlx_dir, device="cpu", expert_slots=6, keep_quantized=False)
+
+
+def test_the_server_reports_the_placement_live(mlx_dir):
+    httpx = pytest.importorskip("httpx")
+    from sluice.server import Server, ServerConfig
+
+    model = sluice.load(mlx_dir, device="cpu", expert_slots=6, max_batch=2, max_seq_len=64)
+    with Server(model, ServerConfig(port=0, log_level="warning")) as s:
+        assert httpx.get(s.url + "/health").json()["experts"]["hit_rate"] is None  # nothing looked up yet
+        body = {"model": mlx_dir.name, "prompt": [5, 6, 7], "max_tokens": 8, "temperature": 0}
+        assert httpx.post(s.url + "/v1/completions", json=body, timeout=60).status_code == 200
+        experts = httpx.get(s.url + "/health").json()["experts"]
+        assert experts["slots_per_layer"] == 6 and 0 <= experts["hit_rate"] <= 1

@@ -118,7 +118,8 @@ class Placement:
         return self.max_cached_tokens if self.caches[0].in_graph else 0  # one store kind for all layers
 
     def hit_rate(self) -> float | None:
-        hits, misses = (sum(int(c.stats[i]) for c in self.caches) for i in range(2))
+        """Hits over lookups so far (distinct experts a step, all layers), read back in one transfer."""
+        hits, misses = torch.stack([c.stats for c in self.caches]).sum(0).tolist()
         return hits / (hits + misses) if hits + misses else None
 
     def summary(self) -> dict:

@@ -4,6 +4,8 @@ route, 413 body too large, 422 a body of the wrong shape, 500 an engine failure)
 
 from __future__ import annotations
 
+import asyncio
+
 import hmac
 import re
 from contextlib import asynccontextmanager
@@ -42,7 +44,10 @@ def create_app(model, config: ServerConfig) -> FastAPI:
 
     @app.get("/health")
     async def health():
-        return {"status": "ok", "model": gen.name, **loop.stats()}
+        out = {"status": "ok", "model": gen.name, **loop.stats()}
+        if model.placement is not None:  # streamed experts: where they are, the hit rate so far (read off-loop)
+            out["experts"] = await asyncio.to_thread(model.placement.summary)
+        return out
 
     api = APIRouter(prefix="/v1", dependencies=[Depends(_key_check(config.api_key))])
 
