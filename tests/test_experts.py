@@ -210,3 +210,19 @@ def test_the_server_reports_the_placement_live(mlx_dir):
         assert httpx.post(s.url + "/v1/completions", json=body, timeout=60).status_code == 200
         experts = httpx.get(s.url + "/health").json()["experts"]
         assert experts["slots_per_layer"] == 6 and 0 <= experts["hit_rate"] <= 1
+
+
+def test_a_big_step_with_few_distinct_experts_runs_from_the_slots(mlx_dir):
+    """More routed pairs than slots, but few distinct experts: the slots, not a whole layer (which would read every
+    expert of the layer for a step that needs two)."""
+    streamed = sluice.load(mlx_dir, device="cpu", expert_slots=6, expert_store="disk")
+    cache = streamed.placement.caches[0]
+    ids = torch.tensor([[1, 2], [2, 1], [1, 2], [2, 1]], dtype=torch.int32)  # 8 pairs > 6 slots, 2 experts
+    gate_up, down, slots = cache.for_step(ids, 2)
+    assert gate_up.weight.shape[0] == 6 and streamed.placement.disk_bytes_read() == 2 * cache.expert_bytes
+    whole = cache.store.layer()[0].weight.view(torch.int32)
+    for e in (1, 2):
+        s = int(slots[ids == e][0])
+        assert torch.equal(gate_up.weight[s].view(torch.int32), whole[e])
+    many = torch.tensor([[0, 1], [2, 3], [4, 5], [6, 7]], dtype=torch.int32)  # 8 distinct: the whole layer
+    assert cache.for_step(many, 2)[0].weight.shape[0] == 16

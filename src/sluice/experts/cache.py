@@ -61,10 +61,15 @@ class ExpertCache:
         experts, at most tokens * k and at most E, always fit."""
         return min(tokens * k, self.num_experts) <= self.slots
 
+    def _distinct_fit(self, ids: torch.Tensor, k: int) -> bool:
+        """Whether a step too big to fit the slots by its size still does by its distinct experts (counted on the
+        host: such steps run eagerly, never in a graph): a batch that shares experts, a short prompt."""
+        return int(torch.unique(ids[:, :k]).numel()) <= self.slots
+
     def for_step(self, ids: torch.Tensor, k: int) -> tuple[QuantizedTensor, QuantizedTensor, torch.Tensor]:
         """(gate_up, down, ids) for a step routed to ids [T, k or k + 1] (columns past k: the shared expert, id E,
         which becomes id S)."""
-        if not self.fits(ids.shape[0], k):
+        if not self.fits(ids.shape[0], k) and not self._distinct_fit(ids, k):
             gate_up, down = self.staging.layer(self)
             return gate_up, down, ids
         slots = _parts(self.gate_up, self.down)
