@@ -231,3 +231,47 @@ def test_a_cache_pool_bigger_than_memory_is_refused_before_it_is_made(tmp_path):
     assert 0 < available_memory(torch.device("cpu")) < 1 << 50
     small = sluice.load(path, device="cpu", max_seq_len=64, max_batch=2)
     assert small.generate("hi", max_tokens=2, temperature=0)  # a pool that fits is made as before
+
+
+@pytest.mark.parametrize("arch", ["qwen3_next", "llama"])
+def test_packed_prefill_matches_one_chunk_at_a_time(tmp_path, arch):
+    """Several prompts' chunks in one forward (attention and Gated DeltaNet per chunk, everything token-wise over
+    all of them) give each chunk's logits and caches as prefilling the chunks one by one does."""
+    from helpers import save_hf_dir, tiny_llama
+    from test_qwen3_next import qwen3_next, save
+
+    src = save(qwen3_next(seed=6), tmp_path / "q") if arch == "qwen3_next" else \
+        save_hf_dir(tiny_llama(seed=6), tmp_path / "l")
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(0, 300, (n,), generator=g).tolist() for n in (10, 7, 13)]
+    steps = [[(0, 0, 6), (1, 0, 7), (2, 0, 5)], [(0, 6, 10), (2, 5, 13)]]  # (row, first, end) per forward
+    logits = {}
+    for packed in (False, True):
+        runner = sluice.load(src, device="cpu").engine.runner
+        runner.build_pool(3, 64)
+        got = []
+        for step in steps:
+            chunks = [(row, prompts[row][a:b], a) for row, a, b in step]
+            got += list(runner.prefill(chunks)) if packed else [runner.prefill([c])[0] for c in chunks]
+        # then one decode step of all three, reading the caches the prefills wrote
+        got += list(runner.decode([0, 1, 2], [10, 7, 13], [1, 2, 3]))
+        logits[packed] = torch.stack(got)
+    assert torch.allclose(logits[True], logits[False], rtol=1e-4, atol=1e-4)
+    assert torch.equal(logits[True].argmax(-1), logits[False].argmax(-1))
+
+
+def test_a_step_prefills_several_prompts_within_its_token_budget(tmp_path):
+    from helpers import save_hf_dir, tiny_llama
+
+    model = sluice.load(save_hf_dir(tiny_llama(seed=4), tmp_path / "m"), device="cpu", prefill_chunk=16)
+    engine = model.engine
+    seqs = [engine.add_request(list(range(5, 5 + n)), max_tokens=2) for n in (6, 7, 9)]
+    engine.step()  # 16 tokens: the first two prompts whole, 3 of the third
+    assert [s.prefilled for s in seqs] == [6, 7, 3] and [s.status for s in seqs[:2]] == ["decoding"] * 2
+    assert all(len(s.output) == 1 for s in seqs[:2])  # their first tokens sampled in the same step
+    engine.step()
+    assert seqs[2].prefilled == 9
+    while engine.has_work():
+        engine.step()
+    solo = [model.generate(list(range(5, 5 + n)), max_tokens=2, temperature=0) for n in (6, 7, 9)]
+    assert [model.tokenizer.decode(s.output) for s in seqs] == solo

@@ -15,7 +15,8 @@ class EngineConfig:
 
     max_batch: the most sequences decoding at once (cache rows).
     max_seq_len: the most positions one sequence may hold (prompt + generated); None = the model's context window.
-    prefill_chunk: prompt tokens per prefill forward (bounds activation memory).
+    prefill_chunk: prompt tokens a step prefills at most, over all the prompts it packs into one forward (bounds
+        activation memory and how long a step of the running decodes waits).
     graphs: on CUDA, replay each decode step from a CUDA graph captured per batch size (False: eager, to compare).
     graph_batch_sizes: the batch sizes graphs are captured for; a batch runs in the smallest that holds it.
     kv_cache: "dense" (K/V in the model's dtype) or "turboquant4".

@@ -36,6 +36,9 @@ class KVCache:
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta, scale: float) -> torch.Tensor:
         """q [B, Hq, T, D] with their k, v [B, Hkv, T, D] at meta's rows and positions: store k, v, return the
         attention output [B, Hq, T, D] (causal; with a window W, query p sees keys p-W+1..p)."""
+        if meta.parts is not None:  # packed prefill: each sequence's chunk as its own prefill
+            return torch.cat([self.attend(layer, q[:, :, t0:t1], k[:, :, t0:t1], v[:, :, t0:t1], part, scale)
+                              for t0, t1, part in meta.parts], dim=2)
         if not meta.decode:
             return self.prefill(layer, meta.row0, q, k, v, meta.start, scale)
         if self.use_decode_kernel(q):

@@ -54,7 +54,7 @@ def _run(engine, prompts, max_tokens: int) -> dict:
     ttft = prefill_end = None
     decode_s, decode_tokens = 0.0, 0
     while not all(s.finished for s in seqs):
-        steady = len(engine.scheduler.decoding()) == len(seqs) and engine.scheduler.next_prefill() is None
+        steady = len(engine.scheduler.decoding()) == len(seqs) and not engine.scheduler.next_prefills()
         t = time.perf_counter()
         engine.step()  # reads the sampled ids back: the step is done on the device when it returns
         now = time.perf_counter()

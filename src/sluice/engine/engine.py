@@ -119,16 +119,20 @@ class Engine:
             logits = self.runner.decode([s.row for s in running], [s.next_position for s in running],
                                         [s.output[-1] for s in running])
             outputs += self._sample(running, logits)
-        chunk = self.scheduler.next_prefill()
-        if chunk is not None:
-            seq, first, end = chunk
-            if first == 0:
-                self._mark_seen(seq)
-            logits = self.runner.prefill(seq.row, seq.prompt[first:end], first)
-            seq.prefilled = end
-            if end == len(seq.prompt):
-                seq.status = DECODING
-                outputs += self._sample([seq], logits[None])
+        chunks = self.scheduler.next_prefills()
+        if chunks:
+            for seq, first, _ in chunks:
+                if first == 0:
+                    self._mark_seen(seq)
+            logits = self.runner.prefill([(seq.row, seq.prompt[first:end], first) for seq, first, end in chunks])
+            done = []
+            for i, (seq, _, end) in enumerate(chunks):
+                seq.prefilled = end
+                if end == len(seq.prompt):
+                    seq.status = DECODING
+                    done.append(i)
+            if done:
+                outputs += self._sample([chunks[i][0] for i in done], logits[done])
         return outputs
 
     def _finish_empty(self) -> list[Sequence]:

@@ -83,11 +83,16 @@ class ModelRunner:
 
     # -- forwards -------------------------------------------------------------------------------------------
     @torch.inference_mode()
-    def prefill(self, row: int, ids: list[int], start: int) -> torch.Tensor:
-        """Feed prompt tokens ids at positions start.. of the sequence in `row`: the last one's logits [vocab]."""
-        meta = ForwardMeta.prefill(row, 1, start, len(ids), self.device)
-        tokens = torch.tensor([ids], dtype=torch.long).to(self.device)
-        return self.module(tokens, self.pool, meta, self.dtype, last_only=True)[0, -1]
+    def prefill(self, chunks: list[tuple[int, list[int], int]]) -> torch.Tensor:
+        """Feed prompt chunks (cache row, token ids, first position), of one or several sequences, in one forward
+        (several: packed, `ForwardMeta.packed`): the logits [chunks, vocab] of each chunk's last token."""
+        tokens = torch.tensor([[t for _, ids, _ in chunks for t in ids]], dtype=torch.long).to(self.device)
+        if len(chunks) == 1:
+            row, ids, start = chunks[0]
+            meta = ForwardMeta.prefill(row, 1, start, len(ids), self.device)
+        else:
+            meta = ForwardMeta.packed([(row, start, len(ids)) for row, ids, start in chunks], self.device)
+        return self.module(tokens, self.pool, meta, self.dtype, last_only=True)[0]
 
     @torch.inference_mode()
     def decode(self, rows: list[int], positions: list[int], tokens: list[int]) -> torch.Tensor:

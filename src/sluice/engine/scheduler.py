@@ -1,5 +1,6 @@
-"""Which sequences run in the next step: admit waiting ones while the cache pool has rows, prefill prompts one chunk
-at a time, decode every sequence whose prompt is in, free a finished sequence's row at once."""
+"""Which sequences run in the next step: admit waiting ones while the cache pool has rows, prefill prompts in chunks
+(as many prompts' chunks as fit one step's token budget, packed into one forward), decode every sequence whose
+prompt is in, free a finished sequence's row at once."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from sluice.engine.sequence import DECODING, FINISHED, PREFILLING, WAITING, Sequ
 
 class Scheduler:
     def __init__(self, prefill_chunk: int):
-        self.prefill_chunk = prefill_chunk
+        self.prefill_chunk = prefill_chunk  # prompt tokens a step prefills at most, over all its prompts
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # prefilling or decoding, in admission order
 
@@ -28,12 +29,18 @@ class Scheduler:
             seq.row, seq.status, seq.prefilled = pool.allocate(), PREFILLING, 0
             self.running.append(seq)
 
-    def next_prefill(self) -> tuple[Sequence, int, int] | None:
-        """(sequence, first, end) of the prompt chunk to prefill next: the oldest admitted prompt not yet in."""
-        seq = next((s for s in self.running if s.status == PREFILLING), None)
-        if seq is None:
-            return None
-        return seq, seq.prefilled, min(len(seq.prompt), seq.prefilled + self.prefill_chunk)
+    def next_prefills(self) -> list[tuple[Sequence, int, int]]:
+        """[(sequence, first, end)]: the prompt chunks the next step prefills, oldest admitted prompt first, until
+        `prefill_chunk` tokens (a prompt that does not fit whole gets the tokens left, and the rest next step)."""
+        chunks, budget = [], self.prefill_chunk
+        for seq in self.running:
+            if budget == 0:
+                break
+            if seq.status == PREFILLING:
+                end = min(len(seq.prompt), seq.prefilled + budget)
+                chunks.append((seq, seq.prefilled, end))
+                budget -= end - seq.prefilled
+        return chunks
 
     def decoding(self) -> list[Sequence]:
         return [s for s in self.running if s.status == DECODING]

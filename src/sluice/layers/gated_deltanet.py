@@ -60,18 +60,26 @@ class GatedDeltaNet(nn.Module):
         nv, dv = self.nv, self.dv
         proj = self.in_proj(x)
         mixed, z, b, a = proj.split([2 * self.nk * self.dk + nv * dv, nv * dv, nv, nv], dim=-1)
-        i = self.state_index
-        conv_state, state = cache.conv(i), cache.recurrent(i)
         kernels = gdn_kernels(x, (self.dk, self.dv))
-        if kernels is not None:
-            o = self._kernels(kernels, mixed, b, a, conv_state, state, meta)
-        else:  # one sequence at a time, as a sequence alone takes it
-            rows = meta.rows_host if meta.decode else range(meta.row0, meta.row0 + B)
-            o = torch.cat([self._reference(mixed[j:j + 1], b[j:j + 1], a[j:j + 1], conv_state[r:r + 1],
-                                           state[r:r + 1]) for j, r in enumerate(rows)])
+        if meta.parts is not None:  # packed prefill: each sequence's chunk through its own states
+            o = torch.cat([self._mix(kernels, mixed[:, t0:t1], b[:, t0:t1], a[:, t0:t1], cache, part)
+                           for t0, t1, part in meta.parts], dim=1)
+        else:
+            o = self._mix(kernels, mixed, b, a, cache, meta)
         norm = gated_rms_norm if kernels is None else kernels.gated_rms_norm
         o = norm(o.to(x.dtype), z.reshape(B, T, nv, dv), self.norm_weight, self.eps)
         return self.out_proj(o.reshape(B, T, nv * dv))
+
+    def _mix(self, kernels, mixed, b, a, cache, meta):
+        """Conv + gated delta rule of the sequences in meta's rows, their states advanced in place."""
+        i = self.state_index
+        conv_state, state = cache.conv(i), cache.recurrent(i)
+        if kernels is not None:
+            return self._kernels(kernels, mixed, b, a, conv_state, state, meta)
+        # one sequence at a time, as a sequence alone takes it
+        rows = meta.rows_host if meta.decode else range(meta.row0, meta.row0 + mixed.shape[0])
+        return torch.cat([self._reference(mixed[j:j + 1], b[j:j + 1], a[j:j + 1], conv_state[r:r + 1],
+                                          state[r:r + 1]) for j, r in enumerate(rows)])
 
     def _split_heads(self, mixed):
         B, T = mixed.shape[:2]

@@ -176,7 +176,7 @@ class LlamaModel(nn.Module):
         for layer in self.layers:
             h = layer(h, cos, sin, cache, meta)
         if last_only:
-            h = h[:, -1:]
+            h = h[:, meta.last_tokens]
         return self.lm_head(self.norm(h)).float()
 
 

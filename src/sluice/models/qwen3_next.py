@@ -179,7 +179,8 @@ class Qwen3NextModel(nn.Module):
         for layer in self.layers:
             h, delta = layer(h, delta, cos, sin, cache, meta)
         if last_only:
-            h, delta = h[:, -1:], (None if delta is None else delta[:, -1:])
+            last = meta.last_tokens
+            h, delta = h[:, last], (None if delta is None else delta[:, last])
         return self.lm_head(add_rms_norm_fp32_scale(h, delta, self.norm, self.cfg.rms_norm_eps)[1]).float()
 
 
