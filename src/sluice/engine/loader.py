@@ -65,14 +65,6 @@ def open_source(path, load_format: str = "auto"):
                          "(config.json + *.safetensors + tokenizer.json), or omit --model for the demo model.")
 
 
-def _to_device(t, device: torch.device):
-    from sluice.quant.affine import QuantizedTensor
-
-    if isinstance(t, QuantizedTensor):
-        return QuantizedTensor(t.weight.to(device), t.scales.to(device), t.biases.to(device), t.bits, t.group_size)
-    return t.to(device)
-
-
 class _DeviceReader:
     """The checkpoint reader the builders see while a model loads: each tensor comes back on the target device as
     it is read (readers with `reads_to_device` put it there themselves; GGUF tensors are moved one by one), so
@@ -95,15 +87,15 @@ class _DeviceReader:
             prefix = name[: name.index("switch_mlp.")] if "switch_mlp." in name else name
             if prefix not in self.streamed_prefixes:
                 self.streamed_prefixes.append(prefix)
-            t = _to_device(self.src.tensor(name, "cpu"), torch.device("meta"))  # zero-copy views: nothing read
+            t = self.src.tensor(name, "cpu").to("meta")  # zero-copy views: nothing read
         elif self.expert_store == "host" and is_routed_expert(name):  # streamed experts live in host memory
             # dummy weights are made fast on the device, then moved; checkpoints are read to the host directly
             made = self.src.tensor(name, self.device if self.src.format == "dummy" else "cpu")
-            t = _to_device(made, torch.device("cpu"))
+            t = made.to("cpu")
         elif self.direct:
             t = self.src.tensor(name, self.device)
         else:
-            t = _to_device(self.src.tensor(name), self.device)
+            t = self.src.tensor(name).to(self.device)
         self.bar.update(t.nbytes)
         return t
 

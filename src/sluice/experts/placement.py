@@ -178,7 +178,7 @@ def place(module, device: torch.device, gpu_memory: int | None, expert_slots: in
             slots = min(E, max(0, room // (L * expert_bytes)))
         if slots == E and disk is None:  # it all fits after all
             for m in moes:
-                m.gate_up, m.down = (_to(w, device) for w in (m.gate_up, m.down))
+                m.gate_up, m.down = m.gate_up.to(device), m.down.to(device)
             return None
         if slots < smallest:
             need = resident + CACHE_RESERVE + staging_bytes + L * smallest * expert_bytes
@@ -225,19 +225,13 @@ def _disk_store(src, prefix: str, moe, fds: dict):
             file, start, nbytes, shape, dtype = src.location(name)
             E = shape[0]
             pieces.append(FilePiece(part0 + j, row0, file, start, nbytes // E, tuple(shape[1:]), dtype))
-    return DiskStore(pieces, [(q.bits, q.group_size) for q in (moe.gate_up, moe.down)], moe.num_experts, fds)
+    return DiskStore(pieces, (moe.gate_up, moe.down), fds)
 
 
 def _layout(moe) -> tuple:
     """What must agree between the MoE layers that share one set of staging buffers and one slot size."""
     return tuple((tuple(t.shape), t.dtype, q.bits, q.group_size) for q in (moe.gate_up, moe.down)
                  for t in (q.weight, q.scales, q.biases))
-
-
-def _to(qt, device):
-    from sluice.quant.affine import QuantizedTensor
-
-    return QuantizedTensor(qt.weight.to(device), qt.scales.to(device), qt.biases.to(device), qt.bits, qt.group_size)
 
 
 def _resident_bytes(module, moes) -> int:

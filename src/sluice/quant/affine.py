@@ -68,6 +68,11 @@ class QuantizedTensor:
         """The logical (dequantized) shape ``(..., out, in)``."""
         return (*self.weight.shape[:-1], self.in_features)
 
+    def to(self, device) -> "QuantizedTensor":
+        """The same packed weight on `device` (as `torch.Tensor.to`: the same tensors when already there)."""
+        return QuantizedTensor(self.weight.to(device), self.scales.to(device), self.biases.to(device), self.bits,
+                               self.group_size)
+
     @property
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.weight, self.scales, self.biases))
