@@ -67,10 +67,10 @@ class DiskStore:
     """A layer's experts in the checkpoint's files: `pieces` say where each slot part's rows lie (MLX checkpoints
     keep gate, up and down apart, each with weight, scales, biases: nine pieces for six parts)."""
 
-    def __init__(self, pieces: list[FilePiece], quant: list[tuple[int, int]], num_experts: int, fds: dict):
-        """quant: (bits, group_size) of gate_up and of down; fds: path -> open file, shared by the layers (opened
-        here, on the loading thread, so the reader threads only read the dict)."""
-        self.pieces, self.quant, self.num_experts = pieces, quant, num_experts
+    def __init__(self, pieces: list[FilePiece], experts: tuple[QuantizedTensor, QuantizedTensor], fds: dict):
+        """experts: the layer's gate_up and down as meta tensors (their shapes, dtypes, bits); fds: path -> open
+        file, shared by the layers (opened here, on the loading thread, so the reader threads only read the dict)."""
+        self.pieces, self.experts = pieces, experts
         self.in_place = False
         for p in pieces:
             if p.file not in fds:
@@ -92,30 +92,13 @@ class DiskStore:
         list(_readers().map(one, jobs))
         self.bytes_read += sum(p.nbytes for p, _, _ in jobs)
 
-    def _host_buffer(self, nbytes: int, pinned: bool) -> torch.Tensor:
-        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=pinned)
-
     def layer(self, pinned: bool = False) -> tuple[QuantizedTensor, QuantizedTensor]:
         """The whole layer read into fresh host memory (page-locked when `pinned`), as gate_up and down."""
-        E = self.num_experts
-        shapes = {}  # part -> (rows, rest, dtype)
-        for p in self.pieces:
-            rows = shapes.get(p.part, (0,))[0]
-            shapes[p.part] = (max(rows, p.row0 + p.shape[0]), p.shape[1:], p.dtype)
-        sizes = [E * rows * _numel(rest) * dtype.itemsize for rows, rest, dtype in (shapes[i] for i in range(6))]
-        buf = self._host_buffer(sum(sizes), pinned)
-        out, at = [], 0
-        for i, n in enumerate(sizes):
-            rows, rest, dtype = shapes[i]
-            out.append(buf[at:at + n].view(dtype).view(E, rows, *rest))
-            at += n
-        jobs = []
-        for p in self.pieces:
-            dst = out[p.part][:, p.row0:p.row0 + p.shape[0]]
-            for e in range(E):  # rows of one expert are contiguous inside its part
-                jobs.append((p, e, _bytes(dst[e])))
+        out = [torch.empty(t.shape, dtype=t.dtype, pin_memory=pinned) for t in parts(*self.experts)]
+        jobs = [(p, e, _bytes(out[p.part][e, p.row0:p.row0 + p.shape[0]]))  # an expert's rows are contiguous
+                for p in self.pieces for e in range(out[0].shape[0])]
         self._read(jobs)
-        return QuantizedTensor(*out[:3], *self.quant[0]), QuantizedTensor(*out[3:], *self.quant[1])
+        return tuple(QuantizedTensor(*out[i:i + 3], q.bits, q.group_size) for i, q in zip((0, 3), self.experts))
 
     def fill(self, missed, victims, slots: list[torch.Tensor]) -> None:
         """Read the missed experts into page-locked staging (parallel preads), then copy each piece into its slot
@@ -124,7 +107,7 @@ class DiskStore:
             return
         pinned = slots[0].is_cuda
         per_expert = sum(p.nbytes for p in self.pieces)
-        buf = self._host_buffer(len(missed) * per_expert, pinned)
+        buf = torch.empty(len(missed) * per_expert, dtype=torch.uint8, pin_memory=pinned)
         jobs, copies, at = [], [], 0
         for e, s in zip(missed, victims):
             for p in self.pieces:
@@ -135,13 +118,6 @@ class DiskStore:
         self._read(jobs)
         for dst, src in copies:
             dst.copy_(src, non_blocking=pinned)
-
-
-def _numel(shape) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
 
 
 def _bytes(t: torch.Tensor) -> memoryview:
