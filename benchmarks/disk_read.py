@@ -15,10 +15,14 @@ from concurrent.futures import ThreadPoolExecutor
 
 
 def evict(paths) -> None:
+    """Drop the files from the OS page cache (written pages flushed first), so the next reads come from the disk."""
     for p in paths:
         fd = os.open(p, os.O_RDONLY)
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        os.close(fd)
+        try:
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
 
 
 def read_all(jobs, threads: int) -> float:

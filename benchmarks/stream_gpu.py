@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import os
 import resource
 import tempfile
 import time
@@ -25,6 +24,7 @@ from pathlib import Path
 import torch
 
 import sluice
+from disk_read import evict
 from sluice.engine.bench import copy_bandwidth
 
 
@@ -89,17 +89,6 @@ def config_path(config: str, layers: int | None) -> str:
     out = Path(tempfile.mkdtemp()) / "config.json"
     out.write_text(json.dumps(doc))
     return str(out)
-
-
-def evict(files) -> None:
-    """Drop the files from the OS page cache, so that the next reads come from the disk."""
-    for f in files:
-        fd = os.open(f, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
 
 
 def disk_run(model, files, prompt_tokens: int, steps: int) -> dict:
