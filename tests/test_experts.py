@@ -226,3 +226,8 @@ def test_a_big_step_with_few_distinct_experts_runs_from_the_slots(mlx_dir):
         assert torch.equal(gate_up.weight[s].view(torch.int32), whole[e])
     many = torch.tensor([[0, 1], [2, 3], [4, 5], [6, 7]], dtype=torch.int32)  # 8 distinct: the whole layer
     assert cache.for_step(many, 2)[0].weight.shape[0] == 16
+
+
+def test_expert_slots_must_be_an_integer(mlx_dir):
+    with pytest.raises(InvalidOptionError, match="expert_slots='six': use an integer"):
+        sluice.load(mlx_dir, device="cpu", expert_slots="six")
