@@ -106,6 +106,36 @@ def test_abort_frees_the_row(qwen):
     assert engine.runner.pool.free_rows == engine.runner.pool.rows
 
 
+def test_overlapped_steps_give_the_same_tokens(qwen):
+    """Decode steps run ahead of the host (`overlap`, the GPU default, forced here on the CPU): the same tokens as
+    steps read back at once, greedy and seeded, through a stop id (the step run ahead of it is thrown away), a
+    request that joins and one aborted while its step is in flight; every row given back."""
+    ps = prompts(qwen, seed=3)
+    seeded = dict(temperature=0.9, top_p=0.95, seed=7, repetition_penalty=1.2)
+    solo = [alone(qwen, p, max_tokens=20) for p in ps]
+    solo_seeded = alone(qwen, ps[0], max_tokens=20, **seeded)
+    stop = solo[2][6]
+    fast = qwen.with_engine(overlap=True)
+    engine = fast.engine
+    seqs = [engine.add_request(p, max_tokens=20, stop_ids=()) for p in ps[:2]]
+    seqs.append(engine.add_request(ps[2], max_tokens=20, stop_ids=(stop,)))
+    seqs.append(engine.add_request(ps[0], max_tokens=20, stop_ids=(), **seeded))
+    doomed = engine.add_request(ps[1], max_tokens=20, stop_ids=())
+    ahead = 0
+    for _ in range(12):
+        engine.step()
+        ahead += engine._ahead is not None
+    assert ahead >= 5  # it really ran ahead
+    engine.abort(doomed)
+    seqs.append(engine.add_request(ps[3], max_tokens=20, stop_ids=()))
+    engine.run(seqs)
+    assert not engine.has_work()
+    assert [s.output for s in seqs] == solo[:2] + [solo[2][:solo[2].index(stop)], solo_seeded, solo[3]]
+    assert engine.runner.pool.free_rows == engine.runner.pool.rows
+    with pytest.raises(InvalidOptionError, match="overlap"):
+        qwen.with_engine(overlap="yes")
+
+
 def test_impossible_requests_are_errors(qwen):
     engine = qwen.engine
     with pytest.raises(ContextLengthError, match="request .*positions"):

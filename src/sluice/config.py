@@ -20,6 +20,8 @@ class EngineConfig:
     graphs: on CUDA, replay each decode step from a CUDA graph captured per batch size (False: eager, to compare).
     graph_batch_sizes: the batch sizes graphs are captured for; a batch runs in the smallest that holds it.
     kv_cache: "dense" (K/V in the model's dtype) or "turboquant4".
+    overlap: launch each decode step before the host reads the last one's tokens (`engine/engine.py`); None: on a
+        GPU, where it hides the host's part of a step behind the device's.
     """
 
     max_batch: int = 64
@@ -28,6 +30,7 @@ class EngineConfig:
     graphs: bool = True
     graph_batch_sizes: tuple[int, ...] = field(default=GRAPH_BATCH_SIZES)
     kv_cache: str = "dense"
+    overlap: bool | None = None
 
     def __post_init__(self):
         from sluice.cache import KV_CACHE_KINDS
@@ -40,6 +43,8 @@ class EngineConfig:
         positive("prefill_chunk", self.prefill_chunk)
         if self.max_seq_len is not None:
             positive("max_seq_len", self.max_seq_len)
+        if self.overlap not in (None, True, False):
+            raise InvalidOptionError(f"overlap={self.overlap!r}: use True, False or None (on a GPU).")
         if self.kv_cache not in KV_CACHE_KINDS:
             raise InvalidOptionError(f"kv_cache={self.kv_cache!r}: use one of {', '.join(KV_CACHE_KINDS)}.")
         sizes = tuple(self.graph_batch_sizes)

@@ -14,6 +14,13 @@ Per request, beyond the sampling parameters: `logprobs=N` makes each StepOutput 
 probability and the N most likely tokens' (of the model's own distribution: the log-softmax of the raw logits, before
 penalties, temperature and masks), and `constraint` (a `TokenConstraint`) masks the logits before each draw.
 Greedy requests without either take one argmax over the batch, as before.
+
+Overlap (`EngineConfig.overlap`, on by default on a GPU): a decode step whose sampling runs wholly on the device is
+not read back at once. The next step is launched first, its input the sampled ids still on the device, and the
+host reads and detokenizes the earlier step while the GPU runs the later one; so each step's outputs come from the
+`step()` call after the one that launched it. A sequence that stops on a stop id or string costs one step computed
+and thrown away; a step whose rows need the host (logprobs, a constraint, presence or frequency penalties, a
+sequence one token from its max_tokens, a batch that changed) is read back before the next launch.
 """
 
 from __future__ import annotations
@@ -39,6 +46,16 @@ class GenerationError(SluiceError):
 
 
 @dataclass
+class _Drawn:
+    """A decode step's sampled ids on the device, and their copy on the way to the host."""
+    seqs: list[Sequence]
+    ids: torch.Tensor  # int64 [B] on the device: the next step's input when it runs ahead
+    host: torch.Tensor  # int64 [2, B]: ids and finite flags (pinned on a GPU; valid once `ready` has passed)
+    ready: torch.cuda.Event | None
+    logits: torch.Tensor  # the raw logits (logprobs; read before the next step overwrites a graph's)
+
+
+@dataclass
 class StepOutput:
     seq: Sequence
     token: int | None  # the token sampled this step (None: an end-of-generation id, not part of the output)
@@ -56,6 +73,7 @@ class Engine:
         self.runner = ModelRunner(module, config, device, dtype)
         self.scheduler = Scheduler(config.prefill_chunk)
         self._ids = itertools.count()
+        self._ahead: _Drawn | None = None  # a decode step launched, its ids not read yet (`overlap`)
 
     @property
     def max_length(self) -> int:
@@ -107,18 +125,35 @@ class Engine:
             self.runner.build_pool(self.config.max_batch, self.max_length)
 
     def has_work(self) -> bool:
-        return self.scheduler.has_work()
+        return self.scheduler.has_work() or self._ahead is not None
+
+    @property
+    def overlaps(self) -> bool:
+        """Whether decode steps run ahead of the host (`EngineConfig.overlap`; None: on a GPU)."""
+        overlap = self.config.overlap
+        return self.runner.device.type == "cuda" if overlap is None else overlap
 
     # -- steps ----------------------------------------------------------------------------------------------
     def step(self) -> list[StepOutput]:
         outputs = [StepOutput(s, None, "", True) for s in self._finish_empty()]
+        ahead, self._ahead = self._ahead, None
+        if ahead is not None and not self._can_follow(ahead):
+            outputs += self._land(ahead)
+            ahead = None
         self._fit_pool()
         self.scheduler.admit(self.runner.pool)
         running = self.scheduler.decoding()
         if running:
-            logits = self.runner.decode([s.row for s in running], [s.next_position for s in running],
-                                        [s.output[-1] for s in running])
-            outputs += self._sample(running, logits)
+            follows = ahead is not None  # running is ahead's batch: its ids, still on the device, are the input
+            logits = self.runner.decode([s.row for s in running], [s.next_position + follows for s in running],
+                                        ahead.ids if follows else [s.output[-1] for s in running])
+            drawn = self._draw(running, logits, follows)
+            if follows:  # read while the GPU runs the step just launched
+                outputs += self._land(ahead)
+            if self.overlaps and all(self._runs_ahead(s) for s in running):
+                self._ahead = drawn
+            else:
+                outputs += self._land(drawn)
         chunks = self.scheduler.next_prefills()
         if chunks:
             for seq, first, _ in chunks:
@@ -132,8 +167,19 @@ class Engine:
                     seq.status = DECODING
                     done.append(i)
             if done:
-                outputs += self._sample([chunks[i][0] for i in done], logits[done])
+                outputs += self._land(self._draw([chunks[i][0] for i in done], logits[done]))
         return outputs
+
+    def _can_follow(self, ahead: _Drawn) -> bool:
+        """Whether the next decode step can take `ahead`'s ids as they are on the device: its batch decodes on
+        unchanged (no request aborted, none joined) and every sequence needs a token past ahead's."""
+        return (self.scheduler.decoding() == ahead.seqs
+                and all(len(s.output) + 1 < s.max_tokens for s in ahead.seqs))
+
+    @staticmethod
+    def _runs_ahead(seq: Sequence) -> bool:
+        """Whether a sequence's step may be read back a step late: its sampling needs nothing from the host."""
+        return seq.logprobs is None and seq.constraint is None and not seq.sampling.counts_output
 
     def _finish_empty(self) -> list[Sequence]:
         """Requests for no tokens at all end before they take a row."""
@@ -166,15 +212,18 @@ class Engine:
         if seq.sampling.repetition_penalty != 1.0:
             fill_seen(self.runner.seen, seq.row, seq.prompt)
 
-    def _sample(self, seqs: list[Sequence], logits: torch.Tensor) -> list[StepOutput]:
+    def _draw(self, seqs: list[Sequence], logits: torch.Tensor, ahead: int = 0) -> _Drawn:
+        """Sample one token per sequence on the device and start copying the ids (with a finite check of each row's
+        logits) to the host; nothing waits. `ahead`: tokens each sequence has drawn that are not in its output yet
+        (the sampler's counters count them)."""
         raw = logits
         if any(s.constraint is not None for s in seqs):
             logits = self._masked(seqs, logits)
         if all(s.sampling.plain_greedy for s in seqs):  # greedy
             ids = logits.argmax(-1)
         else:
-            batch = SamplingBatch([s.sampling for s in seqs], [s.seed for s in seqs], [len(s.output) for s in seqs],
-                                  logits.device)
+            batch = SamplingBatch([s.sampling for s in seqs], [s.seed for s in seqs],
+                                  [len(s.output) + ahead for s in seqs], logits.device)
             rows = torch.tensor([s.row for s in seqs], device=logits.device) if batch.needs_seen else None
             counts = None
             if batch.needs_counts:
@@ -183,12 +232,29 @@ class Engine:
             ids = sample(logits, batch, self.runner.seen, rows, counts)
             if rows is not None:
                 mark_seen(self.runner.seen, rows, ids)
-        # NaN/inf logits end that request: the check is read back with the ids (one transfer, no extra sync)
-        ids_ok = torch.stack([ids, torch.isfinite(raw).all(-1).to(ids.dtype)]).tolist()
-        ok = [bool(f) for f in ids_ok[1]]
-        logprobs = self._logprobs(seqs, raw, ids)  # a failed row's are NaN, never shown
-        return [self._append(s, t, *logprobs.get(i, ())) if ok[i] else self._fail(s, "NaN or inf logits")
-                for i, (s, t) in enumerate(zip(seqs, ids_ok[0]))]
+        # NaN/inf logits end that request: the check travels with the ids (one transfer)
+        both = torch.stack([ids, torch.isfinite(raw).all(-1).to(ids.dtype)])
+        gpu = both.is_cuda
+        host = torch.empty(both.shape, dtype=both.dtype, pin_memory=gpu)
+        host.copy_(both, non_blocking=gpu)
+        ready = None
+        if gpu:
+            ready = torch.cuda.Event()
+            ready.record()
+        return _Drawn(list(seqs), ids, host, ready, raw)
+
+    def _land(self, drawn: _Drawn) -> list[StepOutput]:
+        """Wait for a drawn step's ids and hand them to their sequences (those aborted or stopped since are skipped:
+        a step run ahead of a stop is thrown away)."""
+        if drawn.ready is not None:
+            drawn.ready.synchronize()
+        ids, ok = drawn.host.tolist()
+        live = [(i, s) for i, s in enumerate(drawn.seqs) if not s.finished]
+        logprobs = self._logprobs([s for _, s in live], drawn.logits[[i for i, _ in live]],
+                                  drawn.ids[[i for i, _ in live]]) if any(s.logprobs is not None
+                                                                           for _, s in live) else {}
+        return [self._append(s, ids[i], *logprobs.get(j, ())) if ok[i] else self._fail(s, "NaN or inf logits")
+                for j, (i, s) in enumerate(live)]
 
     @staticmethod
     def _masked(seqs: list[Sequence], logits: torch.Tensor) -> torch.Tensor:

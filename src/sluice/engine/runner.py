@@ -95,17 +95,23 @@ class ModelRunner:
         return self.module(tokens, self.pool, meta, self.dtype, last_only=True)[0]
 
     @torch.inference_mode()
-    def decode(self, rows: list[int], positions: list[int], tokens: list[int]) -> torch.Tensor:
+    def decode(self, rows: list[int], positions: list[int], tokens: list[int] | torch.Tensor) -> torch.Tensor:
         """One decode step: token tokens[b] at positions[b] of the sequence in rows[b]; logits [B, vocab] fp32 (with
-        graphs, a view of the graph's output: read it before the next step)."""
+        graphs, a view of the graph's output: read it before the next step). tokens: host ints, or int64 [B] on the
+        device (the last step's sampled ids, which need not have reached the host)."""
         n = len(rows)
         size = self._graph_size(n)
         if size is None:
             meta = ForwardMeta.decode_host(rows, positions, self.pool.visible, self.device)
-            ids = torch.tensor(tokens, dtype=torch.long)[:, None].to(self.device)
-            return self.module(ids, self.pool, meta, self.dtype, last_only=True)[:, 0]
+            ids = tokens if isinstance(tokens, torch.Tensor) else torch.tensor(tokens, dtype=torch.long)
+            return self.module(ids.to(self.device)[:, None], self.pool, meta, self.dtype, last_only=True)[:, 0]
         graph, logits = self._graph(size)
-        self._inputs[:, :size].copy_(self._padded([tokens, positions, rows], size))
+        on_device = isinstance(tokens, torch.Tensor)
+        # pinned and not blocking: a pageable copy would wait for the step before to end
+        inputs = self._padded([[0] * n if on_device else tokens, positions, rows], size).pin_memory()
+        self._inputs[:, :size].copy_(inputs, non_blocking=True)
+        if on_device:
+            self._inputs[0, :n].copy_(tokens)
         graph.replay()
         return logits[:n]
 
