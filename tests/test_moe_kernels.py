@@ -133,8 +133,8 @@ def test_prefill_tighter_in_fp16_and_fp32(dtype, bound):
 
 def test_moe_picks_decode_or_prefill(monkeypatch):
     calls = []
-    monkeypatch.setattr(mt, "moe_decode", lambda *a: calls.append("decode"))
-    monkeypatch.setattr(mt, "moe_prefill", lambda *a: calls.append("prefill"))
+    monkeypatch.setattr(mt, "moe_decode", lambda *a, **k: calls.append("decode"))
+    monkeypatch.setattr(mt, "moe_prefill", lambda *a, **k: calls.append("prefill"))
     for T in (mt.DECODE_MAX_TOKENS, mt.DECODE_MAX_TOKENS + 1):
         mt.moe(torch.zeros(T, H), None, None, None, None)
     assert calls == ["decode", "prefill"]

@@ -11,7 +11,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from sluice.kernels.moe import triton_for
+from sluice.kernels.moe import ExpertOutputs, triton_for
 from sluice.kernels.qmatmul import qmatmul
 from sluice.layers.linear import Linear, fuse_linears
 from sluice.quant.affine import QuantizedTensor
@@ -80,10 +80,18 @@ class SparseMoE(nn.Module):
                                    for w in (self.gate_up, self.down))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.unsummed(x)
+        return out.combine().view(x.shape) if isinstance(out, ExpertOutputs) else out
+
+    def unsummed(self, x: torch.Tensor):
+        """The block's output for x [..., H]: on the Triton path the experts' outputs before their weighted sum
+        (`ExpertOutputs`, [tokens, H] once summed), for a caller whose next kernel adds them to the residual stream
+        itself (`kernels.norm.add_rms_norm_fp32_scale`); elsewhere the output tensor, x's shape."""
         x2 = x.reshape(-1, x.shape[-1])
         kernels = triton_for(self.gate_up, self.down, self.top_k) if x.is_cuda else None
-        out = self._forward_reference(x2) if kernels is None else self._forward_triton(x2, kernels)
-        return out.view(x.shape)
+        if kernels is None:
+            return self._forward_reference(x2).view(x.shape)
+        return self._forward_triton(x2, kernels)
 
     def _shared_as_expert(self, kernels) -> tuple[QuantizedTensor, QuantizedTensor] | None:
         """The shared expert's (gate_up, down) when stored exactly like one routed expert: then decode runs it as
@@ -110,14 +118,14 @@ class SparseMoE(nn.Module):
         if shared_expert is not None:  # decode: the shared expert is slot k of every token
             ids, weights = self._route_with_shared_slot(x2, kernels)
             gate_up, down, ids = self._experts_for(ids)
-            return kernels.moe_decode(x2, ids, weights, gate_up, down, shared_expert=shared_expert)
+            return kernels.moe_decode(x2, ids, weights, gate_up, down, shared_expert=shared_expert, summed=False)
         E = self.num_experts
         logits = self.gates(x2)
         gate_logit = logits[:, E] if self.shared is not None else None
         ids, weights = kernels.route(logits[:, :E], self.top_k, self.norm_topk_prob)
         gate_up, down, ids = self._experts_for(ids)
         shared_out = self.shared(x2) if self.shared is not None else None
-        return kernels.moe(x2, ids, weights, gate_up, down, shared_out, gate_logit)
+        return kernels.moe(x2, ids, weights, gate_up, down, shared_out, gate_logit, summed=False)
 
     def _forward_reference(self, x2: torch.Tensor) -> torch.Tensor:
         logits = self.gates(x2)

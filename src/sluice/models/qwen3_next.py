@@ -17,6 +17,7 @@ from sluice.cache.kv import make_kv_cache
 from sluice.cache.pool import CachePool, RecurrentStates
 from sluice.errors import ModelFileError, UnsupportedError
 from sluice.formats.validate import bounded_int, head_dim_default, parse_config
+from sluice.kernels.moe import ExpertOutputs
 from sluice.kernels.norm import add_rms_norm_fp32_scale
 from sluice.kernels.rope.reference import rope_cos_sin, rope_inv_freq
 from sluice.layers.attention import GatedAttention
@@ -133,14 +134,15 @@ class Qwen3NextBlock(nn.Module):
 
     def forward(self, h, delta, cos, sin, cache, meta):
         """(h, delta) -> (h', delta'): the residual stream and the last sublayer's output not yet added to it
-        (None at the first layer), so that every residual add runs in one kernel with the norm after it."""
+        (None at the first layer), so that every residual add runs in one kernel with the norm after it; on the
+        GPU an MoE's delta is its experts' outputs not yet summed (`ExpertOutputs`), which that kernel sums too."""
         h, x = add_rms_norm_fp32_scale(h, delta, self.input_norm, self.eps)
         if isinstance(self.mixer, GatedAttention):
             mixed = self.mixer(x, cos, sin, cache, meta)
         else:
             mixed = self.mixer(x, cache, meta)
         h, x = add_rms_norm_fp32_scale(h, mixed, self.post_norm, self.eps)
-        return h, self.mlp(x)
+        return h, (self.mlp.unsummed(x) if isinstance(self.mlp, SparseMoE) else self.mlp(x))
 
 
 class Qwen3NextModel(nn.Module):
@@ -178,8 +180,10 @@ class Qwen3NextModel(nn.Module):
         cos, sin = rope_cos_sin(meta.positions, self.inv_freq, dtype)
         for layer in self.layers:
             h, delta = layer(h, delta, cos, sin, cache, meta)
-        if last_only:
+        if last_only and h.shape[1] > 1:
             last = meta.last_tokens
+            if isinstance(delta, ExpertOutputs):
+                delta = delta.combine().view(h.shape)
             h, delta = h[:, last], (None if delta is None else delta[:, last])
         return self.lm_head(add_rms_norm_fp32_scale(h, delta, self.norm, self.cfg.rms_norm_eps)[1]).float()
 

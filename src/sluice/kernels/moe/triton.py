@@ -10,7 +10,9 @@ Everything stays on the device (no host synchronisation, so a decode step can be
   the device, ONE grouped tensor-core GEMM launch per projection (W tiles dequantized in registers), SwiGLU
   fused into the gate_up epilogue.
 - `combine`: out[t] = sum_j w[t, j] * y[t*k + j] (+ sigmoid(gate[t]) * shared[t]); a gather, no atomics, so the
-  result is deterministic.
+  result is deterministic. `expert_sum` is that sum as a device function: with `summed=False` the MoE launches stop
+  before it and return `ExpertOutputs`, which the next kernel (the decoder's residual add + RMSNorm,
+  `norm.triton.add_rms_norm`) sums itself: one launch fewer, the same bits.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import triton
 import triton.language as tl
 
 from sluice.kernels import launch
+from sluice.kernels.moe import ExpertOutputs
 from sluice.kernels.qmatmul import triton as qmm
 from sluice.quant.affine import QuantizedTensor
 
@@ -185,17 +188,19 @@ def _expert_gemv(xp: torch.Tensor, qt: QuantizedTensor, ids: torch.Tensor, x_div
 def moe_decode(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_up: QuantizedTensor,
                down: QuantizedTensor, shared_out: torch.Tensor | None = None,
                shared_gate_logit: torch.Tensor | None = None,
-               shared_expert: tuple[QuantizedTensor, QuantizedTensor] | None = None) -> torch.Tensor:
-    """MoE output [T, H] in x's dtype for a decode batch: five launches whatever k is. With `shared_expert` (its
-    gate_up [2I, H] and down [H, I], stored like the routed experts) the ids and weights come from
-    `route(..., shared_gate_logit)`: id E is the shared expert, run as one more slot of the same launches."""
+               shared_expert: tuple[QuantizedTensor, QuantizedTensor] | None = None,
+               summed: bool = True) -> torch.Tensor | ExpertOutputs:
+    """MoE output [T, H] in x's dtype for a decode batch: five launches whatever k is (four and `ExpertOutputs`
+    when not `summed`). With `shared_expert` (its gate_up [2I, H] and down [H, I], stored like the routed experts)
+    the ids and weights come from `route(..., shared_gate_logit)`: id E is the shared expert, run as one more slot
+    of the same launches."""
     _check_moe(x, ids, weights, gate_up, down, shared_out, shared_gate_logit, shared_expert)
     ids = ids.contiguous().view(-1)
     gu_extra, down_extra = shared_expert if shared_expert is not None else (None, None)
     xp = qmm.prep_x(x.contiguous(), gate_up.bits, gate_up.group_size)
     y_gu = _expert_gemv(xp, gate_up, ids, x_div=weights.shape[1], extra=gu_extra)
     y = _expert_gemv(swiglu_prep(y_gu, down.bits, down.group_size), down, ids, x_div=1, extra=down_extra)
-    return combine(y, weights, x.dtype, shared_out, shared_gate_logit)
+    return _outputs(y, weights, x.dtype, shared_out, shared_gate_logit, summed)
 
 
 # ---------------------------------------------------------------------------------------------------- prefill
@@ -315,9 +320,10 @@ def _grouped_gemm(a, a_div, qt, c, table, swiglu, block_m, block_n, block_k, num
 def moe_prefill(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_up: QuantizedTensor,
                 down: QuantizedTensor, shared_out: torch.Tensor | None = None,
                 shared_gate_logit: torch.Tensor | None = None, block_m: int = 64, block_n: int = 64,
-                block_k: int = 64, num_warps: int = 4, num_stages: int = 3) -> torch.Tensor:
-    """MoE output [T, H] in x's dtype for many tokens: grouped tensor-core GEMMs over the slots sorted by expert;
-    h and the expert outputs are held in x's dtype, in slot order."""
+                block_k: int = 64, num_warps: int = 4, num_stages: int = 3,
+                summed: bool = True) -> torch.Tensor | ExpertOutputs:
+    """MoE output [T, H] in x's dtype for many tokens (`ExpertOutputs` when not `summed`): grouped tensor-core
+    GEMMs over the slots sorted by expert; h and the expert outputs are held in x's dtype, in slot order."""
     _check_moe(x, ids, weights, gate_up, down, shared_out, shared_gate_logit)
     x = x.contiguous()
     T, k = ids.shape
@@ -326,67 +332,84 @@ def moe_prefill(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_
     _grouped_gemm(x, k, gate_up, h, table, True, block_m, block_n, block_k, num_warps, num_stages)
     y = torch.empty((1, T * k, down.out_features), dtype=x.dtype, device=x.device)
     _grouped_gemm(h, 1, down, y[0], table, False, block_m, block_n, block_k, num_warps, num_stages)
-    return combine(y, weights, x.dtype, shared_out, shared_gate_logit)
+    return _outputs(y, weights, x.dtype, shared_out, shared_gate_logit, summed)
 
 
 # ---------------------------------------------------------------------------------------------------- combine
 
 
+def _outputs(y, weights, dtype, shared_out, shared_gate_logit, summed):
+    if weights.dim() != 2 or weights.dtype != torch.float32:
+        raise ValueError(f"moe combine: weights must be fp32 [T, k], got {weights.dtype} {tuple(weights.shape)}")
+    T, k = weights.shape
+    if y.dim() != 3 or y.shape[1] != T * k or y.stride(2) != 1:
+        raise ValueError(f"moe combine: y must be [S, {T * k}, H] with unit column stride, got {tuple(y.shape)}")
+    _check_shared(T, y.shape[2], shared_out, shared_gate_logit)
+    out = ExpertOutputs(y, weights.contiguous(), dtype, shared_out, shared_gate_logit)
+    return out.combine() if summed else out
+
+
 @triton.jit
-def _combine_kernel(y_ptr, w_ptr, shared_ptr, gate_ptr, out_ptr, H, S, stride_ys, stride_ym, stride_sh, stride_g,
-                    TOP_K: tl.constexpr, KP: tl.constexpr, BLOCK_H: tl.constexpr, HAS_SHARED: tl.constexpr,
-                    PDL: tl.constexpr):
-    """Program (token, column block): the token's TOP_K expert rows are loaded as one [KP, BLOCK_H] tile (one
-    memory round trip, not TOP_K dependent ones: decode has only a few such programs)."""
-    launch.pdl_start(PDL)
-    t = tl.program_id(0)
-    offs = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
-    ok = offs < H
-    offs_k = tl.arange(0, KP)
-    k_ok = offs_k < TOP_K
-    tile = y_ptr + (t * TOP_K + offs_k).to(tl.int64)[:, None] * stride_ym + offs[None, :]
-    mask = k_ok[:, None] & ok[None, :]
-    y = tl.load(tile, mask=mask, other=0.0).to(tl.float32)
-    for s in range(1, S):
-        y += tl.load(tile + s * stride_ys, mask=mask, other=0.0).to(tl.float32)
-    w = tl.load(w_ptr + t * TOP_K + offs_k, mask=k_ok, other=0.0)
-    acc = tl.sum(w[:, None] * y, axis=0)
+def expert_sum(y_ptr, w_ptr, shared_ptr, gate_ptr, rows, r_ok, offs, c_ok, S, stride_ys, stride_ym, stride_sh,
+               stride_g, TOP_K: tl.constexpr, HAS_SHARED: tl.constexpr):
+    """fp32 [rows, columns] of the MoE output of tokens `rows` (those r_ok) at columns `offs` (those c_ok):
+    sum_j w[r, j] * sum_s y[s, r*TOP_K + j] (+ sigmoid(gate[r]) * shared[r]), summed in this order whatever the
+    caller's tile, so that every kernel calling it gives the same bits. The TOP_K loads are independent: they are
+    issued together (one memory round trip)."""
+    mask = r_ok[:, None] & c_ok[None, :]
+    acc = tl.zeros(mask.shape, dtype=tl.float32)
+    for j in tl.static_range(TOP_K):
+        slot = (rows * TOP_K + j).to(tl.int64)
+        ptrs = y_ptr + slot[:, None] * stride_ym + offs[None, :]
+        y = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
+        for s in range(1, S):
+            y += tl.load(ptrs + s * stride_ys, mask=mask, other=0.0).to(tl.float32)
+        acc += tl.load(w_ptr + rows * TOP_K + j, mask=r_ok, other=0.0)[:, None] * y
     if HAS_SHARED:
-        gate = tl.sigmoid(tl.load(gate_ptr + t * stride_g).to(tl.float32))
-        acc += gate * tl.load(shared_ptr + t.to(tl.int64) * stride_sh + offs, mask=ok, other=0.0).to(tl.float32)
-    tl.store(out_ptr + t.to(tl.int64) * H + offs, acc.to(out_ptr.dtype.element_ty), mask=ok)
+        gate = tl.sigmoid(tl.load(gate_ptr + rows * stride_g, mask=r_ok, other=0.0).to(tl.float32))
+        acc += gate[:, None] * tl.load(shared_ptr + rows.to(tl.int64)[:, None] * stride_sh + offs[None, :], mask=mask,
+                                       other=0.0).to(tl.float32)
+    return acc
+
+
+@triton.jit
+def _combine_kernel(y_ptr, w_ptr, shared_ptr, gate_ptr, out_ptr, T, H, S, stride_ys, stride_ym, stride_sh, stride_g,
+                    TOP_K: tl.constexpr, HAS_SHARED: tl.constexpr, BLOCK_H: tl.constexpr, PDL: tl.constexpr):
+    """Program (token, column block)."""
+    launch.pdl_start(PDL)
+    rows = tl.program_id(0) + tl.arange(0, 1)
+    offs = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    r_ok, c_ok = rows < T, offs < H
+    acc = expert_sum(y_ptr, w_ptr, shared_ptr, gate_ptr, rows, r_ok, offs, c_ok, S, stride_ys, stride_ym, stride_sh,
+                     stride_g, TOP_K, HAS_SHARED)
+    tl.store(out_ptr + rows.to(tl.int64)[:, None] * H + offs[None, :], acc.to(out_ptr.dtype.element_ty),
+             mask=r_ok[:, None] & c_ok[None, :])
 
 
 def combine(y: torch.Tensor, weights: torch.Tensor, dtype: torch.dtype, shared_out: torch.Tensor | None = None,
             shared_gate_logit: torch.Tensor | None = None) -> torch.Tensor:
     """out [T, H] (dtype) = sum_j weights[t, j] * y[:, t*k + j].sum(0) (+ sigmoid(gate[t]) * shared_out[t]).
     y [S, T*k, H]: the S split-K partials (or S = 1) of the expert outputs, slot t*k + j = token t's j-th expert."""
-    if weights.dim() != 2 or weights.dtype != torch.float32:
-        raise ValueError(f"moe combine: weights must be fp32 [T, k], got {weights.dtype} {tuple(weights.shape)}")
-    T, k = weights.shape
-    if y.dim() != 3 or y.shape[1] != T * k or y.stride(2) != 1:
-        raise ValueError(f"moe combine: y must be [S, {T * k}, H] with unit column stride, got {tuple(y.shape)}")
-    H = y.shape[2]
-    _check_shared(T, H, shared_out, shared_gate_logit)
-    weights = weights.contiguous()
+    parts = _outputs(y, weights, dtype, shared_out, shared_gate_logit, summed=False)
+    T, H = weights.shape[0], y.shape[2]
     out = torch.empty((T, H), dtype=dtype, device=y.device)
-    has_shared = shared_out is not None
-    gate = shared_gate_logit.reshape(T) if has_shared else weights
     block_h = min(256, triton.next_power_of_2(H))
+    y, w, shared, gate, S, *strides, k, has_shared = parts.args()
     _combine_kernel[(T, triton.cdiv(H, block_h))](
-        y, weights, shared_out if has_shared else y, gate, out, H, y.shape[0], y.stride(0), y.stride(1),
-        shared_out.stride(0) if has_shared else 0, gate.stride(0), TOP_K=k, KP=triton.next_power_of_2(k),
-        BLOCK_H=block_h, HAS_SHARED=has_shared, PDL=launch.pdl(y.device), launch_pdl=launch.pdl(y.device), num_warps=4)
+        y, w, shared, gate, out, T, H, S, *strides, TOP_K=k, HAS_SHARED=has_shared, BLOCK_H=block_h,
+        PDL=launch.pdl(y.device), launch_pdl=launch.pdl(y.device), num_warps=4)
     return out
 
 
 def moe(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_up: QuantizedTensor, down: QuantizedTensor,
-        shared_out: torch.Tensor | None = None, shared_gate_logit: torch.Tensor | None = None) -> torch.Tensor:
+        shared_out: torch.Tensor | None = None, shared_gate_logit: torch.Tensor | None = None,
+        summed: bool = True) -> torch.Tensor | ExpertOutputs:
     """The MoE output [T, H] in x's dtype: x [T, H] (bf16/fp16/fp32), ids int32 [T, k] in [0, E) and weights
     fp32 [T, k] (from `route`; the ids are not checked, that would take a sync), stacked quantized experts; the
     shared expert's output [T, H] and gate logit [T] (or [T, 1]) when there is one."""
-    run = moe_decode if x.shape[0] <= DECODE_MAX_TOKENS else moe_prefill
-    return run(x, ids, weights, gate_up, down, shared_out, shared_gate_logit)
+    if x.shape[0] <= DECODE_MAX_TOKENS:
+        return moe_decode(x, ids, weights, gate_up, down, shared_out, shared_gate_logit, summed=summed)
+    return moe_prefill(x, ids, weights, gate_up, down, shared_out, shared_gate_logit, summed=summed)
 
 
 # ---------------------------------------------------------------------------------------------------- checks

@@ -17,6 +17,9 @@ import torch
 import triton
 import triton.language as tl
 
+from sluice.kernels.moe import ExpertOutputs
+from sluice.kernels.moe.triton import expert_sum
+
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 MAX_D = 8192  # a row lives in registers
 FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -114,17 +117,23 @@ def gated_rms_norm(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: 
 
 @triton.jit
 def _add_rms_norm_kernel(h_ptr, d_ptr, w_ptr, s_ptr, y_ptr, R, H, D, stride_ho, stride_hh, stride_do, stride_dh, eps,
-                         HAS_DELTA: tl.constexpr, RNE_BF16: tl.constexpr, BLOCK_R: tl.constexpr,
-                         BLOCK_D: tl.constexpr):
+                         ey_ptr, ew_ptr, es_ptr, eg_ptr, ES, stride_eys, stride_eym, stride_esh, stride_eg,
+                         DELTA: tl.constexpr, TOP_K: tl.constexpr, HAS_SHARED: tl.constexpr,
+                         RNE_BF16: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
     """s = h + delta (rounded to h's dtype, as torch adds), y = (s * rsqrt(mean(s^2) + eps)) * w in fp32, rounded
-    once (`reference.rms_norm_fp32_scale`); rows addressed as [outer, heads, D]."""
+    once (`reference.rms_norm_fp32_scale`); rows addressed as [outer, heads, D]. DELTA 0: none; 1: a tensor; 2: an
+    MoE block's unsummed outputs (`moe.triton.expert_sum`, rounded to h's dtype as `combine` rounds)."""
     rows, outer, head, offs_d, d_ok, mask = row_block(R, H, D, BLOCK_R, BLOCK_D)
     h_rows = outer.to(tl.int64) * stride_ho + head.to(tl.int64) * stride_hh
     x = tl.load(h_ptr + h_rows[:, None] + offs_d[None, :], mask=mask, other=0.0).to(tl.float32)
     out_rows = rows.to(tl.int64)[:, None] * D + offs_d[None, :]
-    if HAS_DELTA:
+    if DELTA == 1:
         d_rows = outer.to(tl.int64) * stride_do + head.to(tl.int64) * stride_dh
         x += tl.load(d_ptr + d_rows[:, None] + offs_d[None, :], mask=mask, other=0.0).to(tl.float32)
+    if DELTA == 2:
+        x += round_to(expert_sum(ey_ptr, ew_ptr, es_ptr, eg_ptr, rows, rows < R, offs_d, d_ok, ES, stride_eys,
+                                 stride_eym, stride_esh, stride_eg, TOP_K, HAS_SHARED), h_ptr.dtype.element_ty, RNE_BF16)
+    if DELTA != 0:
         x = round_to(x, h_ptr.dtype.element_ty, RNE_BF16)
         tl.store(s_ptr + out_rows, x.to(s_ptr.dtype.element_ty), mask=mask)
     inv = tl.math.rsqrt(tl.sum(x * x, axis=1) / D + eps)
@@ -133,12 +142,20 @@ def _add_rms_norm_kernel(h_ptr, d_ptr, w_ptr, s_ptr, y_ptr, R, H, D, stride_ho, 
     tl.store(y_ptr + out_rows, y.to(y_ptr.dtype.element_ty), mask=mask)
 
 
-def add_rms_norm(h: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float,
+def add_rms_norm(h: torch.Tensor, delta: torch.Tensor | ExpertOutputs | None, weight: torch.Tensor, eps: float,
                  block_elems: int = 4096, num_warps: int = 4) -> tuple[torch.Tensor, torch.Tensor]:
     """(s, y): s = h + delta in h's dtype (delta of the same dtype; h itself, as it is, when delta is None) and
-    y = `reference.rms_norm_fp32_scale(s, weight, eps)` [..., D] contiguous, in one launch: the residual add and the next layer's input norm of a
-    decoder block. h and delta may be views with unit last stride (read in place)."""
+    y = `reference.rms_norm_fp32_scale(s, weight, eps)` [..., D] contiguous, in one launch: the residual add and the
+    next layer's input norm of a decoder block. h and delta may be views with unit last stride (read in place).
+    delta may be an MoE block's `ExpertOutputs` (its tokens the rows of h): summed here, the bits of `combine`."""
     what = "add_rms_norm"
+    experts = delta if isinstance(delta, ExpertOutputs) else None
+    if experts is not None:
+        delta = None
+        if experts.dtype != h.dtype or experts.y.shape[2] != h.shape[-1] or experts.weights.shape[0] * h.shape[-1] \
+                != h.numel():
+            raise ValueError(f"{what}: the expert outputs ({experts.weights.shape[0]} tokens of "
+                             f"{experts.y.shape[2]}, {experts.dtype}) must match h {h.dtype} {tuple(h.shape)}")
     if h.dim() < 1 or h.dtype not in FLOAT_DTYPES or (delta is not None and (delta.shape != h.shape
                                                                         or delta.dtype != h.dtype)):
         raise ValueError(f"{what}: h (and delta of its shape) must be bf16, fp16 or fp32 [..., D], got {h.dtype} "
@@ -149,12 +166,12 @@ def add_rms_norm(h: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tens
         raise ValueError(f"{what}: weight must be a float [{D}] tensor, got {weight.dtype} {tuple(weight.shape)}")
     if not 1 <= D <= MAX_D:
         raise ValueError(f"{what}: D must be in [1, {MAX_D}], got {D}")
-    if any(t.device != h.device for t in (weight, delta) if t is not None):
+    if any(t.device != h.device for t in (weight, delta, experts and experts.y) if t is not None):
         raise ValueError(f"{what}: all tensors must be on the same device")
     if not (h.is_cuda or INTERPRET):
         raise ValueError(f"{what}: tensors must be on a CUDA device (or set TRITON_INTERPRET=1)")
     y = torch.empty(h.shape, dtype=h.dtype, device=h.device)
-    s = h if delta is None else torch.empty(h.shape, dtype=h.dtype, device=h.device)
+    s = h if delta is None and experts is None else torch.empty(h.shape, dtype=h.dtype, device=h.device)
     R = h.numel() // D
     if R == 0:
         return s, y
@@ -165,7 +182,10 @@ def add_rms_norm(h: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tens
     weight = weight if weight.stride(0) == 1 else weight.contiguous()
     block_d = triton.next_power_of_2(D)
     block_r = min(max(1, block_elems // block_d), triton.next_power_of_2(R))
+    ey, ew, es, eg, ES, *e_strides, top_k, has_shared = (experts.args() if experts is not None else
+                                                         (h3, weight, h3, weight, 1, 0, 0, 0, 0, 1, False))
     _add_rms_norm_kernel[(triton.cdiv(R, block_r),)](
         h3, d3, weight, s, y, R, heads, D, h3.stride(0), h3.stride(1), d3.stride(0), d3.stride(1), eps,
-        HAS_DELTA=delta is not None, RNE_BF16=INTERPRET, BLOCK_R=block_r, BLOCK_D=block_d, num_warps=num_warps)
+        ey, ew, es, eg, ES, *e_strides, DELTA=2 if experts is not None else int(delta is not None), TOP_K=top_k,
+        HAS_SHARED=has_shared, RNE_BF16=INTERPRET, BLOCK_R=block_r, BLOCK_D=block_d, num_warps=num_warps)
     return s, y
