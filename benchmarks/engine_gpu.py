@@ -125,6 +125,7 @@ def main() -> int:
     ap.add_argument("--kinds", default="dense,turboquant4")
     ap.add_argument("--json", default=None)
     ap.add_argument("--eager", action="store_true", help="also batch 1 without graphs")
+    ap.add_argument("--serial", action="store_true", help="also batch 1 without overlap (each step read back at once)")
     args = ap.parse_args()
     t0 = time.perf_counter()
     base = sluice.load(args.config, load_format="dummy", device="cuda", max_batch=128)
@@ -155,15 +156,21 @@ def main() -> int:
                   flush=True)
         model._engine = None
         torch.cuda.empty_cache()
+        if args.serial and batch_one(args.batches):
+            serial = base.with_engine(kv_cache=kind, overlap=False)
+            rows.append({**serial.bench(prompt_tokens=512, gen_tokens=64, batch=1, repeats=2), "overlap": False})
+            serial._engine = None
+            torch.cuda.empty_cache()
         if args.eager:
             eager = base.with_engine(kv_cache=kind, graphs=False)
             rows.append(eager.bench(prompt_tokens=512, gen_tokens=16, batch=1, repeats=1))
             eager._engine = None
             torch.cuda.empty_cache()
-    print(f"\n{'KV':12s} {'batch':>5s} {'graphs':>6s} {'TTFT cold':>9s} {'TTFT warm':>9s} {'prefill t/s':>11s} "
+    print(f"\n{'KV':12s} {'batch':>5s} {'graphs':>6s} {'overlap':>7s} {'TTFT cold':>9s} {'TTFT warm':>9s} {'prefill t/s':>11s} "
           f"{'decode t/s':>10s} {'floor t/s':>9s} {'of floor':>8s}")
     for r in rows:
-        print(f"{r['kv_cache']:12s} {r['batch']:5d} {str(r['graphs']):>6s} {r['ttft_cold_s']:9.3f} "
+        print(f"{r['kv_cache']:12s} {r['batch']:5d} {str(r['graphs']):>6s} {str(r.get('overlap', True)):>7s} "
+              f"{r['ttft_cold_s']:9.3f} "
               f"{r['ttft_warm_s']:9.3f} {r['prefill_tok_s']:11.0f} {r['decode_tok_s']:10.1f} "
               f"{r['floor_decode_tok_s']:9.0f} {r['decode_tok_s'] / r['floor_decode_tok_s']:8.1%}")
     for case, prof in profiles.items():
@@ -173,6 +180,10 @@ def main() -> int:
             print(f"  {p['wall_ms']:8.3f} ms {p['calls']:5d}x  {p['kernel']}")
     dump(args.json, args.config, rows, profiles)
     return 0
+
+
+def batch_one(batches: str) -> bool:
+    return "1" in batches.split(",")
 
 
 def dump(path, config, rows, profiles) -> None:
