@@ -67,6 +67,12 @@ def _gated_rms_norm_kernel(x_ptr, z_ptr, w_ptr, y_ptr, R, H, D, stride_xo, strid
     tl.store(y_ptr + rows.to(tl.int64)[:, None] * D + offs_d[None, :], out.to(y_ptr.dtype.element_ty), mask=mask)
 
 
+def rows_per_program(block_d: int, block_elems: int) -> int:
+    """Rows one program of a row-wise kernel takes: set by the row length alone, never by the row count, so a row's
+    reductions run in the same order whatever the batch (a sequence's tokens do not depend on its batch)."""
+    return max(1, block_elems // block_d)
+
+
 def as_rows(t: torch.Tensor, outer: int, heads: int, D: int) -> torch.Tensor:
     """t [..., D] as an [outer, heads, D] view with unit last stride (a copy only if no such view exists)."""
     if t.stride(-1) == 1:
@@ -107,7 +113,7 @@ def gated_rms_norm(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: 
     x3, z3 = as_rows(x, outer, heads, D), as_rows(z, outer, heads, D)
     weight = weight if weight.stride(0) == 1 else weight.contiguous()
     block_d = triton.next_power_of_2(D)
-    block_r = min(max(1, block_elems // block_d), triton.next_power_of_2(R))
+    block_r = rows_per_program(block_d, block_elems)
     h_dtype = _TL_DTYPES[torch.promote_types(weight.dtype, x.dtype)]  # the dtype of `weight * normed` in torch
     _gated_rms_norm_kernel[(triton.cdiv(R, block_r),)](
         x3, z3, weight, y, R, heads, D, x3.stride(0), x3.stride(1), z3.stride(0), z3.stride(1), eps,
@@ -181,7 +187,7 @@ def add_rms_norm(h: torch.Tensor, delta: torch.Tensor | ExpertOutputs | None, we
     d3 = h3 if delta is None else as_rows(delta, outer, heads, D)
     weight = weight if weight.stride(0) == 1 else weight.contiguous()
     block_d = triton.next_power_of_2(D)
-    block_r = min(max(1, block_elems // block_d), triton.next_power_of_2(R))
+    block_r = rows_per_program(block_d, block_elems)
     ey, ew, es, eg, ES, *e_strides, top_k, has_shared = (experts.args() if experts is not None else
                                                          (h3, weight, h3, weight, 1, 0, 0, 0, 0, 1, False))
     _add_rms_norm_kernel[(triton.cdiv(R, block_r),)](
