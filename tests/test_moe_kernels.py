@@ -164,6 +164,20 @@ def test_swiglu_prep_is_prep_x_of_h(bits, group_size):
                                rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.parametrize("bits,group_size", [(4, 32), (4, 64), (8, 64)])
+def test_down_gemv_takes_swiglu_from_the_gate_up_partials(bits, group_size):
+    """The down GEMV preparing h = silu(g) * u from the gate_up partials itself (one launch) gives what it gives on
+    `swiglu_prep`'s prepared h (two launches): the same products, up to fp32 summation order."""
+    g = torch.Generator().manual_seed(bits + group_size)
+    _, down = experts(g, bits, 64, group_size)
+    down = on_device(down)
+    ids = torch.randint(0, E, (6,), generator=g, dtype=torch.int32).to(DEVICE)
+    y_gu = torch.randn(2, 6, 2 * I, generator=g).to(DEVICE)  # two split-K partials of 6 slots' [gate | up]
+    fused = mt._expert_gemv(y_gu, down, ids, x_div=1, swiglu=True)
+    ref = mt._expert_gemv(mt.swiglu_prep(y_gu, bits, group_size), down, ids, x_div=1)
+    assert rel_err(fused.sum(0), ref.sum(0)) <= 1e-5
+
+
 def test_combine_sums_splits_and_gates_the_shared_expert():
     g = torch.Generator().manual_seed(0)
     T, k = 3, 4
@@ -230,7 +244,7 @@ def test_sparse_moe_triton_path_matches_its_reference_path(T, quantized_router):
     slot."""
     layer, x = sparse_moe(T, E, H, I, 3, quantized_router)
     assert layer._shared_as_expert(mt) is not None
-    out = layer._forward_triton(x, mt)  # called directly: forward picks it on CUDA only
+    out = layer._forward_triton(x, mt).combine()  # called directly: forward picks it on CUDA only
     assert rel_err(out, layer._forward_reference(x)) <= 1e-2
 
 

@@ -133,7 +133,8 @@ class ModelRunner:
     def _graph_step(self, size: int) -> torch.Tensor:
         ids, positions, rows = self._inputs[:, :size]
         meta = ForwardMeta(True, positions[:, None], rows, self.pool.visible)
-        self.pool.reset_scratch()
+        if size > 1:  # a batch of one fills its graph: no padding rows, no scratch states to clear
+            self.pool.reset_scratch()
         return self.module(ids[:, None], self.pool, meta, self.dtype, last_only=True)[:, 0]
 
     def _graph(self, size: int):

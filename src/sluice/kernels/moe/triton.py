@@ -4,8 +4,9 @@ expert) over stacked MLX-affine experts: gate_up [E, 2I, H] (gate rows first), d
 Everything stays on the device (no host synchronisation, so a decode step can be captured in a CUDA graph):
 - `route`: logits [T, E] -> softmax (fp32) -> top-k by iterated argmax -> optional renormalisation.
 - `moe_decode` (a few tokens): the T*k (token, expert) slots are rows of ONE indexed GEMV per projection
-  (`qmatmul.triton.gemv_launch` with expert ids read on the device); between them `swiglu_prep` (`prep_x` in
-  its SwiGLU mode) turns the gate_up partial sums into h = silu(g) * u already in the GEMV's prepared-activation layout.
+  (`qmatmul.triton.gemv_launch` with expert ids read on the device); the down GEMV takes h = silu(g) * u from the
+  gate_up GEMV's partial sums itself (RAW_X with SWIGLU), or, where it cannot (`qmm.raw_x_supported`),
+  `swiglu_prep` (`prep_x` in its SwiGLU mode) prepares h in a launch between them.
 - `moe_prefill` (many tokens): slots sorted by expert, a table of BLOCK_M-row tiles (expert, first row) built on
   the device, ONE grouped tensor-core GEMM launch per projection (W tiles dequantized in registers), SwiGLU
   fused into the gate_up epilogue.
@@ -168,10 +169,12 @@ def expert_block_n(N: int, K: int, bits: int, rows: int) -> int:
 
 
 def _expert_gemv(xp: torch.Tensor, qt: QuantizedTensor, ids: torch.Tensor, x_div: int,
-                 extra: QuantizedTensor | None = None, block_n: int | None = None, num_warps: int = 1) -> torch.Tensor:
+                 extra: QuantizedTensor | None = None, block_n: int | None = None, num_warps: int = 1,
+                 swiglu: bool = False) -> torch.Tensor:
     """Partials [splits, rows, N] fp32 of row r = xp[r // x_div] @ W[ids[r]]^T: one indexed GEMV launch, right
     after the launch that prepared xp (so the ids are ready before it: the GEMV may prefetch). Id E (one past
-    the stacked experts) stands for `extra`."""
+    the stacked experts) stands for `extra`. swiglu: xp is the gate_up GEMV's partials [S, rows, 2N'] and the GEMV
+    takes x = silu(gate) * up from them itself (`qmm.raw_x_supported`), the launch right after that GEMV's."""
     rows = ids.numel()
     N, K = qt.out_features, qt.in_features
     block_n = block_n or expert_block_n(N, K, qt.bits, rows)
@@ -181,7 +184,8 @@ def _expert_gemv(xp: torch.Tensor, qt: QuantizedTensor, ids: torch.Tensor, x_div
     out = torch.empty((used, rows, N), dtype=torch.float32, device=xp.device)
     qmm.gemv_launch(xp, qt.weight.view(torch.int32), qt.scales, qt.biases, out, ids, rows, N, K, qt.bits,
                    qt.group_size, split_k, x_div=x_div, block_n=block_n, num_warps=num_warps, ids_ready=True,
-                   extra=None if extra is None else (extra.weight.view(torch.int32), extra.scales, extra.biases))
+                   extra=None if extra is None else (extra.weight.view(torch.int32), extra.scales, extra.biases),
+                   raw_x=swiglu, swiglu=swiglu)
     return out
 
 
@@ -190,8 +194,8 @@ def moe_decode(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_u
                shared_gate_logit: torch.Tensor | None = None,
                shared_expert: tuple[QuantizedTensor, QuantizedTensor] | None = None,
                summed: bool = True) -> torch.Tensor | ExpertOutputs:
-    """MoE output [T, H] in x's dtype for a decode batch: five launches whatever k is (four and `ExpertOutputs`
-    when not `summed`). With `shared_expert` (its gate_up [2I, H] and down [H, I], stored like the routed experts)
+    """MoE output [T, H] in x's dtype for a decode batch: four launches whatever k is (three and `ExpertOutputs`
+    when not `summed`; one more where the down GEMV cannot prepare its x itself). With `shared_expert` (its gate_up [2I, H] and down [H, I], stored like the routed experts)
     the ids and weights come from `route(..., shared_gate_logit)`: id E is the shared expert, run as one more slot
     of the same launches."""
     _check_moe(x, ids, weights, gate_up, down, shared_out, shared_gate_logit, shared_expert)
@@ -199,7 +203,10 @@ def moe_decode(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_u
     gu_extra, down_extra = shared_expert if shared_expert is not None else (None, None)
     xp = qmm.prep_x(x.contiguous(), gate_up.bits, gate_up.group_size)
     y_gu = _expert_gemv(xp, gate_up, ids, x_div=weights.shape[1], extra=gu_extra)
-    y = _expert_gemv(swiglu_prep(y_gu, down.bits, down.group_size), down, ids, x_div=1, extra=down_extra)
+    if qmm.raw_x_supported(down.bits, down.group_size):  # the down GEMV takes h = silu(g) * u from y_gu itself
+        y = _expert_gemv(y_gu, down, ids, x_div=1, extra=down_extra, swiglu=True)
+    else:
+        y = _expert_gemv(swiglu_prep(y_gu, down.bits, down.group_size), down, ids, x_div=1, extra=down_extra)
     return _outputs(y, weights, x.dtype, shared_out, shared_gate_logit, summed)
 
 

@@ -149,7 +149,7 @@ def _add_rms_norm_kernel(h_ptr, d_ptr, w_ptr, s_ptr, y_ptr, R, H, D, stride_ho, 
 
 
 def add_rms_norm(h: torch.Tensor, delta: torch.Tensor | ExpertOutputs | None, weight: torch.Tensor, eps: float,
-                 block_elems: int = 4096, num_warps: int = 4) -> tuple[torch.Tensor, torch.Tensor]:
+                 block_elems: int = 2048, num_warps: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(s, y): s = h + delta in h's dtype (delta of the same dtype; h itself, as it is, when delta is None) and
     y = `reference.rms_norm_fp32_scale(s, weight, eps)` [..., D] contiguous, in one launch: the residual add and the
     next layer's input norm of a decoder block. h and delta may be views with unit last stride (read in place).
@@ -190,6 +190,8 @@ def add_rms_norm(h: torch.Tensor, delta: torch.Tensor | ExpertOutputs | None, we
     block_r = rows_per_program(block_d, block_elems)
     ey, ew, es, eg, ES, *e_strides, top_k, has_shared = (experts.args() if experts is not None else
                                                          (h3, weight, h3, weight, 1, 0, 0, 0, 0, 1, False))
+    if num_warps is None:  # the expert sum loads k rows per row: enough threads to have them all in flight at once
+        num_warps = 4 if experts is None else 16
     _add_rms_norm_kernel[(triton.cdiv(R, block_r),)](
         h3, d3, weight, s, y, R, heads, D, h3.stride(0), h3.stride(1), d3.stride(0), d3.stride(1), eps,
         ey, ew, es, eg, ES, *e_strides, DELTA=2 if experts is not None else int(delta is not None), TOP_K=top_k,

@@ -140,13 +140,15 @@ def _gemv_tiles(w_rows, s_rows, b_rows, w0, w_end, offs_k, offs_g, WPG: tl.const
 
 
 @triton.jit
-def _raw_x_step(x_row, w0, w_end, KB: tl.constexpr, BITS: tl.constexpr, GS: tl.constexpr, EVEN_K: tl.constexpr):
+def _raw_x_step(x_row, w0, w_end, KW, S, stride_xs, KB: tl.constexpr, BITS: tl.constexpr, GS: tl.constexpr,
+                EVEN_K: tl.constexpr, SWIGLU: tl.constexpr):
     """One GEMV step's x prepared from x itself, in registers: (x rounded as int16 per group, [4, KB/4, 4, 8/BITS]
     int32 whose low 16 bits hold it; the group's x scales and sums [KB/WPG]). What `prep_x` would write, but ties
     round to even. Each program prepares the x of its own steps (from L2, as it would read the prepared x): no
     launch of its own, no round trip through memory.
     Layout: word 4t + r of the step sits at [r, t], so each thread holds its 4 words' elements as it holds their
-    codes (`_gemv_kernel`); groups of WPG >= 4 words (`raw_x_supported`) are whole threads."""
+    codes (`_gemv_kernel`); groups of WPG >= 4 words (`raw_x_supported`) are whole threads. SWIGLU: the row is a
+    gate_up projection's S split-K partials [gate | up] and x = silu(gate) * up (`_load_x`)."""
     EPW: tl.constexpr = 32 // BITS
     D: tl.constexpr = 8 // BITS
     T: tl.constexpr = KB // 4
@@ -154,7 +156,9 @@ def _raw_x_step(x_row, w0, w_end, KB: tl.constexpr, BITS: tl.constexpr, GS: tl.c
     G: tl.constexpr = T // TPG
     word = w0 + 4 * tl.arange(0, T)[None, :, None] + tl.arange(0, 4)[:, None, None]
     offs = word * EPW + tl.arange(0, EPW)[None, None, :]
-    if EVEN_K:
+    if SWIGLU:
+        xv = _load_x(x_row, offs, word < w_end, KW * EPW, S, stride_xs, True)
+    elif EVEN_K:
         xv = tl.load(x_row + offs).to(tl.float32)
     else:
         xv = tl.load(x_row + offs, mask=word < w_end, other=0.0).to(tl.float32)
@@ -179,8 +183,9 @@ def _plane(q4, i: tl.constexpr, h: tl.constexpr):
 
 
 @triton.jit
-def _gemv_step(xp_ptr, xf_ptr, KW, NG, words, s, b, w0, w_end, offs_k, offs_g, acc, accb, BITS: tl.constexpr,
-               GS: tl.constexpr, EVEN_K: tl.constexpr, RAW_X: tl.constexpr, ASM: tl.constexpr):
+def _gemv_step(xp_ptr, xf_ptr, KW, NG, S, stride_xs, words, s, b, w0, w_end, offs_k, offs_g, acc, accb,
+               BITS: tl.constexpr, GS: tl.constexpr, EVEN_K: tl.constexpr, RAW_X: tl.constexpr, SWIGLU: tl.constexpr,
+               ASM: tl.constexpr):
     """acc, accb after one step (the words, scales and biases of `_gemv_tiles` at word w0) of `_gemv_kernel`."""
     EPW: tl.constexpr = 32 // BITS
     D: tl.constexpr = 8 // BITS
@@ -193,7 +198,7 @@ def _gemv_step(xp_ptr, xf_ptr, KW, NG, words, s, b, w0, w_end, offs_k, offs_g, a
     grp = w0 // WPG + offs_g
     k_ok = kk < w_end
     if RAW_X:
-        q4, xs, xg = _raw_x_step(xp_ptr, w0, w_end, KB, BITS, GS, EVEN_K)
+        q4, xs, xg = _raw_x_step(xp_ptr, w0, w_end, KW, S, stride_xs, KB, BITS, GS, EVEN_K, SWIGLU)
     elif EVEN_K:
         xs = tl.load(xf_ptr + grp)
         xg = tl.load(xf_ptr + NG + grp)
@@ -223,17 +228,19 @@ def _gemv_step(xp_ptr, xf_ptr, KW, NG, words, s, b, w0, w_end, offs_k, offs_g, a
 
 @triton.jit
 def _gemv_kernel(xp_ptr, w_ptr, s_ptr, b_ptr, y_ptr, ids_ptr, wx_ptr, sx_ptr, bx_ptr, N, KW, w_per_split, x_div,
-                 n_experts, stride_pm, stride_we, stride_wn, stride_se, stride_sn, stride_ys, stride_ym,
+                 n_experts, stride_pm, stride_we, stride_wn, stride_se, stride_sn, stride_ys, stride_ym, S, stride_xs,
                  BITS: tl.constexpr, GS: tl.constexpr, BLOCK_N: tl.constexpr, KB: tl.constexpr,
                  EVEN_N: tl.constexpr, EVEN_K: tl.constexpr, INDEXED: tl.constexpr, EXTRA: tl.constexpr,
-                 RAW_X: tl.constexpr, ASM: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr):
+                 RAW_X: tl.constexpr, SWIGLU: tl.constexpr, ASM: tl.constexpr, PDL: tl.constexpr,
+                 PREFETCH: tl.constexpr):
     """y[split, row, n] = sum over this split's words of x[row] . W[n]. Program (n-block, split, row); each step
     reads a [BLOCK_N, KB words] tile of W.
     Layout: KB = 128 words per warp, so the threads lie along K (4 words, one 16-byte load, each) and every
     thread holds all BLOCK_N rows of its columns: x is loaded once per step and reused BLOCK_N times from
     registers. (x traffic through L1 is what capped earlier layouts at ~55% of the memory bandwidth.)
     x: prepared by `_prep_x_kernel` (xp), or with RAW_X the activations themselves, prepared step by step in
-    registers (`_raw_x_step`): one launch instead of two.
+    registers (`_raw_x_step`): one launch instead of two. RAW_X with SWIGLU: the S split-K partials [S, rows,
+    2K] of a gate_up projection (stride_xs apart), x = silu(gate) * up (an MoE's down projection).
     INDEXED: W, scales and biases are stacked over experts and row r uses expert ids[r] and x row r // x_div;
     with EXTRA, id n_experts means one more expert stored apart (wx, sx, bx: the shared expert, same shape).
     PREFETCH (with PDL): the weights (and ids) were written long before, so they are read before the wait for
@@ -286,14 +293,14 @@ def _gemv_kernel(xp_ptr, w_ptr, s_ptr, b_ptr, y_ptr, ids_ptr, wx_ptr, sx_ptr, bx
     elif PREFETCH == 2:
         words, s, b = _gemv_tiles(w_rows, s_rows, b_rows, w_start, w_end, offs_k, offs_g, WPG, EVEN_K)
         pdl_start(PDL)
-        acc, accb = _gemv_step(xp_ptr, xf_ptr, KW, NG, words, s, b, w_start, w_end, offs_k, offs_g, acc, accb,
-                               BITS, GS, EVEN_K, RAW_X, ASM)
+        acc, accb = _gemv_step(xp_ptr, xf_ptr, KW, NG, S, stride_xs, words, s, b, w_start, w_end, offs_k, offs_g,
+                               acc, accb, BITS, GS, EVEN_K, RAW_X, SWIGLU, ASM)
         first = w_start + KB
     for w0 in range(first, w_end, KB):
         w0 = tl.multiple_of(w0, KB)
         words, s, b = _gemv_tiles(w_rows, s_rows, b_rows, w0, w_end, offs_k, offs_g, WPG, EVEN_K)
-        acc, accb = _gemv_step(xp_ptr, xf_ptr, KW, NG, words, s, b, w0, w_end, offs_k, offs_g, acc, accb,
-                               BITS, GS, EVEN_K, RAW_X, ASM)
+        acc, accb = _gemv_step(xp_ptr, xf_ptr, KW, NG, S, stride_xs, words, s, b, w0, w_end, offs_k, offs_g, acc,
+                               accb, BITS, GS, EVEN_K, RAW_X, SWIGLU, ASM)
     y = tl.sum(tl.sum(acc, axis=2), axis=1) + tl.sum(accb, axis=1)
     tl.store(y_ptr + pid_k * stride_ys + row * stride_ym + offs_n, y.to(y_ptr.dtype.element_ty), mask=n_ok)
 
@@ -456,13 +463,14 @@ def gemv_used_splits(K, bits, split_k, num_warps=1) -> tuple[int, int]:
 
 
 def gemv_launch(xp, w, s, b, out, ids, rows, N, K, bits, gs, split_k, x_div=1, block_n=4, num_warps=1, extra=None,
-                ids_ready=False, raw_x=False, prefetch=None):
+                ids_ready=False, raw_x=False, prefetch=None, swiglu=False):
     """Launch `_gemv_kernel` for `rows` output rows: xp from `prep_x`, launched just before (or, raw_x, the
     activations [rows / x_div, K] themselves, unit column stride); W [E?, N, KW] int32, scales/biases
     [E?, N, K/GS]; ids [rows] expert indices (INDEXED) or None; out [split_k', rows, N] (fp32 when split); extra:
     (W, scales, biases) [N, ...] of the expert that id E stands for (row strides as the stacked ones'); ids_ready:
     the ids were written before the launch of xp (so may be read before the dependency wait); prefetch: the
-    kernel's PREFETCH where the weights may be read early (default GEMV_PREFETCH, GEMV_PREFETCH_INDEXED).
+    kernel's PREFETCH where the weights may be read early (default GEMV_PREFETCH, GEMV_PREFETCH_INDEXED); swiglu
+    (with raw_x): xp is a gate_up projection's fp32 partials [S, rows / x_div, 2K], x = silu(gate) * up.
     Returns the split count actually used (<= split_k: every split covers whole steps)."""
     kw = K // (32 // bits)
     kb = gemv_step_words(K, bits, num_warps)
@@ -475,10 +483,11 @@ def gemv_launch(xp, w, s, b, out, ids, rows, N, K, bits, gs, split_k, x_div=1, b
         prefetch = GEMV_PREFETCH_INDEXED if indexed else GEMV_PREFETCH
     _gemv_kernel[(triton.cdiv(N, block_n), used, rows)](
         xp, w, s, b, out, ids if indexed else xp, wx, sx, bx, N, kw, w_per_split, x_div,
-        w.shape[0] if indexed else 0, xp.stride(0), w.stride(0) if indexed else 0, w.stride(-2),
-        s.stride(0) if indexed else 0, s.stride(-2), out.stride(0), out.stride(1), BITS=bits, GS=gs,
+        w.shape[0] if indexed else 0, xp.stride(-2), w.stride(0) if indexed else 0, w.stride(-2),
+        s.stride(0) if indexed else 0, s.stride(-2), out.stride(0), out.stride(1),
+        xp.shape[0] if swiglu else 1, xp.stride(0) if swiglu else 0, BITS=bits, GS=gs,
         BLOCK_N=block_n, KB=kb, EVEN_N=N % block_n == 0, EVEN_K=kw % kb == 0 and w_per_split % kb == 0,
-        INDEXED=indexed, EXTRA=extra is not None, RAW_X=raw_x, ASM=not INTERPRET, PDL=use_pdl,
+        INDEXED=indexed, EXTRA=extra is not None, RAW_X=raw_x, SWIGLU=swiglu, ASM=not INTERPRET, PDL=use_pdl,
         PREFETCH=prefetch if early else 0, launch_pdl=use_pdl,
         num_warps=num_warps, num_stages=1)
     return used
