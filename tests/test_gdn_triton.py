@@ -247,3 +247,52 @@ def test_chunk_bad_cu_seqlens():
     with pytest.raises(ValueError, match="slots"):
         gt.chunk_gated_delta_rule(x["q"], x["k"], x["v"], x["a"], x["b"], x["state"], x["A_log"], x["dt_bias"],
                                   cu_seqlens=[0, 4, 10])
+
+
+def _three_kernels(proj, conv_w, conv_state, state, A_log, dt_bias, norm_w, eps, rows, nk, nv, dk, dv):
+    """A GDN decode step through the three kernels `decode.decode_step` fuses."""
+    from sluice.kernels.conv1d.triton import causal_conv1d_update
+    from sluice.kernels.norm.triton import gated_rms_norm
+
+    B = proj.shape[0]
+    C = 2 * nk * dk + nv * dv
+    mixed = causal_conv1d_update(proj[:, :C], conv_w, conv_state, state_indices=rows)[:, None]
+    q, k, v = mixed.split([nk * dk, nk * dk, nv * dv], dim=-1)
+    z, b, a = proj[:, None, C:].split([nv * dv, nv, nv], dim=-1)
+    o = gt.fused_recurrent_gated_delta_rule(q.reshape(B, 1, nk, dk), k.reshape(B, 1, nk, dk),
+                                            v.reshape(B, 1, nv, dv), a, b, state, A_log, dt_bias,
+                                            state_indices=rows, use_qk_l2norm=True)
+    return gated_rms_norm(o, z.reshape(B, 1, nv, dv), norm_w, eps).reshape(B, nv * dv)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("nk, nv, dk, dv", [(2, 4, 16, 32), (1, 1, 32, 16)])
+def test_decode_step_is_the_three_kernels_in_one(nk, nv, dk, dv, dtype):
+    """`gdn.decode.decode_step` (conv + rule + gated norm, one launch) gives the three kernels' output and states:
+    rows in any order of a bigger pool, a padding row (< 0) reading zero states and writing none. (bf16 on a GPU:
+    the interpreter truncates bf16 casts where a GPU rounds.)"""
+    if dtype == torch.bfloat16 and DEVICE != "cuda":
+        pytest.skip("the Triton interpreter truncates bf16 casts")
+    from sluice.kernels.gdn import decode
+
+    g = torch.Generator().manual_seed(nk + nv + dk)
+    r = lambda *s, scale=1.0: (torch.randn(*s, generator=g) * scale).to(DEVICE)  # noqa: E731
+    B, W, slots = 3, 4, 6
+    C = 2 * nk * dk + nv * dv
+    proj = r(B, C + nv * dv + 2 * nv).to(dtype)
+    conv_w = r(C, W, scale=0.5).to(dtype)
+    conv_state = r(slots, C, W - 1).to(dtype)
+    state = r(slots, nv, dk, dv, scale=0.1)
+    A_log, dt_bias, norm_w = r(nv, scale=0.5), r(nv, scale=0.5), (r(dv, scale=0.5) + 1).to(dtype)
+    rows = torch.tensor([4, 1, -1], dtype=torch.int32, device=DEVICE)
+    args = (A_log, dt_bias, norm_w, 1e-6, rows, nk, nv, dk, dv)
+    cs_ref, st_ref = conv_state.clone(), state.clone()
+    ref = _three_kernels(proj, conv_w, cs_ref, st_ref, *args)
+    out = decode.decode_step(proj, conv_w, conv_state, state, *args)
+    assert out.dtype == dtype and out.shape == (B, nv * dv)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    assert rel_rms(out[:2], ref[:2]) <= tol  # the padding row's output is not defined by the three kernels
+    assert torch.equal(conv_state, cs_ref)
+    assert rel_rms(state, st_ref) <= (1e-6 if dtype == torch.float32 else 1e-3)
+    with pytest.raises(ValueError, match="proj"):
+        decode.decode_step(proj[:, 1:], conv_w, conv_state, state, *args)
