@@ -59,16 +59,8 @@ class GatedDeltaNet(nn.Module):
         B, T, _ = x.shape
         nv, dv = self.nv, self.dv
         proj = self.in_proj(x)
-        kernels = gdn_kernels(x, (self.dk, self.dv))
-        if kernels is not None and meta.decode and T == 1:
-            from sluice.kernels.gdn import decode
-
-            if decode.applies(self.nk, nv, self.dk, dv):  # conv, rule and gated norm in one launch
-                i = self.state_index
-                o = decode.decode_step(proj[:, 0], self.conv_weight, cache.conv(i), cache.recurrent(i), self.A_log,
-                                       self.dt_bias, self.norm_weight, self.eps, meta.rows, self.nk, nv, self.dk, dv)
-                return self.out_proj(o[:, None])
         mixed, z, b, a = proj.split([2 * self.nk * self.dk + nv * dv, nv * dv, nv, nv], dim=-1)
+        kernels = gdn_kernels(x, (self.dk, self.dv))
         if meta.parts is not None:  # packed prefill: each sequence's chunk through its own states
             o = torch.cat([self._mix(kernels, mixed[:, t0:t1], b[:, t0:t1], a[:, t0:t1], cache, part)
                            for t0, t1, part in meta.parts], dim=1)
