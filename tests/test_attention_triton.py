@@ -1,6 +1,7 @@
 """Split-K decode attention (Triton) against explicit fp64 attention on fresh random data: any split count,
 sequences at different positions (splits that see no key), the ring buffer's wrap-around, and the TurboQuant
-layout against attention over the dequantized cache. Under the interpreter on CPU; on a GPU at once."""
+layout against attention over the dequantized cache; the gated attention's output gate in the merge, and its layer
+through the fused kernels against its torch path. Under the interpreter on CPU; on a GPU at once."""
 
 import pytest
 import torch
@@ -156,7 +157,7 @@ def test_caches_decode_through_the_kernel(monkeypatch, kind, window):
     d = lambda x: x.to(DEVICE)  # noqa: E731
     outs = {}
     for kernel in (False, True):
-        monkeypatch.setattr(KVCache, "use_decode_kernel", lambda self, q, on=kernel: on and q.shape[2] == 1)
+        monkeypatch.setattr(KVCache, "use_decode_kernel", lambda self, x, on=kernel: on)
         cache = (make_kv_cache("dense", 1, 4, Hkv, D, T, torch.float32, DEVICE, window=window) if kind == "dense"
                  else TurboQuantKVCache(1, 4, Hkv, D, T, torch.float32, DEVICE, window=window, recent=8))
         o = [cache.attend(0, d(q[b:b + 1, :, :n]), d(k[b:b + 1, :, :n]), d(v[b:b + 1, :, :n]),
@@ -225,3 +226,118 @@ def test_decode_step_prep_appends_k_and_v_and_rotates_q():
         assert rel(scales[:, :, 5].cpu(), ref_scale) < 1e-3
         assert rel(ring[:, :, 1].cpu(), tq.rotate(x)) < 1e-5
         assert codes[:, :, 4].abs().sum() == 0 and ring[:, :, 0].abs().sum() == 0  # nothing else written
+
+
+def gated_cases(dtype, B, Hq, Hkv, D, cap, P, g):
+    """q, gate, a pool of P dense cache rows, B sequences in distinct random rows at random positions."""
+    q = torch.randn(B, Hq, D, generator=g).to(dtype)
+    gate = (torch.randn(B, Hq, D, generator=g) * 3).to(dtype)
+    k, v = (torch.randn(P, Hkv, cap, D, generator=g).to(dtype) for _ in range(2))
+    rows = torch.randperm(P, generator=g)[:B].to(torch.int32)
+    pos = torch.randint(0, cap, (B,), generator=g).to(torch.int32)
+    return q, gate, k, v, rows, pos
+
+
+def check_gated(gated, o32, gate, dtype):
+    """gated = o * sigmoid(gate) as torch rounds it in dtype, from the same kernel's fp32 output o32."""
+    ref = o32.to(dtype) * torch.sigmoid(gate)
+    assert gated.dtype == dtype and rel(gated, ref) < (1e-6 if dtype == torch.float32 else 1e-2)
+    if dtype != torch.float32:
+        assert (gated == ref).float().mean() > 0.99  # a sigmoid's last bit may round differently
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("kind,splits", [("dense", 1), ("dense", 3), ("turboquant", 1), ("turboquant", 3)])
+def test_gate_applied_by_the_merge(dtype, kind, splits):
+    g = torch.Generator().manual_seed(splits)
+    B, Hq, Hkv, D, cap, P = 3, 8, 2, 64, 48, 5
+    q, gate, k, v, rows, pos = gated_cases(dtype, B, Hq, Hkv, D, cap, P, g)
+    d = lambda x: x.to(DEVICE)  # noqa: E731
+    kw = dict(splits=splits, block_n=16, rows=d(rows))
+    if kind == "turboquant":
+        codes = torch.randint(0, 256, (2, P, Hkv, cap, D // 2), generator=g, dtype=torch.int32).to(torch.uint8)
+        scales = torch.rand(2, P, Hkv, cap, generator=g) + 0.1
+        q, k, v = q.float(), codes[0], tq.interleave(codes[1])
+        kw.update(k_scale=d(scales[0]), v_scale=d(scales[1]), k_recent=d(torch.randn(P, Hkv, 8, D, generator=g)),
+                  v_recent=d(torch.randn(P, Hkv, 8, D, generator=g)), unrotate=True)
+    args = (d(q), d(k), d(v), d(pos), D ** -0.5, cap)
+    o32 = at.decode_attention(*args, out_dtype=torch.float32, **kw).cpu()
+    gated = at.decode_attention(*args, out_dtype=dtype, gate=d(gate), **kw).cpu()
+    check_gated(gated, o32, gate, dtype)
+    with pytest.raises(ValueError, match="gate"):
+        at.decode_attention(*args, out_dtype=dtype, gate=d(gate[:, :4]), **kw)
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="real shapes: on the GPU machine")
+@pytest.mark.parametrize("kind", ["dense", "turboquant"])
+def test_gate_at_qwen3_next_80b_shapes_on_gpu(kind):
+    """16 q heads, 2 KV heads of 256, bf16: 4 sequences in rows of a pool of 6, 4096 slots (TurboQuant: the CUDA
+    split kernel, the merge gating)."""
+    g = torch.Generator().manual_seed(4)
+    B, Hq, Hkv, D, cap, P = 4, 16, 2, 256, 4096, 6
+    q, gate, k, v, rows, pos = (x.cuda() for x in gated_cases(torch.bfloat16, B, Hq, Hkv, D, cap, P, g))
+    kw = dict(rows=rows)
+    if kind == "turboquant":
+        codes = torch.randint(0, 256, (2, P, Hkv, cap, D // 2), dtype=torch.int32, device="cuda").to(torch.uint8)
+        scales = torch.rand(2, P, Hkv, cap, device="cuda") + 0.1
+        q, k, v = q.float(), codes[0], tq.interleave(codes[1])
+        recent = torch.randn(2, P, Hkv, 64, D, device="cuda").to(torch.bfloat16)
+        kw.update(k_scale=scales[0], v_scale=scales[1], k_recent=recent[0], v_recent=recent[1], unrotate=True)
+    args = (q, k, v, pos, D ** -0.5, cap)
+    o32 = at.decode_attention(*args, out_dtype=torch.float32, **kw).cpu()
+    gated = at.decode_attention(*args, out_dtype=torch.bfloat16, gate=gate, **kw).cpu()
+    check_gated(gated, o32, gate.cpu(), torch.bfloat16)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("kind,window", [("dense", None), ("dense", 6), ("turboquant4", None)])
+@pytest.mark.parametrize("Hq,Hkv,D,r,hidden", [(4, 2, 64, 16, 96), pytest.param(
+    16, 2, 256, 64, 2048, marks=pytest.mark.skipif(DEVICE != "cuda", reason="real shapes: on the GPU machine"))])
+def test_gated_attention_layer_through_the_fused_kernels(monkeypatch, dtype, kind, window, Hq, Hkv, D, r, hidden):
+    """GatedAttention's decode steps through the fused kernels (q/k norm + RoPE with the cache append where the
+    cache is dense, the gate in the attention merge) against its torch path: two sequences in cache rows 3 and
+    1 of a pool of 4, prefilled to different lengths, then decoding together."""
+    from sluice.cache.kv import DenseKVCache, KVCache, make_kv_cache
+    from sluice.engine.batch import ForwardMeta
+    from sluice.kernels.rope import triton as rope_triton
+    from sluice.kernels.rope.reference import rope_cos_sin, rope_inv_freq
+    from sluice.layers import attention as layers
+    from sluice.layers.linear import Linear
+
+    g = torch.Generator().manual_seed(D + (window or 0))
+    w = lambda *shape: Linear((torch.randn(*shape, generator=g) * shape[1] ** -0.5).to(dtype))  # noqa: E731
+    norms = [torch.randn(D, generator=g) * 0.2 + 1.0 for _ in range(2)]
+    layer = layers.GatedAttention(w(2 * Hq * D, hidden), w(Hkv * D, hidden), w(Hkv * D, hidden), w(hidden, Hq * D),
+                                  *norms, Hq, Hkv, D, 1e-6, 0).to(DEVICE)
+    inv_freq = rope_inv_freq(r, 1e7)
+    T, rows, prompts = 24, [3, 1], [10, 6]
+    x = torch.randn(2, T, hidden, generator=g).to(dtype)
+    d = lambda t: t.to(DEVICE)  # noqa: E731
+
+    def forward(xs, cache, meta):
+        cos, sin = rope_cos_sin(meta.positions.cpu(), inv_freq, dtype)
+        return layer(d(xs), d(cos), d(sin), cache, meta).cpu()
+
+    outs, fused = {}, []
+    for kernels in (False, True):
+        monkeypatch.setattr(KVCache, "use_decode_kernel", lambda self, x, on=kernels: on)
+        if kernels and DEVICE == "cpu":  # the Triton kernels, under the interpreter
+            monkeypatch.setattr(layers, "qk_norm_rope", rope_triton.qk_norm_rope)
+        cache = make_kv_cache(kind, 1, 4, Hkv, D, T, dtype, DEVICE, window=window)
+        decode = cache.decode
+        cache.decode = lambda layer, q, k, v, meta, scale, gate=None: (  # records what it is handed
+            fused.append((k is None, gate is not None)), decode(layer, q, k, v, meta, scale, gate))[1]
+        o = [forward(x[b:b + 1, :n], cache, ForwardMeta.prefill(row, 1, 0, n, DEVICE))
+             for b, (row, n) in enumerate(zip(rows, prompts))]
+        for step in range(T - max(prompts)):
+            pos = [n + step for n in prompts]
+            new = torch.stack([x[b, p] for b, p in enumerate(pos)])[:, None]
+            out = forward(new, cache, ForwardMeta.decode_host(rows, pos, T, DEVICE))
+            o = [torch.cat([o[b], out[b:b + 1]], 1) for b in range(2)]
+        outs[kernels] = torch.cat(o, 1)
+    assert fused and all(f == (kind == "dense", True) for f in fused)  # the kernel path was taken
+    assert outs[True].dtype == dtype
+    print("REL", kind, window, dtype, rel(outs[True], outs[False]), (outs[True] == outs[False]).float().mean())
+    tol = (TOL if kind == "dense" else TOL_INT8) if dtype == torch.float32 else 1e-2 if DEVICE == "cpu" else 2e-2
+    assert rel(outs[True], outs[False]) < tol
+    assert isinstance(cache, DenseKVCache) == (kind == "dense")

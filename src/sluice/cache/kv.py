@@ -4,7 +4,10 @@ either one whole (position p in slot p) or a sliding-window ring buffer (slot p 
 A cache is a pool of `rows` sequences; a forward says which rows and positions its tokens have (`engine/batch.py`
 ForwardMeta). A layer hands its new keys and values to `attend`, which stores them and returns the attention of the
 new queries over everything the cache lets them see; how a kind holds K/V (and in which domain it attends) is its
-own business. The positions, slots and capacity checks are the base class's.
+own business. The positions, slots and capacity checks are the base class's. The gated attention's output gate,
+o * sigmoid(gate), rides along (`attend(..., gate=)`): applied by the decode kernel where there is one, by torch
+elsewhere. A decode step may also store its new keys and values itself (its q/k norm + RoPE kernel writes them)
+where `append_buffers` hands it the buffers; it then calls `attend` with k = v = None.
 
 Prefill (eager): B sequences in consecutive rows, positions start..start+T-1, as views of those rows. Decode: one
 query per sequence, rows and positions as device tensors; on a GPU the split-K kernel reads the rows in place; on the
@@ -22,7 +25,7 @@ from sluice.kernels.attention.reference import attention
 
 class KVCache:
     """What every cache kind shares: `rows` sequences of `capacity` positions each, or a ring of `window` slots,
-    and the interface the attention layers call (`attend`, `dense_buffers`, `bytes_per_token`)."""
+    and the interface the attention layers call (`attend`, `append_buffers`, `dense_buffers`, `bytes_per_token`)."""
 
     def __init__(self, num_layers: int, rows: int, num_kv_heads: int, head_dim: int, capacity: int,
                  window: int | None = None):
@@ -33,26 +36,30 @@ class KVCache:
         self.max_positions = capacity
         self.capacity = capacity if window is None else min(capacity, window)  # slots per sequence
 
-    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta, scale: float) -> torch.Tensor:
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, meta,
+               scale: float, gate: torch.Tensor | None = None) -> torch.Tensor:
         """q [B, Hq, T, D] with their k, v [B, Hkv, T, D] at meta's rows and positions: store k, v, return the
-        attention output [B, Hq, T, D] (causal; with a window W, query p sees keys p-W+1..p)."""
+        attention output [B, Hq, T, D] (causal; with a window W, query p sees keys p-W+1..p), times
+        sigmoid(gate [B, Hq, T, D]) if given. k = v = None: a decode step that stored them already
+        (`append_buffers`)."""
+        if meta.decode and self.use_decode_kernel(q):
+            return self.decode(layer, q, k, v, meta, scale, gate)
         if meta.parts is not None:  # packed prefill: each sequence's chunk as its own prefill
-            return torch.cat([self.attend(layer, q[:, :, t0:t1], k[:, :, t0:t1], v[:, :, t0:t1], part, scale)
-                              for t0, t1, part in meta.parts], dim=2)
-        if not meta.decode:
-            return self.prefill(layer, meta.row0, q, k, v, meta.start, scale)
-        if self.use_decode_kernel(q):
-            return self.decode(layer, q, k, v, meta, scale)
-        # one row at a time, as a sequence alone takes it
-        return torch.cat([self.prefill(layer, row, q[i:i + 1], k[i:i + 1], v[i:i + 1], pos, scale)
-                          for i, (row, pos) in enumerate(zip(meta.rows_host, meta.positions_host))])
+            o = torch.cat([self.attend(layer, q[:, :, t0:t1], k[:, :, t0:t1], v[:, :, t0:t1], part, scale)
+                           for t0, t1, part in meta.parts], dim=2)
+        elif not meta.decode:
+            o = self.prefill(layer, meta.row0, q, k, v, meta.start, scale)
+        else:  # one row at a time, as a sequence alone takes it
+            o = torch.cat([self.prefill(layer, row, q[i:i + 1], k[i:i + 1], v[i:i + 1], pos, scale)
+                           for i, (row, pos) in enumerate(zip(meta.rows_host, meta.positions_host))])
+        return o if gate is None else o * torch.sigmoid(gate)
 
     def prefill(self, layer: int, row0: int, q, k, v, start: int, scale: float) -> torch.Tensor:
         """The B sequences of rows row0.. (eager; every position start..start+T-1 new)."""
         raise NotImplementedError
 
-    def decode(self, layer: int, q, k, v, meta, scale: float) -> torch.Tensor:
-        """One query per sequence on a GPU: the split-K kernel over the rows in place."""
+    def decode(self, layer: int, q, k, v, meta, scale: float, gate=None) -> torch.Tensor:
+        """One query per sequence on a GPU: the split-K kernel over the rows in place (and the gate in its merge)."""
         raise NotImplementedError
 
     def slots(self, start: int, end: int) -> torch.Tensor:
@@ -66,9 +73,16 @@ class KVCache:
         """The oldest position a query at `start` (or later) may see."""
         return 0 if self.window is None else max(0, start - self.window + 1)
 
-    def use_decode_kernel(self, q: torch.Tensor) -> bool:
-        """One new query per sequence on a GPU: the split-K Triton kernel (`kernels/attention/triton.py`)."""
-        return q.is_cuda and q.shape[2] == 1
+    def use_decode_kernel(self, x: torch.Tensor) -> bool:
+        """Whether a decode step (one new query per sequence) whose activations are like `x` (their device) runs the
+        split-K Triton kernel (`kernels/attention/triton.py`): on a GPU."""
+        return x.is_cuda
+
+    def append_buffers(self, layer: int, meta, x: torch.Tensor):
+        """(k, v) [rows, Hkv, capacity, D] for a decode step (activations like `x`) that writes its new key and value
+        itself, at slot position % capacity of each sequence's cache row, then calls `attend` with k = v = None;
+        None where this cache stores them itself."""
+        return None
 
     def dense_buffers(self, layer: int):
         """(k, v) [rows, Hkv, capacity, D] buffers that position p's vectors sit in at slot p, for kernels that
@@ -94,15 +108,16 @@ class DenseKVCache(KVCache):
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
 
-    def decode(self, layer, q, k, v, meta, scale):
+    def decode(self, layer, q, k, v, meta, scale, gate=None):
         from sluice.kernels.attention.triton import decode_attention
 
         pos = meta.last_positions
-        slots = pos % self.capacity
-        self.k[layer][meta.rows, :, slots] = k[:, :, 0].to(self.k.dtype)
-        self.v[layer][meta.rows, :, slots] = v[:, :, 0].to(self.v.dtype)
+        if k is not None:  # else stored by the caller (`append_buffers`)
+            slots = pos % self.capacity
+            self.k[layer][meta.rows, :, slots] = k[:, :, 0].to(self.k.dtype)
+            self.v[layer][meta.rows, :, slots] = v[:, :, 0].to(self.v.dtype)
         o = decode_attention(q[:, :, 0], self.k[layer], self.v[layer], pos, scale, min(meta.visible, self.capacity),
-                             self.window, rows=meta.rows)
+                             self.window, rows=meta.rows, gate=None if gate is None else gate[:, :, 0])
         return o[:, :, None]
 
     def prefill(self, layer, row0, q, k, v, start, scale):
@@ -131,6 +146,9 @@ class DenseKVCache(KVCache):
         kl.index_copy_(2, idx, k[:, :, T - keep:].to(kl.dtype))
         vl.index_copy_(2, idx, v[:, :, T - keep:].to(vl.dtype))
         return o
+
+    def append_buffers(self, layer, meta, x):
+        return (self.k[layer], self.v[layer]) if meta.decode and self.use_decode_kernel(x) else None
 
     def dense_buffers(self, layer: int):
         return (self.k[layer], self.v[layer]) if self.window is None else None

@@ -64,8 +64,11 @@ class CachePool:
         if self.states is not None:
             self.states.reset(self.scratch_row)
 
-    def attend(self, layer: int, q, k, v, meta, scale: float):
-        return self.kv.attend(layer, q, k, v, meta, scale)
+    def attend(self, layer: int, q, k, v, meta, scale: float, gate=None):
+        return self.kv.attend(layer, q, k, v, meta, scale, gate)
+
+    def append_buffers(self, layer: int, meta, x):
+        return self.kv.append_buffers(layer, meta, x)
 
     def dense_buffers(self, layer: int):
         return self.kv.dense_buffers(layer)

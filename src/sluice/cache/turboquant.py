@@ -42,9 +42,9 @@ class TurboQuantKVCache(KVCache):
         self.k_scale, self.v_scale = z(scales, torch.float32), z(scales, torch.float32)
         self.k_recent, self.v_recent = z(ring, dtype), z(ring, dtype)  # rotated, slot p % recent
 
-    def use_decode_kernel(self, q: torch.Tensor) -> bool:
+    def use_decode_kernel(self, x: torch.Tensor) -> bool:
         """The kernel needs at least 16 bytes of codes per vector (head dim >= 32); smaller heads use the torch path."""
-        return super().use_decode_kernel(q) and self.head_dim >= 32
+        return super().use_decode_kernel(x) and self.head_dim >= 32
 
     def prefill(self, layer: int, row0: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int,
                 scale: float) -> torch.Tensor:
@@ -105,7 +105,7 @@ class TurboQuantKVCache(KVCache):
         v_recent.index_copy_(2, ring, ve[:, :, -r:].to(v_recent.dtype))
         return tq.unrotate(o).to(q.dtype)
 
-    def decode(self, layer, q, k, v, meta, scale):
+    def decode(self, layer, q, k, v, meta, scale, gate=None):
         """One query per sequence: quantize-on-append, then the split-K kernel on the codes and the ring, the rows
         read in place."""
         from sluice.kernels.attention.triton import decode_attention
@@ -117,7 +117,8 @@ class TurboQuantKVCache(KVCache):
         qr = decode_step_prep(q[:, :, 0], k[:, :, 0], v[:, :, 0], *caches, pos, rows=rows)
         o = decode_attention(qr, caches[0], caches[1], pos, scale, min(meta.visible, self.capacity), self.window,
                              k_scale=caches[2], v_scale=caches[3], k_recent=caches[4], v_recent=caches[5],
-                             unrotate=True, rows=rows, out_dtype=q.dtype)  # (qr is fp32)
+                             unrotate=True, rows=rows, out_dtype=q.dtype,  # (qr is fp32)
+                             gate=None if gate is None else gate[:, :, 0])
         return o[:, :, None]
 
     def _use_cpu_kernel(self, q: torch.Tensor) -> bool:

@@ -7,7 +7,7 @@ import torch.nn as nn
 
 from sluice.kernels import cpu as native
 from sluice.kernels.attention import cpu as attention_cpu
-from sluice.kernels.rope import norm_rope
+from sluice.kernels.rope import qk_norm_rope
 from sluice.kernels.rope.reference import apply_rope
 from sluice.layers.linear import Linear, fuse_linears
 
@@ -61,10 +61,19 @@ class GatedAttention(nn.Module):
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache, meta) -> torch.Tensor:
         B, T, _ = x.shape
         H, Hkv, D = self.num_heads, self.num_kv_heads, self.head_dim
-        qg, k, v = self.qkv(x).split([2 * H * D, Hkv * D, Hkv * D], dim=-1)
+        qkv = self.qkv(x)
+        qg, k, v = qkv.split([2 * H * D, Hkv * D, Hkv * D], dim=-1)
         q, gate = qg.view(B, T, H, 2 * D).chunk(2, dim=-1)
-        q = norm_rope(q, self.q_norm, cos, sin, self.eps).transpose(1, 2)  # one launch each on CUDA
-        k = norm_rope(k.view(B, T, Hkv, D), self.k_norm, cos, sin, self.eps).transpose(1, 2)
-        v = v.view(B, T, Hkv, D).transpose(1, 2)
-        o = cache.attend(self.cache_index, q, k, v, meta, self.scale).transpose(1, 2).reshape(B, T, H * D)
-        return self.o(o * torch.sigmoid(gate.reshape(B, T, H * D)))
+        k, v = k.view(B, T, Hkv, D), v.view(B, T, Hkv, D)
+        # q and k norm + RoPE in one launch on CUDA; in a decode step over a dense cache it also stores k and v
+        stores = cache.append_buffers(self.cache_index, meta, qkv)
+        if stores is None:
+            q, k = qk_norm_rope(q, k, self.q_norm, self.k_norm, cos, sin, self.eps)
+            k, v = k.transpose(1, 2), v.transpose(1, 2)
+        else:
+            q, k = qk_norm_rope(q, k, self.q_norm, self.k_norm, cos, sin, self.eps, v, *stores, meta.last_positions,
+                                meta.rows)
+            v = None
+        # o * sigmoid(gate): in the decode kernel's merge, or torch
+        o = cache.attend(self.cache_index, q.transpose(1, 2), k, v, meta, self.scale, gate=gate.transpose(1, 2))
+        return self.o(o.transpose(1, 2).reshape(B, T, H * D))

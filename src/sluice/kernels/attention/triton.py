@@ -5,9 +5,9 @@ of the cache tensors or, with `rows` (a pool of cache rows), in row rows[b]. Pro
 all G = Hq / Hkv query heads of the KV head at once (each K/V byte read once), over the split's positions in
 blocks, with an online softmax; it writes its partial output and (max, sum) per head. A second kernel merges the
 splits (a split that saw no key, max = -inf, weighs 0; no NaN: `visible` may bound the positions loosely, e.g. by
-the capacity, as a captured graph does). Positions map to slots p, or p % capacity in a ring. On Hopper both launch
-with programmatic dependent launch (`launch.pdl_start`): each one's launch and set-up overlap the end of the kernel
-before it.
+the capacity, as a captured graph does) and may apply the gated attention's output gate, o * sigmoid(gate).
+Positions map to slots p, or p % capacity in a ring. On Hopper both launch with programmatic dependent launch
+(`launch.pdl_start`): each one's launch and set-up overlap the end of the kernel before it.
 
 TurboQuant (QUANT): keys and values of positions p - j >= RECENT come from the 4-bit codes (byte i of a vector
 holds coordinates i and i + D/2, so the two halves of q and of the output meet the low and the high nibbles with
@@ -32,6 +32,7 @@ import triton.language as tl
 
 from sluice.kernels.attention import cuda as tq_cuda
 from sluice.kernels.launch import num_sms, pdl, pdl_start
+from sluice.kernels.norm.triton import round_to
 from sluice.kernels.turboquant import reference
 from sluice.kernels.turboquant.triton import _hadamard_rows, _tables
 
@@ -294,16 +295,18 @@ def _int8_pair(x):
 
 
 @triton.jit
-def _merge_splits_kernel(op_ptr, ml_ptr, o_ptr, sign_ptr, rot_ptr, cnt_ptr, Hkv, n_splits, stride_ob, stride_oh,
+def _merge_splits_kernel(op_ptr, ml_ptr, o_ptr, sign_ptr, rot_ptr, cnt_ptr, gate_ptr, Hkv, n_splits, stride_ob,
+                         stride_oh, stride_gb, stride_gh,
                          G: tl.constexpr, BG: tl.constexpr, D: tl.constexpr, BD: tl.constexpr, NSP: tl.constexpr,
-                         SB: tl.constexpr, UNROTATE: tl.constexpr, PREC: tl.constexpr, PDL: tl.constexpr):
+                         SB: tl.constexpr, UNROTATE: tl.constexpr, GATE: tl.constexpr, RNE_BF16: tl.constexpr,
+                         PREC: tl.constexpr, PDL: tl.constexpr):
     """Program (query head, BD coordinates): the splits' weights exp(m_s - M) and the weighted partial outputs.
     A launch that is all latency, so every load is issued at once: all (max, sum) pairs and (SB >= splits, the
     usual case) all partial outputs in one round trip. UNROTATE (TurboQuant): the merged block goes to rot
     (fp32 [query heads, D]) and the program of the KV head's G query heads that finishes last (a counter per KV
     head, zeroed by the split kernel) reads their rows back and rotates them, R^T o = (o H) * signs / sqrt(D).
     (One program per query head doing both, as before, took 6-16 us on an H100: few programs, each reading
-    every split's D partials, and a one-row rotation.)"""
+    every split's D partials, and a one-row rotation.) GATE: the output times sigmoid(gate) (`_gated`)."""
     pdl_start(PDL)
     row = tl.program_id(0)
     bh = row // G
@@ -340,10 +343,25 @@ def _merge_splits_kernel(op_ptr, ml_ptr, o_ptr, sign_ptr, rot_ptr, cnt_ptr, Hkv,
                              cache_modifier=".cg")  # the other programs' parts, past L1
             # on tensor cores (tf32x3: fp32 accuracy to a few ulps); as FMAs it took microseconds
             y = _hadamard_rows(merged, D, PREC) * (tl.load(sign_ptr + dd) / tl.sqrt(D * 1.0))[None, :]
-            tl.store(o_ptr + b.to(tl.int64) * stride_ob + (h * G + gg[:, None]) * stride_oh + dd[None, :],
+            heads = h * G + gg[:, None]
+            if GATE:
+                y = _gated(y, gate_ptr + b.to(tl.int64) * stride_gb + heads * stride_gh + dd[None, :],
+                           gg[:, None] < G, o_ptr.dtype.element_ty, RNE_BF16)
+            tl.store(o_ptr + b.to(tl.int64) * stride_ob + heads * stride_oh + dd[None, :],
                      y.to(o_ptr.dtype.element_ty), mask=gg[:, None] < G)
     else:
+        if GATE:
+            acc = _gated(acc, gate_ptr + b.to(tl.int64) * stride_gb + (h * G + g) * stride_gh + d, d < D,
+                         o_ptr.dtype.element_ty, RNE_BF16)
         tl.store(o_ptr + b.to(tl.int64) * stride_ob + (h * G + g) * stride_oh + d, acc.to(o_ptr.dtype.element_ty))
+
+
+@triton.jit
+def _gated(o, gate_ptrs, mask, dt: tl.constexpr, RNE_BF16: tl.constexpr):
+    """o * sigmoid(gate) as torch computes `o * torch.sigmoid(gate)` in dtype dt: o, the sigmoid and the product
+    each rounded to dt."""
+    s = round_to(tl.sigmoid(tl.load(gate_ptrs, mask=mask, other=0.0).to(tl.float32)), dt, RNE_BF16)
+    return round_to(round_to(o, dt, RNE_BF16) * s, dt, RNE_BF16)
 
 
 @triton.jit
@@ -380,7 +398,7 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, position
                      visible: int, window: int | None = None, splits: int | None = None, block_n: int | None = None,
                      k_scale=None, v_scale=None, k_recent=None, v_recent=None, out_dtype=None,
                      unrotate: bool = False, num_warps: int = 4, num_stages: int | None = None,
-                     rows: torch.Tensor | None = None) -> torch.Tensor:
+                     rows: torch.Tensor | None = None, gate: torch.Tensor | None = None) -> torch.Tensor:
     """q [B, Hq, D] (one query per sequence, at positions[b], int32 or int64 [B] on the device: it sees the keys
     at positions <= positions[b]); dense k, v [P, Hkv, capacity, D], or with k_scale etc. the TurboQuant layout: k
     codes [P, Hkv, capacity, D/2] uint8, v codes [P, Hkv, capacity/4, D/2, 4] (`turboquant.reference.interleave`),
@@ -390,7 +408,8 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, position
     (slot = position % capacity) when window is set. `visible`: a bound on the keys any query sees (a host int:
     sizes the splits without a sync; a loose one, e.g. the capacity, is correct, the splits past a query's keys
     weigh 0). Returns [B, Hq, D] in out_dtype (default q's); with `unrotate` (TurboQuant) rotated back out of the
-    codec's domain by the merge kernel."""
+    codec's domain by the merge kernel; with `gate` ([B, Hq, D] in out_dtype, unit last stride) o * sigmoid(gate)
+    as torch rounds it (the gated attention's output gate, applied by the merge kernel)."""
     B, Hq, D = q.shape
     P, Hkv, cap = k.shape[:3]
     quant = k_scale is not None
@@ -419,6 +438,9 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, position
         raise ValueError("decode attention: unrotate is for the TurboQuant layout")
     if q.stride(-1) != 1:
         raise ValueError("decode attention: q needs a unit last stride")
+    if gate is not None and (gate.shape != (B, Hq, D) or gate.dtype != (out_dtype or q.dtype) or gate.stride(-1) != 1):
+        raise ValueError(f"decode attention: gate must be [{B}, {Hq}, {D}] in the output dtype with a unit last "
+                         f"stride, got {gate.dtype} {tuple(gate.shape)}")
     # positions per step (the H100 sweeps of benchmarks/attention_gpu.py): K and V tiles of D = 256 rows fill
     # shared memory; the codes are a quarter of the bytes, 128 positions a step unless splits are short (D = 128:
     # one block, 4k at batch 1: 19.3 -> 16.1 us with two of 64; benchmarks/results/attention_tq_sweep2_h100.json)
@@ -485,8 +507,10 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, position
     # batch 1, the merge alone: D = 128 2.2 -> 1.8 us with 128 programs of 1 warp, D = 256 2.6 -> 2.3 with 4);
     # with unrotate the last program also rotates G rows of D on tensor cores, which wants 4-8 warps
     warps = (8 if sb * BD >= 8192 else 4) if unrotate else max(1, min(8, sb * BD // 2048))
-    _merge_splits_kernel[(B * Hq, D // BD)](op, ml, o, signs, rot, cnt, Hkv, ns, o.stride(0), o.stride(1), G=G,
-                                            BG=BG, D=D, BD=BD, NSP=nsp, SB=sb, UNROTATE=unrotate,
+    g = o if gate is None else gate
+    _merge_splits_kernel[(B * Hq, D // BD)](op, ml, o, signs, rot, cnt, g, Hkv, ns, o.stride(0), o.stride(1),
+                                            g.stride(0), g.stride(1), G=G, BG=BG, D=D, BD=BD, NSP=nsp, SB=sb,
+                                            UNROTATE=unrotate, GATE=gate is not None, RNE_BF16=INTERPRET,
                                             PREC="ieee" if INTERPRET else "tf32x3", PDL=use_pdl,
                                             launch_pdl=use_pdl, num_warps=warps)
     return o
