@@ -134,6 +134,7 @@ def test_overlapped_steps_give_the_same_tokens(qwen):
     assert engine.runner.pool.free_rows == engine.runner.pool.rows
     with pytest.raises(InvalidOptionError, match="overlap"):
         qwen.with_engine(overlap="yes")
+    assert sluice.load(qwen.path, device="cpu", overlap=False).engine_config.overlap is False
 
 
 def test_impossible_requests_are_errors(qwen):

@@ -106,7 +106,7 @@ class _DeviceReader:
             self.src.close()
 
 
-ENGINE_OPTIONS = ("max_batch", "max_seq_len", "prefill_chunk", "graphs", "graph_batch_sizes")
+ENGINE_OPTIONS = ("max_batch", "max_seq_len", "prefill_chunk", "graphs", "graph_batch_sizes", "overlap")
 
 
 def _read_checkpoint(path, load_format: str, dev: torch.device, dt: torch.dtype, gpu_memory, expert_slots,
@@ -150,7 +150,7 @@ def load(path=None, device=None, dtype=None, keep_quantized: bool = True, kv_cac
     device (`sluice.experts`; without it, a model bigger than the free GPU memory streams the same way).
     expert_slots: that many slots a layer, whatever the budget. expert_store: where streamed experts stay: "auto"
     (host memory when they fit there, else the checkpoint's files), "host" or "disk". Engine options (`sluice.config.EngineConfig`): max_batch, max_seq_len,
-    prefill_chunk, graphs, graph_batch_sizes."""
+    prefill_chunk, graphs, graph_batch_sizes, overlap."""
     unknown = sorted(set(options) - set(ENGINE_OPTIONS))
     if unknown:
         raise InvalidOptionError(f"unknown load option(s): {', '.join(unknown)}.")
