@@ -4,8 +4,8 @@ before and while a long prompt prefills in chunks beside them, and that prompt's
     PYTHONPATH=src python benchmarks/long_prompt_join.py --model benchmarks/configs/qwen3-next-80b-a3b.json \\
         --load-format dummy --running 8 --prompt-tokens 32768 --prefill-chunk 512 --json out.json
 
-Steps are timed on the host around `Engine.step()` (which reads the sampled ids back, so a step's GPU work is done
-when it returns). The issue's bar: p99 inter-token latency while the prompt joins <= 5x the batch's normal step.
+Steps are timed on the host around `Engine.step()` with the device synchronised before and after (with overlap a
+step returns while the one it launched still runs). The issue's bar: p99 inter-token latency while the prompt joins <= 5x the batch's normal step.
 """
 
 from __future__ import annotations

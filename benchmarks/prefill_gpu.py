@@ -1,0 +1,53 @@
+"""Prefill on the GPU machine (issue #29): time to first token and prefill tokens/s of one prompt, for several
+prefill chunk sizes (the prompt tokens one step's forward takes), and the peak GPU memory of each.
+
+    PYTHONPATH=src python benchmarks/prefill_gpu.py --config benchmarks/configs/qwen3-next-80b-a3b.json \\
+        --prompts 4096 --chunks 512,2048,4096,8192 --json out.json
+
+A dummy-weight model of the config, distinct random prompts (`Model.bench`: TTFT warm is the second of two runs).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+import torch
+
+import sluice
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--config", default="benchmarks/configs/qwen3-next-80b-a3b.json")
+    ap.add_argument("--prompts", default="4096")
+    ap.add_argument("--chunks", default="512,2048,4096,8192")
+    ap.add_argument("--kv-cache", default="dense")
+    ap.add_argument("--json")
+    args = ap.parse_args()
+    base = sluice.load(args.config, load_format="dummy", device="cuda", kv_cache=args.kv_cache, max_batch=1)
+    rows = []
+    for chunk in (int(c) for c in args.chunks.split(",")):
+        model = base.with_engine(prefill_chunk=chunk)
+        for prompt in (int(p) for p in args.prompts.split(",")):
+            torch.cuda.reset_peak_memory_stats()
+            r = model.bench(prompt_tokens=prompt, gen_tokens=2, batch=1, repeats=2)
+            rows.append({"prefill_chunk": chunk, "prompt_tokens": prompt, "kv_cache": args.kv_cache,
+                         "ttft_warm_s": r["ttft_warm_s"], "prefill_tok_s": r["prefill_tok_s"],
+                         "peak_gb": torch.cuda.max_memory_allocated() / 1e9})
+            print(json.dumps(rows[-1]), flush=True)
+        model._engine = None
+        torch.cuda.empty_cache()
+    print(f"\n{'chunk':>6s} {'prompt':>7s} {'TTFT warm':>10s} {'prefill t/s':>11s} {'peak GB':>8s}")
+    for r in rows:
+        print(f"{r['prefill_chunk']:6d} {r['prompt_tokens']:7d} {r['ttft_warm_s']:10.3f} {r['prefill_tok_s']:11.0f} "
+              f"{r['peak_gb']:8.1f}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"config": args.config, "gpu": torch.cuda.get_device_name(), "rows": rows}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
