@@ -161,6 +161,14 @@ def test_bad_engine_options(demo_gguf_path, option, value):
         sluice.load(demo_gguf_path, device="cpu", **{option: value})
 
 
+def test_prefill_chunk_defaults_by_device():
+    from sluice.config import EngineConfig
+
+    assert EngineConfig().prefill_tokens("cpu") == 512
+    assert EngineConfig().prefill_tokens(torch.device("cuda", 0)) == 4096  # every chunk reads all the experts
+    assert EngineConfig(prefill_chunk=64).prefill_tokens("cuda") == 64
+
+
 def test_with_engine_shares_the_weights_and_checks_its_options(qwen):
     other = qwen.with_engine(kv_cache="turboquant4", max_batch=2)
     assert other.module is qwen.module and other.engine is not qwen.engine

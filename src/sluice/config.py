@@ -4,9 +4,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import torch
+
 from sluice.errors import InvalidOptionError
 
 GRAPH_BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64, 128)
+GPU_PREFILL_CHUNK = 4096  # every chunk reads all the experts: bigger chunks prefill faster (docs/PERF.md, "prefill")
+CPU_PREFILL_CHUNK = 512
 
 
 @dataclass(frozen=True)
@@ -16,7 +20,8 @@ class EngineConfig:
     max_batch: the most sequences decoding at once (cache rows).
     max_seq_len: the most positions one sequence may hold (prompt + generated); None = the model's context window.
     prefill_chunk: prompt tokens a step prefills at most, over all the prompts it packs into one forward (bounds
-        activation memory and how long a step of the running decodes waits).
+        activation memory and how long a step of the running decodes waits); None: 4096 on a GPU, where every chunk
+        reads all the experts once and bigger chunks prefill several times faster, 512 on the CPU.
     graphs: on CUDA, replay each decode step from a CUDA graph captured per batch size (False: eager, to compare).
     graph_batch_sizes: the batch sizes graphs are captured for; a batch runs in the smallest that holds it.
     kv_cache: "dense" (K/V in the model's dtype) or "turboquant4".
@@ -26,7 +31,7 @@ class EngineConfig:
 
     max_batch: int = 64
     max_seq_len: int | None = None
-    prefill_chunk: int = 512
+    prefill_chunk: int | None = None
     graphs: bool = True
     graph_batch_sizes: tuple[int, ...] = field(default=GRAPH_BATCH_SIZES)
     kv_cache: str = "dense"
@@ -40,7 +45,8 @@ class EngineConfig:
                 raise InvalidOptionError(f"{name}={value!r}: use an integer >= 1.")
 
         positive("max_batch", self.max_batch)
-        positive("prefill_chunk", self.prefill_chunk)
+        if self.prefill_chunk is not None:
+            positive("prefill_chunk", self.prefill_chunk)
         if self.max_seq_len is not None:
             positive("max_seq_len", self.max_seq_len)
         if self.overlap not in (None, True, False):
@@ -51,6 +57,12 @@ class EngineConfig:
         if not sizes or any(not isinstance(s, int) or s < 1 for s in sizes):
             raise InvalidOptionError(f"graph_batch_sizes={sizes!r}: use positive integers.")
         object.__setattr__(self, "graph_batch_sizes", tuple(sorted(set(sizes))))
+
+    def prefill_tokens(self, device) -> int:
+        """The prompt tokens a step prefills at most on `device` (`prefill_chunk`, or its default there)."""
+        if self.prefill_chunk is not None:
+            return self.prefill_chunk
+        return GPU_PREFILL_CHUNK if torch.device(device).type == "cuda" else CPU_PREFILL_CHUNK
 
     def graph_size(self, batch: int) -> int | None:
         """The captured batch size a batch of `batch` sequences replays in (None: larger than any)."""

@@ -71,7 +71,7 @@ class Engine:
         self.vocab_size = module.cfg.vocab_size
         self.context_length = module.cfg.context_length
         self.runner = ModelRunner(module, config, device, dtype)
-        self.scheduler = Scheduler(config.prefill_chunk)
+        self.scheduler = Scheduler(config.prefill_tokens(device))
         self._ids = itertools.count()
         self._ahead: _Drawn | None = None  # a decode step launched, its ids not read yet (`overlap`)
 

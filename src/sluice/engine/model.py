@@ -83,7 +83,7 @@ class Model:
         for row in ids.tolist():
             check_prompt(row, self.config.vocab_size, self.context_length)
         cache = self.new_cache(ids.shape[1], rows=ids.shape[0])
-        step = self.engine_config.prefill_chunk
+        step = self.engine_config.prefill_tokens(self.device)
         return torch.cat([self.forward(ids[:, s:s + step], cache, s).cpu() for s in range(0, ids.shape[1], step)],
                          dim=1)
 
