@@ -154,3 +154,7 @@ def test_add_rms_norm_sums_unsummed_expert_outputs(tokens, k, splits, shared, dt
     assert rel_err(s.view(tokens, H).float() - h.view(tokens, H).float(), ref) <= 1e-2
     with pytest.raises(ValueError, match="expert outputs"):
         nt.add_rms_norm(h[..., :48], experts, w[:48], EPS)
+    with pytest.raises(ValueError, match="y must be"):  # rows of fewer tokens than the weights say
+        ExpertOutputs(y[:, :-1], weights, dtype)
+    with pytest.raises(ValueError, match="weights must be"):
+        ExpertOutputs(y, weights.double(), dtype)

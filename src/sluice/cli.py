@@ -159,6 +159,8 @@ def _placement_line(p: dict) -> str:
 
 def cmd_bench(args) -> int:
     options = {"graphs": not args.no_graphs, "max_batch": max(args.batch, 1)}
+    if args.no_overlap:
+        options["overlap"] = False
     if args.load_format != "auto":
         options["load_format"] = args.load_format
     _progress(f"loading {args.model or 'the demo model'}")
@@ -211,6 +213,8 @@ def cmd_serve(args) -> int:
         print(f"sluice: warning: serving on {config.host} without --api-key: anyone who can reach it may use it",
               file=sys.stderr)
     options = {"max_batch": args.max_batch, "graphs": not args.no_graphs}
+    if args.no_overlap:
+        options["overlap"] = False
     if args.load_format != "auto":
         options["load_format"] = args.load_format
     model = _load(args, **options)
@@ -288,6 +292,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--load-format", default="auto", help="auto, or dummy: random weights at the shapes of "
                        "--model's config.json (a directory or a config.json file), made on the device")
     bench.add_argument("--no-graphs", action="store_true", help="decode eagerly (no CUDA graphs), to compare")
+    bench.add_argument("--no-overlap", action="store_true", help="read each decode step back before launching the "
+                       "next (on a GPU the next is launched first), to compare")
     bench.add_argument("--compare-kv-caches", dest="kv_cache_kinds", action="store_const",
                        const=list(KV_CACHE_KINDS), help="one row per KV cache kind")
     bench.add_argument("--json", action="store_true", help="print the rows as JSON")
@@ -305,6 +311,7 @@ def build_parser() -> argparse.ArgumentParser:
                      help="positions per sequence, prompt + output (default: the context window, at most 4096)")
     srv.add_argument("--max-body-mb", type=float, default=8.0, help="largest request body accepted (413 beyond)")
     srv.add_argument("--no-graphs", action="store_true", help="decode eagerly (no CUDA graphs)")
+    srv.add_argument("--no-overlap", action="store_true", help="read each decode step back before launching the next")
     srv.add_argument("--load-format", default="auto", help="auto, or dummy: random weights at the shapes of "
                      "--model's config.json, made on the device (to measure a model without downloading it)")
     srv.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],

@@ -18,6 +18,15 @@ from dataclasses import dataclass
 import torch
 
 
+def on_device(values, dtype: torch.dtype, device) -> torch.Tensor:
+    """Host values as a tensor on `device` without waiting for it: a copy from pageable memory to a GPU first waits
+    for everything queued there, which would undo the overlap of decode steps (`engine/engine.py`)."""
+    t = torch.tensor(values, dtype=dtype)
+    if torch.device(device).type != "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
+
+
 @dataclass
 class ForwardMeta:
     decode: bool
@@ -58,8 +67,8 @@ class ForwardMeta:
     @classmethod
     def decode_host(cls, rows: list[int], positions: list[int], visible: int, device) -> ForwardMeta:
         """An eager decode step built from host lists (the CPU path, and eager CUDA steps)."""
-        meta = cls(True, torch.tensor(positions, dtype=torch.int32)[:, None].to(device),
-                   torch.tensor(rows, dtype=torch.int32).to(device), visible)
+        meta = cls(True, on_device(positions, torch.int32, device)[:, None], on_device(rows, torch.int32, device),
+                   visible)
         meta.rows_host, meta.positions_host = list(rows), list(positions)
         return meta
 

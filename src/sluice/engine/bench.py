@@ -47,8 +47,9 @@ def bench(model, prompt_tokens: int = 512, gen_tokens: int = 64, batch: int = 1,
 
 def _run(engine, prompts, max_tokens: int) -> dict:
     """One pass: every prompt prefilled and decoded. Steady decode: the steps in which all sequences decode and no
-    prompt prefills, timed from the end of the first such step to the end of the last, over the tokens that reached
-    the host in between (with overlap a step's tokens arrive with the next step: one step in flight at each end)."""
+    prompt prefills, timed from the start of the first such step to the end of the last, over the tokens those
+    steps computed (with overlap, a step launched before the window and read back in it is not counted; the last
+    steady `step()` reads back the last step launched)."""
     sync = torch.cuda.synchronize if engine.runner.device.type == "cuda" else (lambda: None)
     sync()
     t0 = time.perf_counter()
@@ -57,6 +58,8 @@ def _run(engine, prompts, max_tokens: int) -> dict:
     decode_s, decode_tokens = 0.0, 0
     while not all(s.finished for s in seqs):
         steady = len(engine.scheduler.decoding()) == len(seqs) and not engine.scheduler.next_prefills()
+        if steady and window is None:
+            window = (time.perf_counter(), sum(len(s.output) for s in seqs) + engine.in_flight)
         engine.step()
         now = time.perf_counter()
         if ttft is None and seqs[0].output:
@@ -64,11 +67,7 @@ def _run(engine, prompts, max_tokens: int) -> dict:
         if prefill_end is None and all(s.prefilled == len(s.prompt) for s in seqs):
             prefill_end = now - t0
         if steady:
-            produced = sum(len(s.output) for s in seqs)
-            if window is None:
-                window = (now, produced)
-            else:
-                decode_s, decode_tokens = now - window[0], produced - window[1]
+            decode_s, decode_tokens = now - window[0], sum(len(s.output) for s in seqs) - window[1]
     sync()
     return {"ttft_s": ttft, "prefill_s": prefill_end, "decode_s": decode_s, "decode_tokens": decode_tokens}
 

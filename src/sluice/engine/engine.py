@@ -20,7 +20,8 @@ not read back at once. The next step is launched first, its input the sampled id
 host reads and detokenizes the earlier step while the GPU runs the later one; so each step's outputs come from the
 `step()` call after the one that launched it. A sequence that stops on a stop id or string costs one step computed
 and thrown away; a step whose rows need the host (logprobs, a constraint, presence or frequency penalties, a
-sequence one token from its max_tokens, a batch that changed) is read back before the next launch.
+sequence one token from its max_tokens, a batch that changed) is read back before the next launch; so one
+`step()` may return two outputs of a sequence, the step run ahead and the one read back at once.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from dataclasses import dataclass
 import torch
 
 from sluice.config import EngineConfig
+from sluice.engine.batch import on_device
 from sluice.engine.runner import ModelRunner
 from sluice.engine.sampler import SamplingBatch, fill_seen, mark_seen, output_counts, random_seed, sample
 from sluice.engine.sampling import SamplingParams
@@ -125,7 +127,12 @@ class Engine:
             self.runner.build_pool(self.config.max_batch, self.max_length)
 
     def has_work(self) -> bool:
-        return self.scheduler.has_work() or self._ahead is not None
+        return self.scheduler.has_work() or self.in_flight > 0
+
+    @property
+    def in_flight(self) -> int:
+        """Tokens sampled on the device and not yet read back (a step run ahead, `overlap`)."""
+        return 0 if self._ahead is None else sum(not s.finished for s in self._ahead.seqs)
 
     @property
     def overlaps(self) -> bool:
@@ -224,7 +231,7 @@ class Engine:
         else:
             batch = SamplingBatch([s.sampling for s in seqs], [s.seed for s in seqs],
                                   [len(s.output) + ahead for s in seqs], logits.device)
-            rows = torch.tensor([s.row for s in seqs], device=logits.device) if batch.needs_seen else None
+            rows = on_device([s.row for s in seqs], torch.long, logits.device) if batch.needs_seen else None
             counts = None
             if batch.needs_counts:
                 counts = output_counts([s.output if s.sampling.counts_output else () for s in seqs],

@@ -14,7 +14,7 @@ import os
 import torch
 
 from sluice.config import EngineConfig
-from sluice.engine.batch import ForwardMeta
+from sluice.engine.batch import ForwardMeta, on_device
 from sluice.errors import InvalidOptionError
 
 
@@ -86,7 +86,7 @@ class ModelRunner:
     def prefill(self, chunks: list[tuple[int, list[int], int]]) -> torch.Tensor:
         """Feed prompt chunks (cache row, token ids, first position), of one or several sequences, in one forward
         (several: packed, `ForwardMeta.packed`): the logits [chunks, vocab] of each chunk's last token."""
-        tokens = torch.tensor([[t for _, ids, _ in chunks for t in ids]], dtype=torch.long).to(self.device)
+        tokens = on_device([[t for _, ids, _ in chunks for t in ids]], torch.long, self.device)
         if len(chunks) == 1:
             row, ids, start = chunks[0]
             meta = ForwardMeta.prefill(row, 1, start, len(ids), self.device)
@@ -103,14 +103,14 @@ class ModelRunner:
         size = self._graph_size(n)
         if size is None:
             meta = ForwardMeta.decode_host(rows, positions, self.pool.visible, self.device)
-            ids = tokens if isinstance(tokens, torch.Tensor) else torch.tensor(tokens, dtype=torch.long)
-            return self.module(ids.to(self.device)[:, None], self.pool, meta, self.dtype, last_only=True)[:, 0]
+            ids = tokens if isinstance(tokens, torch.Tensor) else on_device(tokens, torch.long, self.device)
+            return self.module(ids[:, None], self.pool, meta, self.dtype, last_only=True)[:, 0]
         graph, logits = self._graph(size)
-        on_device = isinstance(tokens, torch.Tensor)
+        tokens_on_device = isinstance(tokens, torch.Tensor)
         # pinned and not blocking: a pageable copy would wait for the step before to end
-        inputs = self._padded([[0] * n if on_device else tokens, positions, rows], size).pin_memory()
+        inputs = self._padded([[0] * n if tokens_on_device else tokens, positions, rows], size).pin_memory()
         self._inputs[:, :size].copy_(inputs, non_blocking=True)
-        if on_device:
+        if tokens_on_device:
             self._inputs[0, :n].copy_(tokens)
         graph.replay()
         return logits[:n]

@@ -23,6 +23,29 @@ class ExpertOutputs:
     shared_out: torch.Tensor | None = None
     shared_gate_logit: torch.Tensor | None = None
 
+    def __post_init__(self):
+        """The layout the kernels that sum it read without bounds checks."""
+        w, y = self.weights, self.y
+        if w.dim() != 2 or w.dtype != torch.float32 or not w.is_contiguous():
+            raise ValueError(f"moe expert outputs: weights must be contiguous fp32 [T, k], got {w.dtype} "
+                             f"{tuple(w.shape)}")
+        T, k = w.shape
+        if y.dim() != 3 or y.shape[1] != T * k or y.stride(2) != 1 or not y.is_floating_point():
+            raise ValueError(f"moe expert outputs: y must be float [S, {T * k}, H] with unit column stride, got "
+                             f"{y.dtype} {tuple(y.shape)}")
+        if (self.shared_out is None) != (self.shared_gate_logit is None):
+            raise ValueError("moe expert outputs: shared_out and shared_gate_logit come together")
+        if self.shared_out is not None:
+            out, gate = self.shared_out, self.shared_gate_logit
+            if tuple(out.shape) != (T, y.shape[2]) or out.stride(1) != 1 or not out.is_floating_point():
+                raise ValueError(f"moe expert outputs: shared_out must be float [{T}, {y.shape[2]}] with unit column "
+                                 f"stride, got {tuple(out.shape)}")
+            if tuple(gate.shape) not in ((T,), (T, 1)) or not gate.is_floating_point():
+                raise ValueError(f"moe expert outputs: shared_gate_logit must be float [{T}] or [{T}, 1], got "
+                                 f"{tuple(gate.shape)}")
+        if any(t.device != y.device for t in (w, self.shared_out, self.shared_gate_logit) if t is not None):
+            raise ValueError("moe expert outputs: all tensors must be on one device")
+
     def combine(self) -> torch.Tensor:
         from sluice.kernels.moe.triton import combine
 
