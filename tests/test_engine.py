@@ -182,6 +182,9 @@ def test_with_engine_shares_the_weights_and_checks_its_options(qwen):
 def test_bench_batch(qwen):
     r = qwen.bench(prompt_tokens=20, gen_tokens=4, batch=3, repeats=1)
     assert r["batch"] == 3 and r["decode_tok_s"] > 0 and r["ttft_cold_s"] > 0 and r["decode_steps"] >= 4
+    for overlap in (False, True):  # one steady step is enough for a rate, its tokens counted once
+        r = qwen.with_engine(overlap=overlap).bench(prompt_tokens=8, gen_tokens=1, batch=1, repeats=1)
+        assert r["decode_tok_s"] > 0 and r["decode_steps"] == 1
     with pytest.raises(InvalidOptionError, match="batch"):
         qwen.bench(batch=0)
 
