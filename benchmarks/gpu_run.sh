@@ -1,0 +1,61 @@
+#!/usr/bin/env bash
+# The decode-step and prefill measurements of one GPU session (issues #28, #29) in two device calls, each inside the
+# 10-minute limit; the JSON results and summary.log under $OUT (at most the 8 files the device returns), the full
+# logs under /tmp/gpu_run_logs.
+#
+#   bash benchmarks/gpu_run.sh tests   # GPU tests; first starts llama.cpp's build and model in the background
+#   bash benchmarks/gpu_run.sh bench   # engine_gpu.py (dense 1/16/64 with --serial, TurboQuant 1), prefill_gpu.py,
+#                                      # a 32k TurboQuant bench, then llama.cpp's llama-bench (tg128, pp512, pp4096)
+#
+# Carry `.whl` (the wheels: gguf, fastapi, ...) and, for the peer, `.peer` (`cp -r ../shared/peers/llamacpp .peer`);
+# both are git-ignored. Make the second call right after the first: the machine and the background build stay only
+# while it is held.
+set -uo pipefail
+OUT=${OUT:-/tmp/gpu_run}
+LOG=/tmp/gpu_run_logs
+mkdir -p "$OUT" "$LOG"
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+  >/dev/null 2>&1 || echo "wheel install failed"
+export PYTHONPATH=/tmp/site:src PYTHONUNBUFFERED=1
+CONFIG=benchmarks/configs/qwen3-next-80b-a3b.json
+
+case "${1:-}" in
+tests)
+  if [ -d .peer ] && [ ! -e /tmp/peer_started ]; then  # build + GGUF now, on the CPU; a one-token bench to finish
+    touch /tmp/peer_started
+    setsid bash -c "PEER_BENCH_ARGS='-p 16 -n 1 -r 1' OUT=/tmp/peer_prep bash .peer/run_gpu.sh > /tmp/peer_prep.log 2>&1" \
+      < /dev/null > /dev/null 2>&1 &
+  fi
+  timeout 420 python -m pytest -q -p no:cacheprovider tests/test_gpu_models.py tests/test_gpu_engine.py \
+    tests/test_moe_kernels.py tests/test_norm_triton.py tests/test_rope_triton.py tests/test_qmatmul_triton.py \
+    tests/test_gdn_triton.py tests/test_attention_triton.py 2>&1 | tee "$LOG/tests.log" | tail -15 | tee "$OUT/summary.log"
+  ;;
+bench)
+  if [ -d .peer ]; then  # llama.cpp's build done first: a 16-core compile beside the benchmarks would slow their host side
+    for _ in $(seq 48); do pgrep -f peer_prep > /dev/null || break; sleep 5; done
+    pgrep -f peer_prep > /dev/null && echo "llama.cpp is still being prepared: its bench may hold GPU memory"
+  fi
+  timeout 180 python benchmarks/engine_gpu.py --config $CONFIG --batches 1,16,64 --kinds dense --serial \
+    --json "$OUT/engine_dense.json" > "$LOG/engine_dense.log" 2>&1
+  timeout 60 python benchmarks/engine_gpu.py --config $CONFIG --batches 1 --kinds turboquant4 \
+    --json "$OUT/engine_tq.json" > "$LOG/engine_tq.log" 2>&1
+  timeout 60 python -m sluice bench -m $CONFIG --load-format dummy --kv-cache turboquant4 --prompt-tokens 32768 \
+    --gen-tokens 64 --repeats 1 --json > "$OUT/bench_tq32k.json" 2> "$LOG/bench_tq32k.log"
+  timeout 80 python benchmarks/prefill_gpu.py --config $CONFIG --prompts 4096 --chunks 512,4096 \
+    --json "$OUT/prefill.json" > "$LOG/prefill.log" 2>&1
+  {
+    grep -A40 "^KV " "$LOG/engine_dense.log"; grep -A20 "^KV " "$LOG/engine_tq.log"; grep -A4 "chunk " "$LOG/prefill.log"
+    python3 -c "import json; r = json.load(open('$OUT/bench_tq32k.json')); r = r[0] if isinstance(r, list) else r; \
+print('turboquant4 32k: decode', round(r['decode_tok_s'], 1), 'tok/s, floor', round(r['floor_decode_tok_s']))"
+  } 2>&1 | tee "$OUT/summary.log"
+  if [ -d .peer ]; then  # reuses the build and the GGUF of the background run
+    OUT=/tmp/llama_out timeout 120 bash .peer/run_gpu.sh > "$LOG/llamacpp.log" 2>&1
+    cp /tmp/llama_out/llamacpp.json "$OUT/" 2>/dev/null
+    tail -8 "$LOG/llamacpp.log" | tee -a "$OUT/summary.log"
+  fi
+  ;;
+*)
+  echo "usage: bash benchmarks/gpu_run.sh tests|bench" >&2
+  exit 2
+  ;;
+esac
