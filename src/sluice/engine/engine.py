@@ -1,8 +1,8 @@
 """The engine: requests join and leave between steps (continuous batching) over one pool of cache rows.
 
 Each `step()` decodes one token for every sequence whose prompt is in (one batched forward: a CUDA graph replay on
-a GPU), then prefills one chunk of the oldest prompt not yet in, and samples on the device. It returns what each
-sequence produced, so callers stream per request:
+a GPU), then prefills the chunks of the oldest prompts not yet in (packed, up to `prefill_chunk` tokens), and
+samples on the device. It returns what reached the host for each sequence, so callers stream per request:
 
     engine = model.engine
     seq = engine.add_request(ids, max_tokens=64, temperature=0.7, seed=1)
