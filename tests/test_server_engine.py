@@ -97,7 +97,11 @@ def test_constraint_masks_every_draw(model):
         assert len(out) == 10 and set(out) <= set(allowed) and c.seen == out
 
 
-def test_mixed_features_do_not_change_each_others_tokens(model):
+@pytest.mark.parametrize("overlap", [False, True])
+def test_mixed_features_do_not_change_each_others_tokens(model, overlap):
+    """... with decode steps read back at once or run ahead (`overlap`: a batch holding rows that need the host
+    reads back; the plain and seeded rows alone run ahead)."""
+    model = model.with_engine(overlap=overlap)
     ps = prompts(5, seed=3)
     vocab = model.config.vocab_size
     kinds = [{}, {"logprobs": 2}, {"temperature": 0.9, "seed": 5, "presence_penalty": 0.5, "frequency_penalty": 0.5},
