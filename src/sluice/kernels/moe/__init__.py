@@ -12,6 +12,20 @@ import torch
 from sluice.quant.affine import QuantizedTensor
 
 
+def check_shared(T: int, H: int, shared_out: torch.Tensor | None, shared_gate_logit: torch.Tensor | None) -> None:
+    """The shared expert's output [T, H] (unit column stride) and gate logit [T] or [T, 1], both or neither."""
+    if (shared_out is None) != (shared_gate_logit is None):
+        raise ValueError("moe: shared_out and shared_gate_logit come together")
+    if shared_out is None:
+        return
+    if tuple(shared_out.shape) != (T, H) or shared_out.stride(1) != 1 or not shared_out.is_floating_point():
+        raise ValueError(f"moe: shared_out must be a float [{T}, {H}] tensor with unit column stride, got "
+                         f"{tuple(shared_out.shape)}")
+    if tuple(shared_gate_logit.shape) not in ((T,), (T, 1)) or not shared_gate_logit.is_floating_point():
+        raise ValueError(f"moe: shared_gate_logit must be a float [{T}] or [{T}, 1] tensor, got "
+                         f"{tuple(shared_gate_logit.shape)}")
+
+
 @dataclass
 class ExpertOutputs:
     """An MoE block's output before its weighted sum: y [S, T*k, H] (S split-K partials of the expert outputs, slot
@@ -33,16 +47,7 @@ class ExpertOutputs:
         if y.dim() != 3 or y.shape[1] != T * k or y.stride(2) != 1 or not y.is_floating_point():
             raise ValueError(f"moe expert outputs: y must be float [S, {T * k}, H] with unit column stride, got "
                              f"{y.dtype} {tuple(y.shape)}")
-        if (self.shared_out is None) != (self.shared_gate_logit is None):
-            raise ValueError("moe expert outputs: shared_out and shared_gate_logit come together")
-        if self.shared_out is not None:
-            out, gate = self.shared_out, self.shared_gate_logit
-            if tuple(out.shape) != (T, y.shape[2]) or out.stride(1) != 1 or not out.is_floating_point():
-                raise ValueError(f"moe expert outputs: shared_out must be float [{T}, {y.shape[2]}] with unit column "
-                                 f"stride, got {tuple(out.shape)}")
-            if tuple(gate.shape) not in ((T,), (T, 1)) or not gate.is_floating_point():
-                raise ValueError(f"moe expert outputs: shared_gate_logit must be float [{T}] or [{T}, 1], got "
-                                 f"{tuple(gate.shape)}")
+        check_shared(T, y.shape[2], self.shared_out, self.shared_gate_logit)
         if any(t.device != y.device for t in (w, self.shared_out, self.shared_gate_logit) if t is not None):
             raise ValueError("moe expert outputs: all tensors must be on one device")
 

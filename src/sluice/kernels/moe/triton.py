@@ -23,7 +23,7 @@ import triton
 import triton.language as tl
 
 from sluice.kernels import launch
-from sluice.kernels.moe import ExpertOutputs
+from sluice.kernels.moe import ExpertOutputs, check_shared
 from sluice.kernels.qmatmul import triton as qmm
 from sluice.quant.affine import QuantizedTensor
 
@@ -346,8 +346,7 @@ def moe_prefill(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_
 
 
 def _outputs(y, weights, dtype, shared_out, shared_gate_logit, summed):
-    out = ExpertOutputs(y, weights.contiguous() if weights.dtype == torch.float32 else weights, dtype, shared_out,
-                        shared_gate_logit)  # checked there
+    out = ExpertOutputs(y, weights.contiguous(), dtype, shared_out, shared_gate_logit)  # checked there
     return out.combine() if summed else out
 
 
@@ -442,20 +441,6 @@ def _check_device(*tensors) -> None:
         raise ValueError("moe: tensors must be on a CUDA device (or set TRITON_INTERPRET=1)")
 
 
-def _check_shared(T, H, shared_out, shared_gate_logit) -> None:
-    if (shared_out is None) != (shared_gate_logit is None):
-        raise ValueError("moe: shared_out and shared_gate_logit come together")
-    if shared_out is None:
-        return
-    if tuple(shared_out.shape) != (T, H) or shared_out.stride(1) != 1 or not shared_out.is_floating_point():
-        raise ValueError(f"moe: shared_out must be a float [{T}, {H}] tensor with unit column stride, got "
-                         f"{tuple(shared_out.shape)}")
-    if tuple(shared_gate_logit.shape) not in ((T,), (T, 1)) or not shared_gate_logit.is_floating_point():
-        raise ValueError(f"moe: shared_gate_logit must be a float [{T}] or [{T}, 1] tensor, got "
-                         f"{tuple(shared_gate_logit.shape)}")
-    _check_device(shared_out, shared_gate_logit)
-
-
 def _check_moe(x, ids, weights, gate_up, down, shared_out, shared_gate_logit, shared_expert=None) -> None:
     """Clear errors before any launch (the kernels would read out of bounds instead)."""
     for name, qt in (("gate_up", gate_up), ("down", down)):
@@ -489,6 +474,8 @@ def _check_moe(x, ids, weights, gate_up, down, shared_out, shared_gate_logit, sh
                              f"{gate_up.group_size})")
     if weights.dtype != torch.float32 or weights.shape != ids.shape:
         raise ValueError(f"moe: weights must be fp32 {tuple(ids.shape)}, got {weights.dtype} {tuple(weights.shape)}")
-    _check_shared(x.shape[0], H, shared_out, shared_gate_logit)
+    check_shared(x.shape[0], H, shared_out, shared_gate_logit)
+    if shared_out is not None:
+        _check_device(shared_out, shared_gate_logit)
     _check_device(x, ids, weights, gate_up.weight, gate_up.scales, gate_up.biases, down.weight, down.scales,
                   down.biases, *(t for qt in shared_expert or () for t in (qt.weight, qt.scales, qt.biases)))
