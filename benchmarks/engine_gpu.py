@@ -156,7 +156,7 @@ def main() -> int:
                   flush=True)
         model._engine = None
         torch.cuda.empty_cache()
-        if args.serial and batch_one(args.batches):
+        if args.serial:
             serial = base.with_engine(kv_cache=kind, overlap=False)
             rows.append({**serial.bench(prompt_tokens=512, gen_tokens=64, batch=1, repeats=2), "overlap": False})
             serial._engine = None
@@ -180,10 +180,6 @@ def main() -> int:
             print(f"  {p['wall_ms']:8.3f} ms {p['calls']:5d}x  {p['kernel']}")
     dump(args.json, args.config, rows, profiles)
     return 0
-
-
-def batch_one(batches: str) -> bool:
-    return "1" in batches.split(",")
 
 
 def dump(path, config, rows, profiles) -> None:

@@ -27,14 +27,13 @@ def bench(model, prompt_tokens: int = 512, gen_tokens: int = 64, batch: int = 1,
     g = torch.Generator().manual_seed(0)
     prompts = torch.randint(0, model.config.vocab_size, (batch, prompt_tokens), generator=g).tolist()
     runs = [_run(engine, prompts, gen_tokens + slack) for _ in range(repeats)]
-    rate = lambda r: r["decode_tokens"] / r["decode_s"] if r["decode_s"] else 0.0  # noqa: E731
-    best = max(runs, key=rate)
+    best = max(runs, key=_decode_rate)
     result = {"device": str(model.device), "dtype": str(model.dtype).removeprefix("torch."),
               "kv_cache": model.kv_cache, "graphs": engine.runner.uses_graphs, "batch": batch,
               "prompt_tokens": prompt_tokens, "gen_tokens": gen_tokens,
               "ttft_cold_s": runs[0]["ttft_s"], "ttft_warm_s": min(r["ttft_s"] for r in runs[1:] or runs),
               "prefill_tok_s": batch * prompt_tokens / min(r["prefill_s"] for r in runs),
-              "decode_tok_s": rate(best),
+              "decode_tok_s": _decode_rate(best),
               "decode_steps": best["decode_tokens"] // batch, **model._kv_layout()}
     result["decode_tok_s_per_seq"] = result["decode_tok_s"] / batch
     if model.device.type == "cuda":
@@ -43,6 +42,10 @@ def bench(model, prompt_tokens: int = 512, gen_tokens: int = 64, batch: int = 1,
     if placement is not None:
         result["placement"] = placement.summary()
     return result
+
+
+def _decode_rate(run: dict) -> float:
+    return run["decode_tokens"] / run["decode_s"] if run["decode_s"] else 0.0
 
 
 def _run(engine, prompts, max_tokens: int) -> dict:
