@@ -17,6 +17,7 @@ candidate checked against a reference first. Table printed last.
 
 from __future__ import annotations
 
+import functools
 import sys
 from pathlib import Path
 
@@ -63,6 +64,19 @@ def dense(res, copy_bw):
         del qts, ws
 
 
+GROUPED = ((16, 64, 128, 4, 3), (16, 128, 128, 4, 3), (16, 64, 64, 4, 4), (32, 64, 128, 4, 3))
+
+
+def grouped_with_shared(x, ids, weights, gu, dn, shared, **blocks):
+    """The grouped tensor-core GEMMs over the routed slots (`moe_prefill`), the shared expert through the dense
+    path: what a decode batch would run if it took the prefill kernels."""
+    k = ids.shape[1] - 1
+    g, u = qmm.qmatmul(x, shared[0]).chunk(2, dim=-1)
+    shared_out = qmm.qmatmul(torch.nn.functional.silu(g) * u, shared[1])
+    out = mt.moe_prefill(x, ids[:, :k].contiguous(), weights[:, :k].contiguous(), gu, dn, summed=False, **blocks)
+    return (out.combine().float() + weights[:, k:].float() * shared_out.float()).to(x.dtype)
+
+
 def moe(res, copy_bw):
     layers = []
     for _ in range(4):  # 4 x 0.8 GB of experts: L2 stays cold between calls
@@ -84,6 +98,18 @@ def moe(res, copy_bw):
         except Exception as e:
             res["errors"].append(f"moe T={T}: {type(e).__name__}: {str(e)[:200]}")
             print("ERROR", res["errors"][-1], flush=True)
+        for bm, bn, bk, warps, stages in GROUPED:
+            label = f"grouped {bm}x{bn}x{bk} w{warps} s{stages}"
+            try:
+                fn = functools.partial(grouped_with_shared, block_m=bm, block_n=bn, block_k=bk, num_warps=warps,
+                                       num_stages=stages)
+                err = rel_err(fn(*calls[0]), mt.moe_decode(*calls[0][:5], shared_expert=calls[0][5]))
+                if err > 2e-2:
+                    raise AssertionError(f"rel err {err:.2e} against the per-slot GEMVs")
+                row[label] = graph_time([lambda c=c: fn(*c) for c in calls], reps=10) * 1e6
+            except Exception as e:
+                res["errors"].append(f"moe T={T} {label}: {type(e).__name__}: {str(e)[:200]}")
+                print("ERROR", res["errors"][-1], flush=True)
         res["moe"].append(row)
         print({k: round(v, 1) if isinstance(v, float) else v for k, v in row.items()}, flush=True)
 
