@@ -8,7 +8,8 @@ Everything stays on the device (no host synchronisation, so a decode step can be
   gate_up GEMV's partial sums itself (RAW_X with SWIGLU), or, where it cannot (`qmm.raw_x_supported`),
   `swiglu_prep` (`prep_x` in its SwiGLU mode) prepares h in a launch between them.
 - `moe_prefill` (many tokens): slots sorted by expert, a table of BLOCK_M-row tiles (expert, first row) built on
-  the device, ONE grouped tensor-core GEMM launch per projection (W tiles dequantized in registers), SwiGLU
+  the device, ONE grouped tensor-core GEMM launch per projection (codes multiplied per quantization group, scale and
+  bias applied per output: `qmm.group_dot`), SwiGLU
   fused into the gate_up epilogue.
 - `combine`: out[t] = sum_j w[t, j] * y[t*k + j] (+ sigmoid(gate[t]) * shared[t]); a gather, no atomics, so the
   result is deterministic. `expert_sum` is that sum as a device function: with `summed=False` the MoE launches stop
@@ -214,45 +215,10 @@ def moe_decode(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_u
 
 
 @triton.jit
-def _dequant_tile(w_ptr, s_ptr, b_ptr, rows, k0, stride_wn, stride_sn, BITS: tl.constexpr, GS: tl.constexpr,
-                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """W[rows, k0:k0+BLOCK_K] as fp32 [BLOCK_N, BLOCK_K] (as in `_qgemm_kernel` of qmatmul.triton)."""
-    EPW: tl.constexpr = 32 // BITS
-    GPT: tl.constexpr = BLOCK_K // GS if BLOCK_K >= GS else 1  # groups per K step
-    PER: tl.constexpr = BLOCK_K // GPT
-    words = tl.load(w_ptr + rows[:, None] * stride_wn + (k0 // EPW + tl.arange(0, BLOCK_K // EPW))[None, :])
-    shifts = tl.arange(0, EPW) * BITS
-    q = (words.to(tl.uint32, bitcast=True)[:, :, None] >> shifts[None, None, :]) & ((1 << BITS) - 1)
-    q = tl.reshape(q, (BLOCK_N, BLOCK_K)).to(tl.float32)
-    if GPT == 1:  # one group per step: a scale and a bias per row
-        s = tl.load(s_ptr + rows * stride_sn + k0 // GS).to(tl.float32)
-        b = tl.load(b_ptr + rows * stride_sn + k0 // GS).to(tl.float32)
-        w = q * s[:, None] + b[:, None]
-    else:
-        grp = k0 // GS + tl.arange(0, GPT)
-        s = tl.load(s_ptr + rows[:, None] * stride_sn + grp[None, :]).to(tl.float32)
-        b = tl.load(b_ptr + rows[:, None] * stride_sn + grp[None, :]).to(tl.float32)
-        s = tl.reshape(tl.broadcast_to(s[:, :, None], (BLOCK_N, GPT, PER)), (BLOCK_N, BLOCK_K))
-        b = tl.reshape(tl.broadcast_to(b[:, :, None], (BLOCK_N, GPT, PER)), (BLOCK_N, BLOCK_K))
-        w = q * s + b
-    return w
-
-
-@triton.jit
-def _dot(a, w, acc, DOT_FP32: tl.constexpr):
-    """acc + a @ w^T; w (fp32) rounded once to a's dtype for the tensor cores."""
-    if DOT_FP32:  # fp32 activations, or the interpreter (its bf16 dot is wrong in Triton 3.9)
-        acc += tl.dot(a.to(tl.float32), tl.trans(w), input_precision="ieee")
-    else:
-        acc += tl.dot(a, tl.trans(w.to(a.dtype)))
-    return acc
-
-
-@triton.jit
 def _grouped_gemm_kernel(a_ptr, w_ptr, s_ptr, b_ptr, c_ptr, order_ptr, tile_expert_ptr, tile_row_ptr, offsets_ptr,
                          N, K, E, a_div, stride_am, stride_we, stride_wn, stride_se, stride_sn, stride_cm,
                          BITS: tl.constexpr, GS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                         BLOCK_K: tl.constexpr, SWIGLU: tl.constexpr, DOT_FP32: tl.constexpr):
+                         BLOCK_K: tl.constexpr, SWIGLU: tl.constexpr, DOT_FP32: tl.constexpr, MAGIC: tl.constexpr):
     """For the sorted rows r of one tile of expert e, with slot = order[r]:
     C[slot, n-block] = A[slot // a_div] @ W[e, n-block]^T, or with SWIGLU (W[e] = gate rows [0, N), up rows
     [N, 2N)): silu(A Wg^T) * (A Wu^T). Program (n-block, tile); tiles past the table's end exit at once."""
@@ -275,14 +241,24 @@ def _grouped_gemm_kernel(a_ptr, w_ptr, s_ptr, b_ptr, c_ptr, order_ptr, tile_expe
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     if SWIGLU:
         acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    EPW: tl.constexpr = 32 // BITS
+    P: tl.constexpr = BLOCK_K if BLOCK_K < GS else GS  # columns of one group within a K step
     for k0 in range(0, K, BLOCK_K):  # K is a multiple of BLOCK_K: no masks
         k0 = tl.multiple_of(k0, BLOCK_K)
-        a = tl.load(a_rows[:, None] + (k0 + tl.arange(0, BLOCK_K))[None, :])
-        acc = _dot(a, _dequant_tile(w_ptr, s_ptr, b_ptr, rows_n, k0, stride_wn, stride_sn, BITS, GS, BLOCK_N,
-                                    BLOCK_K), acc, DOT_FP32)
-        if SWIGLU:
-            acc_u = _dot(a, _dequant_tile(w_ptr, s_ptr, b_ptr, rows_n + N, k0, stride_wn, stride_sn, BITS, GS,
-                                          BLOCK_N, BLOCK_K), acc_u, DOT_FP32)
+        for g in tl.static_range(BLOCK_K // P):  # one quantization group at a time (`qmm.group_dot`)
+            kg = k0 + g * P
+            a = tl.load(a_rows[:, None] + (kg + tl.arange(0, P))[None, :])
+            offs_w = (kg // EPW + tl.arange(0, P // EPW))[None, :]
+            acc = qmm.group_dot(acc, a, tl.load(w_ptr + rows_n[:, None] * stride_wn + offs_w),
+                                tl.load(s_ptr + rows_n * stride_sn + kg // GS).to(tl.float32),
+                                tl.load(b_ptr + rows_n * stride_sn + kg // GS).to(tl.float32), BITS, False,
+                                DOT_FP32, MAGIC)
+            if SWIGLU:
+                up = rows_n + N
+                acc_u = qmm.group_dot(acc_u, a, tl.load(w_ptr + up[:, None] * stride_wn + offs_w),
+                                      tl.load(s_ptr + up * stride_sn + kg // GS).to(tl.float32),
+                                      tl.load(b_ptr + up * stride_sn + kg // GS).to(tl.float32), BITS, False,
+                                      DOT_FP32, MAGIC)
     if SWIGLU:
         acc = acc / (1.0 + tl.exp(-acc)) * acc_u
     tl.store(c_ptr + slot[:, None] * stride_cm + offs_n[None, :], acc.to(c_ptr.dtype.element_ty),
@@ -321,7 +297,8 @@ def _grouped_gemm(a, a_div, qt, c, table, swiglu, block_m, block_n, block_k, num
         a.stride(0), w.stride(0), w.stride(1), qt.scales.stride(0), qt.scales.stride(1), c.stride(0),
         BITS=qt.bits, GS=qt.group_size, BLOCK_M=block_m, BLOCK_N=block_n,
         BLOCK_K=min(block_k, K & -K),  # the largest power of two dividing K (>= 32) caps the K step
-        SWIGLU=swiglu, DOT_FP32=qmm.INTERPRET or a.dtype == torch.float32, num_warps=num_warps, num_stages=num_stages)
+        SWIGLU=swiglu, DOT_FP32=qmm.INTERPRET or a.dtype == torch.float32, MAGIC=a.dtype == torch.bfloat16,
+        num_warps=num_warps, num_stages=num_stages)
 
 
 def moe_prefill(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_up: QuantizedTensor,

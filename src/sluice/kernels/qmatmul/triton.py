@@ -3,8 +3,9 @@
 - `_gemv_kernel` (decode, one activation row per program): integer dot products on CUDA cores. W is streamed in
   its own K-contiguous order with 16-byte loads; x is prepared once by `_prep_x_kernel`. Also the MoE expert
   GEMV: with `INDEXED`, program (.., .., slot) reads the expert whose index sits in device memory.
-- `_qgemm_kernel` (tensor cores, M >= 2): W tiles dequantized to the activation dtype in registers, fed to
-  `tl.dot`; for few rows the operands are swapped (W is the wide side) and K is split.
+- `_qgemm_kernel` (tensor cores, M >= 2): per quantization group the codes themselves go to `tl.dot` (as bf16
+  128 + q made from their bits, `group_dot`) and the scale and bias are applied per output; for few rows the
+  operands are swapped (W is the wide side) and K is split.
 
 Packed layout (MLX): element k of a row sits in word k // (32/BITS) at bit (k % (32/BITS)) * BITS; scale and bias
 of group k // GS; value = scale * q + bias. Bits 2, 4, 8; group sizes 32, 64, 128.
@@ -327,19 +328,54 @@ def _dequant_kernel(w_ptr, s_ptr, b_ptr, out_ptr, N, K, stride_wn, stride_sn, st
 
 
 @triton.jit
+def group_dot(acc, x, words, s, b, BITS: tl.constexpr, SWAP: tl.constexpr, DOT_FP32: tl.constexpr,
+              MAGIC: tl.constexpr):
+    """acc + x @ W^T over columns of ONE quantization group (or part of one): x [BLOCK_M, P] activations, words
+    [BLOCK_N, P / EPW] the packed codes, s and b fp32 [BLOCK_N] the group's scales and biases. The codes go to the
+    tensor cores as integers made floats, and the scale and bias are applied once per output, not per weight:
+    x (s q + b)^T = s (x q^T) + b sum(x). MAGIC (bf16 x): a code q becomes the bf16 128 + q by its bits alone (q
+    under the exponent of 128: no conversion instruction), the 128 taken back through the bias. SWAP: acc is
+    [BLOCK_N, BLOCK_M] (W x^T), for few rows."""
+    EPW: tl.constexpr = 32 // BITS
+    BLOCK_N: tl.constexpr = words.shape[0]
+    P: tl.constexpr = words.shape[1] * EPW
+    shifts = tl.arange(0, EPW) * BITS
+    q = tl.reshape((words.to(tl.uint32, bitcast=True)[:, :, None] >> shifts[None, None, :]) & ((1 << BITS) - 1),
+                   (BLOCK_N, P))
+    xsum = tl.sum(x.to(tl.float32), axis=1)
+    if DOT_FP32:  # fp32 activations, or the interpreter (its bf16 dot is wrong in Triton 3.9)
+        w, xd, off = q.to(tl.float32), x.to(tl.float32), 0.0
+    elif MAGIC:
+        w, xd, off = (q | 0x4300).to(tl.uint16).to(tl.bfloat16, bitcast=True), x, 128.0
+    else:
+        w, xd, off = q.to(x.dtype), x, 0.0
+    bias = b - off * s
+    if SWAP:
+        if DOT_FP32:
+            d = tl.dot(w, tl.trans(xd), input_precision="ieee")
+        else:
+            d = tl.dot(w, tl.trans(xd))
+        return acc + s[:, None] * d + bias[:, None] * xsum[None, :]
+    if DOT_FP32:
+        d = tl.dot(xd, tl.trans(w), input_precision="ieee")
+    else:
+        d = tl.dot(xd, tl.trans(w))
+    return acc + d * s[None, :] + xsum[:, None] * bias[None, :]
+
+
+@triton.jit
 def _qgemm_kernel(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, M, N, K, k_per_split,
                   stride_xm, stride_wn, stride_sn, stride_ys, stride_ym,
                   BITS: tl.constexpr, GS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                  BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, SWAP: tl.constexpr, DOT_FP32: tl.constexpr):
-    """y[pid_k] (+)= x[:, k-slice] @ W[:, k-slice]^T on tensor cores. Each [BLOCK_N, BLOCK_K] tile of W is
-    dequantized in registers (fp32 math, rounded once to x's dtype) and multiplied; SWAP computes the transposed
+                  BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, SWAP: tl.constexpr, DOT_FP32: tl.constexpr,
+                  MAGIC: tl.constexpr):
+    """y[pid_k] (+)= x[:, k-slice] @ W[:, k-slice]^T on tensor cores, one quantization group at a time
+    (`group_dot`: the codes multiplied as they are, scale and bias applied per output); SWAP computes the transposed
     product W x^T, so that for few rows the wide W tile is the dot's first operand. Program order is grouped so
     that neighbouring programs share W tiles in L2."""
     EPW: tl.constexpr = 32 // BITS
-    WB: tl.constexpr = BLOCK_K // EPW  # packed words per K step
-    GPT: tl.constexpr = BLOCK_K // GS if BLOCK_K >= GS else 1  # groups per K step
-    PER: tl.constexpr = BLOCK_K // GPT  # elements per group within the step
-    MASK: tl.constexpr = (1 << BITS) - 1
+    P: tl.constexpr = BLOCK_K if BLOCK_K < GS else GS  # columns of one group within a K step
+    GPT: tl.constexpr = BLOCK_K // P  # groups per K step
     pid = tl.program_id(0)
     pid_k = tl.program_id(1)
     num_m, num_n = tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N)
@@ -353,7 +389,6 @@ def _qgemm_kernel(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, M, N, K, k_per_split,
     m_ok, n_ok = offs_m < M, offs_n < N
     rows_n = tl.minimum(offs_n, N - 1).to(tl.int64)
     rows_m = tl.minimum(offs_m, M - 1).to(tl.int64)
-    shifts = tl.arange(0, EPW) * BITS
     if SWAP:
         acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     else:
@@ -362,35 +397,18 @@ def _qgemm_kernel(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, M, N, K, k_per_split,
     k_end = tl.minimum(k_start + k_per_split, K)
     for k0 in range(k_start, k_end, BLOCK_K):
         k0 = tl.multiple_of(k0, BLOCK_K)
-        offs_k = k0 + tl.arange(0, BLOCK_K)
-        k_ok = offs_k < k_end
-        x = tl.load(x_ptr + rows_m[:, None] * stride_xm + offs_k[None, :], mask=k_ok[None, :], other=0.0)
-        offs_w = k0 // EPW + tl.arange(0, WB)
-        words = tl.load(w_ptr + rows_n[:, None] * stride_wn + offs_w[None, :],
-                        mask=(offs_w < k_end // EPW)[None, :], other=0).to(tl.uint32, bitcast=True)
-        q = tl.reshape((words[:, :, None] >> shifts[None, None, :]) & MASK, (BLOCK_N, BLOCK_K))
-        if GPT == 1:  # one group per step: a scale and a bias per row
-            s = tl.load(s_ptr + rows_n * stride_sn + k0 // GS).to(tl.float32)
-            b = tl.load(b_ptr + rows_n * stride_sn + k0 // GS).to(tl.float32)
-            w = q.to(tl.float32) * s[:, None] + b[:, None]
-        else:
-            grp = k0 // GS + tl.arange(0, GPT)
-            g_ok = (k0 + tl.arange(0, GPT) * PER) < k_end
-            s = tl.load(s_ptr + rows_n[:, None] * stride_sn + grp[None, :], mask=g_ok[None, :], other=0.0)
-            b = tl.load(b_ptr + rows_n[:, None] * stride_sn + grp[None, :], mask=g_ok[None, :], other=0.0)
-            s = tl.reshape(tl.broadcast_to(s.to(tl.float32)[:, :, None], (BLOCK_N, GPT, PER)), (BLOCK_N, BLOCK_K))
-            b = tl.reshape(tl.broadcast_to(b.to(tl.float32)[:, :, None], (BLOCK_N, GPT, PER)), (BLOCK_N, BLOCK_K))
-            w = q.to(tl.float32) * s + b
-        if DOT_FP32:  # fp32 activations, or the interpreter (its bf16 dot is wrong in Triton 3.9)
-            if SWAP:
-                acc += tl.dot(w, tl.trans(x.to(tl.float32)), input_precision="ieee")
-            else:
-                acc += tl.dot(x.to(tl.float32), tl.trans(w), input_precision="ieee")
-        else:
-            if SWAP:
-                acc += tl.dot(w.to(x.dtype), tl.trans(x))
-            else:
-                acc += tl.dot(x, tl.trans(w.to(x.dtype)))
+        for g in tl.static_range(GPT):
+            kg = k0 + g * P
+            offs_k = kg + tl.arange(0, P)
+            x = tl.load(x_ptr + rows_m[:, None] * stride_xm + offs_k[None, :], mask=(offs_k < k_end)[None, :],
+                        other=0.0)
+            offs_w = kg // EPW + tl.arange(0, P // EPW)
+            words = tl.load(w_ptr + rows_n[:, None] * stride_wn + offs_w[None, :],
+                            mask=(offs_w < k_end // EPW)[None, :], other=0)
+            g_ok = (tl.zeros((BLOCK_N,), tl.int32) + kg) < k_end  # a block: the interpreter takes no scalar mask
+            s = tl.load(s_ptr + rows_n * stride_sn + kg // GS, mask=g_ok, other=0.0).to(tl.float32)
+            b = tl.load(b_ptr + rows_n * stride_sn + kg // GS, mask=g_ok, other=0.0).to(tl.float32)
+            acc = group_dot(acc, x, words, s, b, BITS, SWAP, DOT_FP32, MAGIC)
     if SWAP:
         tl.store(y_ptr + pid_k * stride_ys + offs_m[None, :] * stride_ym + offs_n[:, None],
                  acc.to(y_ptr.dtype.element_ty), mask=m_ok[None, :] & n_ok[:, None])
@@ -578,7 +596,8 @@ def qgemm(x: torch.Tensor, qt, block_m: int = 128, block_n: int = 128, block_k: 
         x, qt.weight.view(torch.int32), qt.scales, qt.biases, out, M, N, K, k_per_split, x.stride(0),
         qt.weight.stride(0), qt.scales.stride(0), out.stride(0), out.stride(1), BITS=qt.bits, GS=qt.group_size,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=8, SWAP=swap,
-        DOT_FP32=INTERPRET or x.dtype == torch.float32, num_warps=num_warps, num_stages=num_stages)
+        DOT_FP32=INTERPRET or x.dtype == torch.float32, MAGIC=x.dtype == torch.bfloat16, num_warps=num_warps,
+        num_stages=num_stages)
     return out[0] if split_k == 1 else out.sum(0).to(x.dtype)
 
 
