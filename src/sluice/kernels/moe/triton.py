@@ -297,7 +297,8 @@ def _grouped_gemm(a, a_div, qt, c, table, swiglu, block_m, block_n, block_k, num
         a.stride(0), w.stride(0), w.stride(1), qt.scales.stride(0), qt.scales.stride(1), c.stride(0),
         BITS=qt.bits, GS=qt.group_size, BLOCK_M=block_m, BLOCK_N=block_n,
         BLOCK_K=min(block_k, K & -K),  # the largest power of two dividing K (>= 32) caps the K step
-        SWIGLU=swiglu, DOT_FP32=qmm.INTERPRET or a.dtype == torch.float32, MAGIC=a.dtype == torch.bfloat16,
+        SWIGLU=swiglu, DOT_FP32=qmm.INTERPRET or a.dtype == torch.float32,
+        MAGIC=a.dtype == torch.bfloat16 and qt.bits < 8,
         num_warps=num_warps, num_stages=num_stages)
 
 

@@ -596,8 +596,8 @@ def qgemm(x: torch.Tensor, qt, block_m: int = 128, block_n: int = 128, block_k: 
         x, qt.weight.view(torch.int32), qt.scales, qt.biases, out, M, N, K, k_per_split, x.stride(0),
         qt.weight.stride(0), qt.scales.stride(0), out.stride(0), out.stride(1), BITS=qt.bits, GS=qt.group_size,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=8, SWAP=swap,
-        DOT_FP32=INTERPRET or x.dtype == torch.float32, MAGIC=x.dtype == torch.bfloat16, num_warps=num_warps,
-        num_stages=num_stages)
+        DOT_FP32=INTERPRET or x.dtype == torch.float32, MAGIC=x.dtype == torch.bfloat16 and qt.bits < 8,
+        num_warps=num_warps, num_stages=num_stages)
     return out[0] if split_k == 1 else out.sum(0).to(x.dtype)
 
 
