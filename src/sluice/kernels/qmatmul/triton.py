@@ -350,17 +350,19 @@ def group_dot(acc, x, words, s, b, BITS: tl.constexpr, SWAP: tl.constexpr, DOT_F
     else:
         w, xd, off = q.to(x.dtype), x, 0.0
     bias = b - off * s
-    if SWAP:
+    if SWAP:  # (no early return: Triton would still build the code after it)
         if DOT_FP32:
             d = tl.dot(w, tl.trans(xd), input_precision="ieee")
         else:
             d = tl.dot(w, tl.trans(xd))
-        return acc + s[:, None] * d + bias[:, None] * xsum[None, :]
-    if DOT_FP32:
-        d = tl.dot(xd, tl.trans(w), input_precision="ieee")
+        acc += s[:, None] * d + bias[:, None] * xsum[None, :]
     else:
-        d = tl.dot(xd, tl.trans(w))
-    return acc + d * s[None, :] + xsum[:, None] * bias[None, :]
+        if DOT_FP32:
+            d = tl.dot(xd, tl.trans(w), input_precision="ieee")
+        else:
+            d = tl.dot(xd, tl.trans(w))
+        acc += d * s[None, :] + xsum[:, None] * bias[None, :]
+    return acc
 
 
 @triton.jit
