@@ -22,6 +22,7 @@ import sys
 from pathlib import Path
 
 import torch
+import triton
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -36,7 +37,13 @@ DENSE = {"qkvz 12288x2048": (12288, 2048), "gdn out 2048x4096": (2048, 4096), "a
 H, E, I, K_TOP = 2048, 512, 512, 10
 
 
-def dense(res, copy_bw):
+# (block_m, block_n, block_k, warps, stages, split_k or None for qgemm's own): the --sweep of the swapped GEMM
+SWEEP = ((16, 64, 128, 4, 4, None), (16, 32, 128, 4, 4, None), (16, 128, 128, 4, 4, None), (16, 64, 256, 4, 3, None),
+         (16, 64, 128, 8, 4, None), (16, 64, 128, 4, 4, 2), (16, 64, 128, 4, 4, 4), (16, 32, 128, 4, 4, 2),
+         (16, 64, 64, 4, 6, None), (16, 128, 256, 8, 3, None))
+
+
+def dense(res, copy_bw, sweep=False):
     for name, (N, K) in DENSE.items():
         base = random_qt(N, K)
         nb = qt_bytes(base)
@@ -46,6 +53,12 @@ def dense(res, copy_bw):
         for M in (5, 8, 16, 32, 64):
             xs = [torch.randn(M, K, device="cuda", dtype=torch.bfloat16) for _ in qts]
             cands = {"dispatch": lambda q, x: qmm.qmatmul(x, q), "gemv per row": lambda q, x: qmm.qgemv(x, q)}
+            if sweep and N * K < 1 << 26:
+                for bm, bn, bk, w, st, sk in SWEEP:
+                    bm = max(bm, triton.next_power_of_2(M))
+                    cands[f"gemm {bm}x{bn}x{bk} w{w} s{st} k{sk}"] = functools.partial(
+                        lambda q, x, **kw: qmm.qgemm(x, q, swap=True, **kw), block_m=bm, block_n=bn, block_k=bk,
+                        num_warps=w, num_stages=st, split_k=sk)
             row = {"shape": name, "M": M, "floor_us": nb / copy_bw * 1e6}
             for label, fn in cands.items():
                 try:
@@ -64,7 +77,7 @@ def dense(res, copy_bw):
         del qts, ws
 
 
-GROUPED = ((16, 64, 128, 4, 3), (16, 128, 128, 4, 3), (16, 64, 64, 4, 4), (32, 64, 128, 4, 3))
+GROUPED = ((16, 128, 128, 4, 3),)  # the best of a sweep on 2026-11-25 (docs/PERF.md)
 
 
 def grouped_with_shared(x, ids, weights, gu, dn, shared, **blocks):
@@ -115,14 +128,14 @@ def moe(res, copy_bw):
 
 
 def main():
-    a, dev, res = start_run("dense", "moe", "errors")
+    a, dev, res = start_run("dense", "moe", "errors", flags=("--sweep",))
     copy_bw = copy_bandwidth(dev)
     res["copy_bw"] = copy_bw
-    for section in (moe, dense):
+    for section in (moe, functools.partial(dense, sweep=a.sweep)):
         try:
             section(res, copy_bw)
         except Exception as e:
-            res["errors"].append(f"{section.__name__}: {type(e).__name__}: {str(e)[:300]}")
+            res["errors"].append(f"{getattr(section, '__name__', 'dense')}: {type(e).__name__}: {str(e)[:300]}")
             print("ERROR", res["errors"][-1], flush=True)
         torch.cuda.empty_cache()
     for key in ("moe", "dense"):

@@ -171,11 +171,12 @@ def expert_block_n(N: int, K: int, bits: int, rows: int) -> int:
 
 def _expert_gemv(xp: torch.Tensor, qt: QuantizedTensor, ids: torch.Tensor, x_div: int,
                  extra: QuantizedTensor | None = None, block_n: int | None = None, num_warps: int = 1,
-                 swiglu: bool = False) -> torch.Tensor:
+                 swiglu: bool = False, order: torch.Tensor | None = None) -> torch.Tensor:
     """Partials [splits, rows, N] fp32 of row r = xp[r // x_div] @ W[ids[r]]^T: one indexed GEMV launch, right
     after the launch that prepared xp (so the ids are ready before it: the GEMV may prefetch). Id E (one past
     the stacked experts) stands for `extra`. swiglu: xp is the gate_up GEMV's partials [S, rows, 2N'] and the GEMV
-    takes x = silu(gate) * up from them itself (`qmm.raw_x_supported`), the launch right after that GEMV's."""
+    takes x = silu(gate) * up from them itself (`qmm.raw_x_supported`), the launch right after that GEMV's. order:
+    the rows sorted by expert (`slot_order`)."""
     rows = ids.numel()
     N, K = qt.out_features, qt.in_features
     block_n = block_n or expert_block_n(N, K, qt.bits, rows)
@@ -186,8 +187,15 @@ def _expert_gemv(xp: torch.Tensor, qt: QuantizedTensor, ids: torch.Tensor, x_div
     qmm.gemv_launch(xp, qt.weight.view(torch.int32), qt.scales, qt.biases, out, ids, rows, N, K, qt.bits,
                    qt.group_size, split_k, x_div=x_div, block_n=block_n, num_warps=num_warps, ids_ready=True,
                    extra=None if extra is None else (extra.weight.view(torch.int32), extra.scales, extra.biases),
-                   raw_x=swiglu, swiglu=swiglu)
+                   raw_x=swiglu, swiglu=swiglu, order=order)
     return out
+
+
+def slot_order(ids: torch.Tensor) -> torch.Tensor:
+    """The slots (flat indices of ids) sorted by expert: launched in this order, the GEMV programs that read one
+    expert run side by side, and a batch reads each expert it hits about once from memory instead of once per
+    slot."""
+    return torch.argsort(ids.view(-1))
 
 
 def moe_decode(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_up: QuantizedTensor,
@@ -202,12 +210,14 @@ def moe_decode(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_u
     _check_moe(x, ids, weights, gate_up, down, shared_out, shared_gate_logit, shared_expert)
     ids = ids.contiguous().view(-1)
     gu_extra, down_extra = shared_expert if shared_expert is not None else (None, None)
+    order = slot_order(ids) if x.shape[0] > 1 else None  # one token's slots are distinct experts
     xp = qmm.prep_x(x.contiguous(), gate_up.bits, gate_up.group_size)
-    y_gu = _expert_gemv(xp, gate_up, ids, x_div=weights.shape[1], extra=gu_extra)
+    y_gu = _expert_gemv(xp, gate_up, ids, x_div=weights.shape[1], extra=gu_extra, order=order)
     if qmm.raw_x_supported(down.bits, down.group_size):  # the down GEMV takes h = silu(g) * u from y_gu itself
-        y = _expert_gemv(y_gu, down, ids, x_div=1, extra=down_extra, swiglu=True)
+        y = _expert_gemv(y_gu, down, ids, x_div=1, extra=down_extra, swiglu=True, order=order)
     else:
-        y = _expert_gemv(swiglu_prep(y_gu, down.bits, down.group_size), down, ids, x_div=1, extra=down_extra)
+        y = _expert_gemv(swiglu_prep(y_gu, down.bits, down.group_size), down, ids, x_div=1, extra=down_extra,
+                         order=order)
     return _outputs(y, weights, x.dtype, shared_out, shared_gate_logit, summed)
 
 

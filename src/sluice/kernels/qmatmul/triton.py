@@ -228,12 +228,12 @@ def _gemv_step(xp_ptr, xf_ptr, KW, NG, S, stride_xs, words, s, b, w0, w_end, off
 
 
 @triton.jit
-def _gemv_kernel(xp_ptr, w_ptr, s_ptr, b_ptr, y_ptr, ids_ptr, wx_ptr, sx_ptr, bx_ptr, N, KW, w_per_split, x_div,
+def _gemv_kernel(xp_ptr, w_ptr, s_ptr, b_ptr, y_ptr, ids_ptr, order_ptr, wx_ptr, sx_ptr, bx_ptr, N, KW, w_per_split, x_div,
                  n_experts, stride_pm, stride_we, stride_wn, stride_se, stride_sn, stride_ys, stride_ym, S, stride_xs,
                  BITS: tl.constexpr, GS: tl.constexpr, BLOCK_N: tl.constexpr, KB: tl.constexpr,
                  EVEN_N: tl.constexpr, EVEN_K: tl.constexpr, INDEXED: tl.constexpr, EXTRA: tl.constexpr,
-                 RAW_X: tl.constexpr, SWIGLU: tl.constexpr, ASM: tl.constexpr, PDL: tl.constexpr,
-                 PREFETCH: tl.constexpr):
+                 ORDERED: tl.constexpr, RAW_X: tl.constexpr, SWIGLU: tl.constexpr, ASM: tl.constexpr,
+                 PDL: tl.constexpr, PREFETCH: tl.constexpr):
     """y[split, row, n] = sum over this split's words of x[row] . W[n]. Program (n-block, split, row); each step
     reads a [BLOCK_N, KB words] tile of W.
     Layout: KB = 128 words per warp, so the threads lie along K (4 words, one 16-byte load, each) and every
@@ -244,6 +244,8 @@ def _gemv_kernel(xp_ptr, w_ptr, s_ptr, b_ptr, y_ptr, ids_ptr, wx_ptr, sx_ptr, bx
     2K] of a gate_up projection (stride_xs apart), x = silu(gate) * up (an MoE's down projection).
     INDEXED: W, scales and biases are stacked over experts and row r uses expert ids[r] and x row r // x_div;
     with EXTRA, id n_experts means one more expert stored apart (wx, sx, bx: the shared expert, same shape).
+    ORDERED: program (.., .., p) computes row order[p] (rows sorted by expert: the programs reading one expert
+    run together, and all but the first find its weights in L2).
     PREFETCH (with PDL): the weights (and ids) were written long before, so they are read before the wait for
     the previous kernel. 1: the first step's tiles are asked of L2 (ids and weights two launches back or
     earlier: x was prepared by the launch just before). 2: the first step's tiles are loaded into registers:
@@ -254,7 +256,10 @@ def _gemv_kernel(xp_ptr, w_ptr, s_ptr, b_ptr, y_ptr, ids_ptr, wx_ptr, sx_ptr, bx
     G: tl.constexpr = KB // WPG
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
-    row = tl.program_id(2)
+    if ORDERED:
+        row = tl.load(order_ptr + tl.program_id(2)).to(tl.int32)
+    else:
+        row = tl.program_id(2)
     if not PREFETCH:
         pdl_start(PDL)
     if INDEXED:
@@ -483,15 +488,16 @@ def gemv_used_splits(K, bits, split_k, num_warps=1) -> tuple[int, int]:
 
 
 def gemv_launch(xp, w, s, b, out, ids, rows, N, K, bits, gs, split_k, x_div=1, block_n=4, num_warps=1, extra=None,
-                ids_ready=False, raw_x=False, prefetch=None, swiglu=False):
+                ids_ready=False, raw_x=False, prefetch=None, swiglu=False, order=None):
     """Launch `_gemv_kernel` for `rows` output rows: xp from `prep_x`, launched just before (or, raw_x, the
     activations [rows / x_div, K] themselves, unit column stride); W [E?, N, KW] int32, scales/biases
     [E?, N, K/GS]; ids [rows] expert indices (INDEXED) or None; out [split_k', rows, N] (fp32 when split); extra:
     (W, scales, biases) [N, ...] of the expert that id E stands for (row strides as the stacked ones'); ids_ready:
     the ids were written before the launch of xp (so may be read before the dependency wait); prefetch: the
     kernel's PREFETCH where the weights may be read early (default GEMV_PREFETCH, GEMV_PREFETCH_INDEXED); swiglu
-    (with raw_x): xp is a gate_up projection's fp32 partials [S, rows / x_div, 2K], x = silu(gate) * up.
-    Returns the split count actually used (<= split_k: every split covers whole steps)."""
+    (with raw_x): xp is a gate_up projection's fp32 partials [S, rows / x_div, 2K], x = silu(gate) * up;
+    order (with ids): the rows in the order their programs are launched (a permutation of [0, rows), written with
+    the ids). Returns the split count actually used (<= split_k: every split covers whole steps)."""
     kw = K // (32 // bits)
     kb = gemv_step_words(K, bits, num_warps)
     used, w_per_split = gemv_used_splits(K, bits, split_k, num_warps)
@@ -502,12 +508,14 @@ def gemv_launch(xp, w, s, b, out, ids, rows, N, K, bits, gs, split_k, x_div=1, b
     if prefetch is None:
         prefetch = GEMV_PREFETCH_INDEXED if indexed else GEMV_PREFETCH
     _gemv_kernel[(triton.cdiv(N, block_n), used, rows)](
-        xp, w, s, b, out, ids if indexed else xp, wx, sx, bx, N, kw, w_per_split, x_div,
+        xp, w, s, b, out, ids if indexed else xp, order if order is not None else xp, wx, sx, bx, N, kw,
+        w_per_split, x_div,
         w.shape[0] if indexed else 0, xp.stride(-2), w.stride(0) if indexed else 0, w.stride(-2),
         s.stride(0) if indexed else 0, s.stride(-2), out.stride(0), out.stride(1),
         xp.shape[0] if swiglu else 1, xp.stride(0) if swiglu else 0, BITS=bits, GS=gs,
         BLOCK_N=block_n, KB=kb, EVEN_N=N % block_n == 0, EVEN_K=kw % kb == 0 and w_per_split % kb == 0,
-        INDEXED=indexed, EXTRA=extra is not None, RAW_X=raw_x, SWIGLU=swiglu, ASM=not INTERPRET, PDL=use_pdl,
+        INDEXED=indexed, EXTRA=extra is not None, ORDERED=order is not None, RAW_X=raw_x, SWIGLU=swiglu,
+        ASM=not INTERPRET, PDL=use_pdl,
         PREFETCH=prefetch if early else 0, launch_pdl=use_pdl,
         num_warps=num_warps, num_stages=1)
     return used
