@@ -32,6 +32,8 @@ MAX_TOP_K = 16
 MAX_EXPERTS = 1024
 DECODE_MAX_TOKENS = 128  # up to this many tokens (decode batches) the indexed GEMVs, one expert read per slot;
 # beyond, the grouped GEMMs (docs/PERF.md, "engine")
+ORDER_MIN_TOKENS = 32  # from this many tokens the expert GEMVs run in expert order (`slot_order`); below, few
+# slots share an expert and the sort costs what it saves (docs/PERF.md, "small batches")
 
 
 # ---------------------------------------------------------------------------------------------------- router
@@ -191,26 +193,49 @@ def _expert_gemv(xp: torch.Tensor, qt: QuantizedTensor, ids: torch.Tensor, x_div
     return out
 
 
+@triton.jit
+def _slot_order_kernel(ids_ptr, order_ptr, n, BLOCK: tl.constexpr, ALL: tl.constexpr):
+    """order[rank of slot s] = s for this program's BLOCK slots, the rank of s counting the slots of a lower
+    (expert id, slot) key: every program compares its slots with all n (a stable counting sort, no atomics)."""
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    ok = offs < n
+    mine = tl.load(ids_ptr + offs, mask=ok, other=0) * n + offs
+    offs_all = tl.arange(0, ALL)
+    ok_all = offs_all < n
+    every = tl.where(ok_all, tl.load(ids_ptr + offs_all, mask=ok_all, other=0) * n + offs_all, 0x7FFFFFFF)
+    rank = tl.sum((every[None, :] < mine[:, None]).to(tl.int32), axis=1)
+    tl.store(order_ptr + rank, offs, mask=ok)
+
+
 def slot_order(ids: torch.Tensor) -> torch.Tensor:
-    """The slots (flat indices of ids) sorted by expert: launched in this order, the GEMV programs that read one
-    expert run side by side, and a batch reads each expert it hits about once from memory instead of once per
-    slot."""
-    return torch.argsort(ids.view(-1))
+    """The slots (flat indices of ids, int32 [n]) sorted by expert, stably: launched in this order, the GEMV
+    programs that read one expert run side by side, and a batch reads each expert it hits about once from memory
+    instead of once per slot. One launch."""
+    flat = ids.contiguous().view(-1)
+    n = flat.numel()
+    if n * (MAX_EXPERTS + 1) >= 1 << 31:
+        raise ValueError(f"moe slot_order: {n} slots are too many for int32 keys")
+    order = torch.empty(n, dtype=torch.int32, device=ids.device)
+    _slot_order_kernel[(triton.cdiv(n, 32),)](flat, order, n, BLOCK=32, ALL=triton.next_power_of_2(n), num_warps=4)
+    return order
 
 
 def moe_decode(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_up: QuantizedTensor,
                down: QuantizedTensor, shared_out: torch.Tensor | None = None,
                shared_gate_logit: torch.Tensor | None = None,
                shared_expert: tuple[QuantizedTensor, QuantizedTensor] | None = None,
-               summed: bool = True) -> torch.Tensor | ExpertOutputs:
+               summed: bool = True, expert_order: bool | None = None) -> torch.Tensor | ExpertOutputs:
     """MoE output [T, H] in x's dtype for a decode batch: four launches whatever k is (three and `ExpertOutputs`
-    when not `summed`; one more where the down GEMV cannot prepare its x itself). With `shared_expert` (its gate_up [2I, H] and down [H, I], stored like the routed experts)
-    the ids and weights come from `route(..., shared_gate_logit)`: id E is the shared expert, run as one more slot
-    of the same launches."""
+    when not `summed`; one more where the down GEMV cannot prepare its x itself; one more with `expert_order`,
+    by default from ORDER_MIN_TOKENS tokens: the GEMV programs launched in expert order, the same bits). With
+    `shared_expert` (its gate_up [2I, H] and down [H, I], stored like the routed experts) the ids and weights come
+    from `route(..., shared_gate_logit)`: id E is the shared expert, run as one more slot of the same launches."""
     _check_moe(x, ids, weights, gate_up, down, shared_out, shared_gate_logit, shared_expert)
     ids = ids.contiguous().view(-1)
     gu_extra, down_extra = shared_expert if shared_expert is not None else (None, None)
-    order = slot_order(ids) if x.shape[0] > 1 else None  # one token's slots are distinct experts
+    if expert_order is None:
+        expert_order = x.shape[0] >= ORDER_MIN_TOKENS
+    order = slot_order(ids) if expert_order else None
     xp = qmm.prep_x(x.contiguous(), gate_up.bits, gate_up.group_size)
     y_gu = _expert_gemv(xp, gate_up, ids, x_div=weights.shape[1], extra=gu_extra, order=order)
     if qmm.raw_x_supported(down.bits, down.group_size):  # the down GEMV takes h = silu(g) * u from y_gu itself
