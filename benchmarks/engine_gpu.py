@@ -19,16 +19,21 @@ from sluice.engine.bench import copy_bandwidth
 
 
 def profile_graph(graph, top: int = 14) -> dict:
-    """The kernels of one replay of a captured decode step: the launch count, and where the step's wall time goes:
-    each kernel charged only the time no earlier kernel covers (so the charges add up to the busy time whatever
-    overlaps, as programmatic dependent launch makes them), the gaps with no kernel running, and the span from the
-    first kernel's start to the last one's end."""
-    from torch.autograd import DeviceType
-
+    """The kernels of one replay of a captured decode step (`kernel_profile`)."""
     graph.replay()
     torch.cuda.synchronize()
+    return kernel_profile(graph.replay, top)
+
+
+def kernel_profile(run, top: int = 14) -> dict:
+    """The kernels that run() launches: the launch count, and where the wall time goes: each kernel charged only
+    the time no earlier kernel covers (so the charges add up to the busy time whatever overlaps, as programmatic
+    dependent launch makes them), the gaps with no kernel running, and the span from the first kernel's start to
+    the last one's end."""
+    from torch.autograd import DeviceType
+
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        graph.replay()
+        run()
         torch.cuda.synchronize()
     kernels = sorted((e.time_range.start, e.time_range.end, e.name[:90]) for e in prof.events()
                      if e.device_type == DeviceType.CUDA)

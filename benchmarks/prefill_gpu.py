@@ -12,10 +12,14 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 
 import torch
 
 import sluice
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from engine_gpu import kernel_profile  # noqa: E402
 
 
 def main() -> int:
@@ -25,6 +29,7 @@ def main() -> int:
     ap.add_argument("--chunks", default="512,2048,4096,8192")
     ap.add_argument("--kv-cache", default="dense")
     ap.add_argument("--json")
+    ap.add_argument("--profile", action="store_true", help="then the kernels of one prefill at the last chunk")
     args = ap.parse_args()
     base = sluice.load(args.config, load_format="dummy", device="cuda", kv_cache=args.kv_cache, max_batch=1)
     rows = []
@@ -37,6 +42,15 @@ def main() -> int:
                          "ttft_warm_s": r["ttft_warm_s"], "prefill_tok_s": r["prefill_tok_s"],
                          "peak_gb": torch.cuda.max_memory_allocated() / 1e9})
             print(json.dumps(rows[-1]), flush=True)
+        if args.profile and chunk == int(args.chunks.split(",")[-1]):
+            prompt = int(args.prompts.split(",")[-1])
+            prof = kernel_profile(lambda: model.bench(prompt_tokens=prompt, gen_tokens=1, batch=1, repeats=1), 20)
+            print(f"\nkernels of one {prompt}-token prefill, chunk {chunk} (and one decode step): {prof['kernels']} "
+                  f"launches, span {prof['span_ms']:.1f} ms = {prof['busy_ms']:.1f} ms with a kernel running + "
+                  f"{prof['gap_ms']:.1f} ms of gaps")
+            for r in prof["top"]:
+                print(f"  {r['wall_ms']:8.2f} ms {r['calls']:6d}x  {r['kernel']}")
+            rows[-1]["profile"] = prof
         model._engine = None
         torch.cuda.empty_cache()
     print(f"\n{'chunk':>6s} {'prompt':>7s} {'TTFT warm':>10s} {'prefill t/s':>11s} {'peak GB':>8s}")
