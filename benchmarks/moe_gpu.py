@@ -1,6 +1,7 @@
 """Sparse MoE block on the GPU: our Triton kernels vs the memory-bandwidth floor (decode) and cuBLAS bf16 (prefill).
 
     python benchmarks/moe_gpu.py [--json out.json] [--decode-only] [--chain-only] [--quick] [--gemv-sweep]
+        [--prefill-only]
 
 One run, at Qwen3-Next-80B-A3B and Qwen3.5-397B-A17B shapes (4-bit g64 experts and shared expert; router and
 shared-expert gate 8-bit g64 or bf16), random weights built directly in the packed layout:
@@ -14,6 +15,7 @@ shared-expert gate 8-bit g64 or bf16), random weights built directly in the pack
 - the multi-launch decode's critical path: graph time of its first n launches (with --chain-only: only this);
 - --quick: the chain, the checks and the decode table only;
 - --gemv-sweep: the chain and the expert GEMVs' launch sweep only;
+- --prefill-only: the prefill block sweep only;
 - (not with --decode-only) the multi-launch kernels: router and expert GEMV checks, their launch sweep;
 - routed experts at T = 1, 4, 16: decode GEMVs vs prefill grouped GEMMs (where to switch);
 - prefill, T = 4096: routed experts (a small block-size sweep; effective TFLOP/s vs cuBLAS bf16 GEMMs of the same
@@ -47,9 +49,11 @@ MODELS = {  # name: (hidden, experts, expert intermediate, top-k, shared interme
 }
 ROUTERS = ("8-bit", "bf16")
 PREFILL_T = 4096
-# moe_prefill (block_m, block_n, block_k, num_warps, num_stages)
-PREFILL_CONFIGS = [(64, 64, 64, 4, 3), (64, 128, 64, 4, 3), (128, 64, 64, 8, 3), (128, 128, 64, 8, 3),
-                   (64, 64, 128, 4, 3)]
+# moe_prefill (block_m, block_n, block_k, num_warps, num_stages, swap)
+PREFILL_CONFIGS = [(64, 64, 64, 4, 3, False), (64, 128, 64, 4, 3, False), (128, 128, 64, 8, 3, False),
+                   (64, 64, 64, 4, 3, True), (64, 128, 64, 4, 3, True), (32, 128, 64, 4, 3, True),
+                   (64, 128, 64, 8, 3, True), (128, 128, 64, 8, 3, True), (64, 128, 128, 8, 3, True),
+                   (32, 64, 64, 4, 4, True), (128, 256, 64, 8, 3, True), (64, 256, 64, 8, 3, True)]
 BF16 = torch.bfloat16
 
 
@@ -253,6 +257,8 @@ def time_prefill(res, name, layer, H, E, I, k):
         except Exception as e:  # noqa: BLE001 - e.g. a config that does not fit shared memory
             print(f"  config {cfg} failed: {type(e).__name__}: {str(e)[:200]}", flush=True)
             continue
+        print(f"  config {cfg}: {t * 1e6:.0f} us", flush=True)
+        res["prefill_sweep"].append({"model": name, "config": cfg, "us": t * 1e6})
         if best is None or t < best[0]:
             best = (t, cfg)
     a, b = torch.randn(T * k, H, device="cuda", dtype=BF16), torch.randn(T * k, I, device="cuda", dtype=BF16)
@@ -304,8 +310,9 @@ def print_tables(res):
 
 
 def main():
-    a, dev, res = start_run("correctness", "decode", "sweep", "crossover", "prefill", "errors", "timeline", "chain",
-                            flags=("--decode-only", "--chain-only", "--quick", "--gemv-sweep"))
+    a, dev, res = start_run("correctness", "decode", "sweep", "crossover", "prefill", "prefill_sweep", "errors",
+                            "timeline", "chain",
+                            flags=("--decode-only", "--chain-only", "--quick", "--gemv-sweep", "--prefill-only"))
     copy_bw = copy_bandwidth(dev)
     A = torch.randn(8192, 8192, device=dev, dtype=BF16)
     res["copy_bandwidth_Bps"], res["bf16_gemm_flops"] = copy_bw, 2 * 8192 ** 3 / events_time(lambda: A @ A, reps=10)
@@ -315,6 +322,10 @@ def main():
     try:
         for name, (H, E, I, k, Is) in MODELS.items():
             layers = {kind: [] for kind in ROUTERS}
+            if a.prefill_only:
+                case(res, f"{name} prefill", lambda: time_prefill(res, name, build_layers(H, E, I, k, Is)["8-bit"], H,
+                                                                   E, I, k))
+                continue
 
             def build():
                 first = build_layers(H, E, I, k, Is)
