@@ -38,9 +38,8 @@ H, E, I, K_TOP = 2048, 512, 512, 10
 
 
 # (block_m, block_n, block_k, warps, stages, split_k or None for qgemm's own): the --sweep of the swapped GEMM
-SWEEP = ((16, 64, 128, 4, 4, None), (16, 32, 128, 4, 4, None), (16, 128, 128, 4, 4, None), (16, 64, 256, 4, 3, None),
-         (16, 64, 128, 8, 4, None), (16, 64, 128, 4, 4, 2), (16, 64, 128, 4, 4, 4), (16, 32, 128, 4, 4, 2),
-         (16, 64, 64, 4, 6, None), (16, 128, 256, 8, 3, None))
+SWEEP = ((16, 64, 128, 4, 4, None), (16, 64, 128, 4, 4, 2), (16, 64, 64, 4, 6, None), (16, 128, 128, 8, 4, None),
+         (16, 128, 64, 4, 4, 2))
 
 
 def dense(res, copy_bw, sweep=False):
@@ -56,9 +55,10 @@ def dense(res, copy_bw, sweep=False):
             if sweep and N * K < 1 << 26:
                 for bm, bn, bk, w, st, sk in SWEEP:
                     bm = max(bm, triton.next_power_of_2(M))
-                    cands[f"gemm {bm}x{bn}x{bk} w{w} s{st} k{sk}"] = functools.partial(
-                        lambda q, x, **kw: qmm.qgemm(x, q, swap=True, **kw), block_m=bm, block_n=bn, block_k=bk,
-                        num_warps=w, num_stages=st, split_k=sk)
+                    for factored in (True, False):
+                        cands[f"gemm {bm}x{bn}x{bk} w{w} s{st} k{sk} f{factored:d}"] = functools.partial(
+                            lambda q, x, **kw: qmm.qgemm(x, q, swap=True, **kw), block_m=bm, block_n=bn,
+                            block_k=bk, num_warps=w, num_stages=st, split_k=sk, factored=factored)
             row = {"shape": name, "M": M, "floor_us": nb / copy_bw * 1e6}
             for label, fn in cands.items():
                 try:
