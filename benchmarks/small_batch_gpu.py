@@ -55,10 +55,9 @@ def dense(res, copy_bw, sweep=False):
             if sweep and N * K < 1 << 26:
                 for bm, bn, bk, w, st, sk in SWEEP:
                     bm = max(bm, triton.next_power_of_2(M))
-                    for factored in (True, False):
-                        cands[f"gemm {bm}x{bn}x{bk} w{w} s{st} k{sk} f{factored:d}"] = functools.partial(
-                            lambda q, x, **kw: qmm.qgemm(x, q, swap=True, **kw), block_m=bm, block_n=bn,
-                            block_k=bk, num_warps=w, num_stages=st, split_k=sk, factored=factored)
+                    cands[f"gemm {bm}x{bn}x{bk} w{w} s{st} k{sk}"] = functools.partial(
+                        lambda q, x, **kw: qmm.qgemm(x, q, swap=True, **kw), block_m=bm, block_n=bn, block_k=bk,
+                        num_warps=w, num_stages=st, split_k=sk)
             row = {"shape": name, "M": M, "floor_us": nb / copy_bw * 1e6}
             for label, fn in cands.items():
                 try:

@@ -251,15 +251,12 @@ def moe_decode(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_u
 
 @triton.jit
 def _group_product(acc, a, w_ptr, s_ptr, b_ptr, rows, offs_w, group, stride_wn, stride_sn, BITS: tl.constexpr,
-                   SWAP: tl.constexpr, DOT_FP32: tl.constexpr, MAGIC: tl.constexpr, FACTORED: tl.constexpr):
-    """acc + a @ W[rows, one group]^T (transposed with SWAP), W's words at offs_w."""
+                   SWAP: tl.constexpr, DOT_FP32: tl.constexpr, MAGIC: tl.constexpr):
+    """acc + a @ W[rows, one group]^T (transposed with SWAP; `qmm.group_dot`), W's words at offs_w."""
     words = tl.load(w_ptr + rows[:, None] * stride_wn + offs_w)
     s = tl.load(s_ptr + rows * stride_sn + group).to(tl.float32)
     b = tl.load(b_ptr + rows * stride_sn + group).to(tl.float32)
-    if FACTORED:
-        return qmm.group_dot(acc, a, words, s, b, BITS, SWAP, DOT_FP32, MAGIC)
-    else:
-        return qmm.dequant_dot(acc, a, words, s, b, BITS, SWAP, DOT_FP32)
+    return qmm.group_dot(acc, a, words, s, b, BITS, SWAP, DOT_FP32, MAGIC)
 
 
 @triton.jit
@@ -267,12 +264,12 @@ def _grouped_gemm_kernel(a_ptr, w_ptr, s_ptr, b_ptr, c_ptr, order_ptr, tile_expe
                          N, K, E, a_div, stride_am, stride_we, stride_wn, stride_se, stride_sn, stride_cm,
                          BITS: tl.constexpr, GS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                          BLOCK_K: tl.constexpr, SWIGLU: tl.constexpr, DOT_FP32: tl.constexpr, MAGIC: tl.constexpr,
-                         SWAP: tl.constexpr, FACTORED: tl.constexpr):
+                         SWAP: tl.constexpr):
     """For the sorted rows r of one tile of expert e, with slot = order[r]:
     C[slot, n-block] = A[slot // a_div] @ W[e, n-block]^T, or with SWIGLU (W[e] = gate rows [0, N), up rows
     [N, 2N)): silu(A Wg^T) * (A Wu^T). Program (n-block, tile); tiles past the table's end exit at once. SWAP:
-    the transposed product W A^T is accumulated, the dequantized W the dot's first operand. FACTORED: each group's
-    codes multiplied as they are (`qmm.group_dot`), else the weights made first (`qmm.dequant_dot`)."""
+    the transposed product W A^T is accumulated: W, made in registers, is the dot's first operand and goes to the
+    tensor cores from there, not through shared memory."""
     pid_n = tl.program_id(0)
     tile = tl.program_id(1)
     e = tl.load(tile_expert_ptr + tile)
@@ -302,10 +299,10 @@ def _grouped_gemm_kernel(a_ptr, w_ptr, s_ptr, b_ptr, c_ptr, order_ptr, tile_expe
             a = tl.load(a_rows[:, None] + (kg + tl.arange(0, P))[None, :])
             offs_w = (kg // EPW + tl.arange(0, P // EPW))[None, :]
             acc = _group_product(acc, a, w_ptr, s_ptr, b_ptr, rows_n, offs_w, kg // GS, stride_wn, stride_sn, BITS,
-                                 SWAP, DOT_FP32, MAGIC, FACTORED)
+                                 SWAP, DOT_FP32, MAGIC)
             if SWIGLU:
                 acc_u = _group_product(acc_u, a, w_ptr, s_ptr, b_ptr, rows_n + N, offs_w, kg // GS, stride_wn,
-                                       stride_sn, BITS, SWAP, DOT_FP32, MAGIC, FACTORED)
+                                       stride_sn, BITS, SWAP, DOT_FP32, MAGIC)
     if SWIGLU:
         acc = acc / (1.0 + tl.exp(-acc)) * acc_u
     if SWAP:
@@ -338,8 +335,7 @@ def _tile_table(ids: torch.Tensor, E: int, block_m: int):
     return order, offsets, tile_expert, tile_row
 
 
-def _grouped_gemm(a, a_div, qt, c, table, swiglu, block_m, block_n, block_k, num_warps, num_stages, swap,
-                  factored):
+def _grouped_gemm(a, a_div, qt, c, table, swiglu, block_m, block_n, block_k, num_warps, num_stages, swap):
     order, offsets, tile_expert, tile_row = table
     N = qt.out_features // 2 if swiglu else qt.out_features
     K = qt.in_features
@@ -350,26 +346,30 @@ def _grouped_gemm(a, a_div, qt, c, table, swiglu, block_m, block_n, block_k, num
         BITS=qt.bits, GS=qt.group_size, BLOCK_M=block_m, BLOCK_N=block_n,
         BLOCK_K=min(block_k, K & -K),  # the largest power of two dividing K (>= 32) caps the K step
         SWIGLU=swiglu, DOT_FP32=qmm.INTERPRET or a.dtype == torch.float32,
-        MAGIC=a.dtype == torch.bfloat16 and qt.bits < 8, SWAP=swap, FACTORED=factored,
+        MAGIC=a.dtype == torch.bfloat16 and qt.bits < 8, SWAP=swap,
         num_warps=num_warps, num_stages=num_stages)
 
 
 def moe_prefill(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_up: QuantizedTensor,
                 down: QuantizedTensor, shared_out: torch.Tensor | None = None,
-                shared_gate_logit: torch.Tensor | None = None, block_m: int = 64, block_n: int = 64,
-                block_k: int = 64, num_warps: int = 4, num_stages: int = 3, swap: bool = False,
-                factored: bool = True, summed: bool = True) -> torch.Tensor | ExpertOutputs:
+                shared_gate_logit: torch.Tensor | None = None, block_m: int | None = None, block_n: int = 64,
+                block_k: int = 64, num_warps: int = 4, num_stages: int = 3, swap: bool = True,
+                summed: bool = True) -> torch.Tensor | ExpertOutputs:
     """MoE output [T, H] in x's dtype for many tokens (`ExpertOutputs` when not `summed`): grouped tensor-core
     GEMMs over the slots sorted by expert; h and the expert outputs are held in x's dtype, in slot order. swap:
-    the GEMMs compute the transposed products (`_grouped_gemm_kernel`'s SWAP); factored: its FACTORED."""
+    the GEMMs compute the transposed products (`_grouped_gemm_kernel`'s SWAP). block_m (rows per tile): by default
+    128 where the experts average 64 rows or more, else 64 (H100 sweep, docs/PERF.md "prefill")."""
     _check_moe(x, ids, weights, gate_up, down, shared_out, shared_gate_logit)
     x = x.contiguous()
     T, k = ids.shape
-    table = _tile_table(ids, gate_up.weight.shape[0], block_m)
+    E = gate_up.weight.shape[0]
+    if block_m is None:
+        block_m = 128 if T * k >= 64 * E else 64
+    table = _tile_table(ids, E, block_m)
     h = torch.empty((T * k, down.in_features), dtype=x.dtype, device=x.device)
-    _grouped_gemm(x, k, gate_up, h, table, True, block_m, block_n, block_k, num_warps, num_stages, swap, factored)
+    _grouped_gemm(x, k, gate_up, h, table, True, block_m, block_n, block_k, num_warps, num_stages, swap)
     y = torch.empty((1, T * k, down.out_features), dtype=x.dtype, device=x.device)
-    _grouped_gemm(h, 1, down, y[0], table, False, block_m, block_n, block_k, num_warps, num_stages, swap, factored)
+    _grouped_gemm(h, 1, down, y[0], table, False, block_m, block_n, block_k, num_warps, num_stages, swap)
     return _outputs(y, weights, x.dtype, shared_out, shared_gate_logit, summed)
 
 

@@ -371,35 +371,11 @@ def group_dot(acc, x, words, s, b, BITS: tl.constexpr, SWAP: tl.constexpr, DOT_F
 
 
 @triton.jit
-def dequant_dot(acc, x, words, s, b, BITS: tl.constexpr, SWAP: tl.constexpr, DOT_FP32: tl.constexpr):
-    """`group_dot`'s result the plain way: the group's weights s q + b made in fp32, rounded once to x's dtype,
-    and multiplied, accumulating in the dot itself (no per-group rescale between dots)."""
-    EPW: tl.constexpr = 32 // BITS
-    BLOCK_N: tl.constexpr = words.shape[0]
-    P: tl.constexpr = words.shape[1] * EPW
-    shifts = tl.arange(0, EPW) * BITS
-    q = tl.reshape((words.to(tl.uint32, bitcast=True)[:, :, None] >> shifts[None, None, :]) & ((1 << BITS) - 1),
-                   (BLOCK_N, P))
-    w = q.to(tl.float32) * s[:, None] + b[:, None]
-    if DOT_FP32:
-        if SWAP:
-            acc = tl.dot(w, tl.trans(x.to(tl.float32)), acc, input_precision="ieee")
-        else:
-            acc = tl.dot(x.to(tl.float32), tl.trans(w), acc, input_precision="ieee")
-    else:
-        if SWAP:
-            acc = tl.dot(w.to(x.dtype), tl.trans(x), acc)
-        else:
-            acc = tl.dot(x, tl.trans(w.to(x.dtype)), acc)
-    return acc
-
-
-@triton.jit
 def _qgemm_kernel(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, M, N, K, k_per_split,
                   stride_xm, stride_wn, stride_sn, stride_ys, stride_ym,
                   BITS: tl.constexpr, GS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                   BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, SWAP: tl.constexpr, DOT_FP32: tl.constexpr,
-                  MAGIC: tl.constexpr, FACTORED: tl.constexpr):
+                  MAGIC: tl.constexpr):
     """y[pid_k] (+)= x[:, k-slice] @ W[:, k-slice]^T on tensor cores, one quantization group at a time
     (`group_dot`: the codes multiplied as they are, scale and bias applied per output); SWAP computes the transposed
     product W x^T, so that for few rows the wide W tile is the dot's first operand. Program order is grouped so
@@ -439,10 +415,7 @@ def _qgemm_kernel(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, M, N, K, k_per_split,
             g_ok = (tl.zeros((BLOCK_N,), tl.int32) + kg) < k_end  # a block: the interpreter takes no scalar mask
             s = tl.load(s_ptr + rows_n * stride_sn + kg // GS, mask=g_ok, other=0.0).to(tl.float32)
             b = tl.load(b_ptr + rows_n * stride_sn + kg // GS, mask=g_ok, other=0.0).to(tl.float32)
-            if FACTORED:
-                acc = group_dot(acc, x, words, s, b, BITS, SWAP, DOT_FP32, MAGIC)
-            else:
-                acc = dequant_dot(acc, x, words, s, b, BITS, SWAP, DOT_FP32)
+            acc = group_dot(acc, x, words, s, b, BITS, SWAP, DOT_FP32, MAGIC)
     if SWAP:
         tl.store(y_ptr + pid_k * stride_ys + offs_m[None, :] * stride_ym + offs_n[:, None],
                  acc.to(y_ptr.dtype.element_ty), mask=m_ok[None, :] & n_ok[:, None])
@@ -614,10 +587,8 @@ def qgemv(x: torch.Tensor, qt, block_n: int | None = None, split_k: int | None =
 
 
 def qgemm(x: torch.Tensor, qt, block_m: int = 128, block_n: int = 128, block_k: int = 64, num_warps: int = 8,
-          num_stages: int = 3, swap: bool | None = None, split_k: int | None = None,
-          factored: bool = True) -> torch.Tensor:
-    """y [M, N] = x [M, K] @ W^T on tensor cores, in x's dtype. Few rows: swapped operands and split-K.
-    factored: `group_dot`, else `dequant_dot`."""
+          num_stages: int = 3, swap: bool | None = None, split_k: int | None = None) -> torch.Tensor:
+    """y [M, N] = x [M, K] @ W^T on tensor cores, in x's dtype. Few rows: swapped operands and split-K."""
     check(x, qt)
     M, K = x.shape
     N = qt.weight.shape[0]
@@ -636,7 +607,7 @@ def qgemm(x: torch.Tensor, qt, block_m: int = 128, block_n: int = 128, block_k: 
         qt.weight.stride(0), qt.scales.stride(0), out.stride(0), out.stride(1), BITS=qt.bits, GS=qt.group_size,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=8, SWAP=swap,
         DOT_FP32=INTERPRET or x.dtype == torch.float32, MAGIC=x.dtype == torch.bfloat16 and qt.bits < 8,
-        FACTORED=factored, num_warps=num_warps, num_stages=num_stages)
+        num_warps=num_warps, num_stages=num_stages)
     return out[0] if split_k == 1 else out.sum(0).to(x.dtype)
 
 
