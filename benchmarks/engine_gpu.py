@@ -25,11 +25,11 @@ def profile_graph(graph, top: int = 14) -> dict:
     return kernel_profile(graph.replay, top)
 
 
-def kernel_profile(run, top: int = 14) -> dict:
+def kernel_profile(run, top: int = 14, sequence_len: int = 60) -> dict:
     """The kernels that run() launches: the launch count, and where the wall time goes: each kernel charged only
     the time no earlier kernel covers (so the charges add up to the busy time whatever overlaps, as programmatic
     dependent launch makes them), the gaps with no kernel running, and the span from the first kernel's start to
-    the last one's end."""
+    the last one's end; and the first `sequence_len` kernels in order (a decode step's first layers)."""
     from torch.autograd import DeviceType
 
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
@@ -44,10 +44,14 @@ def kernel_profile(run, top: int = 14) -> dict:
         covered = max(covered, end)
     span = covered - kernels[0][0]
     busy = sum(charged.values())
+    sequence, end = [], kernels[0][0]  # the first kernels in order: each one's time and the gap before it
+    for start, stop, name in kernels[:sequence_len]:
+        sequence.append({"kernel": name[:48], "us": stop - start, "gap_us": start - end})
+        end = max(end, stop)
     rows = sorted(({"kernel": k, "wall_ms": v / 1e3, "calls": calls[k]} for k, v in charged.items()),
                   key=lambda r: -r["wall_ms"])
     return {"kernels": len(kernels), "span_ms": span / 1e3, "busy_ms": busy / 1e3, "gap_ms": (span - busy) / 1e3,
-            "top": rows[:top]}
+            "top": rows[:top], "sequence": sequence}
 
 
 def step_anatomy(model, batch: int, steps: int = 12, context: int = 128) -> dict:
@@ -183,6 +187,10 @@ def main() -> int:
               f"{prof['busy_ms']:.3f} ms with a kernel running + {prof['gap_ms']:.3f} ms of gaps")
         for p in prof["top"]:
             print(f"  {p['wall_ms']:8.3f} ms {p['calls']:5d}x  {p['kernel']}")
+        if case.endswith("batch 1"):
+            print("  its first kernels in order (us, and the gap before each):")
+            for p in prof["sequence"]:
+                print(f"    {p['us']:7.2f} {p['gap_us']:+6.2f}  {p['kernel']}")
     dump(args.json, args.config, rows, profiles)
     return 0
 
