@@ -150,6 +150,93 @@ def test_bad_inputs_raise_before_launch():
         f(**args(state_indices=torch.zeros(2, dtype=torch.int32, device=DEVICE)))
 
 
+# ------------------------------------------------------------------------------------- decode + gated norm
+
+
+def norm_inputs(B, T, Hv, V, seed, dtype, weight_dtype=None):
+    """z (a strided view, as the layer's slice of the projection) and a norm weight near 1: random, never zero."""
+    g = torch.Generator().manual_seed(seed)
+    z = torch.randn(B, T, Hv, 2 * V, generator=g).to(dtype)[..., V:]
+    return z, (1.0 + 0.3 * torch.randn(V, generator=g)).to(weight_dtype or dtype)
+
+
+def same_bits(a, b):
+    """The interpreter gives the two-launch path's bits exactly. A GPU may sum the squares of a row in another
+    order (the tile layouts differ between the kernels), which can move an output by an ulp or two."""
+    if DEVICE == "cpu":
+        return torch.equal(a, b)
+    ulp = {torch.float32: 2.0 ** -23, torch.bfloat16: 2.0 ** -7, torch.float16: 2.0 ** -10}[a.dtype]
+    return bool(torch.isclose(a.float(), b.float(), rtol=2 * ulp, atol=1e-30).all())
+
+
+def rule_on(d, state, **kw):
+    """The recurrent kernel on the device inputs d, with this state (updated in place)."""
+    return gt.fused_recurrent_gated_delta_rule(d["q"], d["k"], d["v"], d["a"], d["b"], state, d["A_log"],
+                                               d["dt_bias"], **kw)
+
+
+def fused_and_separate(x, z, weight, eps, **kw):
+    """(the fused launch's output, the two launches' output, the fused state, the two launches' state)."""
+    d = to(x, DEVICE)
+    z, weight = z.to(DEVICE), weight.to(DEVICE)
+    fused_state, state = d["state"].clone(), d["state"].clone()
+    fused = rule_on(d, fused_state, z=z, norm_weight=weight, norm_eps=eps, **kw)
+    o = rule_on(d, state, **kw)
+    separate = gt.gated_rms_norm(o, z, weight, eps)
+    return fused.cpu(), separate.cpu(), fused_state.cpu(), state.cpu()
+
+
+@pytest.mark.parametrize("B,T,Hk,Hv,K,V,block_v,dtype,weight_dtype", [
+    (1, 1, 2, 4, 16, 32, 32, torch.float32, None),  # one program per head: normalised in registers
+    (1, 1, 2, 4, 16, 32, 8, torch.float32, None),  # four programs per head: the last one normalises
+    (3, 2, 1, 2, 16, 24, 8, torch.bfloat16, None),  # V not a power of two, three blocks, the last partly masked
+    (3, 1, 2, 2, 16, 24, 32, torch.bfloat16, torch.float32),  # w * normed rounded in fp32, then bf16
+    (2, 1, 1, 2, 16, 16, 16, torch.float16, None)])
+def test_recurrent_with_gated_norm(B, T, Hk, Hv, K, V, block_v, dtype, weight_dtype):
+    """The gated norm fused into the recurrent launch: the bits of the recurrent kernel followed by
+    `gated_rms_norm`, close to the torch references, the same state."""
+    from sluice.kernels.norm.reference import gated_rms_norm
+
+    x = inputs(B, T, Hk, Hv, K, V, seed=B * 100 + T * 10 + V + block_v, dtype=dtype)
+    z, weight = norm_inputs(B, T, Hv, V, seed=block_v, dtype=dtype, weight_dtype=weight_dtype)
+    fused, separate, fused_state, state = fused_and_separate(x, z, weight, 1e-6, block_v=block_v)
+    assert fused.dtype == dtype and fused.shape == (B, T, Hv, V)
+    assert same_bits(fused, separate) and same_bits(fused_state, state)
+    ref_o, _ = run_reference(x)
+    ref = gated_rms_norm(ref_o.to(dtype), z, weight, 1e-6)
+    # bf16: the interpreter truncates o to bf16 where torch rounds to nearest
+    assert rel_rms(fused, ref) < {torch.float32: 1e-6, torch.float16: 1e-3, torch.bfloat16: 1e-2}[dtype]
+
+
+@pytest.mark.parametrize("block_v", [8, 32])
+def test_recurrent_gated_norm_slots_and_repeated_calls(block_v):
+    """State slots, a skipped entry (its output unwritten, its counters untouched) and three launches in a row:
+    the last program of each head resets its counter, so every launch equals the two-launch path."""
+    B, T, Hk, Hv, K, V = 3, 1, 1, 2, 16, 32
+    cache = torch.randn(5, Hv, K, V, generator=torch.Generator().manual_seed(4)).to(DEVICE)
+    slots = torch.tensor([3, -1, 0], dtype=torch.int32, device=DEVICE)
+    separate_cache = cache.clone()
+    for step in range(3):
+        x = to(inputs(B, T, Hk, Hv, K, V, seed=60 + step), DEVICE)
+        z, weight = (t.to(DEVICE) for t in norm_inputs(B, T, Hv, V, seed=step, dtype=torch.float32))
+        fused = rule_on(x, cache, state_indices=slots, z=z, norm_weight=weight, norm_eps=1e-6, block_v=block_v)
+        o = rule_on(x, separate_cache, state_indices=slots, block_v=block_v)
+        separate = gt.gated_rms_norm(o[[0, 2]], z[[0, 2]], weight, 1e-6)  # the skipped entry's o is unwritten
+        assert same_bits(fused[[0, 2]].cpu(), separate.cpu()) and same_bits(cache.cpu(), separate_cache.cpu())
+    assert not gt._head_counters(B * Hv, cache.device).any()
+
+
+def test_gated_norm_bad_inputs():
+    x = to(inputs(1, 1, 2, 4, 16, 16, seed=1), DEVICE)
+    z, weight = (t.to(DEVICE) for t in norm_inputs(1, 1, 4, 16, seed=1, dtype=torch.float32))
+    with pytest.raises(ValueError, match="together"):
+        rule_on(x, x["state"], z=z)
+    with pytest.raises(ValueError, match="z must"):
+        rule_on(x, x["state"], z=z[:, :, :2], norm_weight=weight)
+    with pytest.raises(ValueError, match="norm_weight must"):
+        rule_on(x, x["state"], z=z, norm_weight=weight[:8])
+
+
 # ---------------------------------------------------------------------------------------------------- prefill
 
 

@@ -93,17 +93,20 @@ def test_chunked_prefill_and_decode_equal_full_forward(pair):
     assert rel_err(torch.cat(parts), full) < 1e-5
 
 
-@pytest.mark.parametrize("name", ["next-gva2", "next-gva4-interval3-nonorm", "3.5-moe-gva4"])
-def test_gdn_triton_kernels_in_the_layer(name, tmp_path, monkeypatch):
+@pytest.mark.parametrize("name,more", [("next-gva2", {}), ("next-gva4-interval3-nonorm", {}), ("3.5-moe-gva4", {}),
+                                       ("next-gva2", {"linear_value_head_dim": 32})],
+                         ids=["next-gva2", "next-gva4-interval3-nonorm", "3.5-moe-gva4", "next-gva2-dv32"])
+def test_gdn_triton_kernels_in_the_layer(name, more, tmp_path, monkeypatch):
     """The GatedDeltaNet layer on the Triton kernels (interpreter on CPU): logits as HF's, and chunked prefill +
-    decode steps (the state updated in place in the cache) equal to the full forward."""
+    decode steps (the state updated in place in the cache, the gated norm in the recurrent launch: with dv = 32
+    two programs a head, the last one normalising) equal to the full forward."""
     pytest.importorskip("triton")
     if torch.cuda.is_available():
         pytest.skip("on a GPU the layer takes the kernels by itself: tests/test_gpu_models.py")
     from sluice.kernels.gdn import triton as gdn_triton
     monkeypatch.setattr("sluice.layers.gated_deltanet.gdn_kernels", lambda x, dims: gdn_triton)
     _, make, over = next(c for c in CASES if c[0] == name)
-    hf = make(seed=len(name), **over)
+    hf = make(seed=len(name), **over, **more)
     ours = sluice.load(save(hf, tmp_path), device="cpu")
     ids = torch.randint(0, 300, (2, 70), generator=torch.Generator().manual_seed(3))
     with torch.no_grad():

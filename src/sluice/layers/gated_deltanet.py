@@ -61,21 +61,27 @@ class GatedDeltaNet(nn.Module):
         proj = self.in_proj(x)
         mixed, z, b, a = proj.split([2 * self.nk * self.dk + nv * dv, nv * dv, nv, nv], dim=-1)
         kernels = gdn_kernels(x, (self.dk, self.dv))
+        z = z.reshape(B, T, nv, dv)
+        # a few tokens (decode) through the recurrent kernel: the gated norm runs in the same launch
+        fused_norm = (kernels is not None and meta.parts is None and T <= RECURRENT_MAX_TOKENS
+                      and mixed.dtype == x.dtype)
         if meta.parts is not None:  # packed prefill: each sequence's chunk through its own states
             o = torch.cat([self._mix(kernels, mixed[:, t0:t1], b[:, t0:t1], a[:, t0:t1], cache, part)
                            for t0, t1, part in meta.parts], dim=1)
         else:
-            o = self._mix(kernels, mixed, b, a, cache, meta)
-        norm = gated_rms_norm if kernels is None else kernels.gated_rms_norm
-        o = norm(o.to(x.dtype), z.reshape(B, T, nv, dv), self.norm_weight, self.eps)
+            o = self._mix(kernels, mixed, b, a, cache, meta, z if fused_norm else None)
+        if not fused_norm:
+            norm = gated_rms_norm if kernels is None else kernels.gated_rms_norm
+            o = norm(o.to(x.dtype), z, self.norm_weight, self.eps)
         return self.out_proj(o.reshape(B, T, nv * dv))
 
-    def _mix(self, kernels, mixed, b, a, cache, meta):
-        """Conv + gated delta rule of the sequences in meta's rows, their states advanced in place."""
+    def _mix(self, kernels, mixed, b, a, cache, meta, norm_gate=None):
+        """Conv + gated delta rule of the sequences in meta's rows, their states advanced in place. With norm_gate
+        (z [B, T, nv, dv]; the kernels' recurrent path only): the output gated-RMS-normalised in the same launch."""
         i = self.state_index
         conv_state, state = cache.conv(i), cache.recurrent(i)
         if kernels is not None:
-            return self._kernels(kernels, mixed, b, a, conv_state, state, meta)
+            return self._kernels(kernels, mixed, b, a, conv_state, state, meta, norm_gate)
         # one sequence at a time, as a sequence alone takes it
         rows = meta.rows_host if meta.decode else range(meta.row0, meta.row0 + mixed.shape[0])
         return torch.cat([self._reference(mixed[j:j + 1], b[j:j + 1], a[j:j + 1], conv_state[r:r + 1],
@@ -87,8 +93,9 @@ class GatedDeltaNet(nn.Module):
         return (q.reshape(B, T, self.nk, self.dk), k.reshape(B, T, self.nk, self.dk),
                 v.reshape(B, T, self.nv, self.dv))
 
-    def _kernels(self, kernels, mixed, b, a, conv_state, state, meta):
-        """The Triton kernels: conv and rule read and update the states of meta's rows in place."""
+    def _kernels(self, kernels, mixed, b, a, conv_state, state, meta, norm_gate=None):
+        """The Triton kernels: conv and rule read and update the states of meta's rows in place (norm_gate: as
+        `_mix`)."""
         T = mixed.shape[1]
         rows = meta.rows
         if meta.decode:  # the conv state shifted in place
@@ -96,10 +103,13 @@ class GatedDeltaNet(nn.Module):
         else:
             mixed = kernels.causal_conv1d(mixed, self.conv_weight, conv_state, activation="silu",
                                           state_indices=rows)[0]
-        rule = (kernels.fused_recurrent_gated_delta_rule if T <= RECURRENT_MAX_TOKENS
-                else kernels.chunk_gated_delta_rule)
-        return rule(*self._split_heads(mixed), a, b, state, self.A_log, self.dt_bias, state_indices=rows,
-                    use_qk_l2norm=True)
+        if T <= RECURRENT_MAX_TOKENS:
+            norm = {} if norm_gate is None else {"z": norm_gate, "norm_weight": self.norm_weight, "norm_eps": self.eps}
+            return kernels.fused_recurrent_gated_delta_rule(*self._split_heads(mixed), a, b, state, self.A_log,
+                                                            self.dt_bias, state_indices=rows, use_qk_l2norm=True,
+                                                            **norm)
+        return kernels.chunk_gated_delta_rule(*self._split_heads(mixed), a, b, state, self.A_log, self.dt_bias,
+                                              state_indices=rows, use_qk_l2norm=True)
 
     def _reference(self, mixed, b, a, conv_state, state):
         """The torch references for one sequence; its states (views of its cache row) updated in place."""

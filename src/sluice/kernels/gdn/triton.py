@@ -10,7 +10,10 @@ value columns) holds its [K, BV] slice of the fp32 state in registers and walks 
 The state lives in the cache ([slots, Hv, K, V], fp32) and is updated in place; sequence i uses slot
 state_indices[i] (a negative index skips the sequence: a padded batch entry). Value head h reads key head
 h // (Hv / Hk) straight from q and k: nothing is repeated in memory. Every program recomputes the l2 norms of its
-q and k rows (K elements: cheaper than a launch), so a decode step is one launch whatever the batch.
+q and k rows (K elements: cheaper than a launch), so a decode step is one launch whatever the batch. Given the
+layer's z and norm weight it also applies the gated RMSNorm that follows (`gated_rms_norm`'s math on the stored
+o; its bits but for the order a GPU sums a row's squares in): in registers when one program holds a whole head,
+else by the head's last program to finish (a per-(sequence, head) counter, acq_rel, reset to zero by that program).
 
 `chunk_gated_delta_rule` (prefill): the chunk-parallel WY form of `reference.chunk_gated_delta_rule`, chunks of
 C = 64 tokens, in two launches and without a host synchronisation:
@@ -42,7 +45,11 @@ import triton.language as tl
 # the rest of a GDN layer's kernels, so that the layer finds them all here
 from sluice.kernels.conv1d.triton import causal_conv1d, causal_conv1d_update  # noqa: F401
 from sluice.kernels.launch import capability, pdl, pdl_start
-from sluice.kernels.norm.triton import gated_rms_norm  # noqa: F401
+from sluice.kernels.norm.triton import (  # noqa: F401
+    gated_rms_norm,
+    gated_rms_norm_rows,
+    weight_product_dtype,
+)
 
 MAX_HEAD_DIM = 256
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"  # its bf16 tl.dot is wrong (Triton 3.9): fp32 operands there
@@ -55,14 +62,22 @@ def _softplus(x):
 
 
 @triton.jit
-def _recurrent_kernel(q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, alog_ptr, dtb_ptr, s_ptr, idx_ptr, o_ptr, T, scale,
+def _recurrent_kernel(q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, alog_ptr, dtb_ptr, s_ptr, idx_ptr, o_ptr,
+                      z_ptr, nw_ptr, cnt_ptr, T, scale, eps,
                       stride_qb, stride_qt, stride_qh, stride_kb, stride_kt, stride_kh,
                       stride_vb, stride_vt, stride_vh, stride_ab, stride_at, stride_bb, stride_bt,
-                      stride_ss, stride_sh, stride_ob, stride_ot, stride_oh,
+                      stride_ss, stride_sh, stride_ob, stride_ot, stride_oh, stride_zb, stride_zt, stride_zh,
                       RATIO: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-                      RAW_GATES: tl.constexpr, L2NORM: tl.constexpr, HAS_IDX: tl.constexpr):
+                      RAW_GATES: tl.constexpr, L2NORM: tl.constexpr, HAS_IDX: tl.constexpr,
+                      GATED_NORM: tl.constexpr, BLOCK_V: tl.constexpr, H_DTYPE: tl.constexpr,
+                      RNE_BF16: tl.constexpr):
     """Program (value block, value head, sequence). RAW_GATES: a, b are the raw projections and the gates are
-    computed here; otherwise a is g (log decay) and b is beta."""
+    computed here; otherwise a is g (log decay) and b is beta. GATED_NORM: o is replaced by the gated RMSNorm
+    (w * rmsnorm(o)) * silu(z) of each (token, head) row, with the math of `norm.triton.gated_rms_norm_rows` on o
+    as rounded to its dtype (as the recurrent kernel followed by `gated_rms_norm`): one program per head
+    (BV >= V) in registers; otherwise each program stores its raw columns, counts itself done on the (sequence,
+    head) counter (acq_rel), and the last of the head's programs reads the rows back, normalises them in place
+    and resets the counter to 0 for the next launch. BLOCK_V: V to a power of two."""
     pid_v = tl.program_id(0)
     h = tl.program_id(1)
     n = tl.program_id(2)
@@ -84,8 +99,11 @@ def _recurrent_kernel(q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, alog_ptr, dtb_ptr, s_pt
         k_row = k_ptr + n.to(tl.int64) * stride_kb + kh * stride_kh
         v_row = v_ptr + n.to(tl.int64) * stride_vb + h * stride_vh
         o_row = o_ptr + n.to(tl.int64) * stride_ob + h * stride_oh
+        z_row = z_ptr + n.to(tl.int64) * stride_zb + h * stride_zh
         a_row = a_ptr + n.to(tl.int64) * stride_ab + h
         b_row = b_ptr + n.to(tl.int64) * stride_bb + h
+        if GATED_NORM and BV >= V:
+            nw = tl.load(nw_ptr + offs_v, mask=v_ok, other=0.0).to(tl.float32)
         for t in range(T):
             q = tl.load(q_row + t * stride_qt + offs_k, mask=k_ok, other=0.0).to(tl.float32)
             k = tl.load(k_row + t * stride_kt + offs_k, mask=k_ok, other=0.0).to(tl.float32)
@@ -106,8 +124,30 @@ def _recurrent_kernel(q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, alog_ptr, dtb_ptr, s_pt
             delta = (v - tl.sum(S * k[:, None], axis=0)) * beta
             S = S + k[:, None] * delta[None, :]
             o = tl.sum(S * q[:, None], axis=0)
-            tl.store(o_row + t * stride_ot + offs_v, o.to(o_ptr.dtype.element_ty), mask=v_ok)
+            if GATED_NORM and BV >= V:  # the whole row here: o as stored and read back, normalised at once
+                x = o.to(o_ptr.dtype.element_ty).to(tl.float32)
+                z = tl.load(z_row + t * stride_zt + offs_v, mask=v_ok, other=0.0).to(tl.float32)
+                y = gated_rms_norm_rows(x[None, :], z[None, :], nw, V, eps, o_ptr.dtype.element_ty, H_DTYPE,
+                                        RNE_BF16)
+                tl.store(o_row + t * stride_ot + offs_v[None, :], y.to(o_ptr.dtype.element_ty), mask=v_ok[None, :])
+            else:
+                tl.store(o_row + t * stride_ot + offs_v, o.to(o_ptr.dtype.element_ty), mask=v_ok)
         tl.store(s_tile, S, mask=s_mask)
+        if GATED_NORM and BV < V:  # the head's last program to finish normalises its rows
+            tl.debug_barrier()  # every thread's columns stored before the release
+            cnt = cnt_ptr + n * tl.num_programs(1) + h
+            if tl.atomic_add(cnt, 1, sem="acq_rel", scope="gpu") == tl.num_programs(0) - 1:
+                cols = tl.arange(0, BLOCK_V)
+                ok = cols < V
+                nw = tl.load(nw_ptr + cols, mask=ok, other=0.0).to(tl.float32)
+                for t in range(T):
+                    x = tl.load(o_row + t * stride_ot + cols, mask=ok, other=0.0,
+                                cache_modifier=".cg").to(tl.float32)  # the other programs' columns, past L1
+                    z = tl.load(z_row + t * stride_zt + cols, mask=ok, other=0.0).to(tl.float32)
+                    y = gated_rms_norm_rows(x[None, :], z[None, :], nw, V, eps, o_ptr.dtype.element_ty, H_DTYPE,
+                                            RNE_BF16)
+                    tl.store(o_row + t * stride_ot + cols[None, :], y.to(o_ptr.dtype.element_ty), mask=ok[None, :])
+                tl.store(cnt, 0)  # zero again for the next launch (a graph replays the same counters)
 
 
 # ---------------------------------------------------------------------------------------------------- prefill
@@ -506,36 +546,84 @@ def _value_block(V: int, programs_per_block: int, device) -> int:
     return bv
 
 
+_HEAD_COUNTERS: dict = {}  # device -> its int32 counter buffers of the fused gated norm, the newest last
+
+
+def _head_counters(n: int, device: torch.device) -> torch.Tensor:
+    """At least n int32 counters on `device`, zero between launches (the last program of a head resets its own).
+    Made on an eager call (a decode graph's warm-up runs before its capture), never during a capture: its zeros
+    would only be a captured memset. A bigger buffer replaces an outgrown one, which stays alive: graphs captured
+    with it still use it."""
+    held = _HEAD_COUNTERS.setdefault(device, [])
+    if not held or held[-1].numel() < n:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(f"gated delta rule: the gated norm needs {n} head counters on {device}; run the step "
+                               "eagerly once before capturing it")
+        held.append(torch.zeros(max(4096, triton.next_power_of_2(n)), dtype=torch.int32, device=device))
+    return held[-1]
+
+
 def fused_recurrent_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tensor,
                                      b: torch.Tensor, state: torch.Tensor, A_log: torch.Tensor | None = None,
                                      dt_bias: torch.Tensor | None = None, state_indices: torch.Tensor | None = None,
                                      scale: float | None = None, use_qk_l2norm: bool = True,
-                                     block_v: int | None = None, num_warps: int | None = None) -> torch.Tensor:
+                                     z: torch.Tensor | None = None, norm_weight: torch.Tensor | None = None,
+                                     norm_eps: float = 1e-6, block_v: int | None = None,
+                                     num_warps: int | None = None) -> torch.Tensor:
     """Run T tokens of B sequences through the recurrence, the state updated in place; returns o [B, T, Hv, V]
     in v's dtype.
 
     q, k [B, T, Hk, K]; v [B, T, Hv, V] (any strides with a unit last one: views into the projection output);
     with A_log and dt_bias [Hv]: a, b [B, T, Hv] are the raw gate projections (g = -exp(A_log) softplus(a +
     dt_bias), beta = sigmoid(b)); without them a is g (log decay, <= 0) and b is beta. state: fp32 [slots, Hv, K,
-    V], sequence i using slot state_indices[i] (default i; negative: skipped, its output left unwritten)."""
+    V], sequence i using slot state_indices[i] (default i; negative: skipped, its output left unwritten).
+    With z [B, T, Hv, V] (unit last stride) and norm_weight [V]: returns `gated_rms_norm(o, z, norm_weight,
+    norm_eps)` instead, from the same launch (its bits under the interpreter; on a GPU a row's sum of squares may
+    be reduced in another order: an ulp of the output at times)."""
     B, T, Hk, K = q.shape
     Hv, V = v.shape[-2:]
     raw = A_log is not None
     _check(q, k, v, a, b, state, A_log, dt_bias, state_indices)
+    gated_norm = z is not None or norm_weight is not None
+    if gated_norm:
+        _check_gated_norm(z, norm_weight, v)
+        norm_weight = norm_weight if norm_weight.stride(0) == 1 else norm_weight.contiguous()
     o = torch.empty((B, T, Hv, V), dtype=v.dtype, device=v.device)
     if B == 0 or T == 0:
         return o
     bv = block_v or _value_block(V, B * Hv, v.device)
     idx = state_indices if state_indices is not None else q  # a placeholder pointer when unused
+    counters = _head_counters(B * Hv, v.device) if gated_norm and bv < V else o  # o: a placeholder
+    z = z if gated_norm else o
     _recurrent_kernel[(triton.cdiv(V, bv), Hv, B)](
-        q, k, v, a, b, A_log if raw else a, dt_bias if raw else a, state, idx, o, T,
-        K ** -0.5 if scale is None else scale,
+        q, k, v, a, b, A_log if raw else a, dt_bias if raw else a, state, idx, o,
+        z, norm_weight if gated_norm else o, counters, T, K ** -0.5 if scale is None else scale, norm_eps,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2), a.stride(0), a.stride(1), b.stride(0), b.stride(1),
-        state.stride(0), state.stride(1), o.stride(0), o.stride(1), o.stride(2),
+        state.stride(0), state.stride(1), o.stride(0), o.stride(1), o.stride(2), z.stride(0), z.stride(1), z.stride(2),
         RATIO=Hv // Hk, K=K, V=V, BK=triton.next_power_of_2(K), BV=bv, RAW_GATES=raw, L2NORM=use_qk_l2norm,
-        HAS_IDX=state_indices is not None, num_warps=num_warps or (4 if bv * triton.next_power_of_2(K) >= 4096 else 2))
+        HAS_IDX=state_indices is not None, GATED_NORM=gated_norm, BLOCK_V=triton.next_power_of_2(V),
+        H_DTYPE=weight_product_dtype(norm_weight.dtype, v.dtype) if gated_norm else tl.float32, RNE_BF16=INTERPRET,
+        num_warps=num_warps or (4 if bv * triton.next_power_of_2(K) >= 4096 else 2))
     return o
+
+
+def _check_gated_norm(z, norm_weight, v) -> None:
+    what = "gated delta rule: the gated norm"
+    if z is None or norm_weight is None:
+        raise ValueError(f"{what} needs z and norm_weight together")
+    if z.shape != v.shape or z.stride(3) != 1 or not z.is_floating_point():
+        raise ValueError(f"{what}: z must be a float {tuple(v.shape)} tensor (v's shape) with a unit last stride, got "
+                         f"{z.dtype} {tuple(z.shape)}")
+    V = v.shape[-1]
+    floats = (torch.bfloat16, torch.float16, torch.float32)
+    if norm_weight.shape != (V,) or norm_weight.dtype not in floats:
+        raise ValueError(f"{what}: norm_weight must be a bf16/fp16/fp32 [{V}] tensor, got {norm_weight.dtype} "
+                         f"{tuple(norm_weight.shape)}")
+    if v.dtype not in floats:
+        raise ValueError(f"{what}: v must be bf16, fp16 or fp32, got {v.dtype}")
+    if z.device != v.device or norm_weight.device != v.device:
+        raise ValueError(f"{what}: all tensors must be on the same device")
 
 
 def _check(q, k, v, a, b, state, A_log, dt_bias, state_indices, sequences=None) -> None:

@@ -51,19 +51,27 @@ def row_block(R, H, D, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
 
 
 @triton.jit
+def gated_rms_norm_rows(x, z, w, D, eps, X_DTYPE: tl.constexpr, H_DTYPE: tl.constexpr, RNE_BF16: tl.constexpr):
+    """(w * rmsnorm(x)) * silu(z) of [rows, BLOCK_D] fp32 tiles x (values of X_DTYPE) and z, zero past column D,
+    w [BLOCK_D] fp32: fp32, rounded to X_DTYPE. The math of `_gated_rms_norm_kernel`, shared with the GDN decode
+    kernel that fuses it (`kernels/gdn/triton.py`): the same operations in the same order."""
+    inv = tl.math.rsqrt(tl.sum(x * x, axis=1) / D + eps)
+    n = round_to(x * inv[:, None], X_DTYPE, RNE_BF16)
+    h = round_to(w[None, :] * n, H_DTYPE, RNE_BF16)
+    return round_to(h * (z * tl.sigmoid(z)), X_DTYPE, RNE_BF16)
+
+
+@triton.jit
 def _gated_rms_norm_kernel(x_ptr, z_ptr, w_ptr, y_ptr, R, H, D, stride_xo, stride_xh, stride_zo, stride_zh, eps,
                            H_DTYPE: tl.constexpr, RNE_BF16: tl.constexpr, BLOCK_R: tl.constexpr,
                            BLOCK_D: tl.constexpr):
     rows, outer, head, offs_d, d_ok, mask = row_block(R, H, D, BLOCK_R, BLOCK_D)
     x_rows = outer.to(tl.int64) * stride_xo + head.to(tl.int64) * stride_xh
     x = tl.load(x_ptr + x_rows[:, None] + offs_d[None, :], mask=mask, other=0.0).to(tl.float32)
-    inv = tl.math.rsqrt(tl.sum(x * x, axis=1) / D + eps)
-    n = round_to(x * inv[:, None], x_ptr.dtype.element_ty, RNE_BF16)
     w = tl.load(w_ptr + offs_d, mask=d_ok, other=0.0).to(tl.float32)
-    h = round_to(w[None, :] * n, H_DTYPE, RNE_BF16)
     z_rows = outer.to(tl.int64) * stride_zo + head.to(tl.int64) * stride_zh
     z = tl.load(z_ptr + z_rows[:, None] + offs_d[None, :], mask=mask, other=0.0).to(tl.float32)
-    out = round_to(h * (z * tl.sigmoid(z)), y_ptr.dtype.element_ty, RNE_BF16)
+    out = gated_rms_norm_rows(x, z, w, D, eps, x_ptr.dtype.element_ty, H_DTYPE, RNE_BF16)
     tl.store(y_ptr + rows.to(tl.int64)[:, None] * D + offs_d[None, :], out.to(y_ptr.dtype.element_ty), mask=mask)
 
 
@@ -81,6 +89,11 @@ def as_rows(t: torch.Tensor, outer: int, heads: int, D: int) -> torch.Tensor:
         except RuntimeError:
             pass
     return t.contiguous().view(outer, heads, D)
+
+
+def weight_product_dtype(weight_dtype: torch.dtype, x_dtype: torch.dtype):
+    """The Triton dtype of `weight * normed` in torch (normed in x's dtype): the gated norm rounds there."""
+    return _TL_DTYPES[torch.promote_types(weight_dtype, x_dtype)]
 
 
 def gated_rms_norm(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float,
@@ -114,7 +127,7 @@ def gated_rms_norm(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: 
     weight = weight if weight.stride(0) == 1 else weight.contiguous()
     block_d = triton.next_power_of_2(D)
     block_r = rows_per_program(block_d, block_elems)
-    h_dtype = _TL_DTYPES[torch.promote_types(weight.dtype, x.dtype)]  # the dtype of `weight * normed` in torch
+    h_dtype = weight_product_dtype(weight.dtype, x.dtype)
     _gated_rms_norm_kernel[(triton.cdiv(R, block_r),)](
         x3, z3, weight, y, R, heads, D, x3.stride(0), x3.stride(1), z3.stride(0), z3.stride(1), eps,
         H_DTYPE=h_dtype, RNE_BF16=INTERPRET, BLOCK_R=block_r, BLOCK_D=block_d, num_warps=num_warps)
