@@ -26,6 +26,8 @@ import torch
 import triton
 import triton.language as tl
 
+from sluice.kernels.launch import pdl, pdl_start
+
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 MIN_WIDTH, MAX_WIDTH = 2, 8
 _X_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -149,7 +151,8 @@ def _conv1d_fwd_kernel(x_ptr, w_ptr, y_ptr, s_ptr, ns_ptr, cu_ptr, idx_ptr, R, T
 @triton.jit
 def _conv1d_update_kernel(x_ptr, w_ptr, y_ptr, s_ptr, idx_ptr, C, stride_xb, stride_wc, stride_wk,
                           stride_ss, stride_sc, stride_sk, W: tl.constexpr, HAS_IDX: tl.constexpr,
-                          SILU: tl.constexpr, BLOCK_C: tl.constexpr, WP: tl.constexpr):
+                          SILU: tl.constexpr, BLOCK_C: tl.constexpr, WP: tl.constexpr, PDL: tl.constexpr):
+    pdl_start(PDL)
     b = tl.program_id(0)
     offs_c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     c_ok = offs_c < C
@@ -297,5 +300,6 @@ def causal_conv1d_update(x: torch.Tensor, weight: torch.Tensor, conv_state: torc
     _conv1d_update_kernel[(B, triton.cdiv(C, block_c))](
         x, weight, y, conv_state, idx, C, x.stride(0), weight.stride(0), weight.stride(1), conv_state.stride(0),
         conv_state.stride(1), conv_state.stride(2), W=W, HAS_IDX=state_indices is not None,
-        SILU=activation == "silu", BLOCK_C=block_c, WP=triton.next_power_of_2(W), num_warps=num_warps)
+        SILU=activation == "silu", BLOCK_C=block_c, WP=triton.next_power_of_2(W), PDL=pdl(x.device),
+        launch_pdl=pdl(x.device), num_warps=num_warps)
     return y

@@ -70,7 +70,7 @@ def _recurrent_kernel(q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, alog_ptr, dtb_ptr, s_pt
                       RATIO: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                       RAW_GATES: tl.constexpr, L2NORM: tl.constexpr, HAS_IDX: tl.constexpr,
                       GATED_NORM: tl.constexpr, BLOCK_V: tl.constexpr, H_DTYPE: tl.constexpr,
-                      RNE_BF16: tl.constexpr):
+                      RNE_BF16: tl.constexpr, PDL: tl.constexpr):
     """Program (value block, value head, sequence). RAW_GATES: a, b are the raw projections and the gates are
     computed here; otherwise a is g (log decay) and b is beta. GATED_NORM: o is replaced by the gated RMSNorm
     (w * rmsnorm(o)) * silu(z) of each (token, head) row, with the math of `norm.triton.gated_rms_norm_rows` on o
@@ -78,6 +78,7 @@ def _recurrent_kernel(q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, alog_ptr, dtb_ptr, s_pt
     (BV >= V) in registers; otherwise each program stores its raw columns, counts itself done on the (sequence,
     head) counter (acq_rel), and the last of the head's programs reads the rows back, normalises them in place
     and resets the counter to 0 for the next launch. BLOCK_V: V to a power of two."""
+    pdl_start(PDL)
     pid_v = tl.program_id(0)
     h = tl.program_id(1)
     n = tl.program_id(2)
@@ -604,6 +605,7 @@ def fused_recurrent_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.
         RATIO=Hv // Hk, K=K, V=V, BK=triton.next_power_of_2(K), BV=bv, RAW_GATES=raw, L2NORM=use_qk_l2norm,
         HAS_IDX=state_indices is not None, GATED_NORM=gated_norm, BLOCK_V=triton.next_power_of_2(V),
         H_DTYPE=weight_product_dtype(norm_weight.dtype, v.dtype) if gated_norm else tl.float32, RNE_BF16=INTERPRET,
+        PDL=pdl(v.device), launch_pdl=pdl(v.device),
         num_warps=num_warps or (4 if bv * triton.next_power_of_2(K) >= 4096 else 2))
     return o
 

@@ -17,6 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
+from sluice.kernels.launch import pdl, pdl_start
 from sluice.kernels.moe import ExpertOutputs
 from sluice.kernels.moe.triton import expert_sum
 
@@ -64,7 +65,8 @@ def gated_rms_norm_rows(x, z, w, D, eps, X_DTYPE: tl.constexpr, H_DTYPE: tl.cons
 @triton.jit
 def _gated_rms_norm_kernel(x_ptr, z_ptr, w_ptr, y_ptr, R, H, D, stride_xo, stride_xh, stride_zo, stride_zh, eps,
                            H_DTYPE: tl.constexpr, RNE_BF16: tl.constexpr, BLOCK_R: tl.constexpr,
-                           BLOCK_D: tl.constexpr):
+                           BLOCK_D: tl.constexpr, PDL: tl.constexpr):
+    pdl_start(PDL)
     rows, outer, head, offs_d, d_ok, mask = row_block(R, H, D, BLOCK_R, BLOCK_D)
     x_rows = outer.to(tl.int64) * stride_xo + head.to(tl.int64) * stride_xh
     x = tl.load(x_ptr + x_rows[:, None] + offs_d[None, :], mask=mask, other=0.0).to(tl.float32)
@@ -130,7 +132,8 @@ def gated_rms_norm(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: 
     h_dtype = weight_product_dtype(weight.dtype, x.dtype)
     _gated_rms_norm_kernel[(triton.cdiv(R, block_r),)](
         x3, z3, weight, y, R, heads, D, x3.stride(0), x3.stride(1), z3.stride(0), z3.stride(1), eps,
-        H_DTYPE=h_dtype, RNE_BF16=INTERPRET, BLOCK_R=block_r, BLOCK_D=block_d, num_warps=num_warps)
+        H_DTYPE=h_dtype, RNE_BF16=INTERPRET, BLOCK_R=block_r, BLOCK_D=block_d, PDL=pdl(y.device),
+        launch_pdl=pdl(y.device), num_warps=num_warps)
     return y
 
 
@@ -138,10 +141,11 @@ def gated_rms_norm(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: 
 def _add_rms_norm_kernel(h_ptr, d_ptr, w_ptr, s_ptr, y_ptr, R, H, D, stride_ho, stride_hh, stride_do, stride_dh, eps,
                          ey_ptr, ew_ptr, es_ptr, eg_ptr, ES, stride_eys, stride_eym, stride_esh, stride_eg,
                          DELTA: tl.constexpr, TOP_K: tl.constexpr, HAS_SHARED: tl.constexpr,
-                         RNE_BF16: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
+                         RNE_BF16: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr):
     """s = h + delta (rounded to h's dtype, as torch adds), y = (s * rsqrt(mean(s^2) + eps)) * w in fp32, rounded
     once (`reference.rms_norm_fp32_scale`); rows addressed as [outer, heads, D]. DELTA 0: none; 1: a tensor; 2: an
     MoE block's unsummed outputs (`moe.triton.expert_sum`, rounded to h's dtype as `combine` rounds)."""
+    pdl_start(PDL)
     rows, outer, head, offs_d, d_ok, mask = row_block(R, H, D, BLOCK_R, BLOCK_D)
     h_rows = outer.to(tl.int64) * stride_ho + head.to(tl.int64) * stride_hh
     x = tl.load(h_ptr + h_rows[:, None] + offs_d[None, :], mask=mask, other=0.0).to(tl.float32)
@@ -208,5 +212,6 @@ def add_rms_norm(h: torch.Tensor, delta: torch.Tensor | ExpertOutputs | None, we
     _add_rms_norm_kernel[(triton.cdiv(R, block_r),)](
         h3, d3, weight, s, y, R, heads, D, h3.stride(0), h3.stride(1), d3.stride(0), d3.stride(1), eps,
         ey, ew, es, eg, ES, *e_strides, DELTA=2 if experts is not None else int(delta is not None), TOP_K=top_k,
-        HAS_SHARED=has_shared, RNE_BF16=INTERPRET, BLOCK_R=block_r, BLOCK_D=block_d, num_warps=num_warps)
+        HAS_SHARED=has_shared, RNE_BF16=INTERPRET, BLOCK_R=block_r, BLOCK_D=block_d, PDL=pdl(y.device),
+        launch_pdl=pdl(y.device), num_warps=num_warps)
     return s, y

@@ -14,6 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
+from sluice.kernels.launch import pdl, pdl_start
 from sluice.kernels.norm.triton import FLOAT_DTYPES, INTERPRET, as_rows, round_to, rows_per_program
 
 
@@ -21,9 +22,11 @@ from sluice.kernels.norm.triton import FLOAT_DTYPES, INTERPRET, as_rows, round_t
 def _norm_rope_kernel(q_ptr, k_ptr, v_ptr, wq_ptr, wk_ptr, cos_ptr, sin_ptr, yq_ptr, yk_ptr, kc_ptr, vc_ptr,
                       pos_ptr, rows_ptr, Rq, Rk, Hq, Hkv, D, ROT, cap, stride_qo, stride_qh, stride_ko, stride_kh,
                       stride_vo, stride_vh, stride_c, stride_cb, stride_ch, stride_ct, eps,
-                      CACHE: tl.constexpr, RNE_BF16: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
+                      CACHE: tl.constexpr, RNE_BF16: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
+                      PDL: tl.constexpr):
     """q [tokens, Hq, D], k and v [tokens, Hkv, D] by their strides; cos/sin [tokens, ROT]. CACHE (one token per
     sequence): k's rows and v's go to kc, vc [P, Hkv, cap, D] at row rows[t], slot pos[t] % cap, not to yk."""
+    pdl_start(PDL)
     block = tl.program_id(0)
     n_q = tl.cdiv(Rq, BLOCK_R)
     dt = q_ptr.dtype.element_ty
@@ -134,5 +137,6 @@ def qk_norm_rope(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor, k_wei
         positions if cache else cos, rows if cache else cos, Rq, Rk, Hq, Hkv, D, r, kc.shape[2] if cache else 1,
         q3.stride(0), q3.stride(1), k3.stride(0), k3.stride(1), v3.stride(0), v3.stride(1), cos.stride(0),
         kc.stride(0) if cache else 0, kc.stride(1) if cache else 0, kc.stride(2) if cache else 0, eps,
-        CACHE=cache, RNE_BF16=INTERPRET, BLOCK_R=block_r, BLOCK_D=block_d, num_warps=num_warps)
+        CACHE=cache, RNE_BF16=INTERPRET, BLOCK_R=block_r, BLOCK_D=block_d, PDL=pdl(q.device),
+        launch_pdl=pdl(q.device), num_warps=num_warps)
     return yq, yk
