@@ -131,6 +131,19 @@ def test_bad_inputs_raise_before_launch():
         qmm.qgemv(torch.ones(1, 128, dtype=torch.int32), qt)
 
 
+@pytest.mark.parametrize("bits,group_size,K,dtype", [(4, 64, 576, torch.bfloat16), (8, 32, 384, torch.float32),
+                                                     (2, 128, 256, torch.float16)])
+def test_dequantize_rows_is_an_exact_lookup(bits, group_size, K, dtype):
+    """The embedding lookup kernel gives QuantizedTensor.dequantize's rows, rounded once to the dtype, bit for bit
+    (no fused multiply-add on a GPU either), for ids of any shape."""
+    qt = quantize(torch.randn(37, K), bits=bits, group_size=group_size)
+    dev = type(qt)(*(t.to(DEVICE) for t in (qt.weight, qt.scales, qt.biases)), bits, group_size)
+    rows = torch.tensor([[3, 36, 0], [3, 17, 5]])
+    out = qmm.dequantize_rows(dev, rows.to(DEVICE), dtype)
+    assert out.shape == (2, 3, K) and out.dtype == dtype
+    assert torch.equal(out.cpu(), qt.dequantize(torch.float32)[rows].to(dtype))
+
+
 @pytest.mark.parametrize("bits,group_size,K", [(4, 64, 1024), (8, 32, 384), (2, 128, 256), (4, 64, 576)])
 def test_dequantize_and_dequant_gemm(bits, group_size, K):
     """The one-pass dequantize kernel reproduces QuantizedTensor.dequantize (bit for bit on the CPU; a GPU may fuse

@@ -1,6 +1,7 @@
 """What every GPU kernel family shares about launching: the multiprocessor count and compute capability (cached:
 asked on every decode launch), and programmatic dependent launch (PDL, Hopper+): `pdl(device)` says whether to
-launch with it, `pdl_start` is the wait a kernel so launched makes before it touches the launch before's outputs.
+launch with it, `pdl_start` is the wait a kernel so launched makes before it touches the launch before's outputs;
+and `round_to`, a cast that rounds under the interpreter as a GPU does.
 """
 
 from __future__ import annotations
@@ -33,6 +34,18 @@ def prefetch_l2(ptrs, PDL: tl.constexpr):
     if PDL:
         tl.inline_asm_elementwise("prefetch.global.L2 [$1]; // $0", "=r,l", [ptrs], dtype=tl.int32, is_pure=False,
                                   pack=1)
+
+
+@triton.jit
+def round_to(v, dtype: tl.constexpr, RNE_BF16: tl.constexpr):
+    """fp32 v rounded to `dtype`, returned in fp32. RNE_BF16: round to nearest even by hand, since the Triton
+    interpreter truncates fp32 -> bf16 casts (a GPU rounds to nearest even; so the tests see its rounding)."""
+    if RNE_BF16:
+        if dtype == tl.bfloat16:
+            u = v.to(tl.uint32, bitcast=True)
+            u = ((u + 0x7FFF + ((u >> 16) & 1)) >> 16) << 16
+            v = u.to(tl.float32, bitcast=True)  # now exact in bf16
+    return v.to(dtype).to(tl.float32)
 
 
 @functools.lru_cache(maxsize=None)

@@ -111,7 +111,7 @@ class Embedding(_WeightHolder):
 
     def forward(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         if self.quantized:
-            return dequantize_rows(self.qt, ids).to(dtype)
+            return dequantize_rows(self.qt, ids, dtype)
         return self.weight[ids].to(dtype)
 
     def as_linear(self) -> Linear:

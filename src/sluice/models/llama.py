@@ -12,7 +12,8 @@ from sluice.cache.kv import make_kv_cache
 from sluice.cache.pool import CachePool
 from sluice.errors import ModelFileError, UnsupportedError
 from sluice.formats.validate import head_dim_default, parse_config
-from sluice.kernels.rope.reference import rope_cos_sin, rope_inv_freq
+from sluice.kernels.rope import rope_cos_sin
+from sluice.kernels.rope.reference import rope_inv_freq
 from sluice.layers.attention import Attention
 from sluice.layers.linear import Embedding, Linear, RMSNorm, fuse_linears
 

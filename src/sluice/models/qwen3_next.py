@@ -19,7 +19,8 @@ from sluice.errors import ModelFileError, UnsupportedError
 from sluice.formats.validate import bounded_int, head_dim_default, parse_config
 from sluice.kernels.moe import ExpertOutputs
 from sluice.kernels.norm import add_rms_norm_fp32_scale
-from sluice.kernels.rope.reference import rope_cos_sin, rope_inv_freq
+from sluice.kernels.rope import rope_cos_sin
+from sluice.kernels.rope.reference import rope_inv_freq
 from sluice.layers.attention import GatedAttention
 from sluice.layers.gated_deltanet import GatedDeltaNet, ba_rows, qkvz_rows
 from sluice.layers.linear import Embedding, Linear, fuse_linears

@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from sluice.kernels.launch import pdl, pdl_start
+from sluice.kernels.launch import pdl, pdl_start, round_to
 from sluice.kernels.moe import ExpertOutputs
 from sluice.kernels.moe.triton import expert_sum
 
@@ -25,18 +25,6 @@ INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 MAX_D = 8192  # a row lives in registers
 FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
-
-
-@triton.jit
-def round_to(v, dtype: tl.constexpr, RNE_BF16: tl.constexpr):
-    """fp32 v rounded to `dtype`, returned in fp32. RNE_BF16: round to nearest even by hand, since the Triton
-    interpreter truncates fp32 -> bf16 casts (a GPU rounds to nearest even; so the tests see its rounding)."""
-    if RNE_BF16:
-        if dtype == tl.bfloat16:
-            u = v.to(tl.uint32, bitcast=True)
-            u = ((u + 0x7FFF + ((u >> 16) & 1)) >> 16) << 16
-            v = u.to(tl.float32, bitcast=True)  # now exact in bf16
-    return v.to(dtype).to(tl.float32)
 
 
 @triton.jit

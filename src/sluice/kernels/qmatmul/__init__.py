@@ -44,12 +44,17 @@ def qmatmul(x: torch.Tensor, qt, prepared=None) -> torch.Tensor:
     return y if y.dtype == x.dtype else y.to(x.dtype)
 
 
-def dequantize_rows(qt, rows: torch.Tensor) -> torch.Tensor:
-    """fp32 rows of W (an embedding lookup)."""
+def dequantize_rows(qt, rows: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Rows of W in `dtype` (an embedding lookup): s * q + b in fp32, rounded once to dtype."""
     if not qt.weight.is_cuda and cpu.supports(qt) and cpu.available():
-        return cpu.dequantize_rows(qt, rows).reshape(*rows.shape, qt.in_features)
+        return cpu.dequantize_rows(qt, rows).reshape(*rows.shape, qt.in_features).to(dtype)
+    if qt.weight.is_cuda and qt.weight.dim() == 2:
+        from sluice.kernels.qmatmul import triton as qmm
+
+        if qt.bits in qmm.SUPPORTED_BITS and qt.group_size in qmm.SUPPORTED_GROUPS:
+            return qmm.dequantize_rows(qt, rows, dtype)  # one launch, not a gather and a dozen elementwise kernels
     from sluice.quant.affine import QuantizedTensor
 
     words = qt.weight.view(torch.int32)[rows].view(torch.uint32)  # CUDA has no uint32 gather; int32 is the same bits
     sub = QuantizedTensor(words, qt.scales[rows], qt.biases[rows], qt.bits, qt.group_size)
-    return sub.dequantize(torch.float32)
+    return sub.dequantize(dtype)

@@ -24,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from sluice.kernels.launch import INTERPRET, num_sms, pdl, pdl_start, prefetch_l2
+from sluice.kernels.launch import INTERPRET, num_sms, pdl, pdl_start, prefetch_l2, round_to
 
 SUPPORTED_BITS = (2, 4, 8)
 SUPPORTED_GROUPS = (32, 64, 128)
@@ -312,14 +312,18 @@ def _gemv_kernel(xp_ptr, w_ptr, s_ptr, b_ptr, y_ptr, ids_ptr, order_ptr, wx_ptr,
 
 
 @triton.jit
-def _dequant_kernel(w_ptr, s_ptr, b_ptr, out_ptr, N, K, stride_wn, stride_sn, stride_on,
-                    BITS: tl.constexpr, GS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """out [N, K] = s * q + b (fp32 math, rounded once to out's dtype), one [BLOCK_N, BLOCK_K] tile per program."""
+def _dequant_kernel(w_ptr, s_ptr, b_ptr, out_ptr, rows_ptr, N, K, stride_wn, stride_sn, stride_on,
+                    BITS: tl.constexpr, GS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                    GATHER: tl.constexpr, RNE_BF16: tl.constexpr):
+    """out [N, K] = s * q + b (fp32 math, rounded once to out's dtype), one [BLOCK_N, BLOCK_K] tile per program.
+    GATHER: out row n is W's row rows[n] (an embedding lookup). RNE_BF16: `round_to`'s."""
     EPW: tl.constexpr = 32 // BITS
     WB: tl.constexpr = BLOCK_K // EPW
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     k0 = tl.program_id(1) * BLOCK_K
     rows = tl.minimum(offs_n, N - 1).to(tl.int64)
+    if GATHER:
+        rows = tl.load(rows_ptr + rows).to(tl.int64)
     offs_w = k0 // EPW + tl.arange(0, WB)
     words = tl.load(w_ptr + rows[:, None] * stride_wn + offs_w[None, :]).to(tl.uint32, bitcast=True)
     q = tl.reshape((words[:, :, None] >> (tl.arange(0, EPW) * BITS)[None, None, :]) & ((1 << BITS) - 1),
@@ -328,8 +332,9 @@ def _dequant_kernel(w_ptr, s_ptr, b_ptr, out_ptr, N, K, stride_wn, stride_sn, st
     s = tl.load(s_ptr + rows[:, None] * stride_sn + grp[None, :]).to(tl.float32)
     b = tl.load(b_ptr + rows[:, None] * stride_sn + grp[None, :]).to(tl.float32)
     offs_k = k0 + tl.arange(0, BLOCK_K)
-    tl.store(out_ptr + offs_n[:, None].to(tl.int64) * stride_on + offs_k[None, :],
-             (q.to(tl.float32) * s + b).to(out_ptr.dtype.element_ty), mask=(offs_n < N)[:, None])
+    w = round_to(q.to(tl.float32) * s + b, out_ptr.dtype.element_ty, RNE_BF16)
+    tl.store(out_ptr + offs_n[:, None].to(tl.int64) * stride_on + offs_k[None, :], w.to(out_ptr.dtype.element_ty),
+             mask=(offs_n < N)[:, None])
 
 
 @triton.jit
@@ -620,9 +625,30 @@ def dequantize(qt, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
         block_k = qt.group_size if qt.group_size >= epw else epw
     out = torch.empty((N, K), dtype=dtype, device=qt.weight.device)
     _dequant_kernel[(triton.cdiv(N, 32), K // block_k)](
-        qt.weight.view(torch.int32), qt.scales, qt.biases, out, N, K, qt.weight.stride(0), qt.scales.stride(0),
-        out.stride(0), BITS=qt.bits, GS=qt.group_size, BLOCK_N=32, BLOCK_K=block_k, num_warps=4)
+        qt.weight.view(torch.int32), qt.scales, qt.biases, out, out, N, K, qt.weight.stride(0), qt.scales.stride(0),
+        out.stride(0), BITS=qt.bits, GS=qt.group_size, BLOCK_N=32, BLOCK_K=block_k, GATHER=False,
+        RNE_BF16=INTERPRET, num_warps=4)
     return out
+
+
+def dequantize_rows(qt, rows: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """W's rows `rows` (int, any shape) as [*rows.shape, K] in `dtype`, in one launch: the bits of
+    `QuantizedTensor.dequantize` (s * q and + b each rounded: no fused multiply-add), rounded once to dtype."""
+    K = qt.in_features
+    flat = rows.reshape(-1)
+    flat = flat if flat.is_contiguous() else flat.contiguous()
+    n = flat.numel()
+    out = torch.empty((n, K), dtype=dtype, device=qt.weight.device)
+    epw = 32 // qt.bits
+    block_k = min(256, triton.next_power_of_2(K))
+    while K % block_k or block_k % epw:
+        block_k //= 2
+    if n:
+        _dequant_kernel[(triton.cdiv(n, 4), K // block_k)](
+            qt.weight.view(torch.int32), qt.scales, qt.biases, out, flat, n, K, qt.weight.stride(0),
+            qt.scales.stride(0), out.stride(0), BITS=qt.bits, GS=qt.group_size, BLOCK_N=4, BLOCK_K=block_k,
+            GATHER=True, RNE_BF16=INTERPRET, num_warps=4, enable_fp_fusion=False)
+    return out.view(*rows.shape, K)
 
 
 def qgemm_dequant(x: torch.Tensor, qt) -> torch.Tensor:

@@ -1,11 +1,22 @@
-"""Rotary position embedding: `reference.py` (the torch oracle), `triton.py` (q/k norm + partial RoPE fused)."""
+"""Rotary position embedding: `reference.py` (the torch oracle), `triton.py` (q/k norm + partial RoPE fused, and the
+cos/sin tables in one launch)."""
 
 from __future__ import annotations
 
 import torch
 
 from sluice.kernels.norm.reference import rms_norm_fp32_scale
+from sluice.kernels.rope import reference
 from sluice.kernels.rope.reference import apply_rope
+
+
+def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype):
+    """cos, sin [..., rotary_dim] of integer positions [...] (`reference.rope_cos_sin`): one Triton launch on CUDA."""
+    if positions.is_cuda:
+        from sluice.kernels.rope import triton as rope_triton
+
+        return rope_triton.rope_cos_sin(positions, inv_freq, dtype)
+    return reference.rope_cos_sin(positions, inv_freq, dtype)
 
 
 def qk_norm_rope(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor,

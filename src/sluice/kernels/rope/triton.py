@@ -82,6 +82,47 @@ def _norm_rope_rows(x_ptr, w_ptr, cos_ptr, sin_ptr, block, R, H, D, ROT, stride_
     return tl.where(rot, y, n), rows, tok, head, offs, mask
 
 
+@triton.jit
+def _cos_sin_kernel(pos_ptr, inv_ptr, cos_ptr, sin_ptr, N, HALF, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr,
+                    PDL: tl.constexpr, ON_CPU: tl.constexpr):
+    """cos, sin [N, 2 HALF] of freqs = float(pos[t]) * inv_freq[j], column j and j + HALF alike
+    (`reference.rope_cos_sin`): fp32, libdevice's accurate cos and sin (as torch's), rounded once to the output.
+    ON_CPU: the interpreter's (numpy's) cos and sin, and its bf16 casts made to round to nearest even."""
+    pdl_start(PDL)
+    offs_t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    offs_h = tl.arange(0, BLOCK_H)
+    mask = (offs_t < N)[:, None] & (offs_h < HALF)[None, :]
+    freqs = (tl.load(pos_ptr + offs_t, mask=offs_t < N, other=0).to(tl.float32)[:, None]
+             * tl.load(inv_ptr + offs_h, mask=offs_h < HALF, other=0.0)[None, :])
+    if ON_CPU:
+        c, s = tl.cos(freqs), tl.sin(freqs)
+    else:
+        c, s = tl.extra.cuda.libdevice.cos(freqs), tl.extra.cuda.libdevice.sin(freqs)
+    dt = cos_ptr.dtype.element_ty
+    c, s = round_to(c, dt, ON_CPU).to(dt), round_to(s, dt, ON_CPU).to(dt)
+    out = offs_t.to(tl.int64)[:, None] * (2 * HALF) + offs_h[None, :]
+    for half in tl.static_range(2):
+        tl.store(cos_ptr + out + half * HALF, c, mask=mask)
+        tl.store(sin_ptr + out + half * HALF, s, mask=mask)
+
+
+def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype):
+    """`reference.rope_cos_sin` in one launch: cos, sin [*positions.shape, 2 * len(inv_freq)] in dtype."""
+    flat = positions.reshape(-1).contiguous()
+    inv = inv_freq.to(device=flat.device, dtype=torch.float32).contiguous()
+    N, half = flat.numel(), inv.numel()
+    cos = torch.empty((N, 2 * half), dtype=dtype, device=flat.device)
+    sin = torch.empty_like(cos)
+    if N:
+        block_h = triton.next_power_of_2(half)
+        block_t = max(1, min(64, 4096 // block_h))
+        _cos_sin_kernel[(triton.cdiv(N, block_t),)](flat, inv, cos, sin, N, half, BLOCK_T=block_t, BLOCK_H=block_h,
+                                                     PDL=pdl(flat.device), ON_CPU=INTERPRET, launch_pdl=pdl(flat.device),
+                                                     num_warps=4)
+    shape = (*positions.shape, 2 * half)
+    return cos.view(shape), sin.view(shape)
+
+
 def qk_norm_rope(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor,
                  cos: torch.Tensor, sin: torch.Tensor, eps: float, v: torch.Tensor | None = None,
                  k_cache: torch.Tensor | None = None, v_cache: torch.Tensor | None = None,
