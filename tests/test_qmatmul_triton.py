@@ -154,3 +154,27 @@ def test_dequantize_and_dequant_gemm(bits, group_size, K):
                                rtol=1e-6 if DEVICE == "cuda" else 0, atol=1e-6 if DEVICE == "cuda" else 0)
     x = torch.randn(40, K)
     assert rel_err(qmm.qgemm_dequant(x.to(DEVICE), dev).cpu(), reference.qmatmul(x, qt)) < 1e-3  # TF32 on a GPU
+
+
+@pytest.mark.parametrize("M,bits,group_size", [(1, 4, 64), (3, 8, 32)])
+def test_projection_with_the_decode_conv_in_one_launch(M, bits, group_size):
+    """qgemv_conv = the GEMV, then causal_conv1d_update on its first C channels: the same bits, outputs and conv
+    states, for sequences in any state slots."""
+    from sluice.kernels.conv1d.triton import causal_conv1d_update
+
+    g = torch.Generator().manual_seed(M + bits)
+    N, K, C, W = 96, 256, 64, 4
+    qt = quantize(torch.randn(N, K, generator=g), bits=bits, group_size=group_size)
+    dev = type(qt)(*(t.to(DEVICE) for t in (qt.weight, qt.scales, qt.biases)), bits, group_size)
+    x = torch.randn(M, K, generator=g).bfloat16().to(DEVICE)
+    weight = torch.randn(C, W, generator=g).bfloat16().to(DEVICE)
+    state = torch.randn(5, C, W - 1, generator=g).bfloat16().to(DEVICE)
+    rows = torch.tensor([4, 0, 2][:M], device=DEVICE)
+    expect_state = state.clone()
+    expect = qmm.qgemv(x, dev, split_k=1)
+    expect[:, :C] = causal_conv1d_update(expect[:, :C], weight, expect_state, state_indices=rows)
+    got = qmm.qgemv_conv(x, dev, weight, state, rows)
+    assert torch.equal(got, expect)
+    assert torch.equal(state, expect_state)
+    with pytest.raises(ValueError, match="qgemv_conv: unsupported"):
+        qmm.qgemv_conv(x, dev, weight, state[:, :, :2], rows)

@@ -58,9 +58,15 @@ class GatedDeltaNet(nn.Module):
         """x [B, T, hidden] of the sequences in meta's cache rows; their conv and recurrent states advance in place."""
         B, T, _ = x.shape
         nv, dv = self.nv, self.dv
-        proj = self.in_proj(x)
-        mixed, z, b, a = proj.split([2 * self.nk * self.dk + nv * dv, nv * dv, nv, nv], dim=-1)
         kernels = gdn_kernels(x, (self.dk, self.dv))
+        proj = None  # a decode step: the in-projection and the conv in one launch where it fits
+        in_proj = self.in_proj
+        if kernels is not None and meta.decode and T == 1 and isinstance(in_proj, Linear) and in_proj.quantized:
+            proj = kernels.projection_conv(x[:, 0], self.in_proj.qt, self.conv_weight,
+                                           cache.conv(self.state_index), meta.rows)
+        conv_done = proj is not None
+        proj = self.in_proj(x) if proj is None else proj[:, None]
+        mixed, z, b, a = proj.split([2 * self.nk * self.dk + nv * dv, nv * dv, nv, nv], dim=-1)
         z = z.reshape(B, T, nv, dv)
         # a few tokens (decode) through the recurrent kernel: the gated norm runs in the same launch
         fused_norm = (kernels is not None and meta.parts is None and T <= RECURRENT_MAX_TOKENS
@@ -69,19 +75,20 @@ class GatedDeltaNet(nn.Module):
             o = torch.cat([self._mix(kernels, mixed[:, t0:t1], b[:, t0:t1], a[:, t0:t1], cache, part)
                            for t0, t1, part in meta.parts], dim=1)
         else:
-            o = self._mix(kernels, mixed, b, a, cache, meta, z if fused_norm else None)
+            o = self._mix(kernels, mixed, b, a, cache, meta, z if fused_norm else None, conv_done)
         if not fused_norm:
             norm = gated_rms_norm if kernels is None else kernels.gated_rms_norm
             o = norm(o.to(x.dtype), z, self.norm_weight, self.eps)
         return self.out_proj(o.reshape(B, T, nv * dv))
 
-    def _mix(self, kernels, mixed, b, a, cache, meta, norm_gate=None):
+    def _mix(self, kernels, mixed, b, a, cache, meta, norm_gate=None, conv_done=False):
         """Conv + gated delta rule of the sequences in meta's rows, their states advanced in place. With norm_gate
-        (z [B, T, nv, dv]; the kernels' recurrent path only): the output gated-RMS-normalised in the same launch."""
+        (z [B, T, nv, dv]; the kernels' recurrent path only): the output gated-RMS-normalised in the same launch.
+        conv_done: mixed is already convolved (`projection_conv`)."""
         i = self.state_index
         conv_state, state = cache.conv(i), cache.recurrent(i)
         if kernels is not None:
-            return self._kernels(kernels, mixed, b, a, conv_state, state, meta, norm_gate)
+            return self._kernels(kernels, mixed, b, a, conv_state, state, meta, norm_gate, conv_done)
         # one sequence at a time, as a sequence alone takes it
         rows = meta.rows_host if meta.decode else range(meta.row0, meta.row0 + mixed.shape[0])
         return torch.cat([self._reference(mixed[j:j + 1], b[j:j + 1], a[j:j + 1], conv_state[r:r + 1],
@@ -93,12 +100,14 @@ class GatedDeltaNet(nn.Module):
         return (q.reshape(B, T, self.nk, self.dk), k.reshape(B, T, self.nk, self.dk),
                 v.reshape(B, T, self.nv, self.dv))
 
-    def _kernels(self, kernels, mixed, b, a, conv_state, state, meta, norm_gate=None):
+    def _kernels(self, kernels, mixed, b, a, conv_state, state, meta, norm_gate=None, conv_done=False):
         """The Triton kernels: conv and rule read and update the states of meta's rows in place (norm_gate: as
         `_mix`)."""
         T = mixed.shape[1]
         rows = meta.rows
-        if meta.decode:  # the conv state shifted in place
+        if conv_done:
+            pass
+        elif meta.decode:  # the conv state shifted in place
             mixed = kernels.causal_conv1d_update(mixed[:, 0], self.conv_weight, conv_state, state_indices=rows)[:, None]
         else:
             mixed = kernels.causal_conv1d(mixed, self.conv_weight, conv_state, activation="silu",

@@ -149,35 +149,47 @@ def _conv1d_fwd_kernel(x_ptr, w_ptr, y_ptr, s_ptr, ns_ptr, cu_ptr, idx_ptr, R, T
 
 
 @triton.jit
+def conv_update_columns(xv, offs_c, c_ok, slot, w_ptr, s_ptr, stride_wc, stride_wk, stride_ss, stride_sc, stride_sk,
+                        W: tl.constexpr, SILU: tl.constexpr):
+    """One decode token's conv at channels offs_c (those c_ok) of the sequence in state slot `slot` (< 0: zero
+    state in, none written): xv [BLOCK] the token's inputs in x's dtype -> y fp32 [BLOCK] = sum_k w[c, k] *
+    window[k] over the window [state 0..W-2, x], summed in k order (the same bits in every kernel that calls this,
+    whatever its layout), silu'd with SILU; the state shifted left by one, x appended, in place."""
+    x_dtype = xv.dtype
+    live = c_ok & ((tl.zeros(offs_c.shape, tl.int32) + slot) >= 0)  # a block: the interpreter rejects block & scalar
+    s_row = s_ptr + slot.to(tl.int64) * stride_ss + offs_c.to(tl.int64) * stride_sc
+    w_row = w_ptr + offs_c.to(tl.int64) * stride_wc
+    y = tl.zeros(offs_c.shape, tl.float32)
+    for k in tl.static_range(W - 1):
+        state_k = tl.load(s_row + k * stride_sk, mask=live, other=0.0).to(x_dtype)
+        y += tl.load(w_row + k * stride_wk, mask=c_ok, other=0.0).to(tl.float32) * state_k.to(tl.float32)
+    y += tl.load(w_row + (W - 1) * stride_wk, mask=c_ok, other=0.0).to(tl.float32) * xv.to(tl.float32)
+    if SILU:
+        y = y * tl.sigmoid(y)
+    tl.debug_barrier()  # all reads of the slot (any thread of this program) before the writes
+    for k in tl.static_range(W - 2):  # column k <- k + 1 (read before it is itself overwritten), the last <- x
+        nxt = tl.load(s_row + (k + 1) * stride_sk, mask=live, other=0.0).to(x_dtype)
+        tl.store(s_row + k * stride_sk, nxt.to(s_ptr.dtype.element_ty), mask=live)
+    tl.store(s_row + (W - 2) * stride_sk, xv.to(s_ptr.dtype.element_ty), mask=live)
+    return y
+
+
+@triton.jit
 def _conv1d_update_kernel(x_ptr, w_ptr, y_ptr, s_ptr, idx_ptr, C, stride_xb, stride_wc, stride_wk,
                           stride_ss, stride_sc, stride_sk, W: tl.constexpr, HAS_IDX: tl.constexpr,
-                          SILU: tl.constexpr, BLOCK_C: tl.constexpr, WP: tl.constexpr, PDL: tl.constexpr):
+                          SILU: tl.constexpr, BLOCK_C: tl.constexpr, PDL: tl.constexpr):
     pdl_start(PDL)
     b = tl.program_id(0)
     offs_c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     c_ok = offs_c < C
-    x_dtype = x_ptr.dtype.element_ty
     if HAS_IDX:
         slot = tl.load(idx_ptr + b).to(tl.int32)  # < 0: zero state in, none written
     else:
         slot = b
-    s_row = s_ptr + slot.to(tl.int64) * stride_ss + offs_c[None, :] * stride_sc
-    k = tl.arange(0, WP)[:, None]
-    live = (tl.zeros((WP, 1), tl.int32) + slot) >= 0  # a block, not a scalar: the interpreter rejects block & scalar
-    xv = tl.load(x_ptr + b.to(tl.int64) * stride_xb + offs_c, mask=c_ok, other=0.0)[None, :]
-    # window [state columns 0..W-2, x]: rows k of a [WP, BLOCK_C] tile
-    win = tl.load(s_row + k * stride_sk, mask=(k < W - 1) & c_ok[None, :] & live, other=0.0).to(x_dtype)
-    win = tl.where(k == W - 1, xv, win).to(tl.float32)
-    w = tl.load(w_ptr + offs_c[None, :] * stride_wc + k * stride_wk, mask=(k < W) & c_ok[None, :], other=0.0)
-    y = tl.sum(w.to(tl.float32) * win, axis=0)
-    if SILU:
-        y = y * tl.sigmoid(y)
+    xv = tl.load(x_ptr + b.to(tl.int64) * stride_xb + offs_c, mask=c_ok, other=0.0)
+    y = conv_update_columns(xv, offs_c, c_ok, slot, w_ptr, s_ptr, stride_wc, stride_wk, stride_ss, stride_sc,
+                            stride_sk, W, SILU)
     tl.store(y_ptr + b.to(tl.int64) * C + offs_c, y.to(y_ptr.dtype.element_ty), mask=c_ok)
-    # new state: the window shifted left by one (column k <- k + 1, the last <- x)
-    ns = tl.load(s_row + (k + 1) * stride_sk, mask=(k < W - 2) & c_ok[None, :] & live, other=0.0).to(x_dtype)
-    ns = tl.where(k == W - 2, xv, ns)
-    tl.debug_barrier()  # all reads of the slot (any thread of this program) before the writes
-    tl.store(s_row + k * stride_sk, ns.to(s_ptr.dtype.element_ty), mask=(k < W - 1) & c_ok[None, :] & live)
 
 
 def _check_common(x: torch.Tensor, weight: torch.Tensor, activation, what: str) -> int:
@@ -300,6 +312,6 @@ def causal_conv1d_update(x: torch.Tensor, weight: torch.Tensor, conv_state: torc
     _conv1d_update_kernel[(B, triton.cdiv(C, block_c))](
         x, weight, y, conv_state, idx, C, x.stride(0), weight.stride(0), weight.stride(1), conv_state.stride(0),
         conv_state.stride(1), conv_state.stride(2), W=W, HAS_IDX=state_indices is not None,
-        SILU=activation == "silu", BLOCK_C=block_c, WP=triton.next_power_of_2(W), PDL=pdl(x.device),
+        SILU=activation == "silu", BLOCK_C=block_c, PDL=pdl(x.device),
         launch_pdl=pdl(x.device), num_warps=num_warps)
     return y

@@ -24,6 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
+from sluice.kernels.conv1d.triton import conv_update_columns
 from sluice.kernels.launch import INTERPRET, num_sms, pdl, pdl_start, prefetch_l2, round_to
 
 SUPPORTED_BITS = (2, 4, 8)
@@ -228,12 +229,14 @@ def _gemv_step(xp_ptr, xf_ptr, KW, NG, S, stride_xs, words, s, b, w0, w_end, off
 
 
 @triton.jit
-def _gemv_kernel(xp_ptr, w_ptr, s_ptr, b_ptr, y_ptr, ids_ptr, order_ptr, wx_ptr, sx_ptr, bx_ptr, N, KW, w_per_split, x_div,
-                 n_experts, stride_pm, stride_we, stride_wn, stride_se, stride_sn, stride_ys, stride_ym, S, stride_xs,
+def _gemv_kernel(xp_ptr, w_ptr, s_ptr, b_ptr, y_ptr, ids_ptr, order_ptr, wx_ptr, sx_ptr, bx_ptr, N, KW, w_per_split,
+                 x_div, n_experts, stride_pm, stride_we, stride_wn, stride_se, stride_sn, stride_ys, stride_ym, S,
+                 stride_xs,
+                 cw_ptr, cs_ptr, crows_ptr, C_CONV, stride_cwc, stride_cwk, stride_css, stride_csc, stride_csk,
                  BITS: tl.constexpr, GS: tl.constexpr, BLOCK_N: tl.constexpr, KB: tl.constexpr,
                  EVEN_N: tl.constexpr, EVEN_K: tl.constexpr, INDEXED: tl.constexpr, EXTRA: tl.constexpr,
                  ORDERED: tl.constexpr, RAW_X: tl.constexpr, SWIGLU: tl.constexpr, ASM: tl.constexpr,
-                 PDL: tl.constexpr, PREFETCH: tl.constexpr):
+                 PDL: tl.constexpr, PREFETCH: tl.constexpr, CONV_W: tl.constexpr):
     """y[split, row, n] = sum over this split's words of x[row] . W[n]. Program (n-block, split, row); each step
     reads a [BLOCK_N, KB words] tile of W.
     Layout: KB = 128 words per warp, so the threads lie along K (4 words, one 16-byte load, each) and every
@@ -242,6 +245,9 @@ def _gemv_kernel(xp_ptr, w_ptr, s_ptr, b_ptr, y_ptr, ids_ptr, order_ptr, wx_ptr,
     x: prepared by `_prep_x_kernel` (xp), or with RAW_X the activations themselves, prepared step by step in
     registers (`_raw_x_step`): one launch instead of two. RAW_X with SWIGLU: the S split-K partials [S, rows,
     2K] of a gate_up projection (stride_xs apart), x = silu(gate) * up (an MoE's down projection).
+    CONV_W (a decode step's in-projection, K not split): output channels below C_CONV are replaced by the causal
+    conv of width CONV_W, silu'd, of the sequence in conv state slot crows[row] (`conv1d.triton.conv_update_columns`:
+    `causal_conv1d_update`'s bits), that state shifted in place.
     INDEXED: W, scales and biases are stacked over experts and row r uses expert ids[r] and x row r // x_div;
     with EXTRA, id n_experts means one more expert stored apart (wx, sx, bx: the shared expert, same shape).
     ORDERED: program (.., .., p) computes row order[p] (rows sorted by expert: the programs reading one expert
@@ -308,6 +314,12 @@ def _gemv_kernel(xp_ptr, w_ptr, s_ptr, b_ptr, y_ptr, ids_ptr, order_ptr, wx_ptr,
         acc, accb = _gemv_step(xp_ptr, xf_ptr, KW, NG, S, stride_xs, words, s, b, w0, w_end, offs_k, offs_g, acc,
                                accb, BITS, GS, EVEN_K, RAW_X, SWIGLU, ASM)
     y = tl.sum(tl.sum(acc, axis=2), axis=1) + tl.sum(accb, axis=1)
+    if CONV_W:  # K not split: y is the projection; channels below C_CONV go through the decode conv
+        conv = offs_n < C_CONV
+        slot = tl.load(crows_ptr + row).to(tl.int32)
+        y_conv = conv_update_columns(y.to(y_ptr.dtype.element_ty), offs_n, n_ok & conv, slot, cw_ptr, cs_ptr,
+                                     stride_cwc, stride_cwk, stride_css, stride_csc, stride_csk, CONV_W, True)
+        y = tl.where(conv, y_conv, y)
     tl.store(y_ptr + pid_k * stride_ys + row * stride_ym + offs_n, y.to(y_ptr.dtype.element_ty), mask=n_ok)
 
 
@@ -493,7 +505,7 @@ def gemv_used_splits(K, bits, split_k, num_warps=1) -> tuple[int, int]:
 
 
 def gemv_launch(xp, w, s, b, out, ids, rows, N, K, bits, gs, split_k, x_div=1, block_n=4, num_warps=1, extra=None,
-                ids_ready=False, raw_x=False, prefetch=None, swiglu=False, order=None):
+                ids_ready=False, raw_x=False, prefetch=None, swiglu=False, order=None, conv=None):
     """Launch `_gemv_kernel` for `rows` output rows: xp from `prep_x`, launched just before (or, raw_x, the
     activations [rows / x_div, K] themselves, unit column stride); W [E?, N, KW] int32, scales/biases
     [E?, N, K/GS]; ids [rows] expert indices (INDEXED) or None; out [split_k', rows, N] (fp32 when split); extra:
@@ -502,7 +514,8 @@ def gemv_launch(xp, w, s, b, out, ids, rows, N, K, bits, gs, split_k, x_div=1, b
     kernel's PREFETCH where the weights may be read early (default GEMV_PREFETCH, GEMV_PREFETCH_INDEXED); swiglu
     (with raw_x): xp is a gate_up projection's fp32 partials [S, rows / x_div, 2K], x = silu(gate) * up;
     order (with ids): the rows in the order their programs are launched (a permutation of [0, rows), written with
-    the ids). Returns the split count actually used (<= split_k: every split covers whole steps)."""
+    the ids); conv (split_k 1): (weight [C, W], state [slots, C, W-1], rows [rows]) of `_gemv_kernel`'s CONV_W.
+    Returns the split count actually used (<= split_k: every split covers whole steps)."""
     kw = K // (32 // bits)
     kb = gemv_step_words(K, bits, num_warps)
     used, w_per_split = gemv_used_splits(K, bits, split_k, num_warps)
@@ -517,13 +530,45 @@ def gemv_launch(xp, w, s, b, out, ids, rows, N, K, bits, gs, split_k, x_div=1, b
         w_per_split, x_div,
         w.shape[0] if indexed else 0, xp.stride(-2), w.stride(0) if indexed else 0, w.stride(-2),
         s.stride(0) if indexed else 0, s.stride(-2), out.stride(0), out.stride(1),
-        xp.shape[0] if swiglu else 1, xp.stride(0) if swiglu else 0, BITS=bits, GS=gs,
+        xp.shape[0] if swiglu else 1, xp.stride(0) if swiglu else 0, *_conv_args(conv, out), BITS=bits, GS=gs,
         BLOCK_N=block_n, KB=kb, EVEN_N=N % block_n == 0, EVEN_K=kw % kb == 0 and w_per_split % kb == 0,
         INDEXED=indexed, EXTRA=extra is not None, ORDERED=order is not None, RAW_X=raw_x, SWIGLU=swiglu,
         ASM=not INTERPRET, PDL=use_pdl,
-        PREFETCH=prefetch if early else 0, launch_pdl=use_pdl,
+        PREFETCH=prefetch if early else 0, CONV_W=0 if conv is None else conv[0].shape[1], launch_pdl=use_pdl,
         num_warps=num_warps, num_stages=1)
     return used
+
+
+def _conv_args(conv, placeholder) -> tuple:
+    """`_gemv_kernel`'s conv pointers, channel count and strides (placeholders without a conv)."""
+    if conv is None:
+        return (placeholder,) * 3 + (0,) * 6
+    weight, state, rows = conv
+    return (weight, state, rows, weight.shape[0], weight.stride(0), weight.stride(1), *state.stride())
+
+
+def qgemv_conv(x: torch.Tensor, qt, conv_weight: torch.Tensor, conv_state: torch.Tensor,
+               rows: torch.Tensor) -> torch.Tensor:
+    """y [M, N] = x [M, K] @ W^T in x's dtype for a decode step of M <= GEMV_MAX_ROWS sequences, with its first C
+    channels replaced by the causal conv + silu of sequence m in conv state slot rows[m] (conv_weight [C, W],
+    conv_state [slots, C, W-1], shifted in place; `conv1d.triton.causal_conv1d_update`'s bits): a Gated DeltaNet's
+    in-projection and conv in one launch."""
+    check(x, qt)
+    M, K = x.shape
+    N = qt.weight.shape[0]
+    C, W = conv_weight.shape
+    if not (1 <= M <= GEMV_MAX_ROWS and C <= N and W >= 2 and conv_state.shape[1:] == (C, W - 1)
+            and rows.shape == (M,) and conv_state.dtype in (torch.bfloat16, torch.float16, torch.float32)):
+        raise ValueError(f"qgemv_conv: unsupported shapes x {tuple(x.shape)}, W {N}x{K}, conv weight "
+                         f"{tuple(conv_weight.shape)}, state {conv_state.dtype} {tuple(conv_state.shape)}, rows "
+                         f"{tuple(rows.shape)}")
+    block_n, num_warps, raw_x = gemv_plan(N, K, qt.bits, qt.group_size, M, x.device)
+    raw_x = raw_x and raw_x_supported(qt.bits, qt.group_size)
+    xp = x.contiguous() if raw_x else prep_x(x, qt.bits, qt.group_size)
+    out = torch.empty((1, M, N), dtype=x.dtype, device=x.device)
+    gemv_launch(xp, qt.weight.view(torch.int32), qt.scales, qt.biases, out, None, M, N, K, qt.bits, qt.group_size,
+                1, block_n=block_n, num_warps=num_warps, raw_x=raw_x, conv=(conv_weight, conv_state, rows))
+    return out[0]
 
 
 def gemv_block_n(N: int, rows: int, device=None) -> int:
