@@ -1,17 +1,20 @@
 """Running decodes while a long prompt joins (issue #29): the inter-token latency of a batch of decoding sequences
-before and while a long prompt prefills in chunks beside them, and that prompt's time to first token.
+before and while a long prompt prefills in chunks beside them, and that prompt's time to first token, for each
+`decode_prefill_chunk` given (the prompt tokens a step prefills at most while sequences decode in it).
 
     PYTHONPATH=src python benchmarks/long_prompt_join.py --model benchmarks/configs/qwen3-next-80b-a3b.json \\
-        --load-format dummy --running 8 --prompt-tokens 32768 --prefill-chunk 512 --json out.json
+        --load-format dummy --running 8 --prompt-tokens 32768 --decode-prefill-chunk 256 512 1024 --json out.json
 
 Steps are timed on the host around `Engine.step()` with the device synchronised before and after (with overlap a
-step returns while the one it launched still runs). The issue's bar: p99 inter-token latency while the prompt joins <= 5x the batch's normal step.
+step returns while the one it launched still runs). The issue's bar: p99 inter-token latency while the prompt joins
+<= 5x the batch's normal step. The table of all settings is printed last.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 
 import torch
@@ -24,25 +27,15 @@ def percentile(xs, q):
     return xs[min(len(xs) - 1, int(round(q / 100 * (len(xs) - 1))))]
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", required=True)
-    ap.add_argument("--load-format", default="auto")
-    ap.add_argument("--device", default=None)
-    ap.add_argument("--kv-cache", default="dense")
-    ap.add_argument("--running", type=int, default=8, help="sequences decoding when the long prompt arrives")
-    ap.add_argument("--prompt-tokens", type=int, default=32768)
-    ap.add_argument("--prefill-chunk", type=int, default=512)
-    ap.add_argument("--normal-steps", type=int, default=20)
-    ap.add_argument("--json")
-    args = ap.parse_args()
-    model = sluice.load(args.model, load_format=args.load_format, device=args.device, kv_cache=args.kv_cache,
-                        max_batch=args.running + 1, prefill_chunk=args.prefill_chunk)
+def join(model, args) -> dict:
+    """One run: `args.running` sequences decode, then a long prompt joins; the steps before and while it prefills."""
     engine, vocab = model.engine, model.config.vocab_size
+    prefill_chunk = model.engine_config.prefill_tokens(model.device)
+    decode_prefill_chunk = model.engine_config.prefill_tokens(model.device, decoding=True)
     g = torch.Generator().manual_seed(0)
     sync = torch.cuda.synchronize if model.device.type == "cuda" else (lambda: None)
     long_len = args.prompt_tokens
-    budget = long_len // args.prefill_chunk + args.normal_steps * 2 + 64  # decode tokens the batch will need
+    budget = -(-long_len // decode_prefill_chunk) + args.normal_steps * 2 + 64  # decode tokens the batch will need
     running = [engine.add_request(torch.randint(0, vocab, (32,), generator=g).tolist(), max_tokens=budget,
                                   stop_ids=()) for _ in range(args.running)]
     while any(s.status != "decoding" for s in running):
@@ -67,20 +60,55 @@ def main() -> int:
         engine.abort(s)
     while engine.has_work():
         engine.step()
-    out = {"model": args.model, "device": str(model.device), "running": args.running, "prompt_tokens": long_len,
-           "prefill_chunk": args.prefill_chunk, "kv_cache": args.kv_cache,
+    row = {"prefill_chunk": prefill_chunk, "decode_prefill_chunk": decode_prefill_chunk,
            "normal_step_ms": {"p50": 1e3 * percentile(normal, 50), "p99": 1e3 * percentile(normal, 99)},
            "join_step_ms": {"p50": 1e3 * percentile(joined, 50), "p99": 1e3 * percentile(joined, 99),
                             "max": 1e3 * max(joined)},
            "join_steps": len(joined), "ttft_s": ttft, "prefill_tok_s": long_len / ttft}
-    out["p99_over_normal"] = out["join_step_ms"]["p99"] / out["normal_step_ms"]["p50"]
-    print(f"{args.running} decoding, a {long_len}-token prompt joins in chunks of {args.prefill_chunk}: normal step "
-          f"p50 {out['normal_step_ms']['p50']:.1f} ms; while it prefills p50 {out['join_step_ms']['p50']:.1f} ms, "
-          f"p99 {out['join_step_ms']['p99']:.1f} ms ({out['p99_over_normal']:.1f}x normal); its TTFT "
-          f"{ttft:.2f} s ({out['prefill_tok_s']:.0f} tok/s)", flush=True)
+    row["p99_over_normal"] = row["join_step_ms"]["p99"] / row["normal_step_ms"]["p50"]
+    return row
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--load-format", default="auto")
+    ap.add_argument("--device", default=None)
+    ap.add_argument("--kv-cache", default="dense")
+    ap.add_argument("--running", type=int, default=8, help="sequences decoding when the long prompt arrives")
+    ap.add_argument("--prompt-tokens", type=int, default=32768)
+    ap.add_argument("--prefill-chunk", type=int, default=None,
+                    help="prompt tokens a step prefills at most (default: the engine's, 4096 on a GPU)")
+    ap.add_argument("--decode-prefill-chunk", type=int, nargs="+", default=[None], metavar="N",
+                    help="prompt tokens a step prefills at most while sequences decode in it; several: one run each "
+                         "(default: the engine's, 512)")
+    ap.add_argument("--normal-steps", type=int, default=20)
+    ap.add_argument("--json")
+    args = ap.parse_args()
+    base = sluice.load(args.model, load_format=args.load_format, device=args.device, kv_cache=args.kv_cache,
+                       max_batch=args.running + 1, prefill_chunk=args.prefill_chunk)
+    rows = []
+    for decode_prefill_chunk in args.decode_prefill_chunk:
+        r = join(base.with_engine(decode_prefill_chunk=decode_prefill_chunk), args)
+        rows.append(r)
+        print(f"decode_prefill_chunk {r['decode_prefill_chunk']}: join p99 {r['join_step_ms']['p99']:.1f} ms "
+              f"({r['p99_over_normal']:.1f}x normal), TTFT {r['ttft_s']:.2f} s", file=sys.stderr, flush=True)
+        if base.device.type == "cuda":
+            torch.cuda.empty_cache()  # the last run's cache pool and graphs
+    out = {"model": args.model, "device": str(base.device), "running": args.running,
+           "prompt_tokens": args.prompt_tokens, "kv_cache": args.kv_cache, "rows": rows}
     if args.json:
         with open(args.json, "w") as f:
             json.dump(out, f, indent=2)
+    print(f"{args.running} decoding on {base.device}, a {args.prompt_tokens}-token prompt joins ({args.kv_cache} KV): "
+          "steps in ms; the prompt prefills in chunks of `beside` tokens while the others decode")
+    print(f"{'chunk':>6s} {'beside':>6s} {'normal p50':>10s} {'join p50':>9s} {'join p99':>9s} {'join max':>9s} "
+          f"{'p99/normal':>10s} {'steps':>6s} {'TTFT s':>7s} {'prefill tok/s':>13s}")
+    for r in rows:
+        n, j = r["normal_step_ms"], r["join_step_ms"]
+        print(f"{r['prefill_chunk']:6d} {r['decode_prefill_chunk']:6d} {n['p50']:10.1f} {j['p50']:9.1f} "
+              f"{j['p99']:9.1f} {j['max']:9.1f} {r['p99_over_normal']:10.1f} {r['join_steps']:6d} {r['ttft_s']:7.2f} "
+              f"{r['prefill_tok_s']:13.0f}", flush=True)
     return 0
 
 

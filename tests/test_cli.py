@@ -56,3 +56,15 @@ def test_bench_and_kv_cache_option(tmp_path, capsys):
     assert main(["bench", "--model", str(d), "--prompt-tokens", "0"]) == 2
     assert main(["info", str(d), "--kv-cache", "turboquant4"]) == 0
     assert "turboquant4; 48 B per token in each of 2 attention layers" in capsys.readouterr().out
+
+
+def test_bench_prefill_chunk_options(tmp_path, capsys):
+    d = save_hf_dir(tiny_llama(seed=5), tmp_path / "m")
+    argv = ["bench", "--model", str(d), "--prompt-tokens", "20", "--gen-tokens", "2", "--repeats", "1", "--batch", "2"]
+    assert main([*argv, "--prefill-chunk", "16", "--decode-prefill-chunk", "4", "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert (rows[0]["prefill_chunk"], rows[0]["decode_prefill_chunk"]) == (16, 4)
+    assert main(argv) == 0  # the defaults, said in the header
+    assert "prefill 512 tokens a step, 512 beside decodes" in capsys.readouterr().out
+    assert main([*argv, "--decode-prefill-chunk", "0"]) == 2
+    assert "decode_prefill_chunk=0" in capsys.readouterr().err

@@ -194,6 +194,20 @@ def test_serve_on_a_port_in_use_fails_cleanly(tiny, capsys):
     assert f"cannot listen on 127.0.0.1:{port}" in err and "choose another --port" in err
 
 
+def test_serve_takes_the_prefill_chunk_options(tiny, monkeypatch, capsys):
+    import sluice.server
+
+    pytest.importorskip("uvicorn")
+    served = []
+    monkeypatch.setattr(sluice.server, "serve", lambda model, config: served.append(model))
+    argv = ["serve", "--model", str(tiny), "--port", "0"]
+    assert main([*argv, "--prefill-chunk", "128", "--decode-prefill-chunk", "32"]) == 0
+    config = served[0].engine_config
+    assert (config.prefill_chunk, config.decode_prefill_chunk, config.max_seq_len) == (128, 32, 256)
+    assert main([*argv, "--decode-prefill-chunk", "-3"]) == 2
+    assert "decode_prefill_chunk=-3" in capsys.readouterr().err
+
+
 def test_unquantized_mlx_directory_is_labelled_mlx(tmp_path, capsys):
     """mlx-lm marks its safetensors {"format": "mlx"} whether or not it quantized them: the label follows the files,
     not the weights' kind."""

@@ -155,7 +155,9 @@ def test_impossible_requests_are_errors(qwen):
 
 
 @pytest.mark.parametrize("option, value", [("max_batch", 0), ("prefill_chunk", -4), ("max_seq_len", 0),
-                                           ("graph_batch_sizes", (0,)), ("no_such_option", 1)])
+                                           ("decode_prefill_chunk", 0), ("decode_prefill_chunk", 1.5),
+                                           ("decode_prefill_chunk", True), ("graph_batch_sizes", (0,)),
+                                           ("no_such_option", 1)])
 def test_bad_engine_options(demo_gguf_path, option, value):
     with pytest.raises(InvalidOptionError, match=option):
         sluice.load(demo_gguf_path, device="cpu", **{option: value})
@@ -167,6 +169,52 @@ def test_prefill_chunk_defaults_by_device():
     assert EngineConfig().prefill_tokens("cpu") == 512
     assert EngineConfig().prefill_tokens(torch.device("cuda", 0)) == 4096  # every chunk reads all the experts
     assert EngineConfig(prefill_chunk=64).prefill_tokens("cuda") == 64
+
+
+def test_decode_prefill_chunk_defaults_and_bounds():
+    from sluice.config import EngineConfig
+
+    gpu = torch.device("cuda", 0)
+    assert EngineConfig().prefill_tokens("cpu", decoding=True) == 512
+    assert EngineConfig().prefill_tokens(gpu, decoding=True) == 512  # a 4096-token chunk would stall the decodes
+    assert EngineConfig(decode_prefill_chunk=64).prefill_tokens(gpu, decoding=True) == 64
+    assert EngineConfig(decode_prefill_chunk=64).prefill_tokens(gpu) == 4096  # nothing decodes: the full budget
+    assert EngineConfig(prefill_chunk=128).prefill_tokens("cpu", decoding=True) == 128  # never more than a step's
+    assert EngineConfig(prefill_chunk=256, decode_prefill_chunk=1024).prefill_tokens(gpu, decoding=True) == 256
+    with pytest.raises(InvalidOptionError, match="decode_prefill_chunk=-1"):
+        EngineConfig(decode_prefill_chunk=-1)
+
+
+def test_scheduler_prefills_less_while_sequences_decode():
+    from sluice.engine.sampling import SamplingParams
+    from sluice.engine.scheduler import Scheduler
+    from sluice.engine.sequence import DECODING, Sequence
+
+    class Rows:  # the cache pool as admission sees it
+        capacity = 1024
+
+        def __init__(self, n):
+            self.free = list(range(n))
+
+        @property
+        def free_rows(self):
+            return len(self.free)
+
+        def allocate(self):
+            return self.free.pop(0)
+
+    scheduler = Scheduler(64, decode_prefill_chunk=8)
+    short, long = (Sequence(i, list(range(n)), 4, SamplingParams(), 0) for i, n in enumerate((20, 100)))
+    scheduler.add(short)
+    scheduler.add(long)
+    scheduler.admit(Rows(2))
+    assert not scheduler.decoding()
+    assert [(s.id, a, b) for s, a, b in scheduler.next_prefills()] == [(0, 0, 20), (1, 0, 44)]
+    assert [(s.id, a, b) for s, a, b in scheduler.next_prefills(decoding=True)] == [(0, 0, 8)]
+    short.prefilled, short.status = 20, DECODING
+    decoding = bool(scheduler.decoding())
+    assert decoding and [(s.id, a, b) for s, a, b in scheduler.next_prefills(decoding)] == [(1, 0, 8)]
+    assert Scheduler(64).decode_prefill_chunk == 64 and Scheduler(64, 128).decode_prefill_chunk == 64
 
 
 def test_with_engine_shares_the_weights_and_checks_its_options(qwen):
@@ -317,3 +365,53 @@ def test_a_step_prefills_several_prompts_within_its_token_budget(tmp_path):
         engine.step()
     solo = [model.generate(list(range(5, 5 + n)), max_tokens=2, temperature=0) for n in (6, 7, 9)]
     assert [model.tokenizer.decode(s.output) for s in seqs] == solo
+
+
+def _count_prefills(engine, monkeypatch) -> list[tuple[int, bool]]:
+    """[(prompt tokens, whether sequences were decoding)] of each prefill forward the engine runs from now on."""
+    steps, prefill = [], engine.runner.prefill
+
+    def counted(chunks):
+        steps.append((sum(len(ids) for _, ids, _ in chunks), bool(engine.scheduler.decoding())))
+        return prefill(chunks)
+
+    monkeypatch.setattr(engine.runner, "prefill", counted)
+    return steps
+
+
+@pytest.mark.parametrize("arch, overlap", [("qwen3_next", False), ("qwen3_next", True), ("llama", False)])
+def test_a_long_prompt_joins_running_decodes_in_small_chunks(tmp_path, arch, overlap, monkeypatch):
+    """While sequences decode, a long prompt prefills at most decode_prefill_chunk tokens a step (issue #29), alone
+    the full prefill_chunk; every sequence gets the greedy tokens it gets when the prompt prefills in one chunk."""
+    from helpers import save_hf_dir, tiny_llama
+    from test_qwen3_next import qwen3_next, save
+
+    src = save(qwen3_next(seed=6), tmp_path / "q") if arch == "qwen3_next" else \
+        save_hf_dir(tiny_llama(seed=6), tmp_path / "l")
+    base = sluice.load(src, device="cpu", overlap=overlap)
+    g = torch.Generator().manual_seed(3)
+    short = [torch.randint(0, 300, (n,), generator=g).tolist() for n in (5, 17, 30)]
+    long = torch.randint(0, 300, (150,), generator=g).tolist()
+
+    def join(model):
+        """(every sequence's tokens, the prefill forwards from the long prompt's arrival on)."""
+        engine = model.engine
+        decoders = [engine.add_request(p, max_tokens=40, stop_ids=()) for p in short]
+        while any(s.status != "decoding" for s in decoders):
+            engine.step()
+        steps = _count_prefills(engine, monkeypatch)
+        joiner = engine.add_request(long, max_tokens=8, stop_ids=())
+        engine.run(decoders + [joiner])
+        return [s.output for s in decoders + [joiner]], steps
+
+    small, small_steps = join(base.with_engine(prefill_chunk=64, decode_prefill_chunk=8))
+    whole, whole_steps = join(base.with_engine(prefill_chunk=256))
+    assert small_steps == [(8, True)] * 18 + [(6, True)]  # 150 tokens beside three decoding sequences
+    assert whole_steps == [(150, True)]
+    assert small == whole
+    engine = base.with_engine(prefill_chunk=64, decode_prefill_chunk=8).engine
+    alone_steps = _count_prefills(engine, monkeypatch)
+    seq = engine.add_request(long, max_tokens=8, stop_ids=())
+    engine.run([seq])
+    assert alone_steps == [(64, False), (64, False), (22, False)]  # nothing decodes: the full budget
+    assert seq.output == whole[-1]

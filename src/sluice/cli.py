@@ -34,6 +34,21 @@ def _add_placement_args(p: argparse.ArgumentParser):
                         "(auto, the default), or always host / disk")
 
 
+def _add_prefill_args(p: argparse.ArgumentParser):
+    p.add_argument("--prefill-chunk", type=int, default=None, metavar="N",
+                   help="prompt tokens a step prefills at most, over all the prompts it packs into one forward "
+                        "(default 4096 on a GPU, 512 on the CPU)")
+    p.add_argument("--decode-prefill-chunk", type=int, default=None, metavar="N",
+                   help="prompt tokens a step prefills at most while sequences decode in it, so a long prompt joining "
+                        "stalls them less (default 512; at most --prefill-chunk)")
+
+
+def _prefill_options(args) -> dict:
+    """The prefill budgets given on the command line, as engine options (the others keep the engine's defaults)."""
+    return {name: getattr(args, name) for name in ("prefill_chunk", "decode_prefill_chunk")
+            if getattr(args, name) is not None}
+
+
 def _add_sampling_args(p: argparse.ArgumentParser):
     p.add_argument("--max-tokens", "-n", type=int, default=256,
                    help="most tokens to generate (default 256; the context window may end it sooner)")
@@ -158,7 +173,7 @@ def _placement_line(p: dict) -> str:
 
 
 def cmd_bench(args) -> int:
-    options = {"graphs": not args.no_graphs, "max_batch": max(args.batch, 1)}
+    options = {"graphs": not args.no_graphs, "max_batch": max(args.batch, 1), **_prefill_options(args)}
     if args.no_overlap:
         options["overlap"] = False
     if args.load_format != "auto":
@@ -176,6 +191,8 @@ def cmd_bench(args) -> int:
         t0 = time.perf_counter()
         rows.append(model.bench(prompt_tokens=args.prompt_tokens, gen_tokens=args.gen_tokens, batch=args.batch,
                                 repeats=args.repeats))
+        rows[-1].update(prefill_chunk=model.engine_config.prefill_tokens(model.device),
+                        decode_prefill_chunk=model.engine_config.prefill_tokens(model.device, decoding=True))
         _progress(f"{kind} KV cache: done in {time.perf_counter() - t0:.1f} s")
     if args.json:
         print(json.dumps(rows, indent=2))
@@ -183,7 +200,8 @@ def cmd_bench(args) -> int:
     r0 = rows[0]
     print(f"{model.path.name} on {r0['device']} ({r0['dtype']}, {'CUDA graphs' if r0['graphs'] else 'eager'}): "
           f"batch {args.batch} of distinct {args.prompt_tokens}-token prompts, {args.gen_tokens} generated tokens "
-          f"each, best of {args.repeats}")
+          f"each, best of {args.repeats}; prefill {r0['prefill_chunk']} tokens a step, {r0['decode_prefill_chunk']} "
+          "beside decodes")
     floor = "floor tok/s" if "floor_decode_tok_s" in r0 else ""
     print(f"{'KV cache':12s} {'TTFT cold s':>11s} {'TTFT warm s':>11s} {'prefill tok/s':>14s} {'decode tok/s':>13s} "
           f"{'per seq':>8s} {floor:>12s} {'KV B/token':>11s}")
@@ -212,7 +230,7 @@ def cmd_serve(args) -> int:
     if config.api_key is None and config.host not in ("127.0.0.1", "localhost", "::1"):
         print(f"sluice: warning: serving on {config.host} without --api-key: anyone who can reach it may use it",
               file=sys.stderr)
-    options = {"max_batch": args.max_batch, "graphs": not args.no_graphs}
+    options = {"max_batch": args.max_batch, "graphs": not args.no_graphs, **_prefill_options(args)}
     if args.no_overlap:
         options["overlap"] = False
     if args.load_format != "auto":
@@ -291,6 +309,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--repeats", type=int, default=2, help="runs; the best counts (default 2)")
     bench.add_argument("--load-format", default="auto", help="auto, or dummy: random weights at the shapes of "
                        "--model's config.json (a directory or a config.json file), made on the device")
+    _add_prefill_args(bench)
     bench.add_argument("--no-graphs", action="store_true", help="decode eagerly (no CUDA graphs), to compare")
     bench.add_argument("--no-overlap", action="store_true", help="read each decode step back before launching the "
                        "next (on a GPU the next is launched first), to compare")
@@ -309,6 +328,7 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--max-batch", type=int, default=16, help="sequences decoding together (cache rows)")
     srv.add_argument("--max-seq-len", type=int, default=None,
                      help="positions per sequence, prompt + output (default: the context window, at most 4096)")
+    _add_prefill_args(srv)
     srv.add_argument("--max-body-mb", type=float, default=8.0, help="largest request body accepted (413 beyond)")
     srv.add_argument("--no-graphs", action="store_true", help="decode eagerly (no CUDA graphs)")
     srv.add_argument("--no-overlap", action="store_true", help="read each decode step back before launching the next")

@@ -11,6 +11,8 @@ from sluice.errors import InvalidOptionError
 GRAPH_BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64, 128)
 GPU_PREFILL_CHUNK = 4096  # every chunk reads all the experts: bigger chunks prefill faster (docs/PERF.md, "prefill")
 CPU_PREFILL_CHUNK = 512
+GPU_DECODE_PREFILL_CHUNK = 512  # a chunk stalls the decodes of its step for its whole forward (issue #29)
+CPU_DECODE_PREFILL_CHUNK = CPU_PREFILL_CHUNK
 
 
 @dataclass(frozen=True)
@@ -22,6 +24,9 @@ class EngineConfig:
     prefill_chunk: prompt tokens a step prefills at most, over all the prompts it packs into one forward (bounds
         activation memory and how long a step of the running decodes waits); None: 4096 on a GPU, where every chunk
         reads all the experts once and bigger chunks prefill several times faster, 512 on the CPU.
+    decode_prefill_chunk: prompt tokens a step prefills at most while sequences decode in it (a long prompt joining
+        a running batch then takes many short steps, not a few that stall every decode for a whole big chunk); at
+        most prefill_chunk; None: 512 on a GPU and on the CPU. A step with nothing decoding prefills prefill_chunk.
     graphs: on CUDA, replay each decode step from a CUDA graph captured per batch size (False: eager, to compare).
     graph_batch_sizes: the batch sizes graphs are captured for; a batch runs in the smallest that holds it.
     kv_cache: "dense" (K/V in the model's dtype) or "turboquant4".
@@ -32,6 +37,7 @@ class EngineConfig:
     max_batch: int = 64
     max_seq_len: int | None = None
     prefill_chunk: int | None = None
+    decode_prefill_chunk: int | None = None
     graphs: bool = True
     graph_batch_sizes: tuple[int, ...] = field(default=GRAPH_BATCH_SIZES)
     kv_cache: str = "dense"
@@ -47,6 +53,8 @@ class EngineConfig:
         positive("max_batch", self.max_batch)
         if self.prefill_chunk is not None:
             positive("prefill_chunk", self.prefill_chunk)
+        if self.decode_prefill_chunk is not None:
+            positive("decode_prefill_chunk", self.decode_prefill_chunk)
         if self.max_seq_len is not None:
             positive("max_seq_len", self.max_seq_len)
         if self.overlap not in (None, True, False):
@@ -58,11 +66,16 @@ class EngineConfig:
             raise InvalidOptionError(f"graph_batch_sizes={sizes!r}: use positive integers.")
         object.__setattr__(self, "graph_batch_sizes", tuple(sorted(set(sizes))))
 
-    def prefill_tokens(self, device) -> int:
-        """The prompt tokens a step prefills at most on `device` (`prefill_chunk`, or its default there)."""
-        if self.prefill_chunk is not None:
-            return self.prefill_chunk
-        return GPU_PREFILL_CHUNK if torch.device(device).type == "cuda" else CPU_PREFILL_CHUNK
+    def prefill_tokens(self, device, decoding: bool = False) -> int:
+        """The prompt tokens a step prefills at most on `device`: `prefill_chunk` (or its default there); decoding:
+        for a step in which sequences decode, `decode_prefill_chunk` (or its default there) within that."""
+        gpu = torch.device(device).type == "cuda"
+        step = self.prefill_chunk if self.prefill_chunk is not None else GPU_PREFILL_CHUNK if gpu else CPU_PREFILL_CHUNK
+        if not decoding:
+            return step
+        beside_decodes = self.decode_prefill_chunk if self.decode_prefill_chunk is not None else \
+            GPU_DECODE_PREFILL_CHUNK if gpu else CPU_DECODE_PREFILL_CHUNK
+        return min(step, beside_decodes)
 
     def graph_size(self, batch: int) -> int | None:
         """The captured batch size a batch of `batch` sequences replays in (None: larger than any)."""

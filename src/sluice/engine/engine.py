@@ -1,8 +1,8 @@
 """The engine: requests join and leave between steps (continuous batching) over one pool of cache rows.
 
 Each `step()` decodes one token for every sequence whose prompt is in (one batched forward: a CUDA graph replay on
-a GPU), then prefills the chunks of the oldest prompts not yet in (packed, up to `prefill_chunk` tokens), and
-samples on the device. It returns what reached the host for each sequence, so callers stream per request:
+a GPU), then prefills the chunks of the oldest prompts not yet in (packed, up to `prefill_chunk` tokens; up to
+`decode_prefill_chunk` when sequences decoded in the step), and samples on the device. It returns what reached the host for each sequence, so callers stream per request:
 
     engine = model.engine
     seq = engine.add_request(ids, max_tokens=64, temperature=0.7, seed=1)
@@ -73,7 +73,7 @@ class Engine:
         self.vocab_size = module.cfg.vocab_size
         self.context_length = module.cfg.context_length
         self.runner = ModelRunner(module, config, device, dtype)
-        self.scheduler = Scheduler(config.prefill_tokens(device))
+        self.scheduler = Scheduler(config.prefill_tokens(device), config.prefill_tokens(device, decoding=True))
         self._ids = itertools.count()
         self._ahead: _Drawn | None = None  # a decode step launched, its ids not read yet (`overlap`)
 
@@ -161,7 +161,7 @@ class Engine:
                 self._ahead = drawn
             else:
                 outputs += self._land(drawn)
-        chunks = self.scheduler.next_prefills()
+        chunks = self.scheduler.next_prefills(decoding=bool(running))
         if chunks:
             for seq, first, _ in chunks:
                 if first == 0:

@@ -106,7 +106,8 @@ class _DeviceReader:
             self.src.close()
 
 
-ENGINE_OPTIONS = ("max_batch", "max_seq_len", "prefill_chunk", "graphs", "graph_batch_sizes", "overlap")
+ENGINE_OPTIONS = ("max_batch", "max_seq_len", "prefill_chunk", "decode_prefill_chunk", "graphs", "graph_batch_sizes",
+                  "overlap")
 
 
 def _read_checkpoint(path, load_format: str, dev: torch.device, dt: torch.dtype, gpu_memory, expert_slots,
@@ -149,8 +150,9 @@ def load(path=None, device=None, dtype=None, keep_quantized: bool = True, kv_cac
     when it does not fit, its routed experts stay in host memory and each MoE layer keeps the slots that fit on the
     device (`sluice.experts`; without it, a model bigger than the free GPU memory streams the same way).
     expert_slots: that many slots a layer, whatever the budget. expert_store: where streamed experts stay: "auto"
-    (host memory when they fit there, else the checkpoint's files), "host" or "disk". Engine options (`sluice.config.EngineConfig`): max_batch, max_seq_len,
-    prefill_chunk, graphs, graph_batch_sizes, overlap."""
+    (host memory when they fit there, else the checkpoint's files), "host" or "disk". Engine options
+    (`sluice.config.EngineConfig`): max_batch, max_seq_len, prefill_chunk, decode_prefill_chunk, graphs,
+    graph_batch_sizes, overlap."""
     unknown = sorted(set(options) - set(ENGINE_OPTIONS))
     if unknown:
         raise InvalidOptionError(f"unknown load option(s): {', '.join(unknown)}.")
