@@ -1,14 +1,15 @@
 """Decode batches of 5-128 tokens on the GPU: the dense 4-bit projections and the MoE experts, each path side by
 side with the memory-bandwidth floor, at Qwen3-Next-80B-A3B shapes.
 
-    python benchmarks/small_batch_gpu.py [--json out.json]
+    python benchmarks/small_batch_gpu.py [--json out.json] [--sweep] [--moe-only]
 
 - Dense [N, K] projections at M = 5..64 rows: today's dispatch (`qmatmul`: per-row GEMVs up to 4 rows, then the
   swapped tensor-core GEMM), per-row GEMVs, cuBLAS bf16 of the same shape (4x the bytes); floor: packed bytes / copy
   bandwidth.
 - The MoE experts of one layer (route given, distinct random routings per token, shared expert as slot E) at
-  T = 4..128 tokens: one GEMV row per (token, expert) slot; floor: the bytes of the experts the routing hits, once
-  each.
+  T = 4..128 tokens: one GEMV row per (token, expert) slot (rows and warps per program swept), and the grouped
+  tensor-core GEMMs; floor: the bytes of the experts the routing hits, once each.
+- --sweep: tile sizes of the swapped dense GEMM; --moe-only: the MoE section alone.
 (A batch GEMV reading each W block once for R rows, dense and grouped by expert, was measured here and lost to
 both paths at every size: commit b954bba, docs/PERF.md.)
 Every timing: CUDA-graph replay over enough weight copies to keep L2 cold (qmatmul_gpu.graph_time); each
@@ -76,6 +77,7 @@ def dense(res, copy_bw, sweep=False):
         del qts, ws
 
 
+EXPERT_LAUNCHES = ((16, 1), (32, 1), (16, 2), (32, 2), (64, 2))  # (rows, warps) per expert GEMV program
 GROUPED = ((16, 128, 128, 4, 3),)  # the best of a sweep on 2026-11-25 (docs/PERF.md)
 
 
@@ -110,6 +112,14 @@ def moe(res, copy_bw):
         except Exception as e:
             res["errors"].append(f"moe T={T}: {type(e).__name__}: {str(e)[:200]}")
             print("ERROR", res["errors"][-1], flush=True)
+        for bn, warps in EXPERT_LAUNCHES:
+            label = f"per slot {bn} rows w{warps}"
+            try:
+                row[label] = graph_time([lambda c=c: mt.moe_decode(*c[:5], shared_expert=c[5], block_n=bn,
+                                                                   num_warps=warps) for c in calls], reps=10) * 1e6
+            except Exception as e:
+                res["errors"].append(f"moe T={T} {label}: {type(e).__name__}: {str(e)[:200]}")
+                print("ERROR", res["errors"][-1], flush=True)
         for bm, bn, bk, warps, stages in GROUPED:
             label = f"grouped {bm}x{bn}x{bk} w{warps} s{stages}"
             try:
@@ -127,10 +137,10 @@ def moe(res, copy_bw):
 
 
 def main():
-    a, dev, res = start_run("dense", "moe", "errors", flags=("--sweep",))
+    a, dev, res = start_run("dense", "moe", "errors", flags=("--sweep", "--moe-only"))
     copy_bw = copy_bandwidth(dev)
     res["copy_bw"] = copy_bw
-    for section in (moe, functools.partial(dense, sweep=a.sweep)):
+    for section in (moe,) if a.moe_only else (moe, functools.partial(dense, sweep=a.sweep)):
         try:
             section(res, copy_bw)
         except Exception as e:

@@ -224,12 +224,14 @@ def moe_decode(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_u
                down: QuantizedTensor, shared_out: torch.Tensor | None = None,
                shared_gate_logit: torch.Tensor | None = None,
                shared_expert: tuple[QuantizedTensor, QuantizedTensor] | None = None,
-               summed: bool = True, expert_order: bool | None = None) -> torch.Tensor | ExpertOutputs:
+               summed: bool = True, expert_order: bool | None = None, block_n: int | None = None,
+               num_warps: int = 1) -> torch.Tensor | ExpertOutputs:
     """MoE output [T, H] in x's dtype for a decode batch: four launches whatever k is (three and `ExpertOutputs`
     when not `summed`; one more where the down GEMV cannot prepare its x itself; one more with `expert_order`,
     by default from ORDER_MIN_TOKENS tokens: the GEMV programs launched in expert order, the same bits). With
     `shared_expert` (its gate_up [2I, H] and down [H, I], stored like the routed experts) the ids and weights come
-    from `route(..., shared_gate_logit)`: id E is the shared expert, run as one more slot of the same launches."""
+    from `route(..., shared_gate_logit)`: id E is the shared expert, run as one more slot of the same launches.
+    block_n, num_warps: the expert GEMVs' rows and warps per program (default `expert_block_n`, one warp)."""
     _check_moe(x, ids, weights, gate_up, down, shared_out, shared_gate_logit, shared_expert)
     ids = ids.contiguous().view(-1)
     gu_extra, down_extra = shared_expert if shared_expert is not None else (None, None)
@@ -237,12 +239,13 @@ def moe_decode(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_u
         expert_order = x.shape[0] >= ORDER_MIN_TOKENS
     order = slot_order(ids) if expert_order else None
     xp = qmm.prep_x(x.contiguous(), gate_up.bits, gate_up.group_size)
-    y_gu = _expert_gemv(xp, gate_up, ids, x_div=weights.shape[1], extra=gu_extra, order=order)
+    launch = {"block_n": block_n, "num_warps": num_warps, "order": order}
+    y_gu = _expert_gemv(xp, gate_up, ids, x_div=weights.shape[1], extra=gu_extra, **launch)
     if qmm.raw_x_supported(down.bits, down.group_size):  # the down GEMV takes h = silu(g) * u from y_gu itself
-        y = _expert_gemv(y_gu, down, ids, x_div=1, extra=down_extra, swiglu=True, order=order)
+        y = _expert_gemv(y_gu, down, ids, x_div=1, extra=down_extra, swiglu=True, **launch)
     else:
         y = _expert_gemv(swiglu_prep(y_gu, down.bits, down.group_size), down, ids, x_div=1, extra=down_extra,
-                         order=order)
+                         **launch)
     return _outputs(y, weights, x.dtype, shared_out, shared_gate_logit, summed)
 
 
