@@ -50,19 +50,21 @@ def _decode_rate(run: dict) -> float:
 
 def _run(engine, prompts, max_tokens: int) -> dict:
     """One pass: every prompt prefilled and decoded. Steady decode: the steps in which all sequences decode and no
-    prompt prefills, timed from the start of the first such step to the end of the last, over the tokens those
-    steps computed (with overlap, a step launched before the window and read back in it is not counted; the last
-    steady `step()` reads back the last step launched)."""
+    prompt prefills but the first of them (which may capture the batch's CUDA graph), timed from the start of the
+    second such step to the end of the last, over the tokens those steps computed (with overlap, a step launched
+    before the window and read back in it is not counted; the last steady `step()` reads back the last step
+    launched); with one steady step only, that one."""
     sync = torch.cuda.synchronize if engine.runner.device.type == "cuda" else (lambda: None)
     sync()
     t0 = time.perf_counter()
     seqs = [engine.add_request(p, max_tokens=max_tokens, stop_ids=(), temperature=0.0) for p in prompts]
-    ttft = prefill_end = window = None
-    decode_s, decode_tokens = 0.0, 0
+    ttft = prefill_end = None
+    windows = []  # (start time, tokens before) of the first two steady steps
+    spans = [(0.0, 0), (0.0, 0)]  # (seconds, tokens) from each window's start to the last steady step's end
     while not all(s.finished for s in seqs):
         steady = len(engine.scheduler.decoding()) == len(seqs) and not engine.scheduler.next_prefills()
-        if steady and window is None:
-            window = (time.perf_counter(), sum(len(s.output) for s in seqs) + engine.in_flight)
+        if steady and len(windows) < 2:
+            windows.append((time.perf_counter(), sum(len(s.output) for s in seqs) + engine.in_flight))
         engine.step()
         now = time.perf_counter()
         if ttft is None and seqs[0].output:
@@ -70,8 +72,10 @@ def _run(engine, prompts, max_tokens: int) -> dict:
         if prefill_end is None and all(s.prefilled == len(s.prompt) for s in seqs):
             prefill_end = now - t0
         if steady:
-            decode_s, decode_tokens = now - window[0], sum(len(s.output) for s in seqs) - window[1]
+            tokens = sum(len(s.output) for s in seqs)
+            spans[:len(windows)] = [(now - start, tokens - before) for start, before in windows]
     sync()
+    decode_s, decode_tokens = spans[1] if spans[1][1] > 0 else spans[0]
     return {"ttft_s": ttft, "prefill_s": prefill_end, "decode_s": decode_s, "decode_tokens": decode_tokens}
 
 
