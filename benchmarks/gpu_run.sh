@@ -4,7 +4,8 @@
 # logs under /tmp/gpu_run_logs.
 #
 #   bash benchmarks/gpu_run.sh tests   # GPU tests; first starts llama.cpp's build and model in the background
-#   bash benchmarks/gpu_run.sh bench   # engine_gpu.py (dense 1/16/64 with --serial, TurboQuant 1), prefill_gpu.py,
+#   bash benchmarks/gpu_run.sh bench   # the GDN and attention GPU tests, then
+#                                      # engine_gpu.py (dense 1/16/64 with --serial, TurboQuant 1), prefill_gpu.py,
 #                                      # a 32k TurboQuant bench, then llama.cpp's llama-bench (tg128, pp512, pp4096)
 #
 # Carry `.whl` (the wheels: gguf, fastapi, ...) and, for the peer, `.peer` (`cp -r ../shared/peers/llamacpp .peer`);
@@ -26,15 +27,18 @@ tests)
     setsid bash -c "PEER_BENCH_ARGS='-p 16 -n 1 -r 1' OUT=/tmp/peer_prep bash .peer/run_gpu.sh > /tmp/peer_prep.log 2>&1" \
       < /dev/null > /dev/null 2>&1 &
   fi
-  timeout 420 python -m pytest -q -p no:cacheprovider tests/test_gpu_models.py tests/test_gpu_engine.py \
+  timeout 500 python -m pytest -q -rf -p no:cacheprovider tests/test_gpu_models.py tests/test_gpu_engine.py \
     tests/test_moe_kernels.py tests/test_norm_triton.py tests/test_rope_triton.py tests/test_qmatmul_triton.py \
-    tests/test_gdn_triton.py tests/test_attention_triton.py 2>&1 | tee "$LOG/tests.log" | tail -15 | tee "$OUT/summary.log"
+    tests/test_conv1d_triton.py 2>&1 | tee "$LOG/tests.log" | tail -15 | tee "$OUT/summary.log"
   ;;
 bench)
   if [ -d .peer ]; then  # llama.cpp's build done first: a 16-core compile beside the benchmarks would slow their host side
     for _ in $(seq 48); do pgrep -f peer_prep > /dev/null || break; sleep 5; done
     pgrep -f peer_prep > /dev/null && echo "llama.cpp is still being prepared: its bench may hold GPU memory"
   fi
+  # the rest of the GPU tests first (the two calls' tests take about 9 minutes together)
+  timeout 240 python -m pytest -q -rf -p no:cacheprovider tests/test_gdn_triton.py tests/test_attention_triton.py 2>&1 \
+    | tee "$LOG/tests_bench.log" | tail -5 > "$LOG/tests_tail.log"
   timeout 180 python benchmarks/engine_gpu.py --config $CONFIG --batches 1,16,64 --kinds dense --serial \
     --json "$OUT/engine_dense.json" > "$LOG/engine_dense.log" 2>&1
   timeout 60 python benchmarks/engine_gpu.py --config $CONFIG --batches 1 --kinds turboquant4 \
@@ -44,6 +48,7 @@ bench)
   timeout 80 python benchmarks/prefill_gpu.py --config $CONFIG --prompts 4096 --chunks 512,4096 \
     --json "$OUT/prefill.json" > "$LOG/prefill.log" 2>&1
   {
+    cat "$LOG/tests_tail.log"
     grep -A40 "^KV " "$LOG/engine_dense.log"; grep -A20 "^KV " "$LOG/engine_tq.log"; grep -A4 "chunk " "$LOG/prefill.log"
     python3 -c "import json; r = json.load(open('$OUT/bench_tq32k.json')); r = r[0] if isinstance(r, list) else r; \
 print('turboquant4 32k: decode', round(r['decode_tok_s'], 1), 'tok/s, floor', round(r['floor_decode_tok_s']))"
