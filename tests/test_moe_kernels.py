@@ -93,27 +93,6 @@ def test_decode_runs_the_shared_expert_as_one_more_slot(T, bits, gs):
                       shared_expert=(on_device(sh_down), on_device(sh_gu)))
 
 
-@pytest.mark.parametrize("T,shared,norm,bits", [(1, True, True, 8), (3, True, False, 4), (2, False, True, 4)])
-def test_router_gemv_routes_in_its_last_program(T, shared, norm, bits):
-    """route_gemv (one launch) = route over the same GEMV's split-K partials: the same ids, the weights to
-    rounding (their sums may run in another order); three calls in a row, the counters back at zero."""
-    from sluice.kernels import launch
-
-    g = torch.Generator().manual_seed(T + bits)
-    n_exp, K = 24, 2048
-    router = on_device(quantize(torch.randn(n_exp + shared, K, generator=g), bits, 64))
-    for _ in range(3):
-        x = torch.randn(T, K, generator=g).bfloat16().to(DEVICE)
-        logits = qmm.qgemv_partials(x, router)  # several programs a row; at T = 3 also two split-K partials
-        ref_ids, ref_w = mt.route(logits[..., :n_exp], 4, norm, logits[..., n_exp] if shared else None)
-        ids, weights = qmm.route_gemv(x, router, 4, norm, shared)
-        assert torch.equal(ids, ref_ids)
-        torch.testing.assert_close(weights, ref_w, rtol=1e-6, atol=1e-7)
-    assert not launch.device_counters("the router GEMV's top-k", T, DEVICE).any()
-    with pytest.raises(ValueError, match="route_gemv: top_k 17"):
-        qmm.route_gemv(x, router, 17, norm, shared)
-
-
 def test_slot_order_is_a_stable_sort_by_expert():
     g = torch.Generator().manual_seed(3)
     for n in (1, 31, 33, 200):

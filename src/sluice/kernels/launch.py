@@ -48,24 +48,6 @@ def round_to(v, dtype: tl.constexpr, RNE_BF16: tl.constexpr):
     return v.to(dtype).to(tl.float32)
 
 
-_COUNTERS: dict = {}  # (purpose, device) -> its int32 counter buffers, the newest last
-
-
-def device_counters(purpose: str, n: int, device) -> torch.Tensor:
-    """At least n int32 counters on `device` for one kind of "the last program to finish does the rest" kernel,
-    zero between launches (the program that finds itself last resets its counter). Made on an eager call (a decode
-    graph's warm-up runs before its capture), never during a capture: its zeros would only be a captured memset. A
-    bigger buffer replaces an outgrown one, which stays alive: graphs captured with it still use it."""
-    device = torch.device(device)
-    held = _COUNTERS.setdefault((purpose, device), [])
-    if not held or held[-1].numel() < n:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            raise RuntimeError(f"{purpose} needs {n} counters on {device}; run the step eagerly once before capturing "
-                               "it")
-        held.append(torch.zeros(max(4096, triton.next_power_of_2(n)), dtype=torch.int32, device=device))
-    return held[-1]
-
-
 @functools.lru_cache(maxsize=None)
 def _sm_count(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count

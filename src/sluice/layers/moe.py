@@ -104,12 +104,13 @@ class SparseMoE(nn.Module):
 
     def _route_with_shared_slot(self, x2: torch.Tensor, kernels) -> tuple[torch.Tensor, torch.Tensor]:
         """Decode routing: (ids, weights) [T, k + 1], slot k the shared expert weighted by its gate. A quantized
-        router is one launch: its GEMV's last program per token routes it (`qmm.route_gemv`)."""
+        router's split-K partials go to the router kernel unsummed (two launches fewer)."""
         E, g, qmm = self.num_experts, self.gates, kernels.qmm
         if (isinstance(g, Linear) and g.quantized and g.bits in qmm.SUPPORTED_BITS
-                and g.group_size in qmm.SUPPORTED_GROUPS and g.qt.out_features == E + 1):
-            return qmm.route_gemv(x2, g.qt, self.top_k, self.norm_topk_prob, shared=True)
-        logits = g(x2)
+                and g.group_size in qmm.SUPPORTED_GROUPS):
+            logits = qmm.qgemv_partials(x2, g.qt)
+        else:
+            logits = g(x2)
         return kernels.route(logits[..., :E], self.top_k, self.norm_topk_prob, logits[..., E])
 
     def _forward_triton(self, x2: torch.Tensor, kernels) -> torch.Tensor:

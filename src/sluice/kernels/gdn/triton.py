@@ -44,7 +44,7 @@ import triton.language as tl
 
 # the rest of a GDN layer's kernels, so that the layer finds them all here
 from sluice.kernels.conv1d.triton import causal_conv1d, causal_conv1d_update  # noqa: F401
-from sluice.kernels.launch import capability, device_counters, pdl, pdl_start
+from sluice.kernels.launch import capability, pdl, pdl_start
 from sluice.kernels.norm.triton import (  # noqa: F401
     gated_rms_norm,
     gated_rms_norm_rows,
@@ -560,6 +560,23 @@ def _value_block(V: int, programs_per_block: int, device) -> int:
     return bv
 
 
+_HEAD_COUNTERS: dict = {}  # device -> its int32 counter buffers of the fused gated norm, the newest last
+
+
+def _head_counters(n: int, device: torch.device) -> torch.Tensor:
+    """At least n int32 counters on `device`, zero between launches (the last program of a head resets its own).
+    Made on an eager call (a decode graph's warm-up runs before its capture), never during a capture: its zeros
+    would only be a captured memset. A bigger buffer replaces an outgrown one, which stays alive: graphs captured
+    with it still use it."""
+    held = _HEAD_COUNTERS.setdefault(device, [])
+    if not held or held[-1].numel() < n:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(f"gated delta rule: the gated norm needs {n} head counters on {device}; run the step "
+                               "eagerly once before capturing it")
+        held.append(torch.zeros(max(4096, triton.next_power_of_2(n)), dtype=torch.int32, device=device))
+    return held[-1]
+
+
 def fused_recurrent_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tensor,
                                      b: torch.Tensor, state: torch.Tensor, A_log: torch.Tensor | None = None,
                                      dt_bias: torch.Tensor | None = None, state_indices: torch.Tensor | None = None,
@@ -590,7 +607,7 @@ def fused_recurrent_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.
         return o
     bv = block_v or _value_block(V, B * Hv, v.device)
     idx = state_indices if state_indices is not None else q  # a placeholder pointer when unused
-    counters = device_counters("gated delta rule: the gated norm", B * Hv, v.device) if gated_norm and bv < V else o
+    counters = _head_counters(B * Hv, v.device) if gated_norm and bv < V else o  # o: a placeholder
     z = z if gated_norm else o
     _recurrent_kernel[(triton.cdiv(V, bv), Hv, B)](
         q, k, v, a, b, A_log if raw else a, dt_bias if raw else a, state, idx, o,

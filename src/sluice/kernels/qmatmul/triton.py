@@ -25,8 +25,7 @@ import triton
 import triton.language as tl
 
 from sluice.kernels.conv1d.triton import conv_update_columns
-from sluice.kernels.moe.routing import route_token
-from sluice.kernels.launch import INTERPRET, device_counters, num_sms, pdl, pdl_start, prefetch_l2, round_to
+from sluice.kernels.launch import INTERPRET, num_sms, pdl, pdl_start, prefetch_l2, round_to
 
 SUPPORTED_BITS = (2, 4, 8)
 SUPPORTED_GROUPS = (32, 64, 128)
@@ -234,13 +233,10 @@ def _gemv_kernel(xp_ptr, w_ptr, s_ptr, b_ptr, y_ptr, ids_ptr, order_ptr, wx_ptr,
                  x_div, n_experts, stride_pm, stride_we, stride_wn, stride_se, stride_sn, stride_ys, stride_ym, S,
                  stride_xs,
                  cw_ptr, cs_ptr, crows_ptr, C_CONV, stride_cwc, stride_cwk, stride_css, stride_csc, stride_csk,
-                 cnt_ptr, rids_ptr, rw_ptr, E_ROUTE,
                  BITS: tl.constexpr, GS: tl.constexpr, BLOCK_N: tl.constexpr, KB: tl.constexpr,
                  EVEN_N: tl.constexpr, EVEN_K: tl.constexpr, INDEXED: tl.constexpr, EXTRA: tl.constexpr,
                  ORDERED: tl.constexpr, RAW_X: tl.constexpr, SWIGLU: tl.constexpr, ASM: tl.constexpr,
-                 PDL: tl.constexpr, PREFETCH: tl.constexpr, CONV_W: tl.constexpr, ROUTE_K: tl.constexpr,
-                 ROUTE_NORM: tl.constexpr, ROUTE_SHARED: tl.constexpr, ROUTE_BLOCK_E: tl.constexpr,
-                 ROUTE_KP: tl.constexpr, ROUTE_SPC: tl.constexpr):
+                 PDL: tl.constexpr, PREFETCH: tl.constexpr, CONV_W: tl.constexpr):
     """y[split, row, n] = sum over this split's words of x[row] . W[n]. Program (n-block, split, row); each step
     reads a [BLOCK_N, KB words] tile of W.
     Layout: KB = 128 words per warp, so the threads lie along K (4 words, one 16-byte load, each) and every
@@ -252,9 +248,6 @@ def _gemv_kernel(xp_ptr, w_ptr, s_ptr, b_ptr, y_ptr, ids_ptr, order_ptr, wx_ptr,
     CONV_W (a decode step's in-projection, K not split): output channels below C_CONV are replaced by the causal
     conv of width CONV_W, silu'd, of the sequence in conv state slot crows[row] (`conv1d.triton.conv_update_columns`:
     `causal_conv1d_update`'s bits), that state shifted in place.
-    ROUTE_K (an MoE router: y the fp32 partials [S, rows, E_ROUTE (+1: the shared expert's gate logit)]): the last
-    program of a row to finish (a per-row counter, acq_rel; it resets it) routes that token
-    (`moe.routing.route_token`: top ROUTE_K ids and weights to rids, rw): no launch of its own.
     INDEXED: W, scales and biases are stacked over experts and row r uses expert ids[r] and x row r // x_div;
     with EXTRA, id n_experts means one more expert stored apart (wx, sx, bx: the shared expert, same shape).
     ORDERED: program (.., .., p) computes row order[p] (rows sorted by expert: the programs reading one expert
@@ -328,13 +321,6 @@ def _gemv_kernel(xp_ptr, w_ptr, s_ptr, b_ptr, y_ptr, ids_ptr, order_ptr, wx_ptr,
                                      stride_cwc, stride_cwk, stride_css, stride_csc, stride_csk, CONV_W, True)
         y = tl.where(conv, y_conv, y)
     tl.store(y_ptr + pid_k * stride_ys + row * stride_ym + offs_n, y.to(y_ptr.dtype.element_ty), mask=n_ok)
-    if ROUTE_K:
-        tl.debug_barrier()  # every thread's partials stored before the release
-        if tl.atomic_add(cnt_ptr + row, 1, sem="acq_rel", scope="gpu") == tl.num_programs(0) * tl.num_programs(1) - 1:
-            route_token(y_ptr, rids_ptr, rw_ptr, y_ptr + E_ROUTE, row, E_ROUTE, tl.num_programs(1), stride_ys,
-                        stride_ym, stride_ys, stride_ym, ROUTE_K, ROUTE_BLOCK_E, ROUTE_KP, ROUTE_NORM, ROUTE_SHARED,
-                        ROUTE_SPC)
-            tl.store(cnt_ptr + row, 0)  # zero again for the next launch (a graph replays the same counters)
 
 
 @triton.jit
@@ -519,7 +505,7 @@ def gemv_used_splits(K, bits, split_k, num_warps=1) -> tuple[int, int]:
 
 
 def gemv_launch(xp, w, s, b, out, ids, rows, N, K, bits, gs, split_k, x_div=1, block_n=4, num_warps=1, extra=None,
-                ids_ready=False, raw_x=False, prefetch=None, swiglu=False, order=None, conv=None, route=None):
+                ids_ready=False, raw_x=False, prefetch=None, swiglu=False, order=None, conv=None):
     """Launch `_gemv_kernel` for `rows` output rows: xp from `prep_x`, launched just before (or, raw_x, the
     activations [rows / x_div, K] themselves, unit column stride); W [E?, N, KW] int32, scales/biases
     [E?, N, K/GS]; ids [rows] expert indices (INDEXED) or None; out [split_k', rows, N] (fp32 when split); extra:
@@ -528,8 +514,7 @@ def gemv_launch(xp, w, s, b, out, ids, rows, N, K, bits, gs, split_k, x_div=1, b
     kernel's PREFETCH where the weights may be read early (default GEMV_PREFETCH, GEMV_PREFETCH_INDEXED); swiglu
     (with raw_x): xp is a gate_up projection's fp32 partials [S, rows / x_div, 2K], x = silu(gate) * up;
     order (with ids): the rows in the order their programs are launched (a permutation of [0, rows), written with
-    the ids); conv (split_k 1): (weight [C, W], state [slots, C, W-1], rows [rows]) of `_gemv_kernel`'s CONV_W;
-    route: (ids, weights, top_k, renormalise, shared) of its ROUTE_K (`route_gemv`).
+    the ids); conv (split_k 1): (weight [C, W], state [slots, C, W-1], rows [rows]) of `_gemv_kernel`'s CONV_W.
     Returns the split count actually used (<= split_k: every split covers whole steps)."""
     kw = K // (32 // bits)
     kb = gemv_step_words(K, bits, num_warps)
@@ -545,13 +530,11 @@ def gemv_launch(xp, w, s, b, out, ids, rows, N, K, bits, gs, split_k, x_div=1, b
         w_per_split, x_div,
         w.shape[0] if indexed else 0, xp.stride(-2), w.stride(0) if indexed else 0, w.stride(-2),
         s.stride(0) if indexed else 0, s.stride(-2), out.stride(0), out.stride(1),
-        xp.shape[0] if swiglu else 1, xp.stride(0) if swiglu else 0, *_conv_args(conv, out),
-        *_route_args(route, out, rows, N), BITS=bits, GS=gs,
+        xp.shape[0] if swiglu else 1, xp.stride(0) if swiglu else 0, *_conv_args(conv, out), BITS=bits, GS=gs,
         BLOCK_N=block_n, KB=kb, EVEN_N=N % block_n == 0, EVEN_K=kw % kb == 0 and w_per_split % kb == 0,
         INDEXED=indexed, EXTRA=extra is not None, ORDERED=order is not None, RAW_X=raw_x, SWIGLU=swiglu,
         ASM=not INTERPRET, PDL=use_pdl,
-        PREFETCH=prefetch if early else 0, CONV_W=0 if conv is None else conv[0].shape[1],
-        **_route_constexprs(route, N, used), launch_pdl=use_pdl,
+        PREFETCH=prefetch if early else 0, CONV_W=0 if conv is None else conv[0].shape[1], launch_pdl=use_pdl,
         num_warps=num_warps, num_stages=1)
     return used
 
@@ -562,49 +545,6 @@ def _conv_args(conv, placeholder) -> tuple:
         return (placeholder,) * 3 + (0,) * 6
     weight, state, rows = conv
     return (weight, state, rows, weight.shape[0], weight.stride(0), weight.stride(1), *state.stride())
-
-
-def _route_args(route, placeholder, rows: int, N: int) -> tuple:
-    """`_gemv_kernel`'s router pointers (counters, ids, weights) and expert count (placeholders without one)."""
-    if route is None:
-        return (placeholder,) * 3 + (0,)
-    ids, weights, _, _, shared = route
-    return (device_counters("the router GEMV's top-k", rows, ids.device), ids, weights, N - int(shared))
-
-
-def _route_constexprs(route, N: int, splits: int) -> dict:
-    """`_gemv_kernel`'s ROUTE_* (the same for every GEMV that routes nothing: no extra compiled variants)."""
-    if route is None:
-        return {"ROUTE_K": 0, "ROUTE_NORM": False, "ROUTE_SHARED": False, "ROUTE_BLOCK_E": 1, "ROUTE_KP": 1,
-                "ROUTE_SPC": 1}
-    top_k, norm, shared = route[2:]
-    block_e = triton.next_power_of_2(N - int(shared))
-    return {"ROUTE_K": top_k, "ROUTE_NORM": norm, "ROUTE_SHARED": shared, "ROUTE_BLOCK_E": block_e,
-            "ROUTE_KP": triton.next_power_of_2(top_k + shared),
-            "ROUTE_SPC": min(triton.next_power_of_2(splits), max(1, 4096 // block_e))}
-
-
-def route_gemv(x: torch.Tensor, qt, top_k: int, norm_topk_prob: bool,
-               shared: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """An MoE router in one launch: the GEMV of the router's logits (x [T, K], W [E (+1: the shared expert's gate
-    row), K]) whose last program per token routes it (`moe.triton.route` of the same partials: the same ids, the
-    weights to rounding, their sums in another order): (ids int32 [T, top_k (+1)], weights fp32)."""
-    check(x, qt)
-    T, K = x.shape
-    N = qt.weight.shape[0]
-    if not 1 <= top_k <= min(16, N - int(shared)) or N - int(shared) > 1024:
-        raise ValueError(f"route_gemv: top_k {top_k} of {N - int(shared)} experts is not supported")
-    block_n, num_warps, raw_x = gemv_plan(N, K, qt.bits, qt.group_size, T, x.device)
-    xp = x.contiguous() if raw_x else prep_x(x, qt.bits, qt.group_size)
-    split_k = gemv_split_k(N, K, qt.bits, T, block_n, num_warps, x.device)
-    splits, _ = gemv_used_splits(K, qt.bits, split_k, num_warps)
-    out = torch.empty((splits, T, N), dtype=torch.float32, device=x.device)
-    ids = torch.empty((T, top_k + int(shared)), dtype=torch.int32, device=x.device)
-    weights = torch.empty((T, top_k + int(shared)), dtype=torch.float32, device=x.device)
-    gemv_launch(xp, qt.weight.view(torch.int32), qt.scales, qt.biases, out, None, T, N, K, qt.bits, qt.group_size,
-                split_k, block_n=block_n, num_warps=num_warps, raw_x=raw_x,
-                route=(ids, weights, top_k, norm_topk_prob, shared))
-    return ids, weights
 
 
 def qgemv_conv(x: torch.Tensor, qt, conv_weight: torch.Tensor, conv_state: torch.Tensor,
