@@ -15,7 +15,8 @@ shared-expert gate 8-bit g64 or bf16), random weights built directly in the pack
 - the multi-launch decode's critical path: graph time of its first n launches (with --chain-only: only this);
 - --quick: the chain, the checks and the decode table only;
 - --gemv-sweep: the chain and the expert GEMVs' launch sweep only;
-- --prefill-only: the prefill block sweep only;
+- --prefill-only: the prefill block sweep only (--prefill-tokens T1,T2,...: at these token counts; below 4096 the
+  smaller-tile configurations);
 - (not with --decode-only) the multi-launch kernels: router and expert GEMV checks, their launch sweep;
 - routed experts at T = 1, 4, 16: decode GEMVs vs prefill grouped GEMMs (where to switch);
 - prefill, T = 4096: routed experts (a small block-size sweep; effective TFLOP/s vs cuBLAS bf16 GEMMs of the same
@@ -53,6 +54,9 @@ PREFILL_T = 4096
 # weights made in fp32 before the dot (`dequant_dot`, 2-4x slower) and 256-column tiles (register spills)
 PREFILL_CONFIGS = [(64, 64, 64, 4, 3, False), (64, 64, 64, 4, 3, True), (128, 64, 64, 4, 3, True),
                    (128, 128, 64, 8, 3, True), (128, 128, 64, 8, 4, True)]
+# smaller chunks (a few rows per expert): tiles of fewer rows
+SMALL_CHUNK_CONFIGS = [(64, 64, 64, 4, 3, True), (32, 64, 64, 4, 3, True), (16, 64, 64, 4, 3, True),
+                       (16, 128, 64, 4, 3, True), (32, 128, 64, 4, 3, True), (16, 64, 128, 4, 3, True)]
 BF16 = torch.bfloat16
 
 
@@ -244,20 +248,19 @@ def time_crossover(res, name, layers, H, E, k):
               f"{row['prefill_us']:.1f} us", flush=True)
 
 
-def time_prefill(res, name, layer, H, E, I, k):
-    T = PREFILL_T
+def time_prefill(res, name, layer, H, E, I, k, T=PREFILL_T, configs=None):
     x = torch.randn(T, H, device="cuda", dtype=BF16)
     ids, w = mt.route(torch.randn(T, E, device="cuda"), k, True)
     flops = 6 * T * k * H * I  # gate_up 2*(2I)*H and down 2*H*I per slot
     best = None
-    for cfg in PREFILL_CONFIGS:
+    for cfg in configs or PREFILL_CONFIGS:
         try:
             t = events_time(lambda: mt.moe_prefill(x, ids, w, layer.gate_up, layer.down, None, None, *cfg), reps=10)
         except Exception as e:  # noqa: BLE001 - e.g. a config that does not fit shared memory
             print(f"  config {cfg} failed: {type(e).__name__}: {str(e)[:200]}", flush=True)
             continue
-        print(f"  config {cfg}: {t * 1e6:.0f} us", flush=True)
-        res["prefill_sweep"].append({"model": name, "config": cfg, "us": t * 1e6})
+        print(f"  T={T} config {cfg}: {t * 1e6:.0f} us", flush=True)
+        res["prefill_sweep"].append({"model": name, "T": T, "config": cfg, "us": t * 1e6})
         if best is None or t < best[0]:
             best = (t, cfg)
     a, b = torch.randn(T * k, H, device="cuda", dtype=BF16), torch.randn(T * k, I, device="cuda", dtype=BF16)
@@ -311,7 +314,8 @@ def print_tables(res):
 def main():
     a, dev, res = start_run("correctness", "decode", "sweep", "crossover", "prefill", "prefill_sweep", "errors",
                             "timeline", "chain",
-                            flags=("--decode-only", "--chain-only", "--quick", "--gemv-sweep", "--prefill-only"))
+                            flags=("--decode-only", "--chain-only", "--quick", "--gemv-sweep", "--prefill-only"),
+                            values=("--prefill-tokens",))
     copy_bw = copy_bandwidth(dev)
     A = torch.randn(8192, 8192, device=dev, dtype=BF16)
     res["copy_bandwidth_Bps"], res["bf16_gemm_flops"] = copy_bw, 2 * 8192 ** 3 / events_time(lambda: A @ A, reps=10)
@@ -322,8 +326,10 @@ def main():
         for name, (H, E, I, k, Is) in MODELS.items():
             layers = {kind: [] for kind in ROUTERS}
             if a.prefill_only:
-                case(res, f"{name} prefill", lambda: time_prefill(res, name, build_layers(H, E, I, k, Is)["8-bit"], H,
-                                                                   E, I, k))
+                layer = build_layers(H, E, I, k, Is)["8-bit"]
+                for T in (int(t) for t in (a.prefill_tokens or str(PREFILL_T)).split(",")):
+                    case(res, f"{name} prefill T={T}", lambda T=T: time_prefill(
+                        res, name, layer, H, E, I, k, T, SMALL_CHUNK_CONFIGS if T < PREFILL_T else None))
                 continue
 
             def build():
