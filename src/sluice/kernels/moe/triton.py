@@ -361,13 +361,15 @@ def moe_prefill(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_
     """MoE output [T, H] in x's dtype for many tokens (`ExpertOutputs` when not `summed`): grouped tensor-core
     GEMMs over the slots sorted by expert; h and the expert outputs are held in x's dtype, in slot order. swap:
     the GEMMs compute the transposed products (`_grouped_gemm_kernel`'s SWAP). block_m (rows per tile): by default
-    128 where the experts average 64 rows or more, else 64 (H100 sweep, docs/PERF.md "prefill")."""
+    from the rows an expert averages: 128 from 64, 64 from 24, else 16 (each tile makes its expert's whole weight, so
+    fewer, fuller tiles win until the rows run out; H100 sweeps at 256 to 4,096 tokens, docs/PERF.md)."""
     _check_moe(x, ids, weights, gate_up, down, shared_out, shared_gate_logit)
     x = x.contiguous()
     T, k = ids.shape
     E = gate_up.weight.shape[0]
     if block_m is None:
-        block_m = 128 if T * k >= 64 * E else 64
+        rows = T * k / E
+        block_m = 128 if rows >= 64 else 64 if rows >= 24 else 16
     table = _tile_table(ids, E, block_m)
     h = torch.empty((T * k, down.in_features), dtype=x.dtype, device=x.device)
     _grouped_gemm(x, k, gate_up, h, table, True, block_m, block_n, block_k, num_warps, num_stages, swap)
