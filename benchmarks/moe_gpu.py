@@ -16,7 +16,8 @@ shared-expert gate 8-bit g64 or bf16), random weights built directly in the pack
 - --quick: the chain, the checks and the decode table only;
 - --gemv-sweep: the chain and the expert GEMVs' launch sweep only;
 - --prefill-only: the prefill block sweep only (--prefill-tokens T1,T2,...: at these token counts; below 4096 the
-  smaller-tile configurations);
+  smaller-tile configurations), beside every expert dequantized to bf16 then torch._grouped_mm, and
+  torch._grouped_mm on bf16 weights held, and the floor (the hit experts' bytes or FLOPs, whichever is longer);
 - (not with --decode-only) the multi-launch kernels: router and expert GEMV checks, their launch sweep;
 - routed experts at T = 1, 4, 16: decode GEMVs vs prefill grouped GEMMs (where to switch);
 - prefill, T = 4096: routed experts (a small block-size sweep; effective TFLOP/s vs cuBLAS bf16 GEMMs of the same
@@ -248,6 +249,46 @@ def time_crossover(res, name, layers, H, E, k):
               f"{row['prefill_us']:.1f} us", flush=True)
 
 
+def dequantize_stacked(qt) -> torch.Tensor:
+    """Stacked experts [E, N, K] 4-bit -> bf16 [E, N, K], one dequantize launch."""
+    E, N = qt.weight.shape[:2]
+    flat = QuantizedTensor(qt.weight.reshape(E * N, -1), qt.scales.reshape(E * N, -1), qt.biases.reshape(E * N, -1),
+                           qt.bits, qt.group_size)
+    return qmm.dequantize(flat, BF16).view(E, N, -1)
+
+
+def grouped_mm_experts(x, ids, w, gate_up, down):
+    """The routed experts through torch._grouped_mm (CUTLASS on sm_90) on bf16 weights gate_up [E, 2I, H] and
+    down [E, H, I]: slots sorted by expert on the device, SwiGLU, weighted scatter-add; the alternative #29 asks to
+    compare."""
+    T, k = ids.shape
+    E = gate_up.shape[0]
+    sorted_ids, order = torch.sort(ids.reshape(-1), stable=True)
+    offs = torch.searchsorted(sorted_ids, torch.arange(1, E + 1, device=ids.device, dtype=sorted_ids.dtype),
+                              out_int32=True)
+    tok = order // k
+    h = torch._grouped_mm(x[tok], gate_up.transpose(1, 2), offs=offs)
+    g, u = h.chunk(2, dim=-1)
+    y = torch._grouped_mm(torch.nn.functional.silu(g) * u, down.transpose(1, 2), offs=offs)
+    out = torch.zeros(T, x.shape[1], device=x.device, dtype=torch.float32)
+    return out.index_add_(0, tok, y.float() * w.reshape(-1)[order, None]).to(x.dtype)
+
+
+def time_alternatives(res, row, x, ids, w, layer):
+    """Beside the grouped GEMM: dequantize every expert to bf16 then torch._grouped_mm (the dequantization timed
+    too: the weights live in 4 bits), and torch._grouped_mm alone on bf16 weights held (4x the memory; a bound)."""
+    ref = mt.moe_prefill(x, ids, w, layer.gate_up, layer.down).float()
+    gu, dn = dequantize_stacked(layer.gate_up), dequantize_stacked(layer.down)
+    err = rel_err(grouped_mm_experts(x, ids, w, gu, dn).float(), ref)
+    if err > 2e-2:
+        raise AssertionError(f"torch._grouped_mm experts: rel err {err:.2e} against moe_prefill")
+    row["dequant_grouped_mm_us"] = events_time(lambda: grouped_mm_experts(
+        x, ids, w, dequantize_stacked(layer.gate_up), dequantize_stacked(layer.down)), reps=5) * 1e6
+    row["grouped_mm_bf16_us"] = events_time(lambda: grouped_mm_experts(x, ids, w, gu, dn), reps=5) * 1e6
+    print(f"  T={row['T']} dequantize + torch._grouped_mm {row['dequant_grouped_mm_us']:.0f} us, "
+          f"torch._grouped_mm on bf16 weights {row['grouped_mm_bf16_us']:.0f} us", flush=True)
+
+
 def time_prefill(res, name, layer, H, E, I, k, T=PREFILL_T, configs=None):
     x = torch.randn(T, H, device="cuda", dtype=BF16)
     ids, w = mt.route(torch.randn(T, E, device="cuda"), k, True)
@@ -269,12 +310,17 @@ def time_prefill(res, name, layer, H, E, I, k, T=PREFILL_T, configs=None):
     del a, b
     t_layer = events_time(lambda: layer(x), reps=10)
     row = {"model": name, "T": T, "flops": flops, "cublas_tflops": flops / t_cublas / 1e12, "layer_us": t_layer * 1e6}
+    hit = torch.unique(ids).numel()  # the floor (#29): the hit experts' bytes at copy bandwidth, or their FLOPs
+    expert_bytes = sum(qt_bytes(qt) for qt in (layer.gate_up, layer.down)) / E
+    row["floor_us"] = 1e6 * max(hit * expert_bytes / res["copy_bandwidth_Bps"], flops / res["bf16_gemm_flops"])
+    case(res, f"{name} T={T} alternatives", lambda: time_alternatives(res, row, x, ids, w, layer))
     if best is not None:
         row.update(experts_us=best[0] * 1e6, config=best[1], tflops=flops / best[0] / 1e12,
                    pct_cublas=t_cublas / best[0])
     res["prefill"].append(row)
     print(f"prefill {name} T={T}: experts {row.get('tflops', 0):.0f} TFLOP/s = {row.get('pct_cublas', 0) * 100:.0f}% "
-          f"of cuBLAS bf16 ({row['cublas_tflops']:.0f}); layer {row['layer_us']:.0f} us", flush=True)
+          f"of cuBLAS bf16 ({row['cublas_tflops']:.0f}), {row['floor_us'] / row.get('experts_us', 1e30):.0%} of "
+          f"the floor ({row['floor_us']:.0f} us); layer {row['layer_us']:.0f} us", flush=True)
 
 
 def print_tables(res):
