@@ -105,7 +105,7 @@ class GatedDeltaNet(nn.Module):
         `_mix`)."""
         T = mixed.shape[1]
         rows = meta.rows
-        if conv_done:
+        if conv_done:  # by the in-projection's launch (`projection_conv`)
             pass
         elif meta.decode:  # the conv state shifted in place
             mixed = kernels.causal_conv1d_update(mixed[:, 0], self.conv_weight, conv_state, state_indices=rows)[:, None]

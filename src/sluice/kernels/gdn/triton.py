@@ -53,12 +53,11 @@ from sluice.kernels.norm.triton import (  # noqa: F401
 from sluice.kernels.qmatmul import triton as qmm
 
 
-def projection_conv(x: torch.Tensor, in_proj, conv_weight: torch.Tensor, conv_state: torch.Tensor,
+def projection_conv(x: torch.Tensor, qt, conv_weight: torch.Tensor, conv_state: torch.Tensor,
                     rows: torch.Tensor) -> torch.Tensor | None:
     """A decode step's in-projection [B, N] with the conv (and its state update) in the same launch
-    (`qmm.qgemv_conv`), for x [B, K] and a quantized in_proj (a `Linear`'s QuantizedTensor); None when that launch
-    does not fit (more rows than its GEMV takes, unsupported bits): the caller projects and convolves apart."""
-    qt = in_proj
+    (`qmm.qgemv_conv`), for x [B, K] and the in-projection's QuantizedTensor qt; None when that launch does not fit
+    (more rows than its GEMV takes, unsupported bits): the caller projects and convolves apart."""
     if (x.shape[0] > qmm.GEMV_MAX_ROWS or qt.weight.dim() != 2 or qt.bits not in qmm.SUPPORTED_BITS
             or qt.group_size not in qmm.SUPPORTED_GROUPS or conv_state.dtype != x.dtype):
         return None
