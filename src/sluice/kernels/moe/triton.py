@@ -194,16 +194,19 @@ def _expert_gemv(xp: torch.Tensor, qt: QuantizedTensor, ids: torch.Tensor, x_div
 
 
 @triton.jit
-def _slot_order_kernel(ids_ptr, order_ptr, n, BLOCK: tl.constexpr, ALL: tl.constexpr):
+def _slot_order_kernel(ids_ptr, order_ptr, n, BLOCK: tl.constexpr, CHUNK: tl.constexpr):
     """order[rank of slot s] = s for this program's BLOCK slots, the rank of s counting the slots of a lower
-    (expert id, slot) key: every program compares its slots with all n (a stable counting sort, no atomics)."""
+    (expert id, slot) key: every program compares its slots with all n, CHUNK at a time (a stable counting sort,
+    no atomics)."""
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     ok = offs < n
     mine = tl.load(ids_ptr + offs, mask=ok, other=0) * n + offs
-    offs_all = tl.arange(0, ALL)
-    ok_all = offs_all < n
-    every = tl.where(ok_all, tl.load(ids_ptr + offs_all, mask=ok_all, other=0) * n + offs_all, 0x7FFFFFFF)
-    rank = tl.sum((every[None, :] < mine[:, None]).to(tl.int32), axis=1)
+    rank = tl.zeros((BLOCK,), dtype=tl.int32)
+    for j0 in range(0, n, CHUNK):
+        offs_all = j0 + tl.arange(0, CHUNK)
+        ok_all = offs_all < n
+        every = tl.where(ok_all, tl.load(ids_ptr + offs_all, mask=ok_all, other=0) * n + offs_all, 0x7FFFFFFF)
+        rank += tl.sum((every[None, :] < mine[:, None]).to(tl.int32), axis=1)
     tl.store(order_ptr + rank, offs, mask=ok)
 
 
@@ -216,7 +219,8 @@ def slot_order(ids: torch.Tensor) -> torch.Tensor:
     if n * (MAX_EXPERTS + 1) >= 1 << 31:
         raise ValueError(f"moe slot_order: {n} slots are too many for int32 keys")
     order = torch.empty(n, dtype=torch.int32, device=ids.device)
-    _slot_order_kernel[(triton.cdiv(n, 32),)](flat, order, n, BLOCK=32, ALL=triton.next_power_of_2(n), num_warps=4)
+    _slot_order_kernel[(triton.cdiv(n, 32),)](flat, order, n, BLOCK=32, CHUNK=min(1024, triton.next_power_of_2(n)),
+                                             num_warps=4)
     return order
 
 
