@@ -29,7 +29,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from qmatmul_gpu import end_run, L2_BYTES, copy_bandwidth, graph_time, start_run  # noqa: E402
 from sluice.cache.turboquant import RECENT  # noqa: E402
-from sluice.kernels.attention import cuda as tq_cuda  # noqa: E402
 from sluice.kernels.attention.triton import decode_attention, num_splits  # noqa: E402
 from sluice.kernels.turboquant import reference as tq  # noqa: E402
 from sluice.kernels.turboquant.triton import decode_step_prep, rotate  # noqa: E402
@@ -101,7 +100,6 @@ def _attention_fp32(q, k, v, scale):
 def check(res):
     """Real shapes, 4k context at batch 2 and 32k at batch 16 (the long-split launch): ours (bf16 cache) vs fp32
     attention; TurboQuant vs attention over the dequantized cache with the recent positions exact."""
-    import sluice.kernels.attention.triton as at
 
     g = torch.Generator(device="cuda").manual_seed(0)
     for name, (Hq, Hkv, D) in SHAPES.items():
@@ -127,14 +125,10 @@ def check(res):
             ref = _attention_fp32(q, kk, vv, scale)
             del kk, vv
             row["turboquant_rel"] = float((ours(q, qc, pos, scale, S, True).float() - ref).norm() / ref.norm())
-            tq_cuda.ENABLED = False  # the Triton kernel and its product variants (the sweep times them)
-            default_int8 = at.INT8_PRODUCTS
-            for int8 in (0, 1, 2):  # the product variants (the sweep times them)
-                at.INT8_PRODUCTS = int8
-                row[f"turboquant_rel_int8_{int8}"] = float((ours(q, qc, pos, scale, S, True).float() - ref).norm()
+            for int8 in (0, 1, 2):  # the Triton kernel's product variants (the sweep times them)
+                row[f"turboquant_rel_int8_{int8}"] = float((ours(q, qc, pos, scale, S, True, cuda_kernel=False,
+                                                                 int8_products=int8).float() - ref).norm()
                                                            / ref.norm())
-            at.INT8_PRODUCTS = default_int8
-            tq_cuda.ENABLED = True
             row["ok"] = row["dense_rel"] < 1e-2 and row["turboquant_rel"] < 1e-2
             res["correctness"].append(row)
             print(f"check {row}", flush=True)
@@ -166,12 +160,8 @@ def time_case(res, copy_bw, name, Hq, Hkv, D, S, B):
             qr = rotate(q)
             row["kernel_turboquant4_us"] = graph_time([lambda c=c: ours(qr, c, pos, scale, S, quant, rotated=True)
                                                        for c in caches]) * 1e6
-            tq_cuda.ENABLED = False  # the Triton split kernel, same merge (A/B in one run)
-            try:
-                row["kernel_turboquant4_triton_us"] = graph_time(
-                    [lambda c=c: ours(qr, c, pos, scale, S, quant, rotated=True) for c in caches]) * 1e6
-            finally:
-                tq_cuda.ENABLED = True
+            row["kernel_turboquant4_triton_us"] = graph_time(  # the Triton split kernel, same merge (A/B)
+                [lambda c=c: ours(qr, c, pos, scale, S, quant, rotated=True, cuda_kernel=False) for c in caches]) * 1e6
         else:
             try:
                 row["sdpa_bf16_us"] = graph_time([lambda c=c: sdpa(q, c, scale) for c in caches]) * 1e6
@@ -201,9 +191,7 @@ SWEEP_TQ_INT8 = (2,)  # the product variants the sweep times (1 and 2 compared i
 def sweep(res, copy_bw, dense=True, contexts=None):
     """Launch options, split counts and (TurboQuant) the int8 product variants at 32k context (TurboQuant: also
     4k): the time of each (TurboQuant: the kernel alone, q rotated beforehand), so the defaults can be checked."""
-    import sluice.kernels.attention.triton as at
 
-    default_int8 = at.INT8_PRODUCTS
     for name, (Hq, Hkv, D) in SHAPES.items():
         for B, S in [(B, S) for B in BATCHES for S in contexts or ((32768,) if dense else (4096, 32768))]:
             g = torch.Generator(device="cuda").manual_seed(7)
@@ -222,12 +210,11 @@ def sweep(res, copy_bw, dense=True, contexts=None):
                     runs = [(launch, auto) for launch in configs] + [({}, max(1, auto // 2)), ({}, 2 * auto)]
                 qq = rotate(q) if quant else q
                 for int8 in (SWEEP_TQ_INT8 if quant else (None,)):
-                    if int8 is not None:
-                        at.INT8_PRODUCTS = int8
+                    products = {} if int8 is None else {"int8_products": int8}
                     for launch, ns in runs:
                         try:
                             t = graph_time([lambda c=c: ours(qq, c, pos, D ** -0.5, S, quant, ns, rotated=quant,
-                                                             **launch) for c in caches]) * 1e6
+                                                             **launch, **products) for c in caches]) * 1e6
                         except Exception as e:  # noqa: BLE001 - a launch that does not fit is reported
                             res["errors"].append(f"sweep {name} B={B} {launch} splits={ns} int8={int8}: "
                                                  f"{type(e).__name__}: {e}")
@@ -235,7 +222,6 @@ def sweep(res, copy_bw, dense=True, contexts=None):
                         row = dict(shape=name, batch=B, context=S, quant=quant, int8=int8, splits=ns, us=t, **launch)
                         res["sweep"].append(row)
                         print(f"sweep {row}", flush=True)
-                at.INT8_PRODUCTS = default_int8
                 del caches, one
                 torch.cuda.empty_cache()
 

@@ -132,11 +132,7 @@ def test_cuda_kernel_equals_attention_over_the_dequantized_cache(Hq, Hkv, D, win
             err = rel(o[b], ref)
             assert err < 5e-3, (splits, b, err)
     # the same partials as the Triton kernel, through the same merge
-    tq_cuda.ENABLED = False
-    try:
-        triton_out = at.decode_attention(*args, visible, window=window, **cache).cpu()
-    finally:
-        tq_cuda.ENABLED = True
+    triton_out = at.decode_attention(*args, visible, window=window, cuda_kernel=False, **cache).cpu()
     assert rel(outs[None], triton_out) < 5e-3
 
 
@@ -191,11 +187,7 @@ def test_cuda_kernel_reads_the_rows_of_a_pool(Hq, Hkv, D, window, index_dtype):
         keys = torch.where(exact, tq.rotate(k[r][:, lo:p + 1]).bfloat16().float(), kq[r][:, lo:p + 1])
         vals = torch.where(exact, tq.rotate(v[r][:, lo:p + 1]).bfloat16().float(), vq[r][:, lo:p + 1])
         assert rel(o[b], reference(qr[b], keys, vals, scale)) < 5e-3, b
-    tq_cuda.ENABLED = False
-    try:
-        triton_out = at.decode_attention(*args, **kw).cpu()
-    finally:
-        tq_cuda.ENABLED = True
+    triton_out = at.decode_attention(*args, cuda_kernel=False, **kw).cpu()
     assert rel(o, triton_out) < 5e-3
 
 

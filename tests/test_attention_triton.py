@@ -18,16 +18,15 @@ TOL_INT8 = max(TOL, 3e-4)  # TurboQuant on int8 tensor cores: q (and the probabi
 
 @pytest.mark.parametrize("splits", [1, 2, 7, None])
 @pytest.mark.parametrize("Hq,Hkv,D", [(4, 2, 64), (9, 3, 64), (16, 2, 128)])
-def test_dense_decode(splits, Hq, Hkv, D, monkeypatch):
-    if splits == 7:  # the merge reads the splits in several loads
-        monkeypatch.setattr(at, "MERGE_ELEMS", 32)
+def test_dense_decode(splits, Hq, Hkv, D):
+    merge = {"merge_elems": 32} if splits == 7 else {}  # the merge reads the splits in several loads
     g = torch.Generator().manual_seed(Hq * 10 + D)
     B, cap = 3, 150
     q = torch.randn(B, Hq, D, generator=g)
     k, v = torch.randn(B, Hkv, cap, D, generator=g), torch.randn(B, Hkv, cap, D, generator=g)
     pos = torch.tensor([149, 4, 77])  # entry 1 sees 5 keys: most of its splits see none
     o = at.decode_attention(q.to(DEVICE), k.to(DEVICE), v.to(DEVICE), pos.to(DEVICE), 0.125, visible=150,
-                            splits=splits, block_n=16).cpu()
+                            splits=splits, block_n=16, **merge).cpu()
     assert not o.isnan().any()
     for b in range(B):
         n = int(pos[b]) + 1
@@ -55,10 +54,9 @@ def test_dense_decode_ring_wraps(pos):
 @pytest.mark.parametrize("splits", [1, 4])
 @pytest.mark.parametrize("window", [None, 24])
 @pytest.mark.parametrize("int8", [0, 1, 2])
-def test_turboquant_decode_equals_attention_over_the_dequantized_cache(monkeypatch, splits, window, int8):
+def test_turboquant_decode_equals_attention_over_the_dequantized_cache(splits, window, int8):
     """Codes for positions p - j >= RECENT, the exact rotated ring for the newest RECENT; rotated domain; products
     in fp16, or on int8 tensor cores (q, and with int8 = 2 the probabilities, to 15 bits)."""
-    monkeypatch.setattr(at, "INT8_PRODUCTS", int8)
     g = torch.Generator().manual_seed(splits + (window or 0))
     B, Hq, Hkv, D, recent = 2, 8, 2, 64, 8
     cap = window or 96
@@ -82,7 +80,7 @@ def test_turboquant_decode_equals_attention_over_the_dequantized_cache(monkeypat
     d = lambda x: x.to(DEVICE)  # noqa: E731
     o = at.decode_attention(d(qr), d(codes_k), d(tq.interleave(codes_v)), d(pos), 0.125, visible=cap, window=window,
                             splits=splits, block_n=16, k_scale=d(scale_k), v_scale=d(scale_v), k_recent=d(ring_k),
-                            v_recent=d(ring_v)).cpu()
+                            v_recent=d(ring_v), int8_products=int8, cuda_kernel=False).cpu()
     for b in range(B):
         p = int(pos[b])
         lo = 0 if window is None else max(0, p - window + 1)
@@ -94,12 +92,10 @@ def test_turboquant_decode_equals_attention_over_the_dequantized_cache(monkeypat
 
 
 @pytest.mark.parametrize("D,merge_elems", [(32, None), (128, None), (256, None), (128, 32)])
-def test_turboquant_decode_rotates_its_output_back(D, merge_elems, monkeypatch):
+def test_turboquant_decode_rotates_its_output_back(D, merge_elems):
     """unrotate: the merge kernel returns R^T o, the output of the codec's domain rotated back (D > 64: each
     head's coordinate blocks merged by their own programs, the last one rotating the row; merge_elems: the
     splits read in several loads)."""
-    if merge_elems:
-        monkeypatch.setattr(at, "MERGE_ELEMS", merge_elems)
     g = torch.Generator().manual_seed(D)
     B, Hq, Hkv, cap, recent = 2, 4, 2, 40, 8
     codes = torch.randint(0, 256, (2, B, Hkv, cap, D // 2), generator=g, dtype=torch.int32).to(torch.uint8)
@@ -109,7 +105,7 @@ def test_turboquant_decode_rotates_its_output_back(D, merge_elems, monkeypatch):
     d = lambda x: x.to(DEVICE)  # noqa: E731
     args = (d(q), d(codes[0]), d(tq.interleave(codes[1])), d(pos), D ** -0.5, cap)
     kw = dict(splits=3, block_n=16, k_scale=d(scales[0]), v_scale=d(scales[1]), k_recent=d(ring[0]),
-              v_recent=d(ring[1]))
+              v_recent=d(ring[1]), **({"merge_elems": merge_elems} if merge_elems else {}))
     o = at.decode_attention(*args, **kw).cpu()
     back = at.decode_attention(*args, unrotate=True, **kw).cpu()
     assert rel(back, tq.unrotate(o)) < (1e-5 if DEVICE == "cpu" else 1e-3)

@@ -198,14 +198,12 @@ def test_turboquant_needs_a_power_of_two_head_dim(tmp_path):
     assert sluice.load(path, device="cpu").generate([1, 2, 3], max_tokens=2, temperature=0) is not None
 
 
-def test_turboquant_prefill_in_query_blocks(monkeypatch):
+def test_turboquant_prefill_in_query_blocks():
     """A small score budget splits the chunk's queries into blocks: the same result."""
-    import sluice.cache.turboquant as tqc
-
     q, k, v = qkv(T=30, seed=4)
     ref = turboquant_reference(q, k, v, 0.125, 8)
-    monkeypatch.setattr(tqc, "SCORE_ELEMENTS", 2 * 4 * 30 * 7)  # 7 queries per block
-    out = run_chunks(TurboQuantKVCache(1, 2, 2, 64, 30, recent=8), q, k, v, [30], 0.125)
+    cache = TurboQuantKVCache(1, 2, 2, 64, 30, recent=8, score_elements=2 * 4 * 30 * 7)  # 7 queries per block
+    out = run_chunks(cache, q, k, v, [30], 0.125)
     assert rel(out, ref) < 1e-5
 
 

@@ -25,13 +25,14 @@ SCORE_ELEMENTS = 1 << 26  # prefill attention: fp32 scores held at once on SDPA'
 class TurboQuantKVCache(KVCache):
     def __init__(self, num_layers: int, rows: int, num_kv_heads: int, head_dim: int, capacity: int,
                  dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu", window: int | None = None,
-                 recent: int = RECENT):
+                 recent: int = RECENT, score_elements: int = SCORE_ELEMENTS):
         if head_dim < 2 or head_dim & (head_dim - 1):
             raise ValueError(f"the TurboQuant KV cache needs a power-of-two head dim, this model has {head_dim}")
         super().__init__(num_layers, rows, num_kv_heads, head_dim, capacity, window)
         self.capacity = -(-self.capacity // 32) * 32  # slots in 32s: the values interleave four positions, the CUDA
         # decode kernel (kernels/attention/cuda.py) reads blocks of 32
         self.recent = recent
+        self.score_elements = score_elements  # prefill: fp32 scores held at once on SDPA's math path
         codes = (num_layers, rows, num_kv_heads, self.capacity, head_dim // 2)
         scales = (num_layers, rows, num_kv_heads, self.capacity)
         ring = (num_layers, rows, num_kv_heads, recent, head_dim)
@@ -75,12 +76,12 @@ class TurboQuantKVCache(KVCache):
         # one attention over both key sets, the coded (every visible position) and the exact (e0..end-1): query p
         # may see coded key j when p - j >= recent, exact key j when p - j < recent (itself always). The G query
         # heads of a KV head ride along as rows of one [G * t] query block (no expanded copies of K and V, whatever
-        # SDPA backend runs); blocks keep a materialized score matrix under SCORE_ELEMENTS on its math path.
+        # SDPA backend runs); blocks keep a materialized score matrix under score_elements on its math path.
         G = Hq // Hkv
         keys, values = torch.cat([kq, ke], dim=2), torch.cat([vq, ve], dim=2)
         kpos = torch.cat([torch.arange(first, end), torch.arange(e0, end)]).to(q.device)[None, :]
         coded = torch.arange(keys.shape[2], device=q.device)[None, :] < kq.shape[2]
-        step = max(1, SCORE_ELEMENTS // (B * Hq * keys.shape[2]))
+        step = max(1, self.score_elements // (B * Hq * keys.shape[2]))
         outs = []
         for t0 in range(0, T, step):
             t1 = min(T, t0 + step)

@@ -29,7 +29,7 @@ STAGES = 2  # blocks a warp has in flight (cp.async); 3 measured slower everywhe
 Q_PARTS = 2  # q as two int8 parts (15 bits), as the Triton kernel
 RECENT_SPLIT = 16  # newest positions a recent split takes (4 a warp)
 RECENT_COST = 6  # a recent position costs a warp about as much as this many coded ones (fp32 FMAs, shuffles)
-ENABLED = os.environ.get("SLUICE_TQ_CUDA", "1") != "0"  # False: the Triton kernel everywhere (benchmarks A/B)
+ENABLED = os.environ.get("SLUICE_TQ_CUDA", "1") != "0"  # SLUICE_TQ_CUDA=0: the Triton kernel everywhere
 SIGNATURE = "p" * 12 + "ff" + "i" * 10 + "q" * 10 + "uuuu"
 _kernels: dict = {}
 

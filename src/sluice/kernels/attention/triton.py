@@ -398,7 +398,9 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, position
                      visible: int, window: int | None = None, splits: int | None = None, block_n: int | None = None,
                      k_scale=None, v_scale=None, k_recent=None, v_recent=None, out_dtype=None,
                      unrotate: bool = False, num_warps: int = 4, num_stages: int | None = None,
-                     rows: torch.Tensor | None = None, gate: torch.Tensor | None = None) -> torch.Tensor:
+                     rows: torch.Tensor | None = None, gate: torch.Tensor | None = None,
+                     int8_products: int = INT8_PRODUCTS, merge_elems: int = MERGE_ELEMS,
+                     cuda_kernel: bool = True) -> torch.Tensor:
     """q [B, Hq, D] (one query per sequence, at positions[b], int32 or int64 [B] on the device: it sees the keys
     at positions <= positions[b]); dense k, v [P, Hkv, capacity, D], or with k_scale etc. the TurboQuant layout: k
     codes [P, Hkv, capacity, D/2] uint8, v codes [P, Hkv, capacity/4, D/2, 4] (`turboquant.reference.interleave`),
@@ -409,7 +411,10 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, position
     sizes the splits without a sync; a loose one, e.g. the capacity, is correct, the splits past a query's keys
     weigh 0). Returns [B, Hq, D] in out_dtype (default q's); with `unrotate` (TurboQuant) rotated back out of the
     codec's domain by the merge kernel; with `gate` ([B, Hq, D] in out_dtype, unit last stride) o * sigmoid(gate)
-    as torch rounds it (the gated attention's output gate, applied by the merge kernel)."""
+    as torch rounds it (the gated attention's output gate, applied by the merge kernel). int8_products (TurboQuant,
+    the Triton split kernel), merge_elems (the merge's load size) and cuda_kernel (TurboQuant: the CUDA C split
+    kernel where it applies, else the Triton one) default to what the H100 sweeps chose; tests and benchmarks pass
+    others."""
     B, Hq, D = q.shape
     P, Hkv, cap = k.shape[:3]
     quant = k_scale is not None
@@ -444,8 +449,8 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, position
     # positions per step (the H100 sweeps of benchmarks/attention_gpu.py): K and V tiles of D = 256 rows fill
     # shared memory; the codes are a quarter of the bytes, 128 positions a step unless splits are short (D = 128:
     # one block, 4k at batch 1: 19.3 -> 16.1 us with two of 64; benchmarks/results/attention_tq_sweep2_h100.json)
-    use_cuda = quant and not INTERPRET and tq_cuda.applies(q, k, v, k_scale, v_scale, k_recent, v_recent, positions,
-                                                           rows)
+    use_cuda = quant and cuda_kernel and not INTERPRET and tq_cuda.applies(q, k, v, k_scale, v_scale, k_recent,
+                                                                           v_recent, positions, rows)
     if use_cuda:  # the CUDA C split kernel (cuda.py): same partials, same merge
         n_coded, per_split, ns = tq_cuda.plan(B * Hkv, visible, k_recent.shape[2], D, G, k_recent.dtype,
                                               positions.dtype, None if rows is None else rows.dtype, q.device,
@@ -464,7 +469,7 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, position
         num_stages = num_stages or 2
     # int8 tensor cores take 32 values along the summed dim: the scores need D / 2 >= 32, P V block_n >= 32
     if not use_cuda:
-        int8 = 0 if not quant or D < 64 else min(INT8_PRODUCTS, 2 if block_n >= 32 else 1)
+        int8 = 0 if not quant or D < 64 else min(int8_products, 2 if block_n >= 32 else 1)
         per_split = triton.cdiv(visible, ns)
         per_split = triton.cdiv(per_split, block_n) * block_n
         ns = triton.cdiv(visible, per_split)
@@ -498,10 +503,10 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, position
     # the merge: coordinate blocks small enough that one load holds every split's partials (<= 64 KB a program);
     # with unrotate the blocks of a KV head's query heads meet through `rot` and the KV head's counter
     nsp = triton.next_power_of_2(ns)
-    BD = min(D, 64, max(16, MERGE_ELEMS // nsp))
+    BD = min(D, 64, max(16, merge_elems // nsp))
     while BD > 16 and B * Hq * (D // BD) < num_sms(q.device) // 2:  # few heads (batch 1): narrower blocks
         BD //= 2
-    sb = min(nsp, max(1, MERGE_ELEMS // BD))
+    sb = min(nsp, max(1, merge_elems // BD))
     signs = _tables(D, q.device)[0] if unrotate else dummy
     # a warp per 2048 values loaded at once: the merge is one round trip, and fewer warps start sooner (H100, 32k
     # batch 1, the merge alone: D = 128 2.2 -> 1.8 us with 128 programs of 1 warp, D = 256 2.6 -> 2.3 with 4);
