@@ -553,7 +553,6 @@ def qgemv_conv(x: torch.Tensor, qt, conv_weight: torch.Tensor, conv_state: torch
     channels replaced by the causal conv + silu of sequence m in conv state slot rows[m] (conv_weight [C, W],
     conv_state [slots, C, W-1], shifted in place; `conv1d.triton.causal_conv1d_update`'s bits): a Gated DeltaNet's
     in-projection and conv in one launch."""
-    check(x, qt)
     M, K = x.shape
     N = qt.weight.shape[0]
     C, W = conv_weight.shape
@@ -562,13 +561,7 @@ def qgemv_conv(x: torch.Tensor, qt, conv_weight: torch.Tensor, conv_state: torch
         raise ValueError(f"qgemv_conv: unsupported shapes x {tuple(x.shape)}, W {N}x{K}, conv weight "
                          f"{tuple(conv_weight.shape)}, state {conv_state.dtype} {tuple(conv_state.shape)}, rows "
                          f"{tuple(rows.shape)}")
-    block_n, num_warps, raw_x = gemv_plan(N, K, qt.bits, qt.group_size, M, x.device)
-    raw_x = raw_x and raw_x_supported(qt.bits, qt.group_size)
-    xp = x.contiguous() if raw_x else prep_x(x, qt.bits, qt.group_size)
-    out = torch.empty((1, M, N), dtype=x.dtype, device=x.device)
-    gemv_launch(xp, qt.weight.view(torch.int32), qt.scales, qt.biases, out, None, M, N, K, qt.bits, qt.group_size,
-                1, block_n=block_n, num_warps=num_warps, raw_x=raw_x, conv=(conv_weight, conv_state, rows))
-    return out[0]
+    return qgemv_partials(x, qt, split_k=1, dtype=x.dtype, conv=(conv_weight, conv_state, rows))[0]
 
 
 def gemv_block_n(N: int, rows: int, device=None) -> int:
@@ -603,11 +596,11 @@ def gemv_plan(N: int, K: int, bits: int, group_size: int, rows: int, device=None
 
 def qgemv_partials(x: torch.Tensor, qt, block_n: int | None = None, split_k: int | None = None,
                    num_warps: int | None = None, dtype: torch.dtype = torch.float32,
-                   raw_x: bool | None = None, prefetch: int | None = None) -> torch.Tensor:
+                   raw_x: bool | None = None, prefetch: int | None = None, conv=None) -> torch.Tensor:
     """[S, M, N]: the S split-K partial sums (fp32) of x [M, K] @ W^T, for a consumer that adds them itself
     instead of paying a launch for it; when K is not split (S = 1) the result itself, in `dtype`. raw_x: the
-    GEMV prepares x itself, one launch, or `prep_x` runs first. prefetch: `gemv_launch`'s. What is not given
-    comes from `gemv_plan`."""
+    GEMV prepares x itself, one launch, or `prep_x` runs first. prefetch, conv (with split_k 1): `gemv_launch`'s.
+    What is not given comes from `gemv_plan`."""
     check(x, qt)
     M, K = x.shape
     N = qt.weight.shape[0]
@@ -624,7 +617,7 @@ def qgemv_partials(x: torch.Tensor, qt, block_n: int | None = None, split_k: int
     split, _ = gemv_used_splits(K, qt.bits, split_k, num_warps)
     out = torch.empty((split, M, N), dtype=dtype if split == 1 else torch.float32, device=x.device)
     gemv_launch(xp, qt.weight.view(torch.int32), qt.scales, qt.biases, out, None, M, N, K, qt.bits, qt.group_size,
-                split_k, block_n=block_n, num_warps=num_warps, raw_x=raw_x, prefetch=prefetch)
+                split_k, block_n=block_n, num_warps=num_warps, raw_x=raw_x, prefetch=prefetch, conv=conv)
     return out
 
 
