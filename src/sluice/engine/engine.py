@@ -2,7 +2,8 @@
 
 Each `step()` decodes one token for every sequence whose prompt is in (one batched forward: a CUDA graph replay on
 a GPU), then prefills the chunks of the oldest prompts not yet in (packed, up to `prefill_chunk` tokens; up to
-`decode_prefill_chunk` when sequences decoded in the step), and samples on the device. It returns what reached the host for each sequence, so callers stream per request:
+`decode_prefill_chunk` when sequences decoded in the step), and samples on the device. It returns what reached the
+host for each sequence, so callers stream per request:
 
     engine = model.engine
     seq = engine.add_request(ids, max_tokens=64, temperature=0.7, seed=1)

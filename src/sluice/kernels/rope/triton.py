@@ -117,8 +117,8 @@ def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.d
         block_h = triton.next_power_of_2(half)
         block_t = max(1, min(64, 4096 // block_h))
         _cos_sin_kernel[(triton.cdiv(N, block_t),)](flat, inv, cos, sin, N, half, BLOCK_T=block_t, BLOCK_H=block_h,
-                                                     PDL=pdl(flat.device), ON_CPU=INTERPRET, launch_pdl=pdl(flat.device),
-                                                     num_warps=4)
+                                                     PDL=pdl(flat.device), ON_CPU=INTERPRET,
+                                                     launch_pdl=pdl(flat.device), num_warps=4)
     shape = (*positions.shape, 2 * half)
     return cos.view(shape), sin.view(shape)
 
