@@ -654,13 +654,19 @@ def qgemm(x: torch.Tensor, qt, block_m: int = 128, block_n: int = 128, block_k: 
     return out[0] if split_k == 1 else out.sum(0).to(x.dtype)
 
 
+def _dequant_block_k(qt) -> int:
+    """`_dequant_kernel`'s columns per program: 128, or one group (at least a word) where 128 does not divide K."""
+    epw = 32 // qt.bits
+    block_k = max(128, epw)
+    if qt.in_features % block_k:
+        block_k = qt.group_size if qt.group_size >= epw else epw
+    return block_k
+
+
 def dequantize(qt, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
     """The dense [N, K] weight in `dtype`, one pass over the packed bytes."""
     N, K = qt.weight.shape[0], qt.in_features
-    epw = 32 // qt.bits
-    block_k = max(128, epw)
-    if K % block_k:
-        block_k = qt.group_size if qt.group_size >= epw else epw
+    block_k = _dequant_block_k(qt)
     out = torch.empty((N, K), dtype=dtype, device=qt.weight.device)
     _dequant_kernel[(triton.cdiv(N, 32), K // block_k)](
         qt.weight.view(torch.int32), qt.scales, qt.biases, out, out, N, K, qt.weight.stride(0), qt.scales.stride(0),
@@ -677,10 +683,7 @@ def dequantize_rows(qt, rows: torch.Tensor, dtype: torch.dtype = torch.float32) 
     flat = flat if flat.is_contiguous() else flat.contiguous()
     n = flat.numel()
     out = torch.empty((n, K), dtype=dtype, device=qt.weight.device)
-    epw = 32 // qt.bits
-    block_k = min(256, triton.next_power_of_2(K))
-    while K % block_k or block_k % epw:
-        block_k //= 2
+    block_k = _dequant_block_k(qt)
     if n:
         _dequant_kernel[(triton.cdiv(n, 4), K // block_k)](
             qt.weight.view(torch.int32), qt.scales, qt.biases, out, flat, n, K, qt.weight.stride(0),
