@@ -52,7 +52,8 @@ MODELS = {  # name: (hidden, experts, expert intermediate, top-k, shared interme
 ROUTERS = ("8-bit", "bf16")
 PREFILL_T = 4096
 # moe_prefill (block_m, block_n, block_k, num_warps, num_stages, swap); the H100 sweep of 2026-11-25 also tried
-# weights made in fp32 before the dot (`dequant_dot`, 2-4x slower) and 256-column tiles (register spills)
+# weights made in fp32 before the dot (`dequant_dot`) and 256-column tiles (register spills): both slower
+# (docs/PERF.md, 2026-11-26)
 PREFILL_CONFIGS = [(64, 64, 64, 4, 3, False), (64, 64, 64, 4, 3, True), (128, 64, 64, 4, 3, True),
                    (128, 128, 64, 8, 3, True), (128, 128, 64, 8, 4, True)]
 # smaller chunks (a few rows per expert): tiles of fewer rows

@@ -77,8 +77,8 @@ def dense(res, copy_bw, sweep=False):
         del qts, ws
 
 
-# (rows, warps) per expert GEMV program beside the default (8, 1); 32 and 64 rows, or 2 warps, were 1.1-25x slower at
-# every T on an H100 (2026-11-25, docs/PERF.md)
+# (rows, warps) per expert GEMV program beside the default (8, 1); 32 and 64 rows, or 2 warps, were slower at every
+# T on an H100 (docs/PERF.md, 2026-11-26)
 EXPERT_LAUNCHES = ((16, 1),)
 GROUPED = ((16, 128, 128, 4, 3),)  # the best of a sweep on 2026-11-25 (docs/PERF.md)
 

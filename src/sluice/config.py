@@ -27,9 +27,9 @@ class EngineConfig:
         reads all the experts once and bigger chunks prefill several times faster, 512 on the CPU.
     decode_prefill_chunk: prompt tokens a step prefills at most while sequences decode in it (a long prompt joining
         a running batch then takes many short steps, not a few that stall every decode for a whole big chunk); at
-        most prefill_chunk; None: 2048 on a GPU (an H100 with 8 sequences decoding and a 32k prompt joining: their
-        p99 step 199 ms against 326 ms at 4096, the prompt's first token 2.6 s against 2.1; at 512, 157 ms and 9.2 s),
-        512 on the CPU. A step with nothing decoding prefills prefill_chunk.
+        most prefill_chunk; None: 2048 on a GPU (the balance of the decodes' p99 step and the joining prompt's first
+        token in the H100 sweep of docs/PERF.md), 512 on the CPU. A step with nothing decoding prefills
+        prefill_chunk.
     graphs: on CUDA, replay each decode step from a CUDA graph captured per batch size (False: eager, to compare).
     graph_batch_sizes: the batch sizes graphs are captured for; a batch runs in the smallest that holds it.
     kv_cache: "dense" (K/V in the model's dtype) or "turboquant4".
