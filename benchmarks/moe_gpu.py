@@ -15,8 +15,8 @@ shared-expert gate 8-bit g64 or bf16), random weights built directly in the pack
 - the multi-launch decode's critical path: graph time of its first n launches (with --chain-only: only this);
 - --quick: the chain, the checks and the decode table only;
 - --gemv-sweep: the chain and the expert GEMVs' launch sweep only;
-- --prefill-only: the prefill block sweep only (--prefill-tokens T1,T2,...: at these token counts; below 4096 the
-  smaller-tile configurations), beside every expert dequantized to bf16 then torch._grouped_mm, and
+- --prefill-only: the prefill sweep only (--prefill-tokens T1,T2,...: at these token counts): each grouped GEMM on its own over
+  tile configurations, then the experts at the defaults beside every expert dequantized to bf16 then torch._grouped_mm, and
   torch._grouped_mm on bf16 weights held, and the floor (the hit experts' bytes or FLOPs, whichever is longer);
 - (not with --decode-only) the multi-launch kernels: router and expert GEMV checks, their launch sweep;
 - routed experts at T = 1, 4, 16: decode GEMVs vs prefill grouped GEMMs (where to switch);
@@ -51,14 +51,24 @@ MODELS = {  # name: (hidden, experts, expert intermediate, top-k, shared interme
 }
 ROUTERS = ("8-bit", "bf16")
 PREFILL_T = 4096
-# moe_prefill (block_m, block_n, block_k, num_warps, num_stages, swap); the H100 sweep of 2026-11-25 also tried
-# weights made in fp32 before the dot (`dequant_dot`) and 256-column tiles (register spills): both slower
-# (docs/PERF.md, 2026-11-26)
-PREFILL_CONFIGS = [(64, 64, 64, 4, 3, False), (64, 64, 64, 4, 3, True), (128, 64, 64, 4, 3, True),
-                   (128, 128, 64, 8, 3, True), (128, 128, 64, 8, 4, True)]
-# smaller chunks (a few rows per expert): tiles of fewer rows
-SMALL_CHUNK_CONFIGS = [(64, 64, 64, 4, 3, True), (32, 64, 64, 4, 3, True), (16, 64, 64, 4, 3, True),
-                       (16, 128, 64, 4, 3, True), (32, 128, 64, 4, 3, True), (16, 64, 128, 4, 3, True)]
+G = mt.GemmConfig  # (block_n, block_k, num_warps, num_stages, stack, prefetch)
+# the --prefill-only sweep: per rows an expert averages, block_m and each GEMM's configs (the first one the
+# reference of the others' results)
+SWEEP_TALL = {"gate_up": [G(), G(prefetch=False), G(num_stages=4), G(128, num_warps=8, stack=True, prefetch=False)],
+              "down": [G(128, num_stages=4), G(128), G(), G(128, num_warps=8)]}
+SWEEP_SHORT = {"gate_up": [G(stack=True, prefetch=False), G(), G(128, stack=True, prefetch=False)],
+               "down": [G(), G(prefetch=False), G(128)]}
+
+
+def prefill_sweep(T, k, E):
+    rows = T * k / E
+    if rows >= 64:
+        return [(128, g, SWEEP_TALL[g]) for g in SWEEP_TALL]
+    if rows >= 24:
+        return [(64, g, SWEEP_TALL[g]) for g in SWEEP_TALL]
+    return [(16, g, SWEEP_SHORT[g]) for g in SWEEP_SHORT]
+
+
 BF16 = torch.bfloat16
 
 
@@ -277,51 +287,84 @@ def grouped_mm_experts(x, ids, w, gate_up, down):
 
 def time_alternatives(res, row, x, ids, w, layer):
     """Beside the grouped GEMM: dequantize every expert to bf16 then torch._grouped_mm (the dequantization timed
-    too: the weights live in 4 bits), and torch._grouped_mm alone on bf16 weights held (4x the memory; a bound)."""
+    too: the weights live in 4 bits), and torch._grouped_mm alone on bf16 weights held (4x the memory; a bound).
+    Both also check moe_prefill's result."""
     ref = mt.moe_prefill(x, ids, w, layer.gate_up, layer.down).float()
     gu, dn = dequantize_stacked(layer.gate_up), dequantize_stacked(layer.down)
     err = rel_err(grouped_mm_experts(x, ids, w, gu, dn).float(), ref)
-    if err > 2e-2:
+    row["rel_err_vs_grouped_mm"] = err
+    if err > 1e-2:
         raise AssertionError(f"torch._grouped_mm experts: rel err {err:.2e} against moe_prefill")
     row["dequant_grouped_mm_us"] = events_time(lambda: grouped_mm_experts(
-        x, ids, w, dequantize_stacked(layer.gate_up), dequantize_stacked(layer.down)), reps=5) * 1e6
-    row["grouped_mm_bf16_us"] = events_time(lambda: grouped_mm_experts(x, ids, w, gu, dn), reps=5) * 1e6
+        x, ids, w, dequantize_stacked(layer.gate_up), dequantize_stacked(layer.down)), reps=5, lead=True) * 1e6
+    row["grouped_mm_bf16_us"] = events_time(lambda: grouped_mm_experts(x, ids, w, gu, dn), reps=5, lead=True) * 1e6
     print(f"  T={row['T']} dequantize + torch._grouped_mm {row['dequant_grouped_mm_us']:.0f} us, "
-          f"torch._grouped_mm on bf16 weights {row['grouped_mm_bf16_us']:.0f} us", flush=True)
+          f"torch._grouped_mm on bf16 weights {row['grouped_mm_bf16_us']:.0f} us (rel err {err:.1e})", flush=True)
 
 
-def time_prefill(res, name, layer, H, E, I, k, T=PREFILL_T, configs=None):
+def gemm_floor_us(res, qt, rows, hit, E):
+    """One grouped GEMM's floor: its hit experts' bytes at copy bandwidth, or its FLOPs at the bf16 GEMM rate."""
+    flops = 2 * rows * qt.out_features * qt.in_features
+    return 1e6 * max(hit * qt_bytes(qt) / E / res["copy_bandwidth_Bps"], flops / res["bf16_gemm_flops"])
+
+
+def sweep_gemms(res, name, layer, x, ids, T, sweep):
+    """Each grouped GEMM on its own, GPU time (events behind a lead), per block_m and config; every result checked
+    against the first config's."""
+    E, k = layer.gate_up.weight.shape[0], ids.shape[1]
+    hit = torch.unique(ids).numel()
+    h = torch.empty((T * k, layer.down.in_features), dtype=BF16, device="cuda")
+    y = torch.empty((T * k, layer.down.out_features), dtype=BF16, device="cuda")
+    for block_m, gemm, configs in sweep:
+        table = mt._tile_table(ids, E, block_m)
+        qt, a, a_div, c, swiglu = ((layer.gate_up, x, k, h, True) if gemm == "gate_up" else
+                                   (layer.down, torch.randn_like(h) * 0.1, 1, y, False))
+        floor = gemm_floor_us(res, qt, T * k, hit, E)
+        ref = None
+        for cfg in configs:
+            try:
+                c.fill_(float("nan"))
+                mt._grouped_gemm(a, a_div, qt, c, table, swiglu, block_m, cfg)
+                ref = c.float().clone() if ref is None else ref
+                err = rel_err(c, ref)
+                if not err < 1e-2:
+                    raise AssertionError(f"rel err {err:.2e} against the first config")
+                t = events_time(lambda: mt._grouped_gemm(a, a_div, qt, c, table, swiglu, block_m, cfg), reps=10,
+                                lead=True)
+            except Exception as e:  # noqa: BLE001 - e.g. a config that does not fit shared memory
+                print(f"  {gemm} T={T} block_m {block_m} {tuple(cfg)} failed: {type(e).__name__}: {str(e)[:200]}",
+                      flush=True)
+                continue
+            row = {"model": name, "T": T, "gemm": gemm, "block_m": block_m, "config": tuple(cfg), "us": t * 1e6,
+                   "floor_us": floor, "rel_err": err}
+            res["prefill_sweep"].append(row)
+            print(f"  {gemm} T={T} block_m {block_m} {tuple(cfg)}: {t * 1e6:.0f} us ({floor / t / 1e6:.0%} of its "
+                  f"floor {floor:.0f} us)", flush=True)
+
+
+def time_prefill(res, name, layer, H, E, I, k, T=PREFILL_T, sweep=()):
     x = torch.randn(T, H, device="cuda", dtype=BF16)
     ids, w = mt.route(torch.randn(T, E, device="cuda"), k, True)
+    if sweep:
+        case(res, f"{name} T={T} sweep", lambda: sweep_gemms(res, name, layer, x, ids, T, sweep))
     flops = 6 * T * k * H * I  # gate_up 2*(2I)*H and down 2*H*I per slot
-    best = None
-    for cfg in configs or PREFILL_CONFIGS:
-        try:
-            t = events_time(lambda: mt.moe_prefill(x, ids, w, layer.gate_up, layer.down, None, None, *cfg), reps=10)
-        except Exception as e:  # noqa: BLE001 - e.g. a config that does not fit shared memory
-            print(f"  config {cfg} failed: {type(e).__name__}: {str(e)[:200]}", flush=True)
-            continue
-        print(f"  T={T} config {cfg}: {t * 1e6:.0f} us", flush=True)
-        res["prefill_sweep"].append({"model": name, "T": T, "config": cfg, "us": t * 1e6})
-        if best is None or t < best[0]:
-            best = (t, cfg)
+    t = events_time(lambda: mt.moe_prefill(x, ids, w, layer.gate_up, layer.down), reps=10, lead=True)
     a, b = torch.randn(T * k, H, device="cuda", dtype=BF16), torch.randn(T * k, I, device="cuda", dtype=BF16)
     w_gu, w_down = torch.randn(2 * I, H, device="cuda", dtype=BF16), torch.randn(H, I, device="cuda", dtype=BF16)
-    t_cublas = events_time(lambda: (a @ w_gu.T, b @ w_down.T), reps=10)
+    t_cublas = events_time(lambda: (a @ w_gu.T, b @ w_down.T), reps=10, lead=True)
     del a, b
-    t_layer = events_time(lambda: layer(x), reps=10)
-    row = {"model": name, "T": T, "flops": flops, "cublas_tflops": flops / t_cublas / 1e12, "layer_us": t_layer * 1e6}
+    t_layer = events_time(lambda: layer(x), reps=10, lead=True)
     hit = torch.unique(ids).numel()  # the floor (#29): the hit experts' bytes at copy bandwidth, or their FLOPs
     expert_bytes = sum(qt_bytes(qt) for qt in (layer.gate_up, layer.down)) / E
-    row["floor_us"] = 1e6 * max(hit * expert_bytes / res["copy_bandwidth_Bps"], flops / res["bf16_gemm_flops"])
+    row = {"model": name, "T": T, "flops": flops, "cublas_tflops": flops / t_cublas / 1e12, "layer_us": t_layer * 1e6,
+           "experts_us": t * 1e6, "config": str(mt.prefill_configs(T * k / E)), "tflops": flops / t / 1e12,
+           "pct_cublas": t_cublas / t, "hit": hit,
+           "floor_us": 1e6 * max(hit * expert_bytes / res["copy_bandwidth_Bps"], flops / res["bf16_gemm_flops"])}
     case(res, f"{name} T={T} alternatives", lambda: time_alternatives(res, row, x, ids, w, layer))
-    if best is not None:
-        row.update(experts_us=best[0] * 1e6, config=best[1], tflops=flops / best[0] / 1e12,
-                   pct_cublas=t_cublas / best[0])
     res["prefill"].append(row)
-    print(f"prefill {name} T={T}: experts {row.get('tflops', 0):.0f} TFLOP/s = {row.get('pct_cublas', 0) * 100:.0f}% "
-          f"of cuBLAS bf16 ({row['cublas_tflops']:.0f}), {row['floor_us'] / row.get('experts_us', 1e30):.0%} of "
-          f"the floor ({row['floor_us']:.0f} us); layer {row['layer_us']:.0f} us", flush=True)
+    print(f"prefill {name} T={T}: experts {t * 1e6:.0f} us, {row['floor_us'] / t / 1e6:.0%} of the floor "
+          f"({row['floor_us']:.0f} us); {row['tflops']:.0f} TFLOP/s = {row['pct_cublas']:.0%} of cuBLAS bf16 "
+          f"({row['cublas_tflops']:.0f}); layer {row['layer_us']:.0f} us", flush=True)
 
 
 def print_tables(res):
@@ -341,12 +384,20 @@ def print_tables(res):
     print(f"\n{'routed experts':30s} {'T':>5s} {'GEMVs us':>9s} {'grouped us':>11s}")
     for r in res["crossover"]:
         print(f"{r['model']:30s} {r['T']:5d} {r['decode_us']:9.1f} {r['prefill_us']:11.1f}")
-    print(f"\n{'MoE prefill T=' + str(PREFILL_T):30s} {'experts us':>11s} {'TFLOP/s':>8s} {'cuBLAS':>7s} "
-          f"{'%cuBLAS':>8s} {'layer us':>9s}  config")
+    print(f"\n{'MoE prefill, routed experts':30s} {'T':>5s} {'us':>7s} {'floor':>6s} {'%floor':>6s} "
+          f"{'deq+gmm':>8s} {'bf16 gmm':>8s} {'TFLOP/s':>8s} {'layer us':>9s}")
     for r in res["prefill"]:
-        print(f"{r['model']:30s} {r.get('experts_us', float('nan')):11.0f} {r.get('tflops', float('nan')):8.0f} "
-              f"{r['cublas_tflops']:7.0f} {r.get('pct_cublas', float('nan')) * 100:7.0f}% {r['layer_us']:9.0f}  "
-              f"{r.get('config')}")
+        print(f"{r['model']:30s} {r['T']:5d} {r['experts_us']:7.0f} {r['floor_us']:6.0f} "
+              f"{r['floor_us'] / r['experts_us']:6.0%} {r.get('dequant_grouped_mm_us', float('nan')):8.0f} "
+              f"{r.get('grouped_mm_bf16_us', float('nan')):8.0f} {r['tflops']:8.0f} {r['layer_us']:9.0f}")
+    best = {}
+    for r in res["prefill_sweep"]:
+        key = (r["model"], r["T"], r["gemm"])
+        best[key] = min(best.get(key, r), r, key=lambda r: r["us"])
+    print(f"\n{'grouped GEMM sweep, best':30s} {'T':>5s} {'gemm':>8s} {'us':>7s} {'%floor':>6s}  block_m, config")
+    for (model, T, gemm), r in sorted(best.items()):
+        print(f"{model:30s} {T:5d} {gemm:>8s} {r['us']:7.0f} {r['floor_us'] / r['us']:6.0%}  {r['block_m']}, "
+              f"{r['config']}")
     print(f"\n{'multi-launch chain (8-bit router)':30s} {'launches':>8s} {'us':>7s} {'added':>7s}  last launch")
     for r in res["chain"]:
         print(f"{r['model']:30s} {r['launches']!s:>8s} {r.get('us', float('nan')):7.1f} "
@@ -376,7 +427,7 @@ def main():
                 layer = build_layers(H, E, I, k, Is)["8-bit"]
                 for T in (int(t) for t in (a.prefill_tokens or str(PREFILL_T)).split(",")):
                     case(res, f"{name} prefill T={T}", lambda T=T: time_prefill(
-                        res, name, layer, H, E, I, k, T, SMALL_CHUNK_CONFIGS if T < PREFILL_T else None))
+                        res, name, layer, H, E, I, k, T, prefill_sweep(T, k, E)))
                 continue
 
             def build():

@@ -9,7 +9,8 @@ side with the memory-bandwidth floor, at Qwen3-Next-80B-A3B shapes.
 - The MoE experts of one layer (route given, distinct random routings per token, shared expert as slot E) at
   T = 4..128 tokens: one GEMV row per (token, expert) slot (rows and warps per program swept), and the grouped
   tensor-core GEMMs; floor: the bytes of the experts the routing hits, once each.
-- --sweep: tile sizes of the swapped dense GEMM; --moe-only: the MoE section alone.
+- --sweep: tile sizes of the swapped dense GEMM, and M = 128-512 (unswapped tiles, dequantize + cuBLAS);
+  --moe-only: the MoE section alone.
 (A batch GEMV reading each W block once for R rows, dense and grouped by expert, was measured here and lost to
 both paths at every size: commit b954bba, docs/PERF.md.)
 Every timing: CUDA-graph replay over enough weight copies to keep L2 cold (qmatmul_gpu.graph_time); each
@@ -40,7 +41,9 @@ H, E, I, K_TOP = 2048, 512, 512, 10
 
 # (block_m, block_n, block_k, warps, stages, split_k or None for qgemm's own): the --sweep of the swapped GEMM
 SWEEP = ((16, 64, 128, 4, 4, None), (16, 64, 128, 4, 4, 2), (16, 64, 64, 4, 6, None), (16, 128, 128, 8, 4, None),
-         (16, 128, 64, 4, 4, 2))
+         (16, 128, 64, 4, 4, 2), (64, 64, 64, 4, 4, None), (64, 128, 64, 4, 4, None))
+# from 128 rows (--sweep): the unswapped GEMM's tiles, beside dequantize + cuBLAS (`qgemm_dequant`)
+SWEEP_TALL = ((64, 64, 64, 4, 4), (128, 128, 64, 8, 3), (128, 64, 64, 4, 4), (64, 128, 64, 4, 4))
 
 
 def dense(res, copy_bw, sweep=False):
@@ -50,10 +53,18 @@ def dense(res, copy_bw, sweep=False):
         qts = [base] + [random_qt(N, K) for _ in range(copies_for(nb) - 1)]
         ws = [torch.randn(N, K, device="cuda", dtype=torch.bfloat16) for _ in range(min(copies_for(2 * N * K), 8))]
         ref_w = base.dequantize(torch.float32) if N * K <= 1 << 26 else None
-        for M in (5, 8, 16, 32, 64):
+        for M in (5, 8, 16, 32, 64) + ((128, 256, 512) if sweep else ()):
             xs = [torch.randn(M, K, device="cuda", dtype=torch.bfloat16) for _ in qts]
-            cands = {"dispatch": lambda q, x: qmm.qmatmul(x, q), "gemv per row": lambda q, x: qmm.qgemv(x, q)}
-            if sweep and N * K < 1 << 26:
+            cands = {"dispatch": lambda q, x: qmm.qmatmul(x, q)}
+            if M <= 64:
+                cands["gemv per row"] = lambda q, x: qmm.qgemv(x, q)
+            if sweep and M > 64:
+                cands["dequant + cuBLAS"] = lambda q, x: qmm.qgemm_dequant(x, q)
+                for bm, bn, bk, w, st in SWEEP_TALL:
+                    cands[f"gemm {bm}x{bn}x{bk} w{w} s{st}"] = functools.partial(
+                        lambda q, x, **kw: qmm.qgemm(x, q, **kw), block_m=bm, block_n=bn, block_k=bk, num_warps=w,
+                        num_stages=st)
+            if sweep and N * K < 1 << 26 and M <= 64:
                 for bm, bn, bk, w, st, sk in SWEEP:
                     bm = max(bm, triton.next_power_of_2(M))
                     cands[f"gemm {bm}x{bn}x{bk} w{w} s{st} k{sk}"] = functools.partial(
@@ -80,7 +91,8 @@ def dense(res, copy_bw, sweep=False):
 # (rows, warps) per expert GEMV program beside the default (8, 1); 32 and 64 rows, or 2 warps, were slower at every
 # T on an H100 (docs/PERF.md, 2026-11-26)
 EXPERT_LAUNCHES = ((16, 1),)
-GROUPED = ((16, 128, 128, 4, 3),)  # the best of a sweep on 2026-11-25 (docs/PERF.md)
+# (block_m, gate_up's config, down's): moe_prefill's own choice, and wider tiles
+GROUPED = ((None, None, None), (16, mt.GemmConfig(128, stack=True, prefetch=False), mt.GemmConfig(128)))
 
 
 def grouped_with_shared(x, ids, weights, gu, dn, shared, **blocks):
@@ -122,11 +134,10 @@ def moe(res, copy_bw):
             except Exception as e:
                 res["errors"].append(f"moe T={T} {label}: {type(e).__name__}: {str(e)[:200]}")
                 print("ERROR", res["errors"][-1], flush=True)
-        for bm, bn, bk, warps, stages in GROUPED:
-            label = f"grouped {bm}x{bn}x{bk} w{warps} s{stages}"
+        for bm, gu_cfg, down_cfg in GROUPED:
+            label = "grouped" + (f" {bm} rows, {gu_cfg.block_n}/{down_cfg.block_n} columns" if bm else "")
             try:
-                fn = functools.partial(grouped_with_shared, block_m=bm, block_n=bn, block_k=bk, num_warps=warps,
-                                       num_stages=stages)
+                fn = functools.partial(grouped_with_shared, block_m=bm, gate_up_config=gu_cfg, down_config=down_cfg)
                 err = rel_err(fn(*calls[0]), mt.moe_decode(*calls[0][:5], shared_expert=calls[0][5]))
                 if err > 2e-2:
                     raise AssertionError(f"rel err {err:.2e} against the per-slot GEMVs")

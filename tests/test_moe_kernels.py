@@ -146,16 +146,20 @@ def test_moe_matches_reference(case):
     assert run_case(*case, dtype=torch.bfloat16, seed=sum(case[1:6])) <= 1e-2
 
 
-def test_prefill_swapped_gemms_match():
-    """The grouped GEMMs computing the transposed products give the same result."""
+@pytest.mark.parametrize("block_m, config", [
+    (16, mt.GemmConfig(stack=True, prefetch=False)), (32, mt.GemmConfig(32, 128)), (16, mt.GemmConfig(128)),
+    (64, mt.GemmConfig(32, 32, stack=True)), (16, mt.GemmConfig(num_stages=2, prefetch=False))],
+    ids=["stacked", "two-groups-a-step", "wide", "narrow-stacked", "no-prefetch"])
+def test_prefill_configs_match(block_m, config):
+    """Every tile shape, stacked gate/up tiles, two groups a K step, scales loaded a step ahead or not: the
+    grouped GEMMs give the default's result."""
     g = torch.Generator().manual_seed(11)
-    gate_up, down = experts(g, 4, 64, 64)
+    gate_up, down = experts(g, 4, 32, 64)
     x = torch.randn(21, H, generator=g).to(DEVICE)
     ids, weights = mt.route((2 * torch.randn(21, E, generator=g)).to(DEVICE), 3, True)
     args = (x, ids, weights, on_device(gate_up), on_device(down))
-    torch.testing.assert_close(mt.moe_prefill(*args, block_m=16, swap=True), mt.moe_prefill(*args, block_m=16,
-                                                                                             swap=False),
-                               rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(mt.moe_prefill(*args, block_m=block_m, gate_up_config=config, down_config=config),
+                               mt.moe_prefill(*args), rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("dtype,bound", [(torch.float16, 2e-3), (torch.float32, 1e-5)])

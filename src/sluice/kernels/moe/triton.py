@@ -8,9 +8,8 @@ Everything stays on the device (no host synchronisation, so a decode step can be
   gate_up GEMV's partial sums itself (RAW_X with SWIGLU), or, where it cannot (`qmm.raw_x_supported`),
   `swiglu_prep` (`prep_x` in its SwiGLU mode) prepares h in a launch between them.
 - `moe_prefill` (many tokens): slots sorted by expert, a table of BLOCK_M-row tiles (expert, first row) built on
-  the device, ONE grouped tensor-core GEMM launch per projection (codes multiplied per quantization group, scale and
-  bias applied per output: `qmm.group_dot`), SwiGLU
-  fused into the gate_up epilogue.
+  the device, ONE grouped tensor-core GEMM launch per projection (each tile's weights made in registers once for
+  all its rows: `qmm.group_weights`), SwiGLU fused into the gate_up epilogue.
 - `combine`: out[t] = sum_j w[t, j] * y[t*k + j] (+ sigmoid(gate[t]) * shared[t]); a gather, no atomics, so the
   result is deterministic. `expert_sum` is that sum as a device function: with `summed=False` the MoE launches stop
   before it and return `ExpertOutputs`, which the next kernel (the decoder's residual add + RMSNorm,
@@ -18,6 +17,8 @@ Everything stays on the device (no host synchronisation, so a decode step can be
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 import triton
@@ -257,26 +258,25 @@ def moe_decode(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_u
 
 
 @triton.jit
-def _group_product(acc, a, w_ptr, s_ptr, b_ptr, rows, offs_w, group, stride_wn, stride_sn, BITS: tl.constexpr,
-                   SWAP: tl.constexpr, DOT_FP32: tl.constexpr, MAGIC: tl.constexpr):
-    """acc + a @ W[rows, one group]^T (transposed with SWAP; `qmm.group_dot`), W's words at offs_w."""
-    words = tl.load(w_ptr + rows[:, None] * stride_wn + offs_w)
-    s = tl.load(s_ptr + rows * stride_sn + group).to(tl.float32)
-    b = tl.load(b_ptr + rows * stride_sn + group).to(tl.float32)
-    return qmm.group_dot(acc, a, words, s, b, BITS, SWAP, DOT_FP32, MAGIC)
+def _scales(s_ptr, b_ptr, rows, group, stride_sn):
+    return tl.load(s_ptr + rows * stride_sn + group), tl.load(b_ptr + rows * stride_sn + group)
 
 
 @triton.jit
 def _grouped_gemm_kernel(a_ptr, w_ptr, s_ptr, b_ptr, c_ptr, order_ptr, tile_expert_ptr, tile_row_ptr, offsets_ptr,
                          N, K, E, a_div, stride_am, stride_we, stride_wn, stride_se, stride_sn, stride_cm,
                          BITS: tl.constexpr, GS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                         BLOCK_K: tl.constexpr, SWIGLU: tl.constexpr, DOT_FP32: tl.constexpr, MAGIC: tl.constexpr,
-                         SWAP: tl.constexpr):
+                         BLOCK_K: tl.constexpr, SWIGLU: tl.constexpr, STACK: tl.constexpr, PREFETCH: tl.constexpr,
+                         DOT_FP32: tl.constexpr, MAGIC: tl.constexpr, ASM: tl.constexpr):
     """For the sorted rows r of one tile of expert e, with slot = order[r]:
     C[slot, n-block] = A[slot // a_div] @ W[e, n-block]^T, or with SWIGLU (W[e] = gate rows [0, N), up rows
-    [N, 2N)): silu(A Wg^T) * (A Wu^T). Program (n-block, tile); tiles past the table's end exit at once. SWAP:
-    the transposed product W A^T is accumulated: W, made in registers, is the dot's first operand and goes to the
-    tensor cores from there, not through shared memory."""
+    [N, 2N)): silu(A Wg^T) * (A Wu^T). Program (n-block, tile); tiles past the table's end exit at once.
+
+    Per quantization group the codes are loaded packed, made s q + b in registers (`qmm.group_weights`) once for
+    all the tile's rows, and multiplied with the dot accumulating across groups. The product is computed
+    transposed, W A^T, so that W, made in registers, is the dot's register operand and only A goes through shared
+    memory. STACK (with SWIGLU): a tile's W rows are BLOCK_N / 2 gate rows and the matching up rows, one
+    accumulator for both. PREFETCH (one group a K step): each step's scales and biases are loaded a step ahead."""
     pid_n = tl.program_id(0)
     tile = tl.program_id(1)
     e = tl.load(tile_expert_ptr + tile)
@@ -291,33 +291,52 @@ def _grouped_gemm_kernel(a_ptr, w_ptr, s_ptr, b_ptr, c_ptr, order_ptr, tile_expe
     w_ptr += e * stride_we
     s_ptr += e * stride_se
     b_ptr += e * stride_se
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    rows_n = tl.minimum(offs_n, N - 1).to(tl.int64)
-    ACC: tl.constexpr = (BLOCK_N, BLOCK_M) if SWAP else (BLOCK_M, BLOCK_N)
-    acc = tl.zeros(ACC, dtype=tl.float32)
-    if SWIGLU:
-        acc_u = tl.zeros(ACC, dtype=tl.float32)
+    OUT: tl.constexpr = BLOCK_N // 2 if STACK else BLOCK_N  # outputs of a program
+    offs_n = pid_n * OUT + tl.arange(0, OUT)
+    if STACK:
+        i = tl.arange(0, BLOCK_N)
+        rows_n = (tl.minimum(pid_n * OUT + i % OUT, N - 1) + (i // OUT) * N).to(tl.int64)
+    else:
+        rows_n = tl.minimum(offs_n, N - 1).to(tl.int64)
+    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    TWO: tl.constexpr = SWIGLU and not STACK  # a second accumulator for the up rows
+    if TWO:
+        acc_u = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     EPW: tl.constexpr = 32 // BITS
     P: tl.constexpr = BLOCK_K if BLOCK_K < GS else GS  # columns of one group within a K step
+    if PREFETCH:
+        s_n, b_n = _scales(s_ptr, b_ptr, rows_n, 0, stride_sn)
+        if TWO:
+            su_n, bu_n = _scales(s_ptr, b_ptr, rows_n + N, 0, stride_sn)
     for k0 in range(0, K, BLOCK_K):  # K is a multiple of BLOCK_K: no masks
         k0 = tl.multiple_of(k0, BLOCK_K)
-        for g in tl.static_range(BLOCK_K // P):  # one quantization group at a time (`qmm.group_dot`)
+        for g in tl.static_range(BLOCK_K // P):
             kg = k0 + g * P
+            if PREFETCH:  # (one group a step)
+                s, b = s_n, b_n
+                nxt = tl.minimum(k0 + BLOCK_K, K - 1) // GS
+                s_n, b_n = _scales(s_ptr, b_ptr, rows_n, nxt, stride_sn)
+                if TWO:
+                    su, bu = su_n, bu_n
+                    su_n, bu_n = _scales(s_ptr, b_ptr, rows_n + N, nxt, stride_sn)
+            else:
+                s, b = _scales(s_ptr, b_ptr, rows_n, kg // GS, stride_sn)
+                if TWO:
+                    su, bu = _scales(s_ptr, b_ptr, rows_n + N, kg // GS, stride_sn)
             a = tl.load(a_rows[:, None] + (kg + tl.arange(0, P))[None, :])
             offs_w = (kg // EPW + tl.arange(0, P // EPW))[None, :]
-            acc = _group_product(acc, a, w_ptr, s_ptr, b_ptr, rows_n, offs_w, kg // GS, stride_wn, stride_sn, BITS,
-                                 SWAP, DOT_FP32, MAGIC)
-            if SWIGLU:
-                acc_u = _group_product(acc_u, a, w_ptr, s_ptr, b_ptr, rows_n + N, offs_w, kg // GS, stride_wn,
-                                       stride_sn, BITS, SWAP, DOT_FP32, MAGIC)
+            wt = qmm.group_weights(tl.load(w_ptr + rows_n[:, None] * stride_wn + offs_w), s, b, BITS, MAGIC, ASM)
+            acc = qmm.accumulate(acc, a, wt, True, DOT_FP32)
+            if TWO:
+                wu = qmm.group_weights(tl.load(w_ptr + (rows_n + N)[:, None] * stride_wn + offs_w), su, bu, BITS,
+                                       MAGIC, ASM)
+                acc_u = qmm.accumulate(acc_u, a, wu, True, DOT_FP32)
     if SWIGLU:
+        if STACK:  # gate rows first, then up rows: split the accumulator
+            acc, acc_u = tl.split(tl.permute(tl.reshape(acc, (2, OUT, BLOCK_M)), (1, 2, 0)))
         acc = acc / (1.0 + tl.exp(-acc)) * acc_u
-    if SWAP:
-        tl.store(c_ptr + slot[None, :] * stride_cm + offs_n[:, None], acc.to(c_ptr.dtype.element_ty),
-                 mask=r_ok[None, :] & (offs_n < N)[:, None])
-    else:
-        tl.store(c_ptr + slot[:, None] * stride_cm + offs_n[None, :], acc.to(c_ptr.dtype.element_ty),
-                 mask=r_ok[:, None] & (offs_n < N)[None, :])
+    tl.store(c_ptr + slot[None, :] * stride_cm + offs_n[:, None], acc.to(c_ptr.dtype.element_ty),
+             mask=r_ok[None, :] & (offs_n < N)[:, None])
 
 
 def _tile_table(ids: torch.Tensor, E: int, block_m: int):
@@ -342,43 +361,64 @@ def _tile_table(ids: torch.Tensor, E: int, block_m: int):
     return order, offsets, tile_expert, tile_row
 
 
-def _grouped_gemm(a, a_div, qt, c, table, swiglu, block_m, block_n, block_k, num_warps, num_stages, swap):
+class GemmConfig(NamedTuple):
+    """One grouped GEMM's launch: its tile (BLOCK_N weight rows x BLOCK_K columns), warps, pipeline stages, and
+    `_grouped_gemm_kernel`'s STACK and PREFETCH."""
+    block_n: int = 64
+    block_k: int = 64
+    num_warps: int = 4
+    num_stages: int = 3
+    stack: bool = False
+    prefetch: bool = True
+
+
+def _grouped_gemm(a, a_div, qt, c, table, swiglu, block_m, config: GemmConfig):
     order, offsets, tile_expert, tile_row = table
     N = qt.out_features // 2 if swiglu else qt.out_features
     K = qt.in_features
     w = qt.weight.view(torch.int32)
-    _grouped_gemm_kernel[(triton.cdiv(N, block_n), tile_expert.numel())](
+    block_k = min(config.block_k, K & -K)  # the largest power of two dividing K (>= 32) caps the K step
+    stack = config.stack and swiglu
+    _grouped_gemm_kernel[(triton.cdiv(N, config.block_n // 2 if stack else config.block_n), tile_expert.numel())](
         a, w, qt.scales, qt.biases, c, order, tile_expert, tile_row, offsets, N, K, w.shape[0], a_div,
         a.stride(0), w.stride(0), w.stride(1), qt.scales.stride(0), qt.scales.stride(1), c.stride(0),
-        BITS=qt.bits, GS=qt.group_size, BLOCK_M=block_m, BLOCK_N=block_n,
-        BLOCK_K=min(block_k, K & -K),  # the largest power of two dividing K (>= 32) caps the K step
-        SWIGLU=swiglu, DOT_FP32=qmm.INTERPRET or a.dtype == torch.float32,
-        MAGIC=a.dtype == torch.bfloat16 and qt.bits < 8, SWAP=swap,
-        num_warps=num_warps, num_stages=num_stages)
+        BITS=qt.bits, GS=qt.group_size, BLOCK_M=block_m, BLOCK_N=config.block_n, BLOCK_K=block_k, SWIGLU=swiglu,
+        STACK=stack, PREFETCH=config.prefetch and block_k <= qt.group_size,
+        DOT_FP32=qmm.INTERPRET or a.dtype == torch.float32, MAGIC=qmm.magic_dequant(qt.bits, a.dtype),
+        ASM=qmm.asm_dequant(qt.bits, a.dtype, min(block_k, qt.group_size)), num_warps=config.num_warps,
+        num_stages=config.num_stages)
+
+
+def prefill_configs(rows: float) -> tuple[int, GemmConfig, GemmConfig]:
+    """(block_m, gate_up's config, down's) for experts that average `rows` rows. Tiles as tall as the rows an
+    expert has: each tile makes its expert's weights once for all its rows. Below 24 rows, gate_up stacks its gate
+    and up rows in one tile. From the H100 sweeps at 512 to 4,096 tokens (docs/PERF.md, 2026-11-26 prefill)."""
+    if rows >= 64:
+        return 128, GemmConfig(), GemmConfig(128, num_stages=4)
+    if rows >= 24:
+        return 64, GemmConfig(), GemmConfig(128)
+    return 16, GemmConfig(stack=True, prefetch=False), GemmConfig()
 
 
 def moe_prefill(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_up: QuantizedTensor,
                 down: QuantizedTensor, shared_out: torch.Tensor | None = None,
-                shared_gate_logit: torch.Tensor | None = None, block_m: int | None = None, block_n: int = 64,
-                block_k: int = 64, num_warps: int = 4, num_stages: int = 3, swap: bool = True,
-                summed: bool = True) -> torch.Tensor | ExpertOutputs:
+                shared_gate_logit: torch.Tensor | None = None, summed: bool = True, block_m: int | None = None,
+                gate_up_config: GemmConfig | None = None,
+                down_config: GemmConfig | None = None) -> torch.Tensor | ExpertOutputs:
     """MoE output [T, H] in x's dtype for many tokens (`ExpertOutputs` when not `summed`): grouped tensor-core
-    GEMMs over the slots sorted by expert; h and the expert outputs are held in x's dtype, in slot order. swap:
-    the GEMMs compute the transposed products (`_grouped_gemm_kernel`'s SWAP). block_m (rows per tile): by default
-    from the rows an expert averages: 128 from 64, 64 from 24, else 16 (each tile makes its expert's whole weight, so
-    fewer, fuller tiles win until the rows run out; H100 sweeps at 256 to 4,096 tokens, docs/PERF.md)."""
+    GEMMs over the slots sorted by expert; h and the expert outputs are held in x's dtype, in slot order. block_m
+    (rows per tile) and the two GEMMs' configs default to `prefill_configs`."""
     _check_moe(x, ids, weights, gate_up, down, shared_out, shared_gate_logit)
     x = x.contiguous()
     T, k = ids.shape
     E = gate_up.weight.shape[0]
-    if block_m is None:
-        rows = T * k / E
-        block_m = 128 if rows >= 64 else 64 if rows >= 24 else 16
+    auto_m, auto_gu, auto_down = prefill_configs(T * k / E)
+    block_m = block_m or auto_m
     table = _tile_table(ids, E, block_m)
     h = torch.empty((T * k, down.in_features), dtype=x.dtype, device=x.device)
-    _grouped_gemm(x, k, gate_up, h, table, True, block_m, block_n, block_k, num_warps, num_stages, swap)
+    _grouped_gemm(x, k, gate_up, h, table, True, block_m, gate_up_config or auto_gu)
     y = torch.empty((1, T * k, down.out_features), dtype=x.dtype, device=x.device)
-    _grouped_gemm(h, 1, down, y[0], table, False, block_m, block_n, block_k, num_warps, num_stages, swap)
+    _grouped_gemm(h, 1, down, y[0], table, False, block_m, down_config or auto_down)
     return _outputs(y, weights, x.dtype, shared_out, shared_gate_logit, summed)
 
 
