@@ -27,9 +27,9 @@ def percentile(xs, q):
     return xs[min(len(xs) - 1, int(round(q / 100 * (len(xs) - 1))))]
 
 
-def join(model, args, prompt_tokens: int) -> dict:
+def join(model, args, prompt_tokens: int, profile: bool = False) -> dict:
     """One run: `args.running` sequences decode, then a prompt of prompt_tokens joins; the steps before and while it
-    prefills."""
+    prefills. profile: print the kernels and host time of the ninth step of the join."""
     engine, vocab = model.engine, model.config.vocab_size
     prefill_chunk = model.engine_config.prefill_tokens(model.device)
     decode_prefill_chunk = model.engine_config.prefill_tokens(model.device, decoding=True)
@@ -56,7 +56,17 @@ def join(model, args, prompt_tokens: int) -> dict:
     joined, beside = [], 0  # beside: steps that prefilled part of the prompt while the batch decoded
     while joiner.status != "decoding" and not joiner.finished:
         before = joiner.prefilled or 0
-        joined.append(timed_step())
+        if profile and len(joined) == 8:
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
+                                                    torch.profiler.ProfilerActivity.CUDA]) as prof:
+                joined.append(timed_step())
+            events = prof.key_averages()
+            gpu = sum(e.self_device_time_total for e in events) / 1e3
+            print(f"one mixed step ({1e3 * joined[-1]:.1f} ms on the host clock; kernels {gpu:.1f} ms):")
+            print(events.table(sort_by="self_device_time_total", row_limit=20, max_name_column_width=70))
+            print(events.table(sort_by="self_cpu_time_total", row_limit=12, max_name_column_width=70))
+        else:
+            joined.append(timed_step())
         beside += (joiner.prefilled or 0) > before and all(s.status == "decoding" for s in running)
     ttft = time.perf_counter() - t0
     for s in running:
@@ -87,6 +97,7 @@ def main() -> int:
                     help="prompt tokens a step prefills at most while sequences decode in it; several: one run each "
                          "(default: the engine's, 512)")
     ap.add_argument("--normal-steps", type=int, default=20)
+    ap.add_argument("--profile", action="store_true", help="print the kernels and host time of one mixed step")
     ap.add_argument("--json")
     args = ap.parse_args()
     # positions for the long prompt from the start: a pool sized to the running batch could only grow once it ends
@@ -98,7 +109,7 @@ def main() -> int:
         model = base.with_engine(decode_prefill_chunk=decode_prefill_chunk)
         # a short join first: the kernels a mixed step runs are compiled before the timed one
         join(model, args, 4 * model.engine_config.prefill_tokens(model.device, decoding=True))
-        r = join(model, args, args.prompt_tokens)
+        r = join(model, args, args.prompt_tokens, profile=args.profile)
         rows.append(r)
         print(f"decode_prefill_chunk {r['decode_prefill_chunk']}: join p99 {r['join_step_ms']['p99']:.1f} ms "
               f"({r['p99_over_normal']:.1f}x normal), TTFT {r['ttft_s']:.2f} s", file=sys.stderr, flush=True)

@@ -12,8 +12,11 @@ chunks and token-by-token decode give the same result. The fixed cost: 64 positi
 
 from __future__ import annotations
 
+from contextlib import nullcontext
+
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from sluice.cache.kv import KVCache
 from sluice.kernels.turboquant import reference as tq
@@ -78,7 +81,11 @@ class TurboQuantKVCache(KVCache):
         # heads of a KV head ride along as rows of one [G * t] query block (no expanded copies of K and V, whatever
         # SDPA backend runs); blocks keep a materialized score matrix under score_elements on its math path.
         G = Hq // Hkv
-        keys, values = torch.cat([kq, ke], dim=2), torch.cat([vq, ve], dim=2)
+        # on a GPU the attention runs in the model's dtype on SDPA's memory-efficient backend (a mask, no plan
+        # built per shape); in fp32 SDPA has no fused kernel for head dim 256 and falls to its math path
+        fused = q.is_cuda and q.dtype in (torch.bfloat16, torch.float16)
+        dt = q.dtype if fused else torch.float32
+        keys, values = torch.cat([kq, ke], dim=2).to(dt), torch.cat([vq, ve], dim=2).to(dt)
         kpos = torch.cat([torch.arange(first, end), torch.arange(e0, end)]).to(q.device)[None, :]
         coded = torch.arange(keys.shape[2], device=q.device)[None, :] < kq.shape[2]
         step = max(1, self.score_elements // (B * Hq * keys.shape[2]))
@@ -89,8 +96,9 @@ class TurboQuantKVCache(KVCache):
             mask = (kpos <= qpos) & ((kpos <= qpos - self.recent) == coded)
             if self.window is not None:
                 mask &= kpos > qpos - self.window
-            qr = tq.rotate(q[:, :, t0:t1]).reshape(B, Hkv, G * (t1 - t0), D)
-            o = F.scaled_dot_product_attention(qr, keys, values, attn_mask=mask, scale=scale)
+            qr = tq.rotate(q[:, :, t0:t1]).reshape(B, Hkv, G * (t1 - t0), D).to(dt)
+            with sdpa_kernel([SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]) if fused else nullcontext():
+                o = F.scaled_dot_product_attention(qr, keys, values, attn_mask=mask, scale=scale).float()
             outs.append(o.reshape(B, Hq, t1 - t0, D))
         o = torch.cat(outs, dim=2)
         # store: codes of the chunk (its last `capacity` positions), exact rotated copies of its last `recent`

@@ -2,13 +2,16 @@
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention.bias import causal_lower_right
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
     """q [B, Hq, T, D] are the last T positions of the S cached positions in k, v [B, Hkv, S, D].
 
     Query t (absolute position S - T + t) sees keys 0 .. S - T + t. Hq must be a multiple of Hkv; query head h
-    reads kv head h // (Hq / Hkv).
+    reads kv head h // (Hq / Hkv). A later chunk (T < S) is causal aligned to the bottom right, which the flash
+    backend runs as it is: a materialized mask would take cuDNN's backend on an H100, which builds a new plan,
+    tens of ms on the host, for every new key count (docs/PERF.md, prefill).
     """
     T, S = q.shape[2], k.shape[2]
     if T == 1:
@@ -16,7 +19,6 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -
     elif T == S:
         mask, causal = None, True
     else:
-        i = torch.arange(T, device=q.device)[:, None] + (S - T)
-        mask, causal = torch.arange(S, device=q.device)[None, :] <= i, False
+        mask, causal = causal_lower_right(T, S), False
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=scale,
                                           enable_gqa=q.shape[1] != k.shape[1])
