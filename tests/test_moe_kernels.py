@@ -102,6 +102,22 @@ def test_slot_order_is_a_stable_sort_by_expert():
         assert torch.equal(order.long(), torch.sort(ids, stable=True).indices)
 
 
+@pytest.mark.parametrize("T, k, experts_, block_m", [(3, 2, 8, 16), (200, 10, 64, 16), (1100, 8, 32, 128)],
+                         ids=["few", "sorted by slot_order", "sorted by torch.sort"])
+def test_tile_table_matches_a_sort(T, k, experts_, block_m):
+    """The grouped GEMMs' table: slots in stable expert order, each expert's first row, and its tiles."""
+    g = torch.Generator().manual_seed(T)
+    ids = torch.stack([torch.randperm(experts_, generator=g)[:k] for _ in range(T)]).to(torch.int32)
+    order, offsets, tile_expert, tile_row = (t.cpu() for t in mt._tile_table(ids.to(DEVICE), experts_, block_m))
+    assert torch.equal(order.long(), torch.sort(ids.reshape(-1), stable=True).indices)
+    counts = torch.bincount(ids.reshape(-1).long(), minlength=experts_)
+    assert torch.equal(offsets.long(), torch.cat([torch.zeros(1, dtype=torch.long), counts.cumsum(0)]))
+    want = [(e, int(offsets[e]) + j * block_m) for e in range(experts_) for j in range(-(-int(counts[e]) // block_m))]
+    used = tile_expert < experts_
+    assert list(zip(tile_expert[used].tolist(), tile_row[used].tolist())) == want
+    assert used[:len(want)].all() and not used[len(want):].any()
+
+
 @pytest.mark.parametrize("T", [5, 12])
 def test_decode_in_expert_order_gives_the_same_bits(T):
     """The GEMV programs launched in expert order compute every slot as before: the same bits, either way."""

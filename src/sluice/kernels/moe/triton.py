@@ -339,25 +339,50 @@ def _grouped_gemm_kernel(a_ptr, w_ptr, s_ptr, b_ptr, c_ptr, order_ptr, tile_expe
              mask=r_ok[None, :] & (offs_n < N)[:, None])
 
 
-def _tile_table(ids: torch.Tensor, E: int, block_m: int):
-    """Slots grouped by expert, and the BLOCK_M-row tiles over them, all computed on the device.
+@triton.jit
+def _tile_table_kernel(ids_ptr, offsets_ptr, tile_expert_ptr, tile_row_ptr, n, E, n_tiles, BLOCK_M: tl.constexpr,
+                       EP: tl.constexpr, BLOCK: tl.constexpr):
+    """One program: each expert's slot count (histograms of BLOCK ids at a time), offsets [E + 1] (their exclusive
+    sums: the first sorted row of each expert, then n), and the table of BLOCK_M-row tiles, per tile its expert
+    and first sorted row, in expert order; the table's unused tail marked with expert E."""
+    counts = tl.zeros((EP,), dtype=tl.int32)
+    for i0 in range(0, n, BLOCK):
+        offs = i0 + tl.arange(0, BLOCK)
+        counts += tl.histogram(tl.load(ids_ptr + offs, mask=offs < n, other=E), EP)  # bin E: past the end
+    bins = tl.arange(0, EP)
+    counts = tl.where(bins < E, counts, 0)
+    starts = tl.cumsum(counts, 0) - counts
+    tl.store(offsets_ptr + bins, starts, mask=bins <= E)
+    tiles = (counts + BLOCK_M - 1) // BLOCK_M
+    first_tile = tl.cumsum(tiles, 0) - tiles
+    for j in range(0, tl.max(tiles, 0)):
+        ok = j < tiles
+        tl.store(tile_expert_ptr + first_tile + j, bins, mask=ok)
+        tl.store(tile_row_ptr + first_tile + j, starts + j * BLOCK_M, mask=ok)
+    for t0 in range(tl.sum(tiles, 0), n_tiles, BLOCK):
+        offs = t0 + tl.arange(0, BLOCK)
+        tl.store(tile_expert_ptr + offs, tl.zeros((BLOCK,), dtype=tl.int32) + E, mask=offs < n_tiles)
 
-    Returns order (the slot t*k + j of each sorted row), offsets [E + 1] (the first sorted row of each expert),
-    and per tile its expert and first sorted row. The host cannot know the tile count without a sync, so the
-    table has an upper-bound length (each expert adds at most one partial tile; every tile holds a slot), its
+
+ORDER_SORT_SLOTS = 8192  # up to this many slots `slot_order` sorts them (all pairs compared), beyond torch.sort
+
+
+def _tile_table(ids: torch.Tensor, E: int, block_m: int):
+    """Slots grouped by expert, and the BLOCK_M-row tiles over them, all computed on the device, in two launches.
+
+    Returns order (the slot t*k + j of each sorted row, stable), offsets [E + 1] (the first sorted row of each
+    expert), and per tile its expert and first sorted row. The host cannot know the tile count without a sync, so
+    the table has an upper-bound length (each expert adds at most one partial tile; every tile holds a slot), its
     unused tail marked with expert E."""
     flat = ids.reshape(-1)
-    sorted_ids, order = torch.sort(flat, stable=True)
-    experts = torch.arange(E + 1, dtype=torch.int32, device=ids.device)
-    # searchsorted, not bincount: CUDA bincount reads the max id back to the host
-    offsets = torch.searchsorted(sorted_ids, experts, out_int32=True)
-    tiles = (offsets.diff() + block_m - 1) // block_m
-    tile_end = tiles.cumsum(0, dtype=torch.int32)
-    n = min(flat.numel(), triton.cdiv(flat.numel(), block_m) + E)
-    i = torch.arange(n, dtype=torch.int32, device=ids.device)
-    tile_expert = torch.searchsorted(tile_end, i, right=True, out_int32=True)
-    e = tile_expert.clamp(max=E - 1)
-    tile_row = offsets[e] + (i - (tile_end[e] - tiles[e])) * block_m
+    n = flat.numel()
+    order = slot_order(flat) if n <= ORDER_SORT_SLOTS else torch.sort(flat, stable=True).indices
+    n_tiles = min(n, triton.cdiv(n, block_m) + E)
+    offsets = torch.empty(E + 1, dtype=torch.int32, device=ids.device)
+    tile_expert = torch.empty(n_tiles, dtype=torch.int32, device=ids.device)
+    tile_row = torch.empty(n_tiles, dtype=torch.int32, device=ids.device)
+    _tile_table_kernel[(1,)](flat, offsets, tile_expert, tile_row, n, E, n_tiles, BLOCK_M=block_m,
+                             EP=triton.next_power_of_2(E + 1), BLOCK=1024, num_warps=4)
     return order, offsets, tile_expert, tile_row
 
 
