@@ -340,19 +340,24 @@ def _grouped_gemm_kernel(a_ptr, w_ptr, s_ptr, b_ptr, c_ptr, order_ptr, tile_expe
 
 
 @triton.jit
-def _tile_table_kernel(ids_ptr, offsets_ptr, tile_expert_ptr, tile_row_ptr, n, E, n_tiles, BLOCK_M: tl.constexpr,
+def _expert_counts_kernel(ids_ptr, counts_ptr, n, EP: tl.constexpr, BLOCK: tl.constexpr):
+    """counts[e] += the slots of expert e among this program's BLOCK ids (a histogram, then one atomic per bin)."""
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    h = tl.histogram(tl.load(ids_ptr + offs, mask=offs < n, other=0), EP, mask=offs < n)
+    tl.atomic_add(counts_ptr + tl.arange(0, EP), h, sem="relaxed")
+
+
+@triton.jit
+def _tile_table_kernel(counts_ptr, offsets_ptr, tile_expert_ptr, tile_row_ptr, E, n_tiles, BLOCK_M: tl.constexpr,
                        EP: tl.constexpr, BLOCK: tl.constexpr):
-    """One program: each expert's slot count (histograms of BLOCK ids at a time), offsets [E + 1] (their exclusive
-    sums: the first sorted row of each expert, then n), and the table of BLOCK_M-row tiles, per tile its expert
-    and first sorted row, in expert order; the table's unused tail marked with expert E."""
-    counts = tl.zeros((EP,), dtype=tl.int32)
-    for i0 in range(0, n, BLOCK):
-        offs = i0 + tl.arange(0, BLOCK)
-        counts += tl.histogram(tl.load(ids_ptr + offs, mask=offs < n, other=E), EP)  # bin E: past the end
+    """One program, from each expert's slot count: offsets [E + 1] (their exclusive sums: the first sorted row of
+    each expert, then the slot count), and the table of BLOCK_M-row tiles, per tile its expert and first sorted
+    row, in expert order; the table's unused tail marked with expert E."""
     bins = tl.arange(0, EP)
-    counts = tl.where(bins < E, counts, 0)
+    counts = tl.load(counts_ptr + bins, mask=bins < E, other=0)
     starts = tl.cumsum(counts, 0) - counts
-    tl.store(offsets_ptr + bins, starts, mask=bins <= E)
+    tl.store(offsets_ptr + bins, starts, mask=bins < E)
+    tl.store(offsets_ptr + E, tl.sum(counts, 0))
     tiles = (counts + BLOCK_M - 1) // BLOCK_M
     first_tile = tl.cumsum(tiles, 0) - tiles
     for j in range(0, tl.max(tiles, 0)):
@@ -368,7 +373,7 @@ ORDER_SORT_SLOTS = 8192  # up to this many slots `slot_order` sorts them (all pa
 
 
 def _tile_table(ids: torch.Tensor, E: int, block_m: int):
-    """Slots grouped by expert, and the BLOCK_M-row tiles over them, all computed on the device, in two launches.
+    """Slots grouped by expert, and the BLOCK_M-row tiles over them, all computed on the device, in four launches.
 
     Returns order (the slot t*k + j of each sorted row, stable), offsets [E + 1] (the first sorted row of each
     expert), and per tile its expert and first sorted row. The host cannot know the tile count without a sync, so
@@ -378,11 +383,14 @@ def _tile_table(ids: torch.Tensor, E: int, block_m: int):
     n = flat.numel()
     order = slot_order(flat) if n <= ORDER_SORT_SLOTS else torch.sort(flat, stable=True).indices
     n_tiles = min(n, triton.cdiv(n, block_m) + E)
+    EP = triton.next_power_of_2(E)
+    counts = torch.zeros(EP, dtype=torch.int32, device=ids.device)
+    _expert_counts_kernel[(triton.cdiv(n, 1024),)](flat, counts, n, EP=EP, BLOCK=1024, num_warps=4)
     offsets = torch.empty(E + 1, dtype=torch.int32, device=ids.device)
     tile_expert = torch.empty(n_tiles, dtype=torch.int32, device=ids.device)
     tile_row = torch.empty(n_tiles, dtype=torch.int32, device=ids.device)
-    _tile_table_kernel[(1,)](flat, offsets, tile_expert, tile_row, n, E, n_tiles, BLOCK_M=block_m,
-                             EP=triton.next_power_of_2(E + 1), BLOCK=1024, num_warps=4)
+    _tile_table_kernel[(1,)](counts, offsets, tile_expert, tile_row, E, n_tiles, BLOCK_M=block_m, EP=EP, BLOCK=1024,
+                             num_warps=4)
     return order, offsets, tile_expert, tile_row
 
 
