@@ -5,7 +5,8 @@
 #
 #   bash benchmarks/gpu_run.sh tests   # GPU tests; first starts llama.cpp's build and model in the background
 #   bash benchmarks/gpu_run.sh bench   # the GDN and attention GPU tests, then
-#                                      # engine_gpu.py (dense 1/16/64 with --serial, TurboQuant 1), prefill_gpu.py,
+#                                      # engine_gpu.py (dense 1/16/64 with --serial, TurboQuant 1), prefill_gpu.py
+#                                      # (4k and 32k prompts),
 #                                      # a 32k TurboQuant bench, then llama.cpp's llama-bench (tg128, pp512, pp4096)
 #
 # Carry `.whl` (the wheels: gguf, fastapi, ...) and, for the peer, `.peer` (`cp -r ../shared/peers/llamacpp .peer`);
@@ -45,7 +46,7 @@ bench)
     --json "$OUT/engine_tq.json" > "$LOG/engine_tq.log" 2>&1
   timeout 60 python -m sluice bench -m $CONFIG --load-format dummy --kv-cache turboquant4 --prompt-tokens 32768 \
     --gen-tokens 64 --repeats 1 --json > "$OUT/bench_tq32k.json" 2> "$LOG/bench_tq32k.log"
-  timeout 80 python benchmarks/prefill_gpu.py --config $CONFIG --prompts 4096 --chunks 512,4096 \
+  timeout 120 python benchmarks/prefill_gpu.py --config $CONFIG --prompts 4096,32768 --chunks 512,4096 \
     --json "$OUT/prefill.json" > "$LOG/prefill.log" 2>&1
   {
     cat "$LOG/tests_tail.log"

@@ -30,6 +30,7 @@ import triton.language as tl
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 from sluice.kernels import launch  # noqa: E402
 from sluice.kernels.qmatmul import reference  # noqa: E402
+from sluice.kernels.qmatmul import gemm  # noqa: E402
 from sluice.kernels.qmatmul import triton as qmm  # noqa: E402
 from sluice.quant.affine import QuantizedTensor, quantize  # noqa: E402
 
@@ -227,7 +228,7 @@ def main():
             for M in (1, 2, 7, 16, 33, 512):
                 x = torch.randn(M, 2048, device=dev, dtype=torch.bfloat16)
                 ref = reference.qmatmul(x.float(), qt)
-                outs = {"qmatmul": qmm.qmatmul(x, qt)}
+                outs = {"qmatmul": gemm.qmatmul(x, qt)}
                 if M <= 2:
                     outs["gemv split 3"] = qmm.qgemv(x, qt, split_k=3)
                 for what, y in outs.items():
@@ -250,7 +251,7 @@ def main():
             if M == 1:
                 cands = [(c, lambda q, x, c=c: gemv_config(q, x, c)) for c in GEMV_CONFIGS]
             else:
-                cands = [(c, lambda q, x, c=c: qmm.qgemm(x, q, c[0], c[1], c[2], c[3], c[4], swap=True))
+                cands = [(c, lambda q, x, c=c: gemm.qgemm(x, q, c[0], c[1], c[2], c[3], c[4], swap=True))
                          for c in SMALL_M_CONFIGS] + [("gemv per row", lambda q, x: qmm.qgemv(x, q))]
             # each config's output is checked on the first copy (fp32 reference, in row chunks: lm_heads are big)
             ref = torch.cat([xs[0].float() @ base_rows.dequantize(torch.float32).T for base_rows in
@@ -299,14 +300,14 @@ def main():
         best = None
         for bm, bn, bk, warps, stages in GEMM_CONFIGS:
             try:
-                t = events_time(lambda: qmm.qgemm(x, qt, bm, bn, bk, warps, stages), reps=10)
+                t = events_time(lambda: gemm.qgemm(x, qt, bm, bn, bk, warps, stages), reps=10)
             except Exception as e:  # a config that does not fit shared memory
                 print(f"  config {(bm, bn, bk, warps, stages)} failed: {type(e).__name__}", flush=True)
                 continue
             res["sweep"].append({"shape": name, "M": M, "config": str((bm, bn, bk, warps, stages)), "us": t * 1e6})
             if best is None or t < best[0]:
                 best = (t, (bm, bn, bk, warps, stages))
-        t_deq = events_time(lambda: qmm.qgemm_dequant(x, qt), reps=10)
+        t_deq = events_time(lambda: gemm.qgemm_dequant(x, qt), reps=10)
         t_cublas = events_time(lambda: x @ w.T, reps=10)
         flops = 2 * M * N * K
         row = {"shape": name, "M": M, "N": N, "K": K, "us": best[0] * 1e6, "config": best[1],

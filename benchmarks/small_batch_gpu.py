@@ -32,6 +32,7 @@ from moe_gpu import stacked_qt  # noqa: E402
 from qmatmul_gpu import copies_for, copy_bandwidth, end_run, graph_time, qt_bytes, random_qt, rel_err, start_run  # noqa: E402
 
 from sluice.kernels.moe import triton as mt  # noqa: E402
+from sluice.kernels.qmatmul import gemm  # noqa: E402
 from sluice.kernels.qmatmul import triton as qmm  # noqa: E402
 
 DENSE = {"qkvz 12288x2048": (12288, 2048), "gdn out 2048x4096": (2048, 4096), "attn q 8192x2048": (8192, 2048),
@@ -55,20 +56,20 @@ def dense(res, copy_bw, sweep=False):
         ref_w = base.dequantize(torch.float32) if N * K <= 1 << 26 else None
         for M in (5, 8, 16, 32, 64) + ((128, 256, 512) if sweep else ()):
             xs = [torch.randn(M, K, device="cuda", dtype=torch.bfloat16) for _ in qts]
-            cands = {"dispatch": lambda q, x: qmm.qmatmul(x, q)}
+            cands = {"dispatch": lambda q, x: gemm.qmatmul(x, q)}
             if M <= 64:
                 cands["gemv per row"] = lambda q, x: qmm.qgemv(x, q)
             if sweep and M > 64:
-                cands["dequant + cuBLAS"] = lambda q, x: qmm.qgemm_dequant(x, q)
+                cands["dequant + cuBLAS"] = lambda q, x: gemm.qgemm_dequant(x, q)
                 for bm, bn, bk, w, st in SWEEP_TALL:
                     cands[f"gemm {bm}x{bn}x{bk} w{w} s{st}"] = functools.partial(
-                        lambda q, x, **kw: qmm.qgemm(x, q, **kw), block_m=bm, block_n=bn, block_k=bk, num_warps=w,
+                        lambda q, x, **kw: gemm.qgemm(x, q, **kw), block_m=bm, block_n=bn, block_k=bk, num_warps=w,
                         num_stages=st)
             if sweep and N * K < 1 << 26 and M <= 64:
                 for bm, bn, bk, w, st, sk in SWEEP:
                     bm = max(bm, triton.next_power_of_2(M))
                     cands[f"gemm {bm}x{bn}x{bk} w{w} s{st} k{sk}"] = functools.partial(
-                        lambda q, x, **kw: qmm.qgemm(x, q, swap=True, **kw), block_m=bm, block_n=bn, block_k=bk,
+                        lambda q, x, **kw: gemm.qgemm(x, q, swap=True, **kw), block_m=bm, block_n=bn, block_k=bk,
                         num_warps=w, num_stages=st, split_k=sk)
             row = {"shape": name, "M": M, "floor_us": nb / copy_bw * 1e6}
             for label, fn in cands.items():
@@ -99,8 +100,8 @@ def grouped_with_shared(x, ids, weights, gu, dn, shared, **blocks):
     """The grouped tensor-core GEMMs over the routed slots (`moe_prefill`), the shared expert through the dense
     path: what a decode batch would run if it took the prefill kernels."""
     k = ids.shape[1] - 1
-    g, u = qmm.qmatmul(x, shared[0]).chunk(2, dim=-1)
-    shared_out = qmm.qmatmul(torch.nn.functional.silu(g) * u, shared[1])
+    g, u = gemm.qmatmul(x, shared[0]).chunk(2, dim=-1)
+    shared_out = gemm.qmatmul(torch.nn.functional.silu(g) * u, shared[1])
     out = mt.moe_prefill(x, ids[:, :k].contiguous(), weights[:, :k].contiguous(), gu, dn, summed=False, **blocks)
     return (out.combine().float() + weights[:, k:].float() * shared_out.float()).to(x.dtype)
 

@@ -7,6 +7,7 @@ import torch
 triton = pytest.importorskip("triton")
 
 from sluice.kernels.qmatmul import reference  # noqa: E402
+from sluice.kernels.qmatmul import gemm  # noqa: E402
 from sluice.kernels.qmatmul import triton as qmm  # noqa: E402
 from sluice.quant.affine import quantize  # noqa: E402
 
@@ -28,9 +29,9 @@ def test_matches_reference(bits, group_size, rows, dtype):
     qt = type(qt)(qt.weight.to(DEVICE), qt.scales.to(DEVICE), qt.biases.to(DEVICE), bits, group_size)
     x = torch.randn(rows, 384, generator=g).to(dtype)
     ref = reference.qmatmul(x.float(), type(qt)(qt.weight.cpu(), qt.scales.cpu(), qt.biases.cpu(), bits, group_size))
-    outs = {"qmatmul": qmm.qmatmul(x.to(DEVICE), qt),
-            "gemm": qmm.qgemm(x.to(DEVICE), qt, block_m=32, block_n=32, block_k=64, swap=False),
-            "gemm swapped, split-K": qmm.qgemm(x.to(DEVICE), qt, block_m=16, block_n=32, block_k=128, swap=True,
+    outs = {"qmatmul": gemm.qmatmul(x.to(DEVICE), qt),
+            "gemm": gemm.qgemm(x.to(DEVICE), qt, block_m=32, block_n=32, block_k=64, swap=False),
+            "gemm swapped, split-K": gemm.qgemm(x.to(DEVICE), qt, block_m=16, block_n=32, block_k=128, swap=True,
                                                split_k=2)}
     if rows <= 3:
         outs["gemv"] = qmm.qgemv(x.to(DEVICE), qt)
@@ -48,7 +49,7 @@ def test_split_k_and_ragged_shapes():
         for block_n, num_warps in ((8, 1), (16, 2)):
             out = qmm.qgemv(x.to(DEVICE).bfloat16(), qt, block_n=block_n, num_warps=num_warps, split_k=split)
             assert rel_err(out.cpu(), ref) < 1e-2
-        out = qmm.qgemm(x.to(DEVICE).bfloat16(), qt, block_m=16, block_n=32, block_k=128, split_k=split)
+        out = gemm.qgemm(x.to(DEVICE).bfloat16(), qt, block_m=16, block_n=32, block_k=128, split_k=split)
         assert rel_err(out.cpu(), ref) < 1e-2
 
 
@@ -153,7 +154,7 @@ def test_dequantize_and_dequant_gemm(bits, group_size, K):
     torch.testing.assert_close(qmm.dequantize(dev, torch.float32).cpu(), qt.dequantize(torch.float32),
                                rtol=1e-6 if DEVICE == "cuda" else 0, atol=1e-6 if DEVICE == "cuda" else 0)
     x = torch.randn(40, K)
-    assert rel_err(qmm.qgemm_dequant(x.to(DEVICE), dev).cpu(), reference.qmatmul(x, qt)) < 1e-3  # TF32 on a GPU
+    assert rel_err(gemm.qgemm_dequant(x.to(DEVICE), dev).cpu(), reference.qmatmul(x, qt)) < 1e-3  # TF32 on a GPU
 
 
 @pytest.mark.parametrize("M,bits,group_size", [(1, 4, 64), (3, 8, 32)])

@@ -9,7 +9,7 @@ Everything stays on the device (no host synchronisation, so a decode step can be
   `swiglu_prep` (`prep_x` in its SwiGLU mode) prepares h in a launch between them.
 - `moe_prefill` (many tokens): slots sorted by expert, a table of BLOCK_M-row tiles (expert, first row) built on
   the device, ONE grouped tensor-core GEMM launch per projection (each tile's weights made in registers once for
-  all its rows: `qmm.group_weights`), SwiGLU fused into the gate_up epilogue.
+  all its rows: `gemm.group_weights`), SwiGLU fused into the gate_up epilogue.
 - `combine`: out[t] = sum_j w[t, j] * y[t*k + j] (+ sigmoid(gate[t]) * shared[t]); a gather, no atomics, so the
   result is deterministic. `expert_sum` is that sum as a device function: with `summed=False` the MoE launches stop
   before it and return `ExpertOutputs`, which the next kernel (the decoder's residual add + RMSNorm,
@@ -26,6 +26,7 @@ import triton.language as tl
 
 from sluice.kernels import launch
 from sluice.kernels.moe import ExpertOutputs, check_shared
+from sluice.kernels.qmatmul import gemm
 from sluice.kernels.qmatmul import triton as qmm
 from sluice.quant.affine import QuantizedTensor
 
@@ -272,7 +273,7 @@ def _grouped_gemm_kernel(a_ptr, w_ptr, s_ptr, b_ptr, c_ptr, order_ptr, tile_expe
     C[slot, n-block] = A[slot // a_div] @ W[e, n-block]^T, or with SWIGLU (W[e] = gate rows [0, N), up rows
     [N, 2N)): silu(A Wg^T) * (A Wu^T). Program (n-block, tile); tiles past the table's end exit at once.
 
-    Per quantization group the codes are loaded packed, made s q + b in registers (`qmm.group_weights`) once for
+    Per quantization group the codes are loaded packed, made s q + b in registers (`gemm.group_weights`) once for
     all the tile's rows, and multiplied with the dot accumulating across groups. The product is computed
     transposed, W A^T, so that W, made in registers, is the dot's register operand and only A goes through shared
     memory. STACK (with SWIGLU): a tile's W rows are BLOCK_N / 2 gate rows and the matching up rows, one
@@ -325,12 +326,12 @@ def _grouped_gemm_kernel(a_ptr, w_ptr, s_ptr, b_ptr, c_ptr, order_ptr, tile_expe
                     su, bu = _scales(s_ptr, b_ptr, rows_n + N, kg // GS, stride_sn)
             a = tl.load(a_rows[:, None] + (kg + tl.arange(0, P))[None, :])
             offs_w = (kg // EPW + tl.arange(0, P // EPW))[None, :]
-            wt = qmm.group_weights(tl.load(w_ptr + rows_n[:, None] * stride_wn + offs_w), s, b, BITS, MAGIC, ASM)
-            acc = qmm.accumulate(acc, a, wt, True, DOT_FP32)
+            wt = gemm.group_weights(tl.load(w_ptr + rows_n[:, None] * stride_wn + offs_w), s, b, BITS, MAGIC, ASM)
+            acc = gemm.accumulate(acc, a, wt, True, DOT_FP32)
             if TWO:
-                wu = qmm.group_weights(tl.load(w_ptr + (rows_n + N)[:, None] * stride_wn + offs_w), su, bu, BITS,
+                wu = gemm.group_weights(tl.load(w_ptr + (rows_n + N)[:, None] * stride_wn + offs_w), su, bu, BITS,
                                        MAGIC, ASM)
-                acc_u = qmm.accumulate(acc_u, a, wu, True, DOT_FP32)
+                acc_u = gemm.accumulate(acc_u, a, wu, True, DOT_FP32)
     if SWIGLU:
         if STACK:  # gate rows first, then up rows: split the accumulator
             acc, acc_u = tl.split(tl.permute(tl.reshape(acc, (2, OUT, BLOCK_M)), (1, 2, 0)))
@@ -417,8 +418,8 @@ def _grouped_gemm(a, a_div, qt, c, table, swiglu, block_m, config: GemmConfig):
         a.stride(0), w.stride(0), w.stride(1), qt.scales.stride(0), qt.scales.stride(1), c.stride(0),
         BITS=qt.bits, GS=qt.group_size, BLOCK_M=block_m, BLOCK_N=config.block_n, BLOCK_K=block_k, SWIGLU=swiglu,
         STACK=stack, PREFETCH=config.prefetch and block_k <= qt.group_size,
-        DOT_FP32=qmm.INTERPRET or a.dtype == torch.float32, MAGIC=qmm.magic_dequant(qt.bits, a.dtype),
-        ASM=qmm.asm_dequant(qt.bits, a.dtype, min(block_k, qt.group_size)), num_warps=config.num_warps,
+        DOT_FP32=qmm.INTERPRET or a.dtype == torch.float32, MAGIC=gemm.magic_dequant(qt.bits, a.dtype),
+        ASM=gemm.asm_dequant(qt.bits, a.dtype, min(block_k, qt.group_size)), num_warps=config.num_warps,
         num_stages=config.num_stages)
 
 

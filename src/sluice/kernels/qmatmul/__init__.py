@@ -30,7 +30,9 @@ def _triton_for(qt):
         return None
     if qt.bits not in qmm.SUPPORTED_BITS or qt.group_size not in qmm.SUPPORTED_GROUPS or qt.weight.dim() != 2:
         return None
-    return lambda x2: qmm.qmatmul(x2, qt)
+    from sluice.kernels.qmatmul import gemm
+
+    return lambda x2: gemm.qmatmul(x2, qt)
 
 
 def qmatmul(x: torch.Tensor, qt, prepared=None) -> torch.Tensor:
