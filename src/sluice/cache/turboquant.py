@@ -22,7 +22,7 @@ from sluice.cache.kv import KVCache
 from sluice.kernels.turboquant import reference as tq
 
 RECENT = 64
-SCORE_ELEMENTS = 1 << 26  # prefill attention: fp32 scores held at once on SDPA's math path (256 MB)
+SCORE_ELEMENTS = 1 << 26  # prefill attention: score (or mask) elements held at once (fp32 math path: 256 MB)
 
 
 class TurboQuantKVCache(KVCache):
@@ -35,7 +35,7 @@ class TurboQuantKVCache(KVCache):
         self.capacity = -(-self.capacity // 32) * 32  # slots in 32s: the values interleave four positions, the CUDA
         # decode kernel (kernels/attention/cuda.py) reads blocks of 32
         self.recent = recent
-        self.score_elements = score_elements  # prefill: fp32 scores held at once on SDPA's math path
+        self.score_elements = score_elements  # prefill: score (or mask) elements held at once
         codes = (num_layers, rows, num_kv_heads, self.capacity, head_dim // 2)
         scales = (num_layers, rows, num_kv_heads, self.capacity)
         ring = (num_layers, rows, num_kv_heads, recent, head_dim)
@@ -79,7 +79,8 @@ class TurboQuantKVCache(KVCache):
         # one attention over both key sets, the coded (every visible position) and the exact (e0..end-1): query p
         # may see coded key j when p - j >= recent, exact key j when p - j < recent (itself always). The G query
         # heads of a KV head ride along as rows of one [G * t] query block (no expanded copies of K and V, whatever
-        # SDPA backend runs); blocks keep a materialized score matrix under score_elements on its math path.
+        # SDPA backend runs); blocks keep the materialized mask, and on the math path the scores, under
+        # score_elements.
         G = Hq // Hkv
         # on a GPU the attention runs in the model's dtype on SDPA's memory-efficient backend (a mask, no plan
         # built per shape); in fp32 SDPA has no fused kernel for head dim 256 and falls to its math path

@@ -17,6 +17,7 @@ import triton.language as tl
 from sluice.kernels.launch import INTERPRET, num_sms
 from sluice.kernels.qmatmul.triton import GEMV_MAX_ROWS, check, dequantize, qgemv
 
+
 @triton.jit
 def unpack_codes(words, BITS: tl.constexpr):
     """codes [BLOCK_N, W * EPW] from words [BLOCK_N, W] (code j of a word at bits j * BITS), unpacked by joins,
@@ -67,13 +68,12 @@ def group_weights(words, s, b, BITS: tl.constexpr, MAGIC: tl.constexpr, ASM: tl.
     biases s, b [BLOCK_N]. MAGIC: in bf16, q made the bf16 128 + q by its bits (ASM: by `_MAGIC_BF16_ASM`), 128
     taken off exactly, then one bf16 FMA: one rounding, as bf16 weights have. Else exact, in fp32 (`accumulate`
     rounds them to the activations' dtype where the dot is not fp32)."""
-    if ASM:
-        v = _magic_bf16_asm(words) - 128.0
-        w = v * s.to(tl.bfloat16)[:, None] + b.to(tl.bfloat16)[:, None]
-    elif MAGIC:
-        q = unpack_codes(words, BITS)
-        v = (q | 0x4300).to(tl.uint16).to(tl.bfloat16, bitcast=True) - 128.0
-        w = v * s.to(tl.bfloat16)[:, None] + b.to(tl.bfloat16)[:, None]
+    if MAGIC:
+        if ASM:
+            v = _magic_bf16_asm(words)
+        else:
+            v = (unpack_codes(words, BITS) | 0x4300).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+        w = (v - 128.0) * s.to(tl.bfloat16)[:, None] + b.to(tl.bfloat16)[:, None]
     else:
         q = unpack_codes(words, BITS)
         w = q.to(tl.float32) * s.to(tl.float32)[:, None] + b.to(tl.float32)[:, None]
