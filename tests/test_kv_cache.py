@@ -207,6 +207,19 @@ def test_turboquant_prefill_in_query_blocks():
     assert rel(out, ref) < 1e-5
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the flash path runs on a GPU")
+def test_turboquant_prefill_on_the_gpu_matches_its_definition():
+    """A bf16 GPU prefill (coded keys on SDPA's flash kernel, the exact ones banded, merged by log-sum-exps) at a
+    real model's heads (16 query, 2 KV, head dim 256): chunks that start before, at and past the recent window."""
+    q, k, v = qkv(B=1, Hq=16, Hkv=2, T=700, D=256, seed=5)
+    ref = turboquant_reference(q, k, v, 0.0625, 64)
+    for chunks in ([700], [40, 300, 1, 359]):
+        cache = TurboQuantKVCache(1, 1, 2, 256, 700, torch.bfloat16, "cuda")
+        c = lambda x: x.to("cuda", torch.bfloat16)  # noqa: E731
+        out = run_chunks(cache, c(q), c(k), c(v), chunks, 0.0625).float().cpu()
+        assert rel(out, ref) < 2e-2
+
+
 @pytest.mark.parametrize("window", [None, 20, 22])
 def test_turboquant_cpu_decode_kernel_equals_the_torch_path(window):
     """One-token steps on the CPU go through the C kernel (codes read in place); the torch path gives the same."""

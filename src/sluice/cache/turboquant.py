@@ -12,11 +12,8 @@ chunks and token-by-token decode give the same result. The fixed cost: 64 positi
 
 from __future__ import annotations
 
-from contextlib import nullcontext
-
 import torch
 import torch.nn.functional as F
-from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from sluice.cache.kv import KVCache
 from sluice.kernels.turboquant import reference as tq
@@ -58,50 +55,37 @@ class TurboQuantKVCache(KVCache):
         k_codes, v_codes = self.k_codes[layer][rows], self.v_codes[layer][rows]
         k_scale, v_scale = self.k_scale[layer][rows], self.v_scale[layer][rows]
         k_recent, v_recent = self.k_recent[layer][rows], self.v_recent[layer][rows]
-        B, Hq, T, D = q.shape
-        Hkv = k.shape[1]
+        T = q.shape[2]
         end = start + T
         slots = self.slots(end - min(T, self.capacity), end)  # the chunk's positions the cache will hold
         first = self.first_visible(start)
         yk, yv = tq.rotate(k), tq.rotate(v)  # the chunk rotated once: its codes and its exact copies
         kc, ks = tq.quantize_rotated(yk)
         vc, vs = tq.quantize_rotated(yv)
-        # every visible position as the codes give it, then the recent ones exact
-        old = self.slots(first, start).to(q.device)
-        kq = torch.cat([tq.dequantize_rotated(k_codes.index_select(2, old), k_scale.index_select(2, old)),
-                        tq.dequantize_rotated(kc, ks)], dim=2)
-        vq = torch.cat([tq.dequantize_rotated(_value_codes(v_codes, old), v_scale.index_select(2, old)),
-                        tq.dequantize_rotated(vc, vs)], dim=2)
+        qr = tq.rotate(q)
+        # on a GPU the attention reads bf16/fp16 keys on SDPA's flash kernel; in fp32 SDPA has no fused kernel for
+        # head dim 256
+        fused = q.is_cuda and q.dtype in (torch.bfloat16, torch.float16)
+        dt = q.dtype if fused else torch.float32
+        # query p reads key j exactly when p - j < recent (the ring's positions before the chunk, then the chunk's
+        # own), from the codes when p - j >= recent: two attentions, merged by their log-sum-exps
         e0 = max(first, start - self.recent + 1)
         ring = (torch.arange(e0, start) % self.recent).to(q.device)
         ke = torch.cat([k_recent.index_select(2, ring).float(), yk], dim=2)
         ve = torch.cat([v_recent.index_select(2, ring).float(), yv], dim=2)
-        # one attention over both key sets, the coded (every visible position) and the exact (e0..end-1): query p
-        # may see coded key j when p - j >= recent, exact key j when p - j < recent (itself always). The G query
-        # heads of a KV head ride along as rows of one [G * t] query block (no expanded copies of K and V, whatever
-        # SDPA backend runs); blocks keep the materialized mask, and on the math path the scores, under
-        # score_elements.
-        G = Hq // Hkv
-        # on a GPU the attention runs in the model's dtype on SDPA's memory-efficient backend (a mask, no plan
-        # built per shape); in fp32 SDPA has no fused kernel for head dim 256 and falls to its math path
-        fused = q.is_cuda and q.dtype in (torch.bfloat16, torch.float16)
-        dt = q.dtype if fused else torch.float32
-        keys, values = torch.cat([kq, ke], dim=2).to(dt), torch.cat([vq, ve], dim=2).to(dt)
-        kpos = torch.cat([torch.arange(first, end), torch.arange(e0, end)]).to(q.device)[None, :]
-        coded = torch.arange(keys.shape[2], device=q.device)[None, :] < kq.shape[2]
-        step = max(1, self.score_elements // (B * Hq * keys.shape[2]))
-        outs = []
-        for t0 in range(0, T, step):
-            t1 = min(T, t0 + step)
-            qpos = torch.arange(start + t0, start + t1, device=q.device).repeat(G)[:, None]
-            mask = (kpos <= qpos) & ((kpos <= qpos - self.recent) == coded)
-            if self.window is not None:
-                mask &= kpos > qpos - self.window
-            qr = tq.rotate(q[:, :, t0:t1]).reshape(B, Hkv, G * (t1 - t0), D).to(dt)
-            with sdpa_kernel([SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]) if fused else nullcontext():
-                o = F.scaled_dot_product_attention(qr, keys, values, attn_mask=mask, scale=scale).float()
-            outs.append(o.reshape(B, Hq, t1 - t0, D))
-        o = torch.cat(outs, dim=2)
+        o, lse = _recent_attention(qr, ke, ve, scale, start, e0, min(self.recent, self.window or self.recent))
+        last = end - self.recent  # coded keys: positions first .. last - 1, the ones the chunk's last query reads
+        if last > first and (self.window is None or self.window > self.recent):
+            old = self.slots(first, min(start, last)).to(q.device)
+            new = max(0, last - start)
+            kq = torch.cat([tq.dequantize_rotated(k_codes.index_select(2, old), k_scale.index_select(2, old)),
+                            tq.dequantize_rotated(kc[:, :, :new], ks[:, :, :new])], dim=2).to(dt)
+            vq = torch.cat([tq.dequantize_rotated(_value_codes(v_codes, old), v_scale.index_select(2, old)),
+                            tq.dequantize_rotated(vc[:, :, :new], vs[:, :, :new])], dim=2).to(dt)
+            oc, lc = _lagged_attention(qr.to(dt), kq, vq, scale, start, first, self.recent, self.window,
+                                       self.score_elements, fused)
+            total = torch.logaddexp(lse, lc)
+            o = o * (lse - total).exp()[..., None] + oc * (lc - total).exp()[..., None]
         # store: codes of the chunk (its last `capacity` positions), exact rotated copies of its last `recent`
         keep = len(slots)
         slots = slots.to(q.device)
@@ -164,3 +148,67 @@ class TurboQuantKVCache(KVCache):
 def _value_codes(v_codes: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
     """The value codes [B, Hkv, cap/4, D/2, 4] of `slots` as [B, Hkv, n, D/2] (out of their interleaved layout)."""
     return v_codes[:, :, slots // 4, :, slots % 4].permute(1, 2, 0, 3)
+
+
+def _recent_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, q0: int, k0: int,
+                      width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Banded attention, fp32: q [B, Hq, T, D] at positions q0.., k, v [B, Hkv, S, D] at positions k0 .. q0 + T - 1;
+    query p sees key j when p - width < j <= p (itself always). Returns the output [B, Hq, T, D] and the log-sum-exp
+    of the scaled scores [B, Hq, T].
+
+    Queries go in blocks of `width`, each against the 2 * width keys that end with it: a few masked scores per query
+    whatever the chunk's length. The G query heads of a KV head ride along as rows of one block."""
+    B, Hq, T, D = q.shape
+    Hkv, G, w = k.shape[1], Hq // k.shape[1], width
+    n = -(-T // w)  # blocks
+    lo = q0 - w  # the position of the first key of block 0's window
+    drop = max(0, lo - k0)  # keys no query here can see
+    pad = (k0 + drop - lo, n * w - T)  # keys before the first / after the last position, zeros (masked or unused)
+    win = lambda x: F.pad(x[:, :, drop:].float(), (0, 0) + pad).unfold(2, 2 * w, w)  # noqa: E731 [B, Hkv, n, D, 2w]
+    qb = F.pad(q.float(), (0, 0, 0, n * w - T)).reshape(B, Hkv, G, n, w, D).transpose(2, 3).reshape(B, Hkv, n,
+                                                                                                      G * w, D)
+    s = (qb @ win(k)) * scale  # [B, Hkv, n, G * w, 2w]
+    t = torch.arange(w, device=q.device).repeat(G)[:, None]  # a row's query: position lo + w * (block + 1) + t
+    c = torch.arange(2 * w, device=q.device)[None, :]  # a column's key: position lo + w * block + c
+    seen = (c <= t + w) & (c > t)
+    kpos = lo + w * torch.arange(n, device=q.device)[:, None, None] + c
+    s = s.masked_fill(~(seen & (kpos >= k0 + drop)), float("-inf"))
+    lse = torch.logsumexp(s, dim=-1)
+    o = torch.exp(s - lse[..., None]) @ win(v).transpose(-1, -2)  # [B, Hkv, n, G * w, D]
+    back = lambda x: x.reshape(B, Hkv, n, G, w, -1).transpose(2, 3).reshape(B, Hq, n * w, -1)[:, :, :T]  # noqa: E731
+    return back(o), back(lse[..., None])[..., 0]
+
+
+def _lagged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, q0: int, k0: int, lag: int,
+                      window: int | None, score_elements: int, fused: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """q [B, Hq, T, D] at positions q0.., k, v [B, Hkv, S, D] at positions k0 .. q0 + T - 1 - lag; query p sees key j
+    when j <= p - lag (and j > p - window). Returns the output [B, Hq, T, D] fp32 and the log-sum-exp of the scaled
+    scores [B, Hq, T] (-inf, output 0, for a query that sees none).
+
+    The queries from the first that sees a key on are causal to the keys' bottom right: with `fused` (a GPU, half
+    precision, no window) one flash attention, which gives its log-sum-exp; else explicit scores in blocks of
+    queries under score_elements."""
+    B, Hq, T, D = q.shape
+    S, G = k.shape[2], Hq // k.shape[1]
+    r0 = max(0, k0 + lag - q0)  # queries before r0 see no key
+    o = q.new_zeros(B, Hq, T, D, dtype=torch.float32)
+    lse = q.new_full((B, Hq, T), float("-inf"), dtype=torch.float32)
+    if fused and window is None:
+        out = torch.ops.aten._scaled_dot_product_flash_attention(q[:, :, r0:], k, v, 0.0, True, False, scale=scale)
+        o[:, :, r0:], lse[:, :, r0:] = out[0].float(), out[1][..., :T - r0]
+        return o, lse
+    kpos = torch.arange(k0, k0 + S, device=q.device)[None, :]
+    step = max(1, score_elements // (B * Hq * S))
+    for t0 in range(r0, T, step):
+        t1 = min(T, t0 + step)
+        qpos = torch.arange(q0 + t0, q0 + t1, device=q.device).repeat(G)[:, None]
+        seen = kpos <= qpos - lag
+        if window is not None:
+            seen &= kpos > qpos - window
+        qb = q[:, :, t0:t1].float().reshape(B, -1, G * (t1 - t0), D)
+        s = (qb @ k.float().transpose(-1, -2) * scale).masked_fill(~seen, float("-inf"))
+        piece = torch.logsumexp(s, dim=-1)
+        ob = torch.exp(s - piece[..., None]) @ v.float()
+        o[:, :, t0:t1] = ob.reshape(B, Hq, t1 - t0, D)
+        lse[:, :, t0:t1] = piece.reshape(B, Hq, t1 - t0)
+    return o, lse
