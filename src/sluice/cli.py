@@ -40,7 +40,7 @@ def _add_prefill_args(p: argparse.ArgumentParser):
                         "(default 4096 on a GPU, 512 on the CPU)")
     p.add_argument("--decode-prefill-chunk", type=int, default=None, metavar="N",
                    help="prompt tokens a step prefills at most while sequences decode in it, so a long prompt joining "
-                        "stalls them less (default 2048 on a GPU, 512 on the CPU; at most --prefill-chunk)")
+                        "stalls them less (default 64 on a GPU, 512 on the CPU; at most --prefill-chunk)")
 
 
 def _prefill_options(args) -> dict:

@@ -11,8 +11,8 @@ from sluice.errors import InvalidOptionError
 GRAPH_BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64, 128)
 GPU_PREFILL_CHUNK = 4096  # every chunk reads all the experts: bigger chunks prefill faster (docs/PERF.md, "prefill")
 CPU_PREFILL_CHUNK = 512
-GPU_DECODE_PREFILL_CHUNK = 2048  # a chunk stalls its step's decodes; smaller ones prefill far slower per token
-# (docs/PERF.md, "long prompt joining")
+GPU_DECODE_PREFILL_CHUNK = 64  # a chunk stalls its step's decodes: 64 tokens keep the step within 5x a decode
+# step, bigger chunks prefill faster per token (docs/PERF.md, "a 32k prompt joining")
 CPU_DECODE_PREFILL_CHUNK = CPU_PREFILL_CHUNK
 
 
@@ -27,10 +27,12 @@ class EngineConfig:
         reads all the experts once and bigger chunks prefill several times faster, 512 on the CPU.
     decode_prefill_chunk: prompt tokens a step prefills at most while sequences decode in it (a long prompt joining
         a running batch then takes many short steps, not a few that stall every decode for a whole big chunk); at
-        most prefill_chunk; None: 2048 on a GPU (the balance of the decodes' p99 step and the joining prompt's first
-        token in the H100 sweep of docs/PERF.md), 512 on the CPU. A step with nothing decoding prefills
-        prefill_chunk.
-    graphs: on CUDA, replay each decode step from a CUDA graph captured per batch size (False: eager, to compare).
+        most prefill_chunk; None: 64 on a GPU (in the H100 sweep of docs/PERF.md the decodes' p99 step stays within
+        5x their normal step; 512 halves it again while a 32k prompt's first token comes 4.6x sooner), 512 on the
+        CPU. A step with nothing decoding prefills prefill_chunk.
+    graphs: on CUDA, replay each decode step from a CUDA graph captured per batch size, and a prefill chunk of
+        decode_prefill_chunk tokens (below prefill_chunk) from one captured in pieces (`engine/chunk_graph.py`)
+        (False: eager, to compare).
     graph_batch_sizes: the batch sizes graphs are captured for; a batch runs in the smallest that holds it.
     kv_cache: "dense" (K/V in the model's dtype) or "turboquant4".
     overlap: launch each decode step before the host reads the last one's tokens (`engine/engine.py`); None: on a

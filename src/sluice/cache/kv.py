@@ -62,11 +62,11 @@ class KVCache:
         """One query per sequence on a GPU: the split-K kernel over the rows in place (and the gate in its merge)."""
         raise NotImplementedError
 
-    def slots(self, start: int, end: int) -> torch.Tensor:
-        """Slots of positions start..end-1 (checked against the capacity)."""
+    def slots(self, start: int, end: int, device=None) -> torch.Tensor:
+        """Slots of positions start..end-1 (checked against the capacity), made on `device`."""
         if end > self.max_positions:
             raise IndexError(f"KV cache holds {self.max_positions} positions, asked to write up to {end}")
-        pos = torch.arange(start, end)
+        pos = torch.arange(start, end, device=device)
         return pos if self.window is None else pos % self.capacity
 
     def first_visible(self, start: int) -> int:
@@ -133,7 +133,7 @@ class DenseKVCache(KVCache):
         # with a causal window mask; the chunk is written afterwards, since it may overwrite slots its own first
         # queries still see
         first = self.first_visible(start)
-        old = self.slots(first, start).to(kl.device)
+        old = self.slots(first, start, kl.device)
         old_k, old_v = kl.index_select(2, old), vl.index_select(2, old)
         kc, vc = torch.cat([old_k, k.to(old_k.dtype)], dim=2), torch.cat([old_v, v.to(old_v.dtype)], dim=2)
         qpos = torch.arange(start, end, device=q.device)[:, None]
@@ -142,7 +142,7 @@ class DenseKVCache(KVCache):
         o = F.scaled_dot_product_attention(q, kc.to(q.dtype), vc.to(q.dtype), attn_mask=mask, scale=scale,
                                            enable_gqa=q.shape[1] != k.shape[1])
         keep = min(T, self.capacity)  # the last `capacity` positions of the chunk are what the ring keeps
-        idx = self.slots(end - keep, end).to(kl.device)
+        idx = self.slots(end - keep, end, kl.device)
         kl.index_copy_(2, idx, k[:, :, T - keep:].to(kl.dtype))
         vl.index_copy_(2, idx, v[:, :, T - keep:].to(vl.dtype))
         return o

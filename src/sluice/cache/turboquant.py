@@ -57,7 +57,7 @@ class TurboQuantKVCache(KVCache):
         k_recent, v_recent = self.k_recent[layer][rows], self.v_recent[layer][rows]
         T = q.shape[2]
         end = start + T
-        slots = self.slots(end - min(T, self.capacity), end)  # the chunk's positions the cache will hold
+        slots = self.slots(end - min(T, self.capacity), end, q.device)  # the chunk's positions the cache will hold
         first = self.first_visible(start)
         yk, yv = tq.rotate(k), tq.rotate(v)  # the chunk rotated once: its codes and its exact copies
         kc, ks = tq.quantize_rotated(yk)
@@ -70,13 +70,13 @@ class TurboQuantKVCache(KVCache):
         # query p reads key j exactly when p - j < recent (the ring's positions before the chunk, then the chunk's
         # own), from the codes when p - j >= recent: two attentions, merged by their log-sum-exps
         e0 = max(first, start - self.recent + 1)
-        ring = (torch.arange(e0, start) % self.recent).to(q.device)
+        ring = torch.arange(e0, start, device=q.device) % self.recent
         ke = torch.cat([k_recent.index_select(2, ring).float(), yk], dim=2)
         ve = torch.cat([v_recent.index_select(2, ring).float(), yv], dim=2)
         o, lse = _recent_attention(qr, ke, ve, scale, start, e0, min(self.recent, self.window or self.recent))
         last = end - self.recent  # coded keys: positions first .. last - 1, the ones the chunk's last query reads
         if last > first and (self.window is None or self.window > self.recent):
-            old = self.slots(first, min(start, last)).to(q.device)
+            old = self.slots(first, min(start, last), q.device)
             new = max(0, last - start)
             kq = torch.cat([tq.dequantize_rotated(k_codes.index_select(2, old), k_scale.index_select(2, old)),
                             tq.dequantize_rotated(kc[:, :, :new], ks[:, :, :new])], dim=2).to(dt)
@@ -88,13 +88,12 @@ class TurboQuantKVCache(KVCache):
             o = o * (lse - total).exp()[..., None] + oc * (lc - total).exp()[..., None]
         # store: codes of the chunk (its last `capacity` positions), exact rotated copies of its last `recent`
         keep = len(slots)
-        slots = slots.to(q.device)
         k_codes.index_copy_(2, slots, kc[:, :, T - keep:])
         v_codes[:, :, slots // 4, :, slots % 4] = vc[:, :, T - keep:].permute(2, 0, 1, 3)
         k_scale.index_copy_(2, slots, ks[:, :, T - keep:])
         v_scale.index_copy_(2, slots, vs[:, :, T - keep:])
         r = min(T, self.recent)
-        ring = (torch.arange(end - r, end) % self.recent).to(q.device)
+        ring = torch.arange(end - r, end, device=q.device) % self.recent
         k_recent.index_copy_(2, ring, ke[:, :, -r:].to(k_recent.dtype))
         v_recent.index_copy_(2, ring, ve[:, :, -r:].to(v_recent.dtype))
         return tq.unrotate(o).to(q.dtype)

@@ -21,7 +21,7 @@ import torch
 def on_device(values, dtype: torch.dtype, device) -> torch.Tensor:
     """Host values as a tensor on `device` without waiting for it: a copy from pageable memory to a GPU first waits
     for everything queued there, which would undo the overlap of decode steps (`engine/engine.py`)."""
-    t = torch.tensor(values, dtype=dtype)
+    t = values.to(dtype).contiguous() if isinstance(values, torch.Tensor) else torch.tensor(values, dtype=dtype)
     if torch.device(device).type != "cuda":
         return t.to(device)
     return t.pin_memory().to(device, non_blocking=True)
@@ -41,9 +41,10 @@ class ForwardMeta:
 
     @classmethod
     def prefill(cls, row0: int, batch: int, start: int, tokens: int, device) -> ForwardMeta:
-        positions = torch.arange(start, start + tokens, dtype=torch.int32).expand(batch, tokens)
-        rows = torch.arange(row0, row0 + batch, dtype=torch.int32)
-        return cls(False, positions.to(device), rows.to(device), start + tokens, row0=row0, start=start)
+        positions = torch.arange(start, start + tokens).expand(batch, tokens)
+        rows = torch.arange(row0, row0 + batch)
+        return cls(False, on_device(positions, torch.int32, device), on_device(rows, torch.int32, device),
+                   start + tokens, row0=row0, start=start)
 
     @classmethod
     def packed(cls, chunks: list[tuple[int, int, int]], device) -> ForwardMeta:
@@ -52,10 +53,10 @@ class ForwardMeta:
         for row, start, n in chunks:
             parts.append((t0, t0 + n, cls.prefill(row, 1, start, n, device)))
             t0 += n
-        positions = torch.cat([torch.arange(start, start + n, dtype=torch.int32) for _, start, n in chunks])[None]
-        rows = torch.tensor([row for row, _, _ in chunks], dtype=torch.int32)
-        return cls(False, positions.to(device), rows.to(device), max(start + n for _, start, n in chunks),
-                   row0=chunks[0][0], start=chunks[0][1], parts=parts)
+        positions = torch.cat([torch.arange(start, start + n) for _, start, n in chunks])[None]
+        return cls(False, on_device(positions, torch.int32, device),
+                   on_device([row for row, _, _ in chunks], torch.int32, device),
+                   max(start + n for _, start, n in chunks), row0=chunks[0][0], start=chunks[0][1], parts=parts)
 
     @property
     def last_tokens(self):

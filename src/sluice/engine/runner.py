@@ -15,6 +15,7 @@ import torch
 
 from sluice.config import EngineConfig
 from sluice.engine.batch import ForwardMeta, on_device
+from sluice.engine.chunk_graph import ChunkGraph
 from sluice.errors import InvalidOptionError
 
 
@@ -42,6 +43,7 @@ class ModelRunner:
         self.pool = None
         self.seen = None  # bool [rows + 1, vocab]: the tokens each row has seen (repetition penalty)
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self._chunk_graph: ChunkGraph | None = None
         self._graph_memory = None
         self._capturable = None
 
@@ -56,7 +58,7 @@ class ModelRunner:
     # -- the cache pool -------------------------------------------------------------------------------------
     def build_pool(self, rows: int, capacity: int) -> None:
         """A new pool of `rows` sequences of `capacity` positions (the old one, and its graphs, dropped)."""
-        self.pool = self.seen = None
+        self.pool = self.seen = self._chunk_graph = None
         self._graphs.clear()
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
@@ -86,6 +88,16 @@ class ModelRunner:
     def prefill(self, chunks: list[tuple[int, list[int], int]]) -> torch.Tensor:
         """Feed prompt chunks (cache row, token ids, first position), of one or several sequences, in one forward
         (several: packed, `ForwardMeta.packed`): the logits [chunks, vocab] of each chunk's last token."""
+        if len(chunks) == 1 and self._graphs_chunk(len(chunks[0][1])):
+            row, ids, start = chunks[0]
+            if self._chunk_graph is None:
+                self._chunk_graph = ChunkGraph(self.module, self.pool, len(ids), self.dtype, self.device)
+            return self._chunk_graph.run(row, start, ids)[0]
+        return self.prefill_eager(chunks)
+
+    @torch.inference_mode()
+    def prefill_eager(self, chunks: list[tuple[int, list[int], int]]) -> torch.Tensor:
+        """`prefill` without the chunk graph."""
         tokens = on_device([[t for _, ids, _ in chunks for t in ids]], torch.long, self.device)
         if len(chunks) == 1:
             row, ids, start = chunks[0]
@@ -114,6 +126,14 @@ class ModelRunner:
             self._inputs[0, :n].copy_(tokens)
         graph.replay()
         return logits[:n]
+
+    def _graphs_chunk(self, n: int) -> bool:
+        """Whether a prefill chunk of n tokens (of one sequence) replays the chunk graph (`engine/chunk_graph.py`):
+        with graphs, n the tokens a step prefills beside decodes when that is less than a step alone prefills, and
+        no streamed experts (whose prefill stages layers from the host)."""
+        beside = self.config.prefill_tokens(self.device, decoding=True)
+        return (self.uses_graphs and n == beside < self.config.prefill_tokens(self.device)
+                and getattr(self.module, "placement", None) is None)
 
     def _graph_size(self, n: int) -> int | None:
         """The captured batch size a decode step of n sequences replays in; None: run it eagerly (no graphs, larger
