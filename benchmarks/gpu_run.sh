@@ -6,8 +6,9 @@
 #   bash benchmarks/gpu_run.sh tests   # GPU tests; first starts llama.cpp's build and model in the background
 #   bash benchmarks/gpu_run.sh bench   # the GDN and attention GPU tests, then
 #                                      # engine_gpu.py (dense 1/16/64 with --serial, TurboQuant 1), prefill_gpu.py
-#                                      # (4k and 32k prompts),
+#                                      # (4k and 32k prompts, both cache kinds),
 #                                      # a 32k TurboQuant bench, then llama.cpp's llama-bench (tg128, pp512, pp4096)
+#   bash benchmarks/gpu_run.sh join    # long_prompt_join.py: 8 decoding while a 32k prompt joins, both cache kinds
 #
 # Carry `.whl` (the wheels: gguf, fastapi, ...) and, for the peer, `.peer` (`cp -r ../shared/peers/llamacpp .peer`);
 # both are git-ignored. Make the second call right after the first: the machine and the background build stay only
@@ -30,7 +31,7 @@ tests)
   fi
   timeout 500 python -m pytest -q -rf -p no:cacheprovider tests/test_gpu_models.py tests/test_gpu_engine.py \
     tests/test_moe_kernels.py tests/test_norm_triton.py tests/test_rope_triton.py tests/test_qmatmul_triton.py \
-    tests/test_conv1d_triton.py 2>&1 | tee "$LOG/tests.log" | tail -15 | tee "$OUT/summary.log"
+    tests/test_conv1d_triton.py tests/test_kv_cache.py 2>&1 | tee "$LOG/tests.log" | tail -15 | tee "$OUT/summary.log"
   ;;
 bench)
   if [ -d .peer ]; then  # llama.cpp's build done first: a 16-core compile beside the benchmarks would slow their host side
@@ -46,11 +47,13 @@ bench)
     --json "$OUT/engine_tq.json" > "$LOG/engine_tq.log" 2>&1
   timeout 60 python -m sluice bench -m $CONFIG --load-format dummy --kv-cache turboquant4 --prompt-tokens 32768 \
     --gen-tokens 64 --repeats 1 --json > "$OUT/bench_tq32k.json" 2> "$LOG/bench_tq32k.log"
-  timeout 120 python benchmarks/prefill_gpu.py --config $CONFIG --prompts 4096,32768 --chunks 512,4096 \
+  timeout 90 python benchmarks/prefill_gpu.py --config $CONFIG --prompts 4096,32768 --chunks 4096 \
     --json "$OUT/prefill.json" > "$LOG/prefill.log" 2>&1
+  timeout 90 python benchmarks/prefill_gpu.py --config $CONFIG --prompts 4096,32768 --chunks 4096 \
+    --kv-cache turboquant4 --json "$OUT/prefill_tq.json" > "$LOG/prefill_tq.log" 2>&1
   {
     cat "$LOG/tests_tail.log"
-    grep -A40 "^KV " "$LOG/engine_dense.log"; grep -A20 "^KV " "$LOG/engine_tq.log"; grep -A4 "chunk " "$LOG/prefill.log"
+    grep -A40 "^KV " "$LOG/engine_dense.log"; grep -A20 "^KV " "$LOG/engine_tq.log"; grep -A3 "chunk " "$LOG/prefill.log" "$LOG/prefill_tq.log"
     python3 -c "import json; r = json.load(open('$OUT/bench_tq32k.json')); r = r[0] if isinstance(r, list) else r; \
 print('turboquant4 32k: decode', round(r['decode_tok_s'], 1), 'tok/s, floor', round(r['floor_decode_tok_s']))"
   } 2>&1 | tee "$OUT/summary.log"
@@ -60,8 +63,15 @@ print('turboquant4 32k: decode', round(r['decode_tok_s'], 1), 'tok/s, floor', ro
     tail -8 "$LOG/llamacpp.log" | tee -a "$OUT/summary.log"
   fi
   ;;
+join)
+  for kind in dense turboquant4; do
+    timeout 240 python benchmarks/long_prompt_join.py --model $CONFIG --load-format dummy --kv-cache $kind \
+      --decode-prefill-chunk 64 512 --json "$OUT/join_$kind.json" > "$LOG/join_$kind.log" 2>&1
+    tail -4 "$LOG/join_$kind.log" | tee -a "$OUT/summary.log"
+  done
+  ;;
 *)
-  echo "usage: bash benchmarks/gpu_run.sh tests|bench" >&2
+  echo "usage: bash benchmarks/gpu_run.sh tests|bench|join" >&2
   exit 2
   ;;
 esac

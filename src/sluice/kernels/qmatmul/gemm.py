@@ -192,8 +192,10 @@ def qgemm_dequant(x: torch.Tensor, qt) -> torch.Tensor:
     thousands the extra pass (0.56 + 2 bytes per weight) is a few percent of the GEMM, and cuBLAS is the fastest
     tensor-core GEMM there is."""
     check(x, qt)
-    w = dequantize(qt, x.dtype)
-    return x @ w.T
+    # an output row of a whole number of 16 bytes: else cuBLAS runs an unaligned kernel, 10x slower on the MoE's
+    # router and shared-expert gate (513 logits)
+    w = dequantize(qt, x.dtype, row_multiple=8)
+    return (x @ w.T)[:, :qt.weight.shape[0]]
 
 
 DEQUANT_GEMM_ROWS = 256  # from here on, dequantize + cuBLAS (measured faster than our fused GEMM at M = 4096)

@@ -545,11 +545,12 @@ def _dequant_block_k(qt) -> int:
     return block_k
 
 
-def dequantize(qt, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
-    """The dense [N, K] weight in `dtype`, one pass over the packed bytes."""
+def dequantize(qt, dtype: torch.dtype = torch.bfloat16, row_multiple: int = 1) -> torch.Tensor:
+    """The dense [N, K] weight in `dtype`, one pass over the packed bytes; with row_multiple, N rounded up to it (the
+    rows past N left unset)."""
     N, K = qt.weight.shape[0], qt.in_features
     block_k = _dequant_block_k(qt)
-    out = torch.empty((N, K), dtype=dtype, device=qt.weight.device)
+    out = torch.empty((-(-N // row_multiple) * row_multiple, K), dtype=dtype, device=qt.weight.device)
     _dequant_kernel[(triton.cdiv(N, 32), K // block_k)](
         qt.weight.view(torch.int32), qt.scales, qt.biases, out, out, N, K, qt.weight.stride(0), qt.scales.stride(0),
         out.stride(0), BITS=qt.bits, GS=qt.group_size, BLOCK_N=32, BLOCK_K=block_k, GATHER=False,
