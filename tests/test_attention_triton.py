@@ -194,6 +194,25 @@ def test_quantize_append_matches_the_reference(D, dtype, B, Hkv, interleaved):
     assert codes[:, :, [0, 5, 7]].count_nonzero() == 0 and ring[:, :, [0, 1, 3]].count_nonzero() == 0
 
 
+@pytest.mark.parametrize("D,interleaved,first,n,dtype", [(64, False, 3, 50, torch.float32),
+                                                         (256, True, 0, 64, torch.bfloat16),
+                                                         (128, True, 45, 30, torch.float32)])  # wraps the ring
+def test_dequantize_a_range_of_positions(D, interleaved, first, n, dtype):
+    """Positions first .. first + n - 1 (slot p % capacity) of the cache's codes back to rotated vectors: the
+    reference's dequantize_rotated, in the rows' layout (values interleaved), bit for bit in fp32."""
+    from sluice.kernels.turboquant import triton as tqt
+
+    g = torch.Generator().manual_seed(D + n)
+    B, Hkv, cap = 2, 3, 64
+    codes = torch.randint(0, 256, (B, Hkv, cap, D // 2), generator=g, dtype=torch.uint8)
+    scales = torch.rand(B, Hkv, cap, generator=g) + 0.1
+    stored = tq.interleave(codes) if interleaved else codes
+    out = tqt.dequantize(stored.to(DEVICE), scales.to(DEVICE), first, n, dtype).cpu()
+    slots = torch.arange(first, first + n) % cap
+    ref = tq.dequantize_rotated(codes[:, :, slots], scales[:, :, slots]).to(dtype)
+    assert out.shape == (B, Hkv, n, D) and torch.equal(out, ref)
+
+
 @pytest.mark.parametrize("D,dtype", [(64, torch.float32), (256, torch.bfloat16)])
 def test_rotate_matches_the_reference(D, dtype):
     from sluice.kernels.turboquant import triton as tqt

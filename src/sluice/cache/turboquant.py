@@ -59,10 +59,10 @@ class TurboQuantKVCache(KVCache):
         end = start + T
         slots = self.slots(end - min(T, self.capacity), end, q.device)  # the chunk's positions the cache will hold
         first = self.first_visible(start)
-        yk, yv = tq.rotate(k), tq.rotate(v)  # the chunk rotated once: its codes and its exact copies
+        yk, yv = _rotate(k), _rotate(v)  # the chunk rotated once: its codes and its exact copies
         kc, ks = tq.quantize_rotated(yk)
         vc, vs = tq.quantize_rotated(yv)
-        qr = tq.rotate(q)
+        qr = _rotate(q)
         # on a GPU the attention reads bf16/fp16 keys on SDPA's flash kernel; in fp32 SDPA has no fused kernel for
         # head dim 256
         fused = q.is_cuda and q.dtype in (torch.bfloat16, torch.float16)
@@ -76,12 +76,11 @@ class TurboQuantKVCache(KVCache):
         o, lse = _recent_attention(qr, ke, ve, scale, start, e0, min(self.recent, self.window or self.recent))
         last = end - self.recent  # coded keys: positions first .. last - 1, the ones the chunk's last query reads
         if last > first and (self.window is None or self.window > self.recent):
-            old = self.slots(first, min(start, last), q.device)
-            new = max(0, last - start)
-            kq = torch.cat([tq.dequantize_rotated(k_codes.index_select(2, old), k_scale.index_select(2, old)),
-                            tq.dequantize_rotated(kc[:, :, :new], ks[:, :, :new])], dim=2).to(dt)
-            vq = torch.cat([tq.dequantize_rotated(_value_codes(v_codes, old), v_scale.index_select(2, old)),
-                            tq.dequantize_rotated(vc[:, :, :new], vs[:, :, :new])], dim=2).to(dt)
+            old, new = min(start, last) - first, max(0, last - start)  # stored before the chunk, the chunk's own
+            kq = torch.cat([self._dequantize(k_codes, k_scale, first, old, dt),
+                            tq.dequantize_rotated(kc[:, :, :new], ks[:, :, :new]).to(dt)], dim=2)
+            vq = torch.cat([self._dequantize(v_codes, v_scale, first, old, dt),
+                            tq.dequantize_rotated(vc[:, :, :new], vs[:, :, :new]).to(dt)], dim=2)
             oc, lc = _lagged_attention(qr.to(dt), kq, vq, scale, start, first, self.recent, self.window,
                                        self.score_elements, fused)
             total = torch.logaddexp(lse, lc)
@@ -96,7 +95,19 @@ class TurboQuantKVCache(KVCache):
         ring = torch.arange(end - r, end, device=q.device) % self.recent
         k_recent.index_copy_(2, ring, ke[:, :, -r:].to(k_recent.dtype))
         v_recent.index_copy_(2, ring, ve[:, :, -r:].to(v_recent.dtype))
-        return tq.unrotate(o).to(q.dtype)
+        return _rotate(o, inverse=True).to(q.dtype)
+
+    def _dequantize(self, codes: torch.Tensor, scales: torch.Tensor, first: int, n: int,
+                    dtype: torch.dtype) -> torch.Tensor:
+        """Positions first .. first + n - 1 of some rows' codes and scales (keys, or values interleaved) as vectors
+        [B, Hkv, n, D] in the rotated domain: on CUDA one Triton launch reading the slots in place."""
+        if codes.is_cuda:
+            from sluice.kernels.turboquant.triton import dequantize
+
+            return dequantize(codes, scales, first, n, dtype)
+        slots = self.slots(first, first + n)
+        picked = codes.index_select(2, slots) if codes.dim() == 4 else _value_codes(codes, slots)
+        return tq.dequantize_rotated(picked, scales.index_select(2, slots)).to(dtype)
 
     def decode(self, layer, q, k, v, meta, scale, gate=None):
         """One query per sequence: quantize-on-append, then the split-K kernel on the codes and the ring, the rows
@@ -142,6 +153,16 @@ class TurboQuantKVCache(KVCache):
     def fixed_bytes(self) -> int:
         r = self.k_recent[0, 0]
         return 2 * self.num_layers * r.numel() * r.element_size()
+
+
+def _rotate(x: torch.Tensor, inverse: bool = False) -> torch.Tensor:
+    """x rotated (or rotated back) over its last dim, fp32: on CUDA the Triton Walsh-Hadamard kernel (an fp32 matmul
+    by R runs on CUDA cores there), else the reference."""
+    if x.is_cuda and 16 <= x.shape[-1] <= 256:
+        from sluice.kernels.turboquant.triton import rotate
+
+        return rotate(x, inverse)
+    return tq.unrotate(x) if inverse else tq.rotate(x)
 
 
 def _value_codes(v_codes: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:

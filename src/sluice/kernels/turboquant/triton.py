@@ -1,6 +1,7 @@
 """Quantize-on-append for the TurboQuant KV cache on CUDA (one launch per decode step appends K and V and rotates q:
 `decode_step_prep`), checked against `reference.quantize`; `rotate` for either direction (the decode kernel's
-merge rotates its output back itself).
+merge rotates its output back itself); `dequantize`, a range of positions back to vectors in the rotated domain (the
+prefill attention's keys and values).
 
 Program: up to 16 vectors (sequence, KV head) of the sequences' new positions, as many as there are. y = (x *
 signs) H / sqrt(d) (H the +-1 Sylvester Hadamard matrix, never stored: H_d = H_A (x) H_16, two small fp32 products
@@ -18,6 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
+from sluice.kernels.launch import INTERPRET, round_to
 from sluice.kernels.turboquant import reference
 
 
@@ -164,6 +166,27 @@ def _rotate_rows(x_ptr, y_ptr, sign_ptr, n_rows, stride_xr, D: tl.constexpr, INV
     tl.store(y_ptr + rows[:, None] * D + d[None, :], y, mask=ok[:, None])
 
 
+@triton.jit
+def _dequant_kernel(codes_ptr, scale_ptr, lv_ptr, out_ptr, first, n, cap, Hkv, stride_cb, stride_ch, stride_ct,
+                    stride_sb, stride_sh, stride_ob, stride_oh, stride_ot, D: tl.constexpr, LANES: tl.constexpr,
+                    BLOCK: tl.constexpr, RNE_BF16: tl.constexpr):
+    """BLOCK of positions first .. first + n - 1 (slot p % cap) of row program_id(1) // Hkv, head % Hkv: each
+    coordinate scale * levels[code] (in fp32, as reference.dequantize_rotated), stored in out's dtype."""
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    b = tl.program_id(1) // Hkv
+    h = tl.program_id(1) % Hkv
+    ok = i < n
+    slot = (first + i) % cap
+    dh = tl.arange(0, D // 2)
+    c_off = (slot // LANES)[:, None] * stride_ct + dh[None, :] * LANES + (slot % LANES)[:, None]
+    byte = tl.load(codes_ptr + b * stride_cb + h * stride_ch + c_off, mask=ok[:, None], other=0).to(tl.int32)
+    s = tl.load(scale_ptr + b * stride_sb + h * stride_sh + slot, mask=ok, other=0.0)[:, None]
+    o = out_ptr + b * stride_ob + h * stride_oh + i[:, None] * stride_ot + dh[None, :]
+    dt = out_ptr.dtype.element_ty
+    tl.store(o, round_to(tl.load(lv_ptr + (byte & 15)) * s, dt, RNE_BF16).to(dt), mask=ok[:, None])
+    tl.store(o + D // 2, round_to(tl.load(lv_ptr + (byte >> 4)) * s, dt, RNE_BF16).to(dt), mask=ok[:, None])
+
+
 _TABLES: dict = {}
 
 
@@ -185,6 +208,23 @@ def rotate(x: torch.Tensor, inverse: bool = False, num_warps: int | None = None)
     _rotate_kernel[(triton.cdiv(rows.shape[0], 16),)](rows, y, signs, rows.shape[0], rows.stride(0), D=D,
                                                       INVERSE=inverse, num_warps=num_warps or _warps(D))
     return y.reshape(x.shape)
+
+
+def dequantize(codes: torch.Tensor, scales: torch.Tensor, first: int, n: int, dtype: torch.dtype) -> torch.Tensor:
+    """Positions first .. first + n - 1 (slot p % capacity) of codes [B, Hkv, cap, D/2] (or interleaved as values
+    are) and scales [B, Hkv, cap] fp32 -> [B, Hkv, n, D] in `dtype`: reference.dequantize_rotated of them, in one
+    launch."""
+    B, Hkv = codes.shape[:2]
+    D = 2 * codes.shape[3]
+    (strides, lanes) = _code_layout(codes, D)
+    out = torch.empty((B, Hkv, n, D), dtype=dtype, device=codes.device)
+    if n:
+        _, levels, _ = _tables(D, codes.device)
+        _dequant_kernel[(triton.cdiv(n, 32), B * Hkv)](
+            codes, scales, levels, out, first, n, codes.shape[2] * lanes, Hkv, *strides, scales.stride(0),
+            scales.stride(1), out.stride(0), out.stride(1), out.stride(2), D=D, LANES=lanes, BLOCK=32,
+            RNE_BF16=INTERPRET, num_warps=4)
+    return out
 
 
 def quantize_append(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, ring: torch.Tensor,
