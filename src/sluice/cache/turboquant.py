@@ -77,10 +77,8 @@ class TurboQuantKVCache(KVCache):
         last = end - self.recent  # coded keys: positions first .. last - 1, the ones the chunk's last query reads
         if last > first and (self.window is None or self.window > self.recent):
             old, new = min(start, last) - first, max(0, last - start)  # stored before the chunk, the chunk's own
-            kq = torch.cat([self._dequantize(k_codes, k_scale, first, old, dt),
-                            tq.dequantize_rotated(kc[:, :, :new], ks[:, :, :new]).to(dt)], dim=2)
-            vq = torch.cat([self._dequantize(v_codes, v_scale, first, old, dt),
-                            tq.dequantize_rotated(vc[:, :, :new], vs[:, :, :new]).to(dt)], dim=2)
+            kq, vq = (self._coded(*c, first, old, new, dt) for c in ((k_codes, k_scale, kc, ks),
+                                                                      (v_codes, v_scale, vc, vs)))
             oc, lc = _lagged_attention(qr.to(dt), kq, vq, scale, start, first, self.recent, self.window,
                                        self.score_elements, fused)
             total = torch.logaddexp(lse, lc)
@@ -97,17 +95,28 @@ class TurboQuantKVCache(KVCache):
         v_recent.index_copy_(2, ring, ve[:, :, -r:].to(v_recent.dtype))
         return _rotate(o, inverse=True).to(q.dtype)
 
-    def _dequantize(self, codes: torch.Tensor, scales: torch.Tensor, first: int, n: int,
-                    dtype: torch.dtype) -> torch.Tensor:
-        """Positions first .. first + n - 1 of some rows' codes and scales (keys, or values interleaved) as vectors
-        [B, Hkv, n, D] in the rotated domain: on CUDA one Triton launch reading the slots in place."""
+    def _coded(self, codes: torch.Tensor, scales: torch.Tensor, chunk_codes: torch.Tensor, chunk_scales: torch.Tensor,
+               first: int, old: int, new: int, dtype: torch.dtype) -> torch.Tensor:
+        """The coded keys (or values) of positions first .. first + old - 1, stored (keys, or values interleaved),
+        then of the chunk's first `new`, as vectors [B, Hkv, old + new, D] in the rotated domain. On CUDA the stored
+        ones come from one Triton launch reading the slots in place, into a buffer of whole 4,096s of positions:
+        the allocator reuses it as a long prompt's chunks see more keys (a new size each chunk made it allocate,
+        at times with a device-wide sync)."""
+        B, Hkv, _, half = chunk_codes.shape
+        D = 2 * half
         if codes.is_cuda:
             from sluice.kernels.turboquant.triton import dequantize
 
-            return dequantize(codes, scales, first, n, dtype)
-        slots = self.slots(first, first + n)
-        picked = codes.index_select(2, slots) if codes.dim() == 4 else _value_codes(codes, slots)
-        return tq.dequantize_rotated(picked, scales.index_select(2, slots)).to(dtype)
+            size = -(-(old + new) // 4096) * 4096
+            out = torch.empty((B, Hkv, size, D), dtype=dtype, device=codes.device)[:, :, :old + new]
+            dequantize(codes, scales, first, old, dtype, out=out[:, :, :old])
+        else:
+            slots = self.slots(first, first + old)
+            picked = codes.index_select(2, slots) if codes.dim() == 4 else _value_codes(codes, slots)
+            out = torch.empty((B, Hkv, old + new, D), dtype=dtype)
+            out[:, :, :old] = tq.dequantize_rotated(picked, scales.index_select(2, slots))
+        out[:, :, old:] = tq.dequantize_rotated(chunk_codes[:, :, :new], chunk_scales[:, :, :new])
+        return out
 
     def decode(self, layer, q, k, v, meta, scale, gate=None):
         """One query per sequence: quantize-on-append, then the split-K kernel on the codes and the ring, the rows

@@ -210,14 +210,18 @@ def rotate(x: torch.Tensor, inverse: bool = False, num_warps: int | None = None)
     return y.reshape(x.shape)
 
 
-def dequantize(codes: torch.Tensor, scales: torch.Tensor, first: int, n: int, dtype: torch.dtype) -> torch.Tensor:
+def dequantize(codes: torch.Tensor, scales: torch.Tensor, first: int, n: int, dtype: torch.dtype,
+               out: torch.Tensor | None = None) -> torch.Tensor:
     """Positions first .. first + n - 1 (slot p % capacity) of codes [B, Hkv, cap, D/2] (or interleaved as values
-    are) and scales [B, Hkv, cap] fp32 -> [B, Hkv, n, D] in `dtype`: reference.dequantize_rotated of them, in one
-    launch."""
+    are) and scales [B, Hkv, cap] fp32 -> [B, Hkv, n, D] in `dtype` (or into `out`, unit last stride):
+    reference.dequantize_rotated of them, in one launch."""
     B, Hkv = codes.shape[:2]
     D = 2 * codes.shape[3]
     (strides, lanes) = _code_layout(codes, D)
-    out = torch.empty((B, Hkv, n, D), dtype=dtype, device=codes.device)
+    if out is None:
+        out = torch.empty((B, Hkv, n, D), dtype=dtype, device=codes.device)
+    elif out.shape != (B, Hkv, n, D) or out.stride(-1) != 1:
+        raise ValueError(f"dequantize: out must be [{B}, {Hkv}, {n}, {D}] with a unit last stride")
     if n:
         _, levels, _ = _tables(D, codes.device)
         _dequant_kernel[(triton.cdiv(n, 32), B * Hkv)](
