@@ -13,6 +13,7 @@ step returns while the one it launched still runs). The issue's bar: p99 inter-t
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import sys
 import time
@@ -50,6 +51,8 @@ def join(model, args, prompt_tokens: int, profile: bool = False) -> dict:
         return time.perf_counter() - t
 
     normal = [timed_step() for _ in range(args.normal_steps)]
+    gc_before = [s["collections"] for s in gc.get_stats()]
+    mem_before = torch.cuda.memory_stats() if model.device.type == "cuda" else {}
     prompt = torch.randint(0, vocab, (long_len,), generator=g).tolist()
     t0 = time.perf_counter()
     joiner = engine.add_request(prompt, max_tokens=1, stop_ids=())
@@ -78,7 +81,12 @@ def join(model, args, prompt_tokens: int, profile: bool = False) -> dict:
            "join_step_ms": {"p50": 1e3 * percentile(joined, 50), "p99": 1e3 * percentile(joined, 99),
                             "max": 1e3 * max(joined)},
            "join_steps": len(joined), "prefill_steps_beside_decodes": beside, "ttft_s": ttft,
-           "prefill_tok_s": long_len / ttft}
+           "prefill_tok_s": long_len / ttft, "join_series_ms": [round(1e3 * t, 2) for t in joined],
+           "gc_collections": [s["collections"] - b for s, b in zip(gc.get_stats(), gc_before)]}
+    if mem_before:
+        after = torch.cuda.memory_stats()
+        row["cuda_mallocs"] = after["segment.all.allocated"] - mem_before["segment.all.allocated"]
+        row["cuda_alloc_retries"] = after["num_alloc_retries"] - mem_before["num_alloc_retries"]
     row["p99_over_normal"] = row["join_step_ms"]["p99"] / row["normal_step_ms"]["p50"]
     return row
 
