@@ -243,6 +243,28 @@ def test_decode_step_prep_appends_k_and_v_and_rotates_q():
         assert codes[:, :, 4].abs().sum() == 0 and ring[:, :, 0].abs().sum() == 0  # nothing else written
 
 
+def test_append_chunk_stores_a_prefill_chunk():
+    """A prefill chunk of 10 positions (3 .. 12) of the sequences in rows 1 and 2 of a pool of 3, in one launch:
+    every position's codes and scale, the ring (4 slots) only from the last 4 positions (the earlier ones would race
+    for its slots), q rotated."""
+    from sluice.kernels.turboquant import triton as tqt
+
+    g = torch.Generator().manual_seed(6)
+    B, Hq, Hkv, D, T, cap, P = 2, 4, 2, 64, 10, 16, 3
+    q, k, v = (torch.randn(B, h, T, D, generator=g) for h in (Hq, Hkv, Hkv))
+    z = lambda *s, dt=torch.float32: torch.zeros(*s, dtype=dt, device=DEVICE)  # noqa: E731
+    kc, vc = z(P, Hkv, cap, D // 2, dt=torch.uint8), z(P, Hkv, cap // 4, D // 2, 4, dt=torch.uint8)
+    ks, vs, kr, vr = z(P, Hkv, cap), z(P, Hkv, cap), z(P, Hkv, 4, D), z(P, Hkv, 4, D)
+    qr = tqt.append_chunk(q.to(DEVICE), k.to(DEVICE), v.to(DEVICE), kc, vc, ks, vs, kr, vr, 1, 3)
+    assert rel(qr.cpu(), tq.rotate(q)) < 1e-5
+    for x, codes, scales, ring in ((k, kc, ks, kr), (v, tq.deinterleave(vc), vs, vr)):  # values: interleaved
+        ref_codes, ref_scale = tq.quantize(x)
+        assert (codes[1:, :, 3:13].cpu() == ref_codes).float().mean() > 0.999
+        assert rel(scales[1:, :, 3:13].cpu(), ref_scale) < 1e-3
+        assert rel(ring[1:, :, [9 % 4, 10 % 4, 11 % 4, 12 % 4]].cpu(), tq.rotate(x[:, :, 6:])) < 1e-5
+        assert codes[0].abs().sum() == 0 and codes[:, :, 13:].abs().sum() == 0 and ring[0].abs().sum() == 0
+
+
 def gated_cases(dtype, B, Hq, Hkv, D, cap, P, g):
     """q, gate, a pool of P dense cache rows, B sequences in distinct random rows at random positions."""
     q = torch.randn(B, Hq, D, generator=g).to(dtype)

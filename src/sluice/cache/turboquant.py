@@ -52,17 +52,12 @@ class TurboQuantKVCache(KVCache):
         if q.shape[2] == 1 and self._use_cpu_kernel(q):
             return self._decode_cpu(layer, row0, q, k, v, start, scale)
         rows = slice(row0, row0 + q.shape[0])
-        k_codes, v_codes = self.k_codes[layer][rows], self.v_codes[layer][rows]
-        k_scale, v_scale = self.k_scale[layer][rows], self.v_scale[layer][rows]
-        k_recent, v_recent = self.k_recent[layer][rows], self.v_recent[layer][rows]
+        layers = [t[layer] for t in (self.k_codes, self.v_codes, self.k_scale, self.v_scale, self.k_recent,
+                                     self.v_recent)]
+        k_codes, v_codes, k_scale, v_scale, k_recent, v_recent = (t[rows] for t in layers)
         T = q.shape[2]
         end = start + T
-        slots = self.slots(end - min(T, self.capacity), end, q.device)  # the chunk's positions the cache will hold
         first = self.first_visible(start)
-        yk, yv = _rotate(k), _rotate(v)  # the chunk rotated once: its codes and its exact copies
-        kc, ks = tq.quantize_rotated(yk)
-        vc, vs = tq.quantize_rotated(yv)
-        qr = _rotate(q)
         # on a GPU the attention reads bf16/fp16 keys on SDPA's flash kernel; in fp32 SDPA has no fused kernel for
         # head dim 256
         fused = q.is_cuda and q.dtype in (torch.bfloat16, torch.float16)
@@ -71,51 +66,72 @@ class TurboQuantKVCache(KVCache):
         # own), from the codes when p - j >= recent: two attentions, merged by their log-sum-exps
         e0 = max(first, start - self.recent + 1)
         ring = torch.arange(e0, start, device=q.device) % self.recent
-        ke = torch.cat([k_recent.index_select(2, ring).float(), yk], dim=2)
-        ve = torch.cat([v_recent.index_select(2, ring).float(), yv], dim=2)
-        o, lse = _recent_attention(qr, ke, ve, scale, start, e0, min(self.recent, self.window or self.recent))
+        ke, ve = k_recent.index_select(2, ring).float(), v_recent.index_select(2, ring).float()  # before any store
         last = end - self.recent  # coded keys: positions first .. last - 1, the ones the chunk's last query reads
-        if last > first and (self.window is None or self.window > self.recent):
-            old, new = min(start, last) - first, max(0, last - start)  # stored before the chunk, the chunk's own
-            kq, vq = (self._coded(*c, first, old, new, dt) for c in ((k_codes, k_scale, kc, ks),
-                                                                      (v_codes, v_scale, vc, vs)))
+        coded = last > first and (self.window is None or self.window > self.recent)
+        # on CUDA without a window the chunk is stored first, in one launch (`append_chunk`: codes, scales, ring,
+        # q rotated), and every coded key read back from the slots; a window's ring may still hold, in the slots
+        # the chunk takes, keys its first queries see: there (and off CUDA) the store comes last
+        stored_first = q.is_cuda and self.window is None and 16 <= self.head_dim <= 256
+        yk, yv = _rotate(k), _rotate(v)  # the chunk rotated once: its exact copies (and below, its codes)
+        if stored_first:
+            from sluice.kernels.turboquant.triton import append_chunk
+
+            self.slots(start, end)  # the capacity check
+            qr = append_chunk(q, k, v, *layers, row0, start)
+        else:
+            (kc, ks), (vc, vs) = tq.quantize_rotated(yk), tq.quantize_rotated(yv)
+            qr = _rotate(q)
+        ke, ve = torch.cat([ke, yk], dim=2), torch.cat([ve, yv], dim=2)
+        o, lse = _recent_attention(qr, ke, ve, scale, start, e0, min(self.recent, self.window or self.recent))
+        if coded:
+            if stored_first:
+                kq = self._coded(k_codes, k_scale, first, last - first, dt)
+                vq = self._coded(v_codes, v_scale, first, last - first, dt)
+            else:  # stored before the chunk, then the chunk's own
+                old, new = min(start, last) - first, max(0, last - start)
+                kq = self._coded(k_codes, k_scale, first, old, dt, (kc[:, :, :new], ks[:, :, :new]))
+                vq = self._coded(v_codes, v_scale, first, old, dt, (vc[:, :, :new], vs[:, :, :new]))
             oc, lc = _lagged_attention(qr.to(dt), kq, vq, scale, start, first, self.recent, self.window,
                                        self.score_elements, fused)
             total = torch.logaddexp(lse, lc)
             o = o * (lse - total).exp()[..., None] + oc * (lc - total).exp()[..., None]
-        # store: codes of the chunk (its last `capacity` positions), exact rotated copies of its last `recent`
-        keep = len(slots)
-        k_codes.index_copy_(2, slots, kc[:, :, T - keep:])
-        v_codes[:, :, slots // 4, :, slots % 4] = vc[:, :, T - keep:].permute(2, 0, 1, 3)
-        k_scale.index_copy_(2, slots, ks[:, :, T - keep:])
-        v_scale.index_copy_(2, slots, vs[:, :, T - keep:])
-        r = min(T, self.recent)
-        ring = torch.arange(end - r, end, device=q.device) % self.recent
-        k_recent.index_copy_(2, ring, ke[:, :, -r:].to(k_recent.dtype))
-        v_recent.index_copy_(2, ring, ve[:, :, -r:].to(v_recent.dtype))
+        if not stored_first:  # codes of the chunk (its last `capacity` positions), exact copies of its last `recent`
+            slots = self.slots(end - min(T, self.capacity), end, q.device)
+            keep = len(slots)
+            k_codes.index_copy_(2, slots, kc[:, :, T - keep:])
+            v_codes[:, :, slots // 4, :, slots % 4] = vc[:, :, T - keep:].permute(2, 0, 1, 3)
+            k_scale.index_copy_(2, slots, ks[:, :, T - keep:])
+            v_scale.index_copy_(2, slots, vs[:, :, T - keep:])
+            r = min(T, self.recent)
+            ring = torch.arange(end - r, end, device=q.device) % self.recent
+            k_recent.index_copy_(2, ring, ke[:, :, -r:].to(k_recent.dtype))
+            v_recent.index_copy_(2, ring, ve[:, :, -r:].to(v_recent.dtype))
         return _rotate(o, inverse=True).to(q.dtype)
 
-    def _coded(self, codes: torch.Tensor, scales: torch.Tensor, chunk_codes: torch.Tensor, chunk_scales: torch.Tensor,
-               first: int, old: int, new: int, dtype: torch.dtype) -> torch.Tensor:
-        """The coded keys (or values) of positions first .. first + old - 1, stored (keys, or values interleaved),
-        then of the chunk's first `new`, as vectors [B, Hkv, old + new, D] in the rotated domain. On CUDA the stored
-        ones come from one Triton launch reading the slots in place, into a buffer of whole 4,096s of positions:
-        the allocator reuses it as a long prompt's chunks see more keys (a new size each chunk made it allocate,
-        at times with a device-wide sync)."""
-        B, Hkv, _, half = chunk_codes.shape
-        D = 2 * half
+    def _coded(self, codes: torch.Tensor, scales: torch.Tensor, first: int, n: int, dtype: torch.dtype,
+               chunk: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        """The coded keys (or values) of positions first .. first + n - 1, stored (keys, or values interleaved),
+        then those of `chunk` (its codes and scales, not stored yet), as vectors [B, Hkv, n + chunk's, D] in the
+        rotated domain. On CUDA the stored ones come from one Triton launch reading the slots in place, into a
+        buffer of whole 4,096s of positions: the allocator reuses it as a long prompt's chunks see more keys (a
+        new size each chunk made it allocate)."""
+        B, Hkv = codes.shape[:2]
+        D = 2 * codes.shape[3]
+        new = 0 if chunk is None else chunk[0].shape[2]
         if codes.is_cuda:
             from sluice.kernels.turboquant.triton import dequantize
 
-            size = -(-(old + new) // 4096) * 4096
-            out = torch.empty((B, Hkv, size, D), dtype=dtype, device=codes.device)[:, :, :old + new]
-            dequantize(codes, scales, first, old, dtype, out=out[:, :, :old])
+            size = -(-(n + new) // 4096) * 4096
+            out = torch.empty((B, Hkv, size, D), dtype=dtype, device=codes.device)[:, :, :n + new]
+            dequantize(codes, scales, first, n, dtype, out=out[:, :, :n])
         else:
-            slots = self.slots(first, first + old)
+            slots = self.slots(first, first + n)
             picked = codes.index_select(2, slots) if codes.dim() == 4 else _value_codes(codes, slots)
-            out = torch.empty((B, Hkv, old + new, D), dtype=dtype)
-            out[:, :, :old] = tq.dequantize_rotated(picked, scales.index_select(2, slots))
-        out[:, :, old:] = tq.dequantize_rotated(chunk_codes[:, :, :new], chunk_scales[:, :, :new])
+            out = torch.empty((B, Hkv, n + new, D), dtype=dtype)
+            out[:, :, :n] = tq.dequantize_rotated(picked, scales.index_select(2, slots))
+        if new:
+            out[:, :, n:] = tq.dequantize_rotated(*chunk)
         return out
 
     def decode(self, layer, q, k, v, meta, scale, gate=None):
