@@ -39,6 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from qmatmul_gpu import (copies_for, copy_bandwidth, events_time, graph_time, qt_bytes, random_qt,  # noqa: E402
                          rel_err, start_run)
 from sluice.kernels.moe import reference  # noqa: E402
+from sluice.kernels.moe import grouped as mg  # noqa: E402
 from sluice.kernels.moe import triton as mt  # noqa: E402
 from sluice.kernels.qmatmul import triton as qmm  # noqa: E402
 from sluice.layers.linear import Linear  # noqa: E402
@@ -51,7 +52,7 @@ MODELS = {  # name: (hidden, experts, expert intermediate, top-k, shared interme
 }
 ROUTERS = ("8-bit", "bf16")
 PREFILL_T = 4096
-G = mt.GemmConfig  # (block_n, block_k, num_warps, num_stages, stack, prefetch)
+G = mg.GemmConfig  # (block_n, block_k, num_warps, num_stages, stack, prefetch)
 # the --prefill-only sweep: per rows an expert averages, block_m and each GEMM's configs (the first one the
 # reference of the others' results)
 SWEEP_TALL = {"gate_up": [G(), G(prefetch=False), G(num_stages=4), G(128, num_warps=8, stack=True, prefetch=False)],
@@ -316,7 +317,7 @@ def sweep_gemms(res, name, layer, x, ids, T, sweep):
     h = torch.empty((T * k, layer.down.in_features), dtype=BF16, device="cuda")
     y = torch.empty((T * k, layer.down.out_features), dtype=BF16, device="cuda")
     for block_m, gemm, configs in sweep:
-        table = mt._tile_table(ids, E, block_m)
+        table = mg.tile_table(ids, mt.expert_order(ids), E, block_m)
         qt, a, a_div, c, swiglu = ((layer.gate_up, x, k, h, True) if gemm == "gate_up" else
                                    (layer.down, torch.randn_like(h) * 0.1, 1, y, False))
         floor = gemm_floor_us(res, qt, T * k, hit, E)
@@ -324,12 +325,12 @@ def sweep_gemms(res, name, layer, x, ids, T, sweep):
         for cfg in configs:
             try:
                 c.fill_(float("nan"))
-                mt._grouped_gemm(a, a_div, qt, c, table, swiglu, block_m, cfg)
+                mg.grouped_gemm(a, a_div, qt, c, table, swiglu, block_m, cfg)
                 ref = c.float().clone() if ref is None else ref
                 err = rel_err(c, ref)
                 if not err < 1e-2:
                     raise AssertionError(f"rel err {err:.2e} against the first config")
-                t = events_time(lambda: mt._grouped_gemm(a, a_div, qt, c, table, swiglu, block_m, cfg), reps=10,
+                t = events_time(lambda: mg.grouped_gemm(a, a_div, qt, c, table, swiglu, block_m, cfg), reps=10,
                                 lead=True)
             except Exception as e:  # noqa: BLE001 - e.g. a config that does not fit shared memory
                 print(f"  {gemm} T={T} block_m {block_m} {tuple(cfg)} failed: {type(e).__name__}: {str(e)[:200]}",
@@ -357,7 +358,7 @@ def time_prefill(res, name, layer, H, E, I, k, T=PREFILL_T, sweep=()):
     hit = torch.unique(ids).numel()  # the floor (#29): the hit experts' bytes at copy bandwidth, or their FLOPs
     expert_bytes = sum(qt_bytes(qt) for qt in (layer.gate_up, layer.down)) / E
     row = {"model": name, "T": T, "flops": flops, "cublas_tflops": flops / t_cublas / 1e12, "layer_us": t_layer * 1e6,
-           "experts_us": t * 1e6, "config": str(mt.prefill_configs(T * k / E)), "tflops": flops / t / 1e12,
+           "experts_us": t * 1e6, "config": str(mg.prefill_configs(T * k / E)), "tflops": flops / t / 1e12,
            "pct_cublas": t_cublas / t, "hit": hit,
            "floor_us": 1e6 * max(hit * expert_bytes / res["copy_bandwidth_Bps"], flops / res["bf16_gemm_flops"])}
     case(res, f"{name} T={T} alternatives", lambda: time_alternatives(res, row, x, ids, w, layer))

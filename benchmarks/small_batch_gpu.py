@@ -31,6 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from moe_gpu import stacked_qt  # noqa: E402
 from qmatmul_gpu import copies_for, copy_bandwidth, end_run, graph_time, qt_bytes, random_qt, rel_err, start_run  # noqa: E402
 
+from sluice.kernels.moe import grouped as mg  # noqa: E402
 from sluice.kernels.moe import triton as mt  # noqa: E402
 from sluice.kernels.qmatmul import gemm  # noqa: E402
 from sluice.kernels.qmatmul import triton as qmm  # noqa: E402
@@ -93,7 +94,7 @@ def dense(res, copy_bw, sweep=False):
 # T on an H100 (docs/PERF.md, 2026-11-26)
 EXPERT_LAUNCHES = ((16, 1),)
 # (block_m, gate_up's config, down's): moe_prefill's own choice, and wider tiles
-GROUPED = ((None, None, None), (16, mt.GemmConfig(128, stack=True, prefetch=False), mt.GemmConfig(128)))
+GROUPED = ((None, None, None), (16, mg.GemmConfig(128, stack=True, prefetch=False), mg.GemmConfig(128)))
 
 
 def grouped_with_shared(x, ids, weights, gu, dn, shared, **blocks):

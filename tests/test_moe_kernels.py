@@ -11,6 +11,7 @@ import torch
 triton = pytest.importorskip("triton")
 
 from sluice.kernels.moe import reference  # noqa: E402
+from sluice.kernels.moe import grouped as mg  # noqa: E402
 from sluice.kernels.moe import triton as mt  # noqa: E402
 from sluice.kernels.qmatmul import triton as qmm  # noqa: E402
 from sluice.quant.affine import QuantizedTensor, quantize  # noqa: E402
@@ -108,7 +109,7 @@ def test_tile_table_matches_a_sort(T, k, experts_, block_m):
     """The grouped GEMMs' table: slots in stable expert order, each expert's first row, and its tiles."""
     g = torch.Generator().manual_seed(T)
     ids = torch.stack([torch.randperm(experts_, generator=g)[:k] for _ in range(T)]).to(torch.int32)
-    order, offsets, tile_expert, tile_row = (t.cpu() for t in mt._tile_table(ids.to(DEVICE), experts_, block_m))
+    order, offsets, tile_expert, tile_row = (t.cpu() for t in mg.tile_table(ids.to(DEVICE), mt.expert_order(ids.to(DEVICE)), experts_, block_m))
     assert torch.equal(order.long(), torch.sort(ids.reshape(-1), stable=True).indices)
     counts = torch.bincount(ids.reshape(-1).long(), minlength=experts_)
     assert torch.equal(offsets.long(), torch.cat([torch.zeros(1, dtype=torch.long), counts.cumsum(0)]))
@@ -163,8 +164,8 @@ def test_moe_matches_reference(case):
 
 
 @pytest.mark.parametrize("block_m, config", [
-    (16, mt.GemmConfig(stack=True, prefetch=False)), (32, mt.GemmConfig(32, 128)), (16, mt.GemmConfig(128)),
-    (64, mt.GemmConfig(32, 32, stack=True)), (16, mt.GemmConfig(num_stages=2, prefetch=False))],
+    (16, mg.GemmConfig(stack=True, prefetch=False)), (32, mg.GemmConfig(32, 128)), (16, mg.GemmConfig(128)),
+    (64, mg.GemmConfig(32, 32, stack=True)), (16, mg.GemmConfig(num_stages=2, prefetch=False))],
     ids=["stacked", "two-groups-a-step", "wide", "narrow-stacked", "no-prefetch"])
 def test_prefill_configs_match(block_m, config):
     """Every tile shape, stacked gate/up tiles, two groups a K step, scales loaded a step ahead or not: the
