@@ -8,7 +8,8 @@ import time
 import pytest
 
 from sluice.errors import ModelFileError, SluiceError, UnsupportedError
-from sluice.formats.tokenizer import SUPPORTED_PRE_TOKENIZERS, StreamDecoder, Tokenizer
+from sluice.formats.pretokenizers import SUPPORTED_PRE_TOKENIZERS
+from sluice.formats.tokenizer import StreamDecoder, Tokenizer
 
 VARIED_TEXTS = [
     "Hello world",
@@ -210,7 +211,7 @@ def test_pre_tokenizer_table():
                  "deepseek-v3", "falcon", "starcoder", "command-r"):
         assert name in SUPPORTED_PRE_TOKENIZERS
     from tokenizers import Regex  # every regex compiles in the Rust (Oniguruma) engine
-    from sluice.formats.tokenizer import _PRE_TOKENIZERS
+    from sluice.formats.pretokenizers import _PRE_TOKENIZERS
 
     for pre in _PRE_TOKENIZERS.values():
         for r in pre.regexes:

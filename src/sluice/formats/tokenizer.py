@@ -5,7 +5,7 @@ an inference engine needs around it: BOS/EOS policy, end-of-generation ids, chat
 detokenizer that never emits half a UTF-8 character.
 
 GGUF: only `tokenizer.ggml.model == "gpt2"` (byte-level BPE) is supported. The pre-tokenizer regexes for
-`tokenizer.ggml.pre` are transcribed from llama.cpp (`src/llama-vocab.cpp`); see `_PRE_TOKENIZERS`.
+`tokenizer.ggml.pre` are transcribed from llama.cpp (`src/llama-vocab.cpp`): `formats/pretokenizers.py`.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any, Iterable, Mapping
 
 from sluice.errors import ModelFileError, SluiceError, UnsupportedError
+from sluice.formats.pretokenizers import pre_for
 from sluice.formats.validate import is_rust_panic, untrusted
 
 REPLACEMENT_CHAR = "\ufffd"
@@ -37,85 +38,6 @@ _FIM_EOG_TEXTS = {
     "fim_rep": ("<|fim_repo|>", "<|repo_name|>", "<fim-repo>", "<REPO>", "<reponame>"),
     "fim_sep": ("<|file_sep|>",),
 }
-
-# --- pre-tokenizer regexes (llama.cpp's `regex_exprs`, applied in order, each splitting the previous pieces) ---
-_CONTRACTIONS = r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])"
-_GPT2 = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)"
-_LLAMA3 = _CONTRACTIONS + r"|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-_QWEN2 = _CONTRACTIONS + r"|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-_QWEN35 = (_CONTRACTIONS + r"|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+"
-           r"|\s+(?!\S)|\s+")
-_SEED_CODER = (_CONTRACTIONS + r"|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1}| ?[^\s\p{L}\p{N}\r\n]+|\s*[\r\n]+|\s+(?!\S)"
-               r"|\s+")
-_BAILINGMOE = (r"'(?:[sSdDmMtT]|[lL][lL]|[vV][eE]|[rR][eE])|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
-               r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]|\s+(?!\S)|\s+")
-_UFAKZEKA = r"[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-_MINICPM5 = _CONTRACTIONS + r"|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}+| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-_CJK_KANA = "[\u4e00-\u9fa5\u3040-\u309f\u30a0-\u30ff]+"
-_DEEPSEEK3 = (r"""[!"#$%&'()*+,\-./:;<=>?@\[\\\]^_`{|}~][A-Za-z]+|[^\r\n\p{L}\p{P}\p{S}]?[\p{L}\p{M}]+"""
-              r"| ?[\p{P}\p{S}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
-
-
-class _Pre:
-    """How llama.cpp pre-tokenizes and what it defaults for one `tokenizer.ggml.pre` group."""
-
-    def __init__(self, regexes: list[str], ignore_merges: bool = False, add_bos: bool = False,
-                 has_bos: bool = True):
-        self.regexes, self.ignore_merges, self.add_bos, self.has_bos = regexes, ignore_merges, add_bos, has_bos
-
-
-_PRE_GPT2 = _Pre([_GPT2])
-_PRE_DEFAULT = _Pre([r"[\p{P}\$\+<=>\^~\|]+", _GPT2, r"\p{N}+", r"[0-9][0-9][0-9]"])
-_PRE_TOKENIZERS: dict[str, _Pre] = {}
-
-
-def _register(names: Iterable[str], pre: _Pre) -> None:
-    for n in names:
-        _PRE_TOKENIZERS[n] = pre
-
-
-_register(["default"], _PRE_DEFAULT)
-# "gpt2" is not a llama.cpp name (it says "gpt-2"), but some writers use it; it can only mean the GPT-2 regex.
-_register(["gpt2", "gpt-2", "phi-2", "jina-es", "jina-de", "gigachat", "jina-v2-es", "jina-v2-de", "a.x-4.0",
-           "mellum", "modern-bert", "mpt", "olmo", "jais", "trillion", "granite-docling", "exaone4", "jina-v1-en",
-           "jina-v2-code", "roberta-bpe"], _PRE_GPT2)
-_register(["smollm", "starcoder", "refact", "command-r", "codeshell", "exaone", "minerva-7b", "mellum2"],
-          _Pre([r"\p{N}", _GPT2]))
-_register(["llama3", "llama-v3", "llama-bpe", "falcon3", "falcon-h1", "pixtral", "midm-2.0", "lfm2",
-           "jina-v5-nano"], _Pre([_LLAMA3], ignore_merges=True, add_bos=True))
-_register(["dbrx", "smaug-bpe"], _Pre([_LLAMA3]))
-_register(["glm4", "chatglm-bpe"], _Pre([_LLAMA3], has_bos=False))
-_register(["qwen2", "deepseek-r1-qwen", "kormo", "f2llmv2", "megrez", "stablelm2", "hunyuan", "solar-open",
-           "grok-2"], _Pre([_QWEN2]))
-_register(["qwen35"], _Pre([_QWEN35]))
-_register(["seed-coder"], _Pre([_SEED_CODER]))
-_register(["bailingmoe", "bailingmoe2", "llada-moe"], _Pre([_BAILINGMOE]))
-_register(["ufakzeka"], _Pre([_UFAKZEKA]))
-_register(["minicpm5"], _Pre([r"\p{N}{1,3}", _MINICPM5], ignore_merges=True))
-_register(["falcon"], _Pre([r"[\p{P}\$\+<=>\^~\|`]+", _GPT2, r"[0-9][0-9][0-9]"]))
-_register(["deepseek-coder"], _Pre(["[\r\n]", r"\s?\p{L}+", r"\s?\p{P}+", "[\u4e00-\u9fa5\u0800-\u4e00\uac00-\ud7ff]+",
-                                    r"\p{N}"]))
-_register(["deepseek-v3", "hunyuan-dense", "joyai-llm", "hy_v4"], _Pre([r"\p{N}{1,3}", _CJK_KANA, _DEEPSEEK3]))
-_register(["poro-chat", "bloom", "gpt3-finnish"],
-          _Pre([" ?[^(\\s|.,!?\u2026\u3002\uff0c\u3001\u0964\u06d4\u060c)]+"]))
-
-SUPPORTED_PRE_TOKENIZERS = tuple(sorted(_PRE_TOKENIZERS))
-
-
-def _pre_for(name: str | None) -> tuple[str, _Pre]:
-    if not name:
-        warnings.warn("GGUF has no tokenizer.ggml.pre; using llama.cpp's 'default' pre-tokenizer (as llama.cpp "
-                      "does). Tokenization may differ from the original model's; consider re-converting the model.",
-                      stacklevel=3)
-        return "default", _PRE_DEFAULT
-    pre = _PRE_TOKENIZERS.get(name)
-    if pre is None:
-        warnings.warn(f"GGUF pre-tokenizer '{name}' is not supported by sluice; falling back to the GPT-2 "
-                      "pre-tokenizer. Tokenization may differ from the original model's (digits, whitespace, "
-                      "CJK), which can degrade output quality.", stacklevel=3)
-        return "gpt2", _PRE_GPT2
-    return name, pre
-
 
 # --- GGUF metadata ---
 
@@ -242,7 +164,7 @@ class Tokenizer:
                 warnings.warn("GGUF BPE tokenizer has no merges (tokenizer.ggml.merges is missing): text will be "
                               "tokenized into single bytes. The file is probably incomplete; convert it again.",
                               stacklevel=2)
-        pre_name, pre = _pre_for(_field(fields, "tokenizer.ggml.pre"))
+        pre_name, pre = pre_for(_field(fields, "tokenizer.ggml.pre"))
 
         for i, t in enumerate(tokens):
             if not t:
