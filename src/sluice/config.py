@@ -28,8 +28,8 @@ class EngineConfig:
     decode_prefill_chunk: prompt tokens a step prefills at most while sequences decode in it (a long prompt joining
         a running batch then takes many short steps, not a few that stall every decode for a whole big chunk); at
         most prefill_chunk; None: 64 on a GPU (in the H100 sweep of docs/PERF.md the decodes' p99 step stays within
-        5x their normal step; 512 halves it again while a 32k prompt's first token comes 4.6x sooner), 512 on the
-        CPU. A step with nothing decoding prefills prefill_chunk.
+        5x their normal step; at 512 it is 8x, and a 32k prompt's first token comes 4.7x sooner), 512 on the CPU.
+        A step with nothing decoding prefills prefill_chunk.
     graphs: on CUDA, replay each decode step from a CUDA graph captured per batch size, and a prefill chunk of
         decode_prefill_chunk tokens (below prefill_chunk) from one captured in pieces (`engine/chunk_graph.py`)
         (False: eager, to compare).
