@@ -19,7 +19,7 @@ from sluice.cache.kv import KVCache
 from sluice.kernels.turboquant import reference as tq
 
 RECENT = 64
-SCORE_ELEMENTS = 1 << 26  # prefill attention: score (or mask) elements held at once (fp32 math path: 256 MB)
+SCORE_ELEMENTS = 1 << 26  # prefill attention off the flash kernel: fp32 scores held at once (256 MB)
 
 
 class TurboQuantKVCache(KVCache):
@@ -32,7 +32,7 @@ class TurboQuantKVCache(KVCache):
         self.capacity = -(-self.capacity // 32) * 32  # slots in 32s: the values interleave four positions, the CUDA
         # decode kernel (kernels/attention/cuda.py) reads blocks of 32
         self.recent = recent
-        self.score_elements = score_elements  # prefill: score (or mask) elements held at once
+        self.score_elements = score_elements  # prefill off the flash kernel: fp32 scores held at once
         codes = (num_layers, rows, num_kv_heads, self.capacity, head_dim // 2)
         scales = (num_layers, rows, num_kv_heads, self.capacity)
         ring = (num_layers, rows, num_kv_heads, recent, head_dim)
@@ -128,7 +128,7 @@ class TurboQuantKVCache(KVCache):
         else:
             slots = self.slots(first, first + n)
             picked = codes.index_select(2, slots) if codes.dim() == 4 else _value_codes(codes, slots)
-            out = torch.empty((B, Hkv, n + new, D), dtype=dtype)
+            out = torch.empty((B, Hkv, n + new, D), dtype=dtype, device=codes.device)
             out[:, :, :n] = tq.dequantize_rotated(picked, scales.index_select(2, slots))
         if new:
             out[:, :, n:] = tq.dequantize_rotated(*chunk)

@@ -63,9 +63,10 @@ _register(["bailingmoe", "bailingmoe2", "llada-moe"], PreTokenizer([_BAILINGMOE]
 _register(["ufakzeka"], PreTokenizer([_UFAKZEKA]))
 _register(["minicpm5"], PreTokenizer([r"\p{N}{1,3}", _MINICPM5], ignore_merges=True))
 _register(["falcon"], PreTokenizer([r"[\p{P}\$\+<=>\^~\|`]+", _GPT2, r"[0-9][0-9][0-9]"]))
-_register(["deepseek-coder"], PreTokenizer(["[\r\n]", r"\s?\p{L}+", r"\s?\p{P}+", "[\u4e00-\u9fa5\u0800-\u4e00\uac00-\ud7ff]+",
-                                    r"\p{N}"]))
-_register(["deepseek-v3", "hunyuan-dense", "joyai-llm", "hy_v4"], PreTokenizer([r"\p{N}{1,3}", _CJK_KANA, _DEEPSEEK3]))
+_register(["deepseek-coder"], PreTokenizer(["[\r\n]", r"\s?\p{L}+", r"\s?\p{P}+",
+                                           "[\u4e00-\u9fa5\u0800-\u4e00\uac00-\ud7ff]+", r"\p{N}"]))
+_register(["deepseek-v3", "hunyuan-dense", "joyai-llm", "hy_v4"],
+          PreTokenizer([r"\p{N}{1,3}", _CJK_KANA, _DEEPSEEK3]))
 _register(["poro-chat", "bloom", "gpt3-finnish"],
           PreTokenizer([" ?[^(\\s|.,!?\u2026\u3002\uff0c\u3001\u0964\u06d4\u060c)]+"]))
 

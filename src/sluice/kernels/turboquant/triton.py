@@ -49,7 +49,8 @@ def _append_kernel(k_ptr, v_ptr, q_ptr, qr_ptr, sign_ptr, lv_ptr, bd_ptr, kc_ptr
 @triton.jit
 def _append_vectors(x_ptr, sign_ptr, lv_ptr, bd_ptr, codes_ptr, scale_ptr, ring_ptr, pos_ptr, rows_ptr, n_vecs, Hkv,
                     cap, R, ring_from, stride_xr, stride_cb, stride_ch, stride_ct, stride_sb, stride_sh, stride_rb,
-                    stride_rh, stride_rt, D: tl.constexpr, VECS: tl.constexpr, LANES: tl.constexpr, HAS_ROWS: tl.constexpr):
+                    stride_rh, stride_rt, D: tl.constexpr, VECS: tl.constexpr, LANES: tl.constexpr,
+                    HAS_ROWS: tl.constexpr):
     """VECS of the new vectors (vector i: sequence i // Hkv, KV head i % Hkv) into slot positions[b] % cap of the
     codes and scales and slot positions[b] % R of the ring (positions from ring_from on), in cache row rows[b]
     (HAS_ROWS) or b."""
