@@ -9,6 +9,9 @@
 #                                      # (4k and 32k prompts, both cache kinds),
 #                                      # a 32k TurboQuant bench, then llama.cpp's llama-bench (tg128, pp512, pp4096)
 #   bash benchmarks/gpu_run.sh join    # long_prompt_join.py: 8 decoding while a 32k prompt joins, both cache kinds
+#   bash benchmarks/gpu_run.sh serving # issue #38: the flat step's GPU tests, serving_gpu.py (POLICIES: a sweep)
+#   bash benchmarks/gpu_run.sh server  # the tree before (.base/src) beside, sluice serve over HTTP, TurboQuant
+#   bash benchmarks/gpu_run.sh both    # the last two at once on a machine of two GPUs
 #
 # Carry `.whl` (the wheels: gguf, fastapi, ...) and, for the peer, `.peer` (`cp -r ../shared/peers/llamacpp .peer`);
 # both are git-ignored. Make the second call right after the first: the machine and the background build stay only
@@ -17,8 +20,8 @@ set -uo pipefail
 OUT=${OUT:-/tmp/gpu_run}
 LOG=/tmp/gpu_run_logs
 mkdir -p "$OUT" "$LOG"
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-  >/dev/null 2>&1 || echo "wheel install failed"
+[ -d /tmp/site/fastapi ] || python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+  --target /tmp/site .whl/*.whl >/dev/null 2>&1 || echo "wheel install failed"
 export PYTHONPATH=/tmp/site:src PYTHONUNBUFFERED=1
 CONFIG=benchmarks/configs/qwen3-next-80b-a3b.json
 
@@ -70,8 +73,40 @@ join)
     tail -4 "$LOG/join_$kind.log" | tee -a "$OUT/summary.log"
   done
   ;;
+serving)  # issue #38: the flat step's GPU tests, then what a user gets in one process (a sweep of step budgets)
+  S="$OUT/summary_serving.log"
+  timeout 240 python -m pytest -q -x -rf -p no:cacheprovider tests/test_gpu_engine.py \
+    "tests/test_gdn_triton.py::test_flat_step_kernels_match_each_sequence_alone" > "$LOG/tests.log" 2>&1
+  tail -25 "$LOG/tests.log" > "$S"
+  timeout ${SERVING_S:-330} python benchmarks/serving_gpu.py --model $CONFIG --policies ${POLICIES:-default} \
+    --scenarios ${SCENARIOS:-decode,prefill,closed,burst,join} --json "$OUT/serving_dense.json" \
+    > "$LOG/serving_dense.log" 2>&1 || tail -25 "$LOG/serving_dense.log" >> "$S"
+  tail -20 "$LOG/serving_dense.log" >> "$S"
+  ;;
+server)  # issue #38: the tree before (.base/src: decode and prefill) in the same session, sluice serve over HTTP,
+  # TurboQuant in one process
+  S="$OUT/summary_server.log"
+  PYTHONPATH=/tmp/site:.base/src timeout 110 python benchmarks/serving_gpu.py --model $CONFIG --baseline \
+    --json "$OUT/serving_base.json" > "$LOG/serving_base.log" 2>&1 || tail -20 "$LOG/serving_base.log" >> "$S"
+  tail -6 "$LOG/serving_base.log" >> "$S"
+  for clients in 64 16; do
+    timeout 110 python benchmarks/server_load.py --model $CONFIG --load-format dummy --device cuda \
+      --endpoint completions --clients $clients --prompts $clients --max-tokens 64 --duration 30 --temperature 1 \
+      --max-batch 64 --json "$OUT/server_load_$clients.json" > "$LOG/server_load_$clients.log" 2>&1 \
+      || tail -20 "$LOG/server_load_$clients.log" >> "$S"
+    grep -E '"(completion_tokens_per_s|ttft_p50_s|ttft_p99_s|errors|requests)"' "$LOG/server_load_$clients.log" \
+      | tr -d '\n' | sed "s/^/HTTP $clients clients: /" >> "$S"; echo >> "$S"
+  done
+  timeout 200 python benchmarks/serving_gpu.py --model $CONFIG --kv-cache turboquant4 --scenarios closed,burst,join \
+    --json "$OUT/serving_tq.json" > "$LOG/serving_tq.log" 2>&1 || tail -20 "$LOG/serving_tq.log" >> "$S"
+  tail -5 "$LOG/serving_tq.log" >> "$S"
+  ;;
+both)  # serving and server at once, one GPU each (a machine of two GPUs)
+  CUDA_VISIBLE_DEVICES=0 bash "$0" serving & CUDA_VISIBLE_DEVICES=1 bash "$0" server; wait
+  cat "$OUT"/summary_*.log
+  ;;
 *)
-  echo "usage: bash benchmarks/gpu_run.sh tests|bench|join" >&2
+  echo "usage: bash benchmarks/gpu_run.sh tests|bench|join|serving|server|both" >&2
   exit 2
   ;;
 esac

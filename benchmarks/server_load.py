@@ -64,8 +64,11 @@ def prompt_list(n: int) -> list[str]:
     return [PROMPTS[i % len(PROMPTS)] + ("" if i < len(PROMPTS) else f" ({i})") for i in range(n)]
 
 
-def request_body(endpoint: str, model: str, prompt: str, max_tokens: int, stream: bool) -> dict:
-    body = {"model": model, "max_tokens": max_tokens, "temperature": 0, "stream": stream}
+def request_body(endpoint: str, model: str, prompt: str, max_tokens: int, stream: bool, temperature: float = 0,
+                 seed: int = 0) -> dict:
+    body = {"model": model, "max_tokens": max_tokens, "temperature": temperature, "stream": stream}
+    if temperature:
+        body["seed"] = seed
     if stream:
         body["stream_options"] = {"include_usage": True}
     if endpoint == "chat":
@@ -76,9 +79,9 @@ def request_body(endpoint: str, model: str, prompt: str, max_tokens: int, stream
 
 
 async def stream_request(client: httpx.AsyncClient, model: str, prompt: str, max_tokens: int,
-                      endpoint: str = "chat") -> dict:
-    """One streamed greedy chat (or text) completion: its text, time to first token, total time, errors."""
-    body = request_body(endpoint, model, prompt, max_tokens, True)
+                         endpoint: str = "chat", temperature: float = 0, seed: int = 0) -> dict:
+    """One streamed chat (or text) completion: its text, time to first token, total time, errors."""
+    body = request_body(endpoint, model, prompt, max_tokens, True, temperature, seed)
     t0, ttft, parts, done, error, tokens = time.perf_counter(), None, [], False, None, 0
     path = "/v1/chat/completions" if endpoint == "chat" else "/v1/completions"
     async with client.stream("POST", path, json=body) as r:
@@ -124,11 +127,12 @@ async def load(url: str, model: str, args, references: dict[str, str]) -> dict:
                 prompt = prompts[k % args.prompts]
                 k += args.clients
                 try:
-                    r = await stream_request(client, model, prompt, args.max_tokens, args.endpoint)
+                    r = await stream_request(client, model, prompt, args.max_tokens, args.endpoint,
+                                             args.temperature, k)
                 except httpx.HTTPError as e:
                     r = {"error": f"{type(e).__name__}: {e}"}
                 r["prompt"], r["end"] = prompt, time.perf_counter()
-                r["match"] = r.get("error") is None and r.get("text") == references[prompt]
+                r["match"] = r.get("error") is None and r.get("text") == references.get(prompt, r.get("text"))
                 results.append(r)
 
     t0 = time.perf_counter()
@@ -144,6 +148,10 @@ def main() -> int:
     ap.add_argument("--duration", type=float, default=300, help="seconds of load")
     ap.add_argument("--max-requests", type=int, default=100_000, help="bound on the requests started")
     ap.add_argument("--max-tokens", type=int, default=32)
+    ap.add_argument("--temperature", type=float, default=0.0,
+                    help="0: greedy, each reply checked against the prompt sent alone; above: sampled, seeded per "
+                         "request (random weights decode greedily into a few tokens that route to a few experts), "
+                         "not checked")
     ap.add_argument("--prompts", type=int, default=len(PROMPTS), help="distinct prompts")
     ap.add_argument("--endpoint", choices=["chat", "completions"], default="chat")
     ap.add_argument("--load-format", default="auto", help="passed to sluice serve (dummy: random weights)")
@@ -152,6 +160,7 @@ def main() -> int:
     ap.add_argument("--server-threads", type=int, default=max(1, (os.cpu_count() or 2) - 1),
                     help="CPU threads of the server (OMP_NUM_THREADS; the rest is left to the clients)")
     ap.add_argument("--warmup", type=float, default=0.2, help="fraction of the run before RSS is taken as settled")
+    ap.add_argument("--serve-args", default="", help="more options of sluice serve, e.g. '--kv-cache turboquant4'")
     ap.add_argument("--json", default="benchmarks/results/server_load.json")
     args = ap.parse_args()
     args.prompts = max(1, args.prompts)
@@ -161,6 +170,7 @@ def main() -> int:
     cmd = [sys.executable, "-m", "sluice", "serve", "--host", "127.0.0.1", "--port", str(port), "--device",
            args.device, "--max-batch", str(args.max_batch), "--max-seq-len", str(args.max_seq_len),
            "--log-level", "warning", "--load-format", args.load_format] + (["--model", args.model] if args.model else [])
+    cmd += args.serve_args.split()
     env = {**os.environ, "OMP_NUM_THREADS": str(args.server_threads)} if args.device == "cpu" else None
     server = subprocess.Popen(cmd, env=env)
     try:
@@ -176,12 +186,13 @@ def main() -> int:
         # the references: each prompt alone (greedy), through the same server
         references = {}
         with httpx.Client(base_url=url, timeout=600) as c:
-            for p in prompt_list(args.prompts):
+            for p in prompt_list(args.prompts) if not args.temperature else prompt_list(1):
                 path = "/v1/chat/completions" if args.endpoint == "chat" else "/v1/completions"
                 r = c.post(path, json=request_body(args.endpoint, model, p, args.max_tokens, False))
                 r.raise_for_status()
                 choice = r.json()["choices"][0]
-                references[p] = choice["message"]["content"] if args.endpoint == "chat" else choice["text"]
+                if not args.temperature:
+                    references[p] = choice["message"]["content"] if args.endpoint == "chat" else choice["text"]
 
         rss: list[tuple[float, int]] = []
 
@@ -216,6 +227,7 @@ def main() -> int:
         "date": time.strftime("%Y-%m-%d"), "device": args.device, "model": model, "clients": args.clients,
         "duration_s": round(wall, 1), "max_tokens": args.max_tokens, "distinct_prompts": args.prompts,
         "max_batch": args.max_batch, "server_threads": args.server_threads, "cpu_count": os.cpu_count(),
+        "temperature": args.temperature,
         "requests": len(results), "errors": len(results) - len(ok),
         "mismatches": sum(1 for r in ok if not r["match"]),
         "requests_per_s": round(len(results) / wall, 3),

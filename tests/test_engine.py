@@ -176,7 +176,7 @@ def test_decode_prefill_chunk_defaults_and_bounds():
 
     gpu = torch.device("cuda", 0)
     assert EngineConfig().prefill_tokens("cpu", decoding=True) == 512
-    assert EngineConfig().prefill_tokens(gpu, decoding=True) == 64  # a bigger chunk stalls the decodes longer
+    assert EngineConfig().prefill_tokens(gpu, decoding=True) == 512  # a bigger chunk stalls the decodes longer
     assert EngineConfig(decode_prefill_chunk=512).prefill_tokens(gpu, decoding=True) == 512
     assert EngineConfig(decode_prefill_chunk=512).prefill_tokens(gpu) == 4096  # nothing decodes: the full budget
     assert EngineConfig(prefill_chunk=128).prefill_tokens("cpu", decoding=True) == 128  # never more than a step's
@@ -368,14 +368,15 @@ def test_a_step_prefills_several_prompts_within_its_token_budget(tmp_path):
 
 
 def _count_prefills(engine, monkeypatch) -> list[tuple[int, bool]]:
-    """[(prompt tokens, whether sequences were decoding)] of each prefill forward the engine runs from now on."""
-    steps, prefill = [], engine.runner.prefill
+    """[(prompt tokens, whether sequences decoded in it)] of each step that prefills, from now on."""
+    steps, step = [], engine.runner.step
 
-    def counted(chunks):
-        steps.append((sum(len(ids) for _, ids, _ in chunks), bool(engine.scheduler.decoding())))
-        return prefill(chunks)
+    def counted(decodes, tokens, chunks):
+        if chunks:
+            steps.append((sum(len(ids) for _, ids, _ in chunks), bool(decodes)))
+        return step(decodes, tokens, chunks)
 
-    monkeypatch.setattr(engine.runner, "prefill", counted)
+    monkeypatch.setattr(engine.runner, "step", counted)
     return steps
 
 
@@ -415,3 +416,27 @@ def test_a_long_prompt_joins_running_decodes_in_small_chunks(tmp_path, arch, ove
     engine.run([seq])
     assert alone_steps == [(64, False), (64, False), (22, False)]  # nothing decodes: the full budget
     assert seq.output == whole[-1]
+
+
+def test_a_step_decodes_and_prefills_in_one_forward(qwen, monkeypatch):
+    """A prompt joining decoding sequences: the step runs the decodes' next tokens and the prompt in ONE forward over
+    a flat row of tokens, and samples the decodes' tokens and the prompt's first together; every sequence gets the
+    tokens it gets alone."""
+    ps = prompts(qwen, seed=5)
+    solo = [alone(qwen, p, max_tokens=10) for p in ps[:3]]
+    engine = qwen.with_engine(prefill_chunk=64, max_batch=4, max_seq_len=128).engine  # rows for the joiner
+    first = [engine.add_request(p, max_tokens=10, stop_ids=()) for p in ps[:2]]
+    while any(s.status != "decoding" for s in first):
+        engine.step()
+    module, shapes = engine.runner.module, []
+    forward = module.forward
+    monkeypatch.setattr(module, "forward", lambda ids, *a, **k: shapes.append(tuple(ids.shape)) or forward(ids, *a,
+                                                                                                          **k))
+    joiner = engine.add_request(ps[2], max_tokens=10, stop_ids=())
+    before = [len(s.output) for s in first]
+    outs = engine.step()
+    assert shapes == [(1, 2 + len(ps[2]))]  # one forward: two decode tokens, then the 40-token prompt
+    assert {o.seq.id for o in outs} == {s.id for s in first + [joiner]}
+    assert [len(s.output) for s in first] == [n + 1 for n in before] and len(joiner.output) == 1
+    engine.run(first + [joiner])
+    assert [s.output for s in first + [joiner]] == solo

@@ -334,3 +334,34 @@ def test_chunk_bad_cu_seqlens():
     with pytest.raises(ValueError, match="slots"):
         gt.chunk_gated_delta_rule(x["q"], x["k"], x["v"], x["a"], x["b"], x["state"], x["A_log"], x["dt_bias"],
                                   cu_seqlens=[0, 4, 10])
+
+
+def test_flat_step_kernels_match_each_sequence_alone():
+    """A flat step (`engine/batch.py`: decode tokens first, then prompt chunks, then padding) through a Gated DeltaNet
+    layer's kernels (one conv launch for every segment, the recurrent kernel for the decodes, the chunked one for the
+    chunks): each sequence's output and states as the references give it alone; the padding's output is zero."""
+    from sluice.cache.pool import CachePool, RecurrentStates
+    from sluice.engine.batch import FlatBatch
+    from sluice.layers.gated_deltanet import GatedDeltaNet
+
+    nk, nv, dk, dv, W = 2, 4, 16, 16, 4
+    C = 2 * nk * dk + nv * dv
+    g = torch.Generator().manual_seed(5)
+    r = lambda *s: torch.randn(*s, generator=g)  # noqa: E731
+    layer = GatedDeltaNet(None, r(C, W) * 0.5, r(nv) * 0.5, r(nv) * 0.5, r(dv), None, nk, nv, dk, dv, 1e-6, 0)
+    decodes, chunks = [(0, 9), (2, 30)], [(1, [0] * 20, 0), (3, [0] * 70, 5)]  # 70: more than one 64-token chunk
+    batch = FlatBatch(decodes, chunks, 128, n_pad=100, r_pad=6)
+    _, meta = batch.place(torch.zeros(FlatBatch.size(100, 6), dtype=torch.long, device=DEVICE))
+    mixed, b, a = r(1, 100, C).to(DEVICE), r(1, 100, nv).to(DEVICE), r(1, 100, nv).to(DEVICE)
+    outs = {}
+    for name, kernels in (("kernels", gt), ("reference", None)):
+        g.manual_seed(6)
+        pool = CachePool(None, RecurrentStates(1, 6, C, W, nv, dk, dv, torch.float32, DEVICE), 5)
+        pool.states.conv.copy_(r(*pool.states.conv.shape))
+        pool.states.recurrent.copy_(r(*pool.states.recurrent.shape) * 0.1)
+        o = pool.mix(lambda m, *t: layer._mix_flat(kernels, pool, m, *t), meta, mixed, b, a)
+        outs[name] = (o.cpu(), pool.states.conv.cpu(), pool.states.recurrent.cpu())
+    (o, conv, state), (ref_o, ref_conv, ref_state) = outs["kernels"], outs["reference"]
+    assert o.shape == (1, 100, nv, dv) and not o[:, batch.n:].any()
+    assert rel_rms(o, ref_o) < 1e-4
+    assert rel_rms(conv, ref_conv) < 1e-6 and rel_rms(state, ref_state) < 1e-4

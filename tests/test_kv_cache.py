@@ -243,3 +243,38 @@ def test_turboquant_cpu_decode_kernel_equals_the_torch_path(window):
             o.append(cache.prefill(0, 0, q[:, :, t:t + 1], k[:, :, t:t + 1], v[:, :, t:t + 1], t, 0.125))
         outs[native] = torch.cat(o, 2)
     assert float((outs[True] - outs[False]).norm() / outs[False].norm()) < 1e-5
+
+
+@pytest.mark.parametrize("kind", ["dense", "turboquant4"])
+def test_flat_step_attention_matches_each_sequence_alone(kind, monkeypatch):
+    """A flat step (`engine/batch.py`): the decode tokens through the split-K decode kernel (the GPU's path, here
+    under the Triton interpreter), each prompt chunk as a prefill; each sequence's output as it gets alone (one row at
+    a time, the torch paths), the padding's zero, the caches the same."""
+    pytest.importorskip("triton")
+    from sluice.cache.kv import make_kv_cache
+    from sluice.engine.batch import FlatBatch
+
+    g = torch.Generator().manual_seed(3)
+    Hq, Hkv, D = 4, 2, 32
+    decodes, chunks = [(0, 20), (2, 7)], [(1, [0] * 6, 0), (3, [0] * 9, 30)]
+    batch = FlatBatch(decodes, chunks, 64, n_pad=24, r_pad=4)
+    _, meta = batch.place(torch.zeros(FlatBatch.size(24, 4), dtype=torch.long))
+    q, gate = torch.randn(1, Hq, 24, D, generator=g), torch.randn(1, Hq, 24, D, generator=g)
+    k, v = torch.randn(1, Hkv, 24, D, generator=g), torch.randn(1, Hkv, 24, D, generator=g)
+    out = {}
+    for kernel in (True, False):
+        cache = make_kv_cache(kind, 1, 5, Hkv, D, 64, torch.float32, "cpu")
+        for name, t in vars(cache).items():  # the same history in every row
+            if isinstance(t, torch.Tensor) and t.is_floating_point():
+                t.copy_(torch.randn(t.shape, generator=torch.Generator().manual_seed(4)))
+        monkeypatch.setattr(type(cache), "use_decode_kernel", lambda self, x, kernel=kernel: kernel)
+        if kind == "turboquant4":  # the C decode kernel stands in for the torch path on the CPU: keep to torch
+            monkeypatch.setattr(type(cache), "_use_cpu_kernel", lambda self, q: False)
+        out[kernel] = cache.attend(0, q, k, v, meta, D ** -0.5, gate), cache
+    (o, cache), (ref, ref_cache) = out[True], out[False]
+    assert not o[:, :, batch.n:].any()
+    assert torch.allclose(o, ref, atol=2e-3, rtol=1e-3)
+    for name, t in vars(cache).items():
+        if isinstance(t, torch.Tensor):
+            other = vars(ref_cache)[name]
+            assert torch.allclose(t.float(), other.float(), atol=1e-4), name

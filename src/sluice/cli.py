@@ -190,7 +190,7 @@ def cmd_bench(args) -> int:
                   f"{args.gen_tokens} generated tokens each")
         t0 = time.perf_counter()
         rows.append(model.bench(prompt_tokens=args.prompt_tokens, gen_tokens=args.gen_tokens, batch=args.batch,
-                                repeats=args.repeats))
+                                repeats=args.repeats, temperature=args.temperature))
         rows[-1].update(prefill_chunk=model.engine_config.prefill_tokens(model.device),
                         decode_prefill_chunk=model.engine_config.prefill_tokens(model.device, decoding=True))
         _progress(f"{kind} KV cache: done in {time.perf_counter() - t0:.1f} s")
@@ -207,8 +207,13 @@ def cmd_bench(args) -> int:
           f"{'per seq':>8s} {floor:>12s} {'KV B/token':>11s}")
     for r in rows:
         fl = f"{r['floor_decode_tok_s']:12.0f}" if floor else f"{'':12s}"
+        decode = (f"{r['decode_tok_s']:13.1f} {r['decode_tok_s_per_seq']:8.1f}" if r["decode_tok_s"] is not None
+                  else f"{'no steady':>13s} {'window':>8s}")
         print(f"{r['kv_cache']:12s} {r['ttft_cold_s']:11.3f} {r['ttft_warm_s']:11.3f} {r['prefill_tok_s']:14.1f} "
-              f"{r['decode_tok_s']:13.1f} {r['decode_tok_s_per_seq']:8.1f} {fl} {r['kv_cache_bytes_per_token']:11d}")
+              f"{decode} {fl} {r['kv_cache_bytes_per_token']:11d}")
+    if any(r["decode_tok_s"] is None for r in rows):
+        print("no steady window: the sequences never all decoded together (a sequence ended before the last prompt "
+              "was in); raise --gen-tokens or the positions a sequence may hold")
     for r in rows:
         if r.get("placement"):
             print(f"placement ({r['kv_cache']}): {_placement_line(r['placement'])}")
@@ -307,6 +312,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--gen-tokens", type=int, default=64, help="tokens generated per sequence (default 64)")
     bench.add_argument("--batch", type=int, default=1, help="sequences decoding together (distinct prompts)")
     bench.add_argument("--repeats", type=int, default=2, help="runs; the best counts (default 2)")
+    bench.add_argument("--temperature", type=float, default=1.0, help="sampling temperature, seeded per sequence "
+                       "(default 1; 0 = greedy, which with random weights routes to few experts)")
     bench.add_argument("--load-format", default="auto", help="auto, or dummy: random weights at the shapes of "
                        "--model's config.json (a directory or a config.json file), made on the device")
     _add_prefill_args(bench)

@@ -9,10 +9,13 @@ import torch
 from sluice.errors import InvalidOptionError
 
 GRAPH_BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64, 128)
+# token counts of the flat steps (decodes and prompt chunks together) replayed from graphs: about 1.25x apart, so a
+# step computes at most a fifth more tokens than it holds
+GRAPH_TOKEN_SIZES = (16, 32, 48, 64, 80, 96, 128, 160, 192, 256, 320, 384, 512, 640, 768, 1024, 1280, 1536, 2048,
+                     2560, 3072, 4096)
 GPU_PREFILL_CHUNK = 4096  # every chunk reads all the experts: bigger chunks prefill faster (docs/PERF.md, "prefill")
 CPU_PREFILL_CHUNK = 512
-GPU_DECODE_PREFILL_CHUNK = 64  # a chunk stalls its step's decodes: 64 tokens keep the step within 5x a decode
-# step, bigger chunks prefill faster per token (docs/PERF.md, "a 32k prompt joining")
+GPU_DECODE_PREFILL_CHUNK = 512  # a chunk stalls its step's decodes: bigger chunks prefill faster per token
 CPU_DECODE_PREFILL_CHUNK = CPU_PREFILL_CHUNK
 
 
@@ -45,6 +48,7 @@ class EngineConfig:
     decode_prefill_chunk: int | None = None
     graphs: bool = True
     graph_batch_sizes: tuple[int, ...] = field(default=GRAPH_BATCH_SIZES)
+    graph_token_sizes: tuple[int, ...] = field(default=GRAPH_TOKEN_SIZES)
     kv_cache: str = "dense"
     overlap: bool | None = None
 
@@ -66,10 +70,11 @@ class EngineConfig:
             raise InvalidOptionError(f"overlap={self.overlap!r}: use True, False or None (on a GPU).")
         if self.kv_cache not in KV_CACHE_KINDS:
             raise InvalidOptionError(f"kv_cache={self.kv_cache!r}: use one of {', '.join(KV_CACHE_KINDS)}.")
-        sizes = tuple(self.graph_batch_sizes)
-        if not sizes or any(not isinstance(s, int) or s < 1 for s in sizes):
-            raise InvalidOptionError(f"graph_batch_sizes={sizes!r}: use positive integers.")
-        object.__setattr__(self, "graph_batch_sizes", tuple(sorted(set(sizes))))
+        for name in ("graph_batch_sizes", "graph_token_sizes"):
+            sizes = tuple(getattr(self, name))
+            if not sizes or any(not isinstance(s, int) or isinstance(s, bool) or s < 1 for s in sizes):
+                raise InvalidOptionError(f"{name}={sizes!r}: use positive integers.")
+            object.__setattr__(self, name, tuple(sorted(set(sizes))))
 
     def prefill_tokens(self, device, decoding: bool = False) -> int:
         """The prompt tokens a step prefills at most on `device`: `prefill_chunk` (or its default there); decoding:
@@ -85,3 +90,7 @@ class EngineConfig:
     def graph_size(self, batch: int) -> int | None:
         """The captured batch size a batch of `batch` sequences replays in (None: larger than any)."""
         return next((s for s in self.graph_batch_sizes if s >= batch), None)
+
+    def graph_tokens(self, tokens: int) -> int | None:
+        """The captured token count a flat step of `tokens` tokens replays in (None: larger than any)."""
+        return next((s for s in self.graph_token_sizes if s >= tokens), None)

@@ -12,6 +12,7 @@ where `append_buffers` hands it the buffers; it then calls `attend` with k = v =
 Prefill (eager): B sequences in consecutive rows, positions start..start+T-1, as views of those rows. Decode: one
 query per sequence, rows and positions as device tensors; on a GPU the split-K kernel reads the rows in place; on the
 CPU each row runs alone through the same path a single sequence takes, so a row's result never depends on the batch.
+A flat forward (the engine's mixed steps) is its decode tokens as a decode step and each prompt chunk as a prefill.
 """
 
 from __future__ import annotations
@@ -42,17 +43,30 @@ class KVCache:
         attention output [B, Hq, T, D] (causal; with a window W, query p sees keys p-W+1..p), times
         sigmoid(gate [B, Hq, T, D]) if given. k = v = None: a decode step that stored them already
         (`append_buffers`)."""
+        if meta.flat:
+            return self._attend_flat(layer, q, k, v, meta, scale, gate)
         if meta.decode and self.use_decode_kernel(q):
             return self.decode(layer, q, k, v, meta, scale, gate)
-        if meta.parts is not None:  # packed prefill: each sequence's chunk as its own prefill
-            o = torch.cat([self.attend(layer, q[:, :, t0:t1], k[:, :, t0:t1], v[:, :, t0:t1], part, scale)
-                           for t0, t1, part in meta.parts], dim=2)
-        elif not meta.decode:
+        if not meta.decode:
             o = self.prefill(layer, meta.row0, q, k, v, meta.start, scale)
         else:  # one row at a time, as a sequence alone takes it
             o = torch.cat([self.prefill(layer, row, q[i:i + 1], k[i:i + 1], v[i:i + 1], pos, scale)
                            for i, (row, pos) in enumerate(zip(meta.rows_host, meta.positions_host))])
         return o if gate is None else o * torch.sigmoid(gate)
+
+    def _attend_flat(self, layer, q, k, v, meta, scale, gate):
+        """A flat forward (B = 1, `engine/batch.py`): the decode tokens as one decode step, each prompt chunk as its
+        own prefill; the padding tokens' output is zero."""
+        o = torch.zeros_like(q)
+        D = meta.decode_tokens
+        if D:  # [1, H, D, Dh] -> [D, H, 1, Dh]: one query per sequence
+            one = lambda x: None if x is None else x[0, :, :D].transpose(0, 1)[:, :, None].contiguous()  # noqa: E731
+            od = self.attend(layer, one(q), one(k), one(v), meta.decodes, scale, one(gate))
+            o[0, :, :D] = od[:, :, 0].transpose(0, 1)
+        for t0, t1, part in meta.parts:
+            cut = lambda x: None if x is None else x[:, :, t0:t1]  # noqa: E731
+            o[:, :, t0:t1] = self.attend(layer, cut(q), cut(k), cut(v), part, scale, cut(gate))
+        return o
 
     def prefill(self, layer: int, row0: int, q, k, v, start: int, scale: float) -> torch.Tensor:
         """The B sequences of rows row0.. (eager; every position start..start+T-1 new)."""

@@ -64,8 +64,16 @@ class CachePool:
         if self.states is not None:
             self.states.reset(self.scratch_row)
 
+    def mix(self, fn, meta, *args):
+        """Run a sequence mixer: fn(meta, *args) -> a tensor, where fn reads and writes the per-sequence caches
+        (attention over the KV cache, a Gated DeltaNet layer's states) and its shapes and launches depend on which
+        sequences the step holds. The one place a forward touches per-sequence state: a graph of a flat forward is
+        captured in pieces cut here (`engine/piecewise.py`), and fn runs eagerly between them."""
+        return fn(meta, *args)
+
     def attend(self, layer: int, q, k, v, meta, scale: float, gate=None):
-        return self.kv.attend(layer, q, k, v, meta, scale, gate)
+        kv = self.kv
+        return self.mix(lambda m, q, k, v, g: kv.attend(layer, q, k, v, m, scale, g), meta, q, k, v, gate)
 
     def append_buffers(self, layer: int, meta, x):
         return self.kv.append_buffers(layer, meta, x)

@@ -12,30 +12,33 @@ import torch
 from sluice.errors import ContextLengthError, InvalidOptionError
 
 
-def bench(model, prompt_tokens: int = 512, gen_tokens: int = 64, batch: int = 1, repeats: int = 2) -> dict:
+def bench(model, prompt_tokens: int = 512, gen_tokens: int = 64, batch: int = 1, repeats: int = 2,
+          temperature: float = 1.0) -> dict:
+    """Distinct random prompts, sampled (seeded per sequence) at `temperature` (0: greedy; random weights decode
+    greedily into a few tokens that route to a few experts, which hides the cost of a batch)."""
     for name, value in (("prompt_tokens", prompt_tokens), ("gen_tokens", gen_tokens), ("batch", batch),
                         ("repeats", repeats)):
         if not isinstance(value, int) or value < 1:
             raise InvalidOptionError(f"bench: {name}={value!r}: use an integer >= 1.")
     engine = model.engine
-    slack = batch  # the first prompts decode while the last ones prefill: extra tokens keep all `batch` decoding
-    if prompt_tokens + gen_tokens + slack > engine.max_length:
-        raise ContextLengthError(f"bench: {prompt_tokens} + {gen_tokens} (+ {slack}) tokens exceed the "
+    if prompt_tokens + gen_tokens + 2 > engine.max_length:
+        raise ContextLengthError(f"bench: {prompt_tokens} + {gen_tokens} (+ 2) tokens exceed the "
                                  f"{engine.max_length} positions a sequence may hold.")
     if batch > model.engine_config.max_batch:
         raise InvalidOptionError(f"bench: batch={batch} is more than max_batch={model.engine_config.max_batch}.")
     g = torch.Generator().manual_seed(0)
     prompts = torch.randint(0, model.config.vocab_size, (batch, prompt_tokens), generator=g).tolist()
-    runs = [_run(engine, prompts, gen_tokens + slack) for _ in range(repeats)]
+    runs = [_run(engine, prompts, gen_tokens, temperature) for _ in range(repeats)]
     best = max(runs, key=_decode_rate)
     result = {"device": str(model.device), "dtype": str(model.dtype).removeprefix("torch."),
               "kv_cache": model.kv_cache, "graphs": engine.runner.uses_graphs, "batch": batch,
+              "temperature": temperature,
               "prompt_tokens": prompt_tokens, "gen_tokens": gen_tokens,
               "ttft_cold_s": runs[0]["ttft_s"], "ttft_warm_s": min(r["ttft_s"] for r in runs[1:] or runs),
               "prefill_tok_s": batch * prompt_tokens / min(r["prefill_s"] for r in runs),
-              "decode_tok_s": _decode_rate(best),
+              "decode_tok_s": _decode_rate(best) or None,
               "decode_steps": best["decode_tokens"] // batch, **model._kv_layout()}
-    result["decode_tok_s_per_seq"] = result["decode_tok_s"] / batch
+    result["decode_tok_s_per_seq"] = None if result["decode_tok_s"] is None else result["decode_tok_s"] / batch
     if model.device.type == "cuda":
         result.update(floor(model, batch, prompt_tokens + gen_tokens // 2))
     placement = getattr(model.module, "placement", None)
@@ -48,32 +51,47 @@ def _decode_rate(run: dict) -> float:
     return run["decode_tokens"] / run["decode_s"] if run["decode_s"] else 0.0
 
 
-def _run(engine, prompts, max_tokens: int) -> dict:
-    """One pass: every prompt prefilled and decoded. Steady decode: the steps in which all sequences decode and no
-    prompt prefills but the first of them (which may capture the batch's CUDA graph), timed from the start of the
-    second such step to the end of the last, over the tokens those steps computed (with overlap, a step launched
-    before the window and read back in it is not counted; the last steady `step()` reads back the last step
-    launched); with one steady step only, that one."""
+def _run(engine, prompts, gen_tokens: int, temperature: float) -> dict:
+    """One pass: every prompt prefilled, then `gen_tokens` steady steps of all of them decoding. A sequence may hold
+    as many tokens as fit (the first prompts decode while the last ones prefill); the run ends, the sequences aborted,
+    once the steady window is measured. Steady: the steps in which all sequences decode and no prompt prefills;
+    timed from the start of the second such step (the first may capture the batch's CUDA graph) to the end of the
+    last, over the tokens those steps computed (with overlap, a step launched before the window and read back in it
+    is not counted); with one steady step only, that one; with none (a sequence ended first), no decode rate."""
     sync = torch.cuda.synchronize if engine.runner.device.type == "cuda" else (lambda: None)
     sync()
     t0 = time.perf_counter()
-    seqs = [engine.add_request(p, max_tokens=max_tokens, stop_ids=(), temperature=0.0) for p in prompts]
+    # the steps the last prompts take to prefill while the first ones decode, at the least a step prefills beside
+    # decodes: a sequence never runs out of tokens before the window (nor holds many more positions than it needs)
+    beside = engine.scheduler.budget(len(prompts))
+    room = gen_tokens + 2 + len(prompts) + -(-sum(len(p) for p in prompts) // beside)
+    room = min(room, engine.max_length - max(len(p) for p in prompts))
+    seqs = [engine.add_request(p, max_tokens=room, stop_ids=(), temperature=temperature, seed=i)
+            for i, p in enumerate(prompts)]
     ttft = prefill_end = None
     windows = []  # (start time, tokens before) of the first two steady steps
     spans = [(0.0, 0), (0.0, 0)]  # (seconds, tokens) from each window's start to the last steady step's end
-    while not all(s.finished for s in seqs):
-        steady = len(engine.scheduler.decoding()) == len(seqs) and not engine.scheduler.next_prefills()
-        if steady and len(windows) < 2:
-            windows.append((time.perf_counter(), sum(len(s.output) for s in seqs) + engine.in_flight))
-        engine.step()
-        now = time.perf_counter()
-        if ttft is None and seqs[0].output:
-            ttft = now - t0
-        if prefill_end is None and all(s.prefilled == len(s.prompt) for s in seqs):
-            prefill_end = now - t0
-        if steady:
-            tokens = sum(len(s.output) for s in seqs)
-            spans[:len(windows)] = [(now - start, tokens - before) for start, before in windows]
+    steady_steps = 0
+    try:
+        while not all(s.finished for s in seqs) and steady_steps <= gen_tokens:
+            steady = len(engine.scheduler.decoding()) == len(seqs) and not engine.scheduler.next_prefills()
+            if steady and len(windows) < 2:
+                windows.append((time.perf_counter(), sum(len(s.output) for s in seqs) + engine.in_flight))
+            engine.step()
+            now = time.perf_counter()
+            if ttft is None and seqs[0].output:
+                ttft = now - t0
+            if prefill_end is None and all(s.prefilled == len(s.prompt) for s in seqs):
+                prefill_end = now - t0
+            if steady:
+                steady_steps += 1
+                tokens = sum(len(s.output) for s in seqs)
+                spans[:len(windows)] = [(now - start, tokens - before) for start, before in windows]
+    finally:
+        for s in seqs:
+            engine.abort(s)
+        while engine.has_work():  # a step run ahead: read it back
+            engine.step()
     sync()
     decode_s, decode_tokens = spans[1] if spans[1][1] > 0 else spans[0]
     return {"ttft_s": ttft, "prefill_s": prefill_end, "decode_s": decode_s, "decode_tokens": decode_tokens}

@@ -1,9 +1,9 @@
 """The engine: requests join and leave between steps (continuous batching) over one pool of cache rows.
 
-Each `step()` decodes one token for every sequence whose prompt is in (one batched forward: a CUDA graph replay on
-a GPU), then prefills the chunks of the oldest prompts not yet in (packed, up to `prefill_chunk` tokens; up to
-`decode_prefill_chunk` when sequences decoded in the step), and samples on the device. It returns what reached the
-host for each sequence, so callers stream per request:
+Each `step()` runs ONE forward: the next token of every sequence whose prompt is in, and chunks of the oldest prompts
+not yet in, as many as fit the step's budget (`engine/scheduler.py`); on a GPU a graph replay (`engine/runner.py`).
+It samples on the device, one token for each decoding sequence and each prompt that is now in, and returns what
+reached the host for each sequence, so callers stream per request:
 
     engine = model.engine
     seq = engine.add_request(ids, max_tokens=64, temperature=0.7, seed=1)
@@ -16,18 +16,18 @@ probability and the N most likely tokens' (of the model's own distribution: the 
 penalties, temperature and masks), and `constraint` (a `TokenConstraint`) masks the logits before each draw.
 Greedy requests without either take one argmax over the batch, as before.
 
-Overlap (`EngineConfig.overlap`, on by default on a GPU): a decode step whose sampling runs wholly on the device is
-not read back at once. The next step is launched first, its input the sampled ids still on the device, and the
-host reads and detokenizes the earlier step while the GPU runs the later one; so each step's outputs come from the
-`step()` call after the one that launched it. A sequence that stops on a stop id or string costs one step computed
-and thrown away; a step whose rows need the host (logprobs, a constraint, presence or frequency penalties, a
-sequence one token from its max_tokens, a batch that changed) is read back before the next launch; so one
-`step()` may return two outputs of a sequence, the step run ahead and the one read back at once.
+Overlap (`EngineConfig.overlap`, on by default on a GPU): a step whose sampling runs wholly on the device is not read
+back at once. The next step is launched first, its decode tokens' ids those still on the device, and the host reads
+and detokenizes the earlier step while the GPU runs the later one; so each step's outputs come from the `step()` call
+after the one that launched it. A sequence that stops on a stop id or string costs one step computed and thrown
+away, and one at its max_tokens decodes no further; a step whose rows need the host (logprobs, a constraint, presence
+or frequency penalties) is read back before the next launch.
 """
 
 from __future__ import annotations
 
 import itertools
+import time
 from dataclasses import dataclass
 
 import torch
@@ -127,6 +127,26 @@ class Engine:
         if self.runner.pool is None and not self.scheduler.running:
             self.runner.build_pool(self.config.max_batch, self.max_length)
 
+    def warmup(self) -> float:
+        """Build the cache pool at its final size (needs max_seq_len), capture every graph a step can replay and
+        compile the kernels of the paths requests take (a few short requests, greedy and sampled, run to the end),
+        so that the first requests wait for none of it; the seconds it took. Needs an idle engine."""
+        if self.has_work():
+            raise InvalidOptionError("warmup() needs an idle engine.")
+        t0 = time.perf_counter()
+        self.reserve()
+        self.runner.capture()
+        lengths = (1, 17, min(self.max_length - 4, self.config.prefill_tokens(self.runner.device) // 2))
+        seqs = [self.add_request([0] * n, max_tokens=3, stop_ids=(), temperature=t, seed=0)
+                for n, t in zip(lengths, (0.0, 1.0, 1.0))]
+        self.run(seqs)
+        while self.has_work():
+            self.step()
+        placement = getattr(self.runner.module, "placement", None)
+        if placement is not None:
+            placement.reset_stats()  # the hit rate counts requests, not the warm-up
+        return time.perf_counter() - t0
+
     def has_work(self) -> bool:
         return self.scheduler.has_work() or self.in_flight > 0
 
@@ -145,44 +165,49 @@ class Engine:
     def step(self) -> list[StepOutput]:
         outputs = [StepOutput(s, None, "", True) for s in self._finish_empty()]
         ahead, self._ahead = self._ahead, None
-        if ahead is not None and not self._can_follow(ahead):
-            outputs += self._land(ahead)
-            ahead = None
         self._fit_pool()
         self.scheduler.admit(self.runner.pool)
-        running = self.scheduler.decoding()
-        if running:
-            follows = ahead is not None  # running is ahead's batch: its ids, still on the device, are the input
-            logits = self.runner.decode([s.row for s in running], [s.next_position + follows for s in running],
-                                        ahead.ids if follows else [s.output[-1] for s in running])
-            drawn = self._draw(running, logits, follows)
-            if follows:  # read while the GPU runs the step just launched
-                outputs += self._land(ahead)
-            if self.overlaps and all(self._runs_ahead(s) for s in running):
-                self._ahead = drawn
-            else:
-                outputs += self._land(drawn)
-        chunks = self.scheduler.next_prefills(decoding=bool(running))
-        if chunks:
+        in_flight = {} if ahead is None else {s.id: 1 for s in ahead.seqs if not s.finished}
+        decodes, chunks = self.scheduler.schedule(in_flight)
+        if decodes or chunks:
             for seq, first, _ in chunks:
                 if first == 0:
                     self._mark_seen(seq)
-            logits = self.runner.prefill([(seq.row, seq.prompt[first:end], first) for seq, first, end in chunks])
+            logits = self.runner.step([(s.row, s.next_position + in_flight.get(s.id, 0)) for s in decodes],
+                                      self._decode_ids(decodes, ahead),
+                                      [(seq.row, seq.prompt[first:end], first) for seq, first, end in chunks])
             done = []
             for i, (seq, _, end) in enumerate(chunks):
                 seq.prefilled = end
                 if end == len(seq.prompt):
                     seq.status = DECODING
-                    done.append(i)
-            if done:
-                outputs += self._land(self._draw([chunks[i][0] for i in done], logits[done]))
+                    done.append(len(decodes) + i)
+            drawn = self._draw(decodes + [chunks[i - len(decodes)][0] for i in done],
+                               logits if len(done) == len(chunks) else logits[list(range(len(decodes))) + done],
+                               [in_flight.get(s.id, 0) for s in decodes] + [0] * len(done))
+        else:
+            drawn = None
+        if ahead is not None:  # read while the GPU runs the step just launched
+            outputs += self._land(ahead)
+        if drawn is not None:
+            if self.overlaps and all(self._runs_ahead(s) for s in drawn.seqs):
+                self._ahead = drawn
+            else:
+                outputs += self._land(drawn)
         return outputs
 
-    def _can_follow(self, ahead: _Drawn) -> bool:
-        """Whether the next decode step can take `ahead`'s ids as they are on the device: its batch decodes on
-        unchanged (no request aborted, none joined) and every sequence needs a token past ahead's."""
-        return (self.scheduler.decoding() == ahead.seqs
-                and all(len(s.output) + 1 < s.max_tokens for s in ahead.seqs))
+    def _decode_ids(self, decodes: list[Sequence], ahead: _Drawn | None):
+        """The decode tokens' ids: host ints, or (a step run ahead) int64 [D] on the device: ahead's sampled ids
+        where a sequence's last token is one of them, its newest output token elsewhere."""
+        if ahead is None:
+            return [s.output[-1] for s in decodes]
+        where = {s.id: i for i, s in enumerate(ahead.seqs)}
+        index = [where.get(s.id, -1) for s in decodes]
+        if index == list(range(len(decodes))):
+            return ahead.ids[:len(decodes)]
+        host = on_device([index, [0 if i >= 0 else s.output[-1] for i, s in zip(index, decodes)]], torch.long,
+                         ahead.ids.device)
+        return torch.where(host[0] >= 0, ahead.ids[host[0].clamp(min=0)], host[1])
 
     @staticmethod
     def _runs_ahead(seq: Sequence) -> bool:
@@ -220,10 +245,10 @@ class Engine:
         if seq.sampling.repetition_penalty != 1.0:
             fill_seen(self.runner.seen, seq.row, seq.prompt)
 
-    def _draw(self, seqs: list[Sequence], logits: torch.Tensor, ahead: int = 0) -> _Drawn:
+    def _draw(self, seqs: list[Sequence], logits: torch.Tensor, ahead: list[int]) -> _Drawn:
         """Sample one token per sequence on the device and start copying the ids (with a finite check of each row's
-        logits) to the host; nothing waits. `ahead`: tokens each sequence has drawn that are not in its output yet
-        (the sampler's counters count them)."""
+        logits) to the host; nothing waits. `ahead`: per sequence, tokens it has drawn that are not in its output
+        yet (the sampler's counters count them)."""
         raw = logits
         if any(s.constraint is not None for s in seqs):
             logits = self._masked(seqs, logits)
@@ -231,7 +256,7 @@ class Engine:
             ids = logits.argmax(-1)
         else:
             batch = SamplingBatch([s.sampling for s in seqs], [s.seed for s in seqs],
-                                  [len(s.output) + ahead for s in seqs], logits.device)
+                                  [len(s.output) + a for s, a in zip(seqs, ahead)], logits.device)
             rows = on_device([s.row for s in seqs], torch.long, logits.device) if batch.needs_seen else None
             counts = None
             if batch.needs_counts:

@@ -1,9 +1,12 @@
-"""Runs the model's forwards for the engine: prefill chunks eagerly, decode steps eagerly or (CUDA) by replaying a
-graph captured per batch size, over one pool of cache rows.
+"""Runs the model's forwards for the engine over one pool of cache rows: ONE forward a step. A step of decodes only
+replays a CUDA graph captured per batch size; a step that prefills is a flat forward (`engine/batch.py`: the decode
+tokens, then the prompt chunks, in one row of tokens) replayed from a graph captured in pieces per padded token count
+(`engine/piecewise.py`), or eager.
 
 A captured decode step reads its token ids, positions and cache rows from persistent device buffers, so one graph
 serves every mix of sequences and positions; a batch smaller than its graph fills the remaining rows with the pool's
-scratch row (whose recurrent states the graph zeroes first, so the padding stays finite). Nothing in a decode step
+scratch row (whose recurrent states the graph zeroes first, so the padding stays finite). A flat step's padding
+tokens sit past every sequence's segment: the token-wise layers compute them, the mixers skip them. Nothing in a step
 waits on the host; the host reads the sampled ids only.
 """
 
@@ -14,8 +17,8 @@ import os
 import torch
 
 from sluice.config import EngineConfig
-from sluice.engine.batch import ForwardMeta, on_device
-from sluice.engine.chunk_graph import ChunkGraph
+from sluice.engine.batch import FlatBatch, ForwardMeta, on_device
+from sluice.engine.piecewise import PiecewiseGraph, Staging
 from sluice.errors import InvalidOptionError
 
 
@@ -43,14 +46,14 @@ class ModelRunner:
         self.pool = None
         self.seen = None  # bool [rows + 1, vocab]: the tokens each row has seen (repetition penalty)
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
-        self._chunk_graph: ChunkGraph | None = None
+        self._flat_graphs: dict[int, PiecewiseGraph] = {}
         self._graph_memory = None
         self._capturable = None
 
     @property
     def uses_graphs(self) -> bool:
-        """Decode steps replay CUDA graphs: asked for, on a GPU, and every layer can be captured (a layer on a
-        torch reference path that reads back to the host runs eagerly)."""
+        """Steps replay CUDA graphs: asked for, on a GPU, and every layer can be captured (a layer on a torch
+        reference path that reads back to the host runs eagerly)."""
         if self._capturable is None:
             self._capturable = all(getattr(m, "capturable", True) for m in self.module.modules())
         return self.config.graphs and self.device.type == "cuda" and self._capturable
@@ -58,8 +61,9 @@ class ModelRunner:
     # -- the cache pool -------------------------------------------------------------------------------------
     def build_pool(self, rows: int, capacity: int) -> None:
         """A new pool of `rows` sequences of `capacity` positions (the old one, and its graphs, dropped)."""
-        self.pool = self.seen = self._chunk_graph = None
+        self.pool = self.seen = None
         self._graphs.clear()
+        self._flat_graphs.clear()
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
         kind = self.config.kv_cache
@@ -80,31 +84,39 @@ class ModelRunner:
                 f"the caches of {rows} sequences of {capacity} positions do not fit in {self.device} memory; "
                 "lower max_batch or max_seq_len.") from e
         size = max(rows, self.config.graph_size(rows) or rows)
-        # a graph's inputs, one host-to-device copy a step: token ids, positions, cache rows
+        # a decode graph's inputs, one host-to-device copy a step: token ids, positions, cache rows
         self._inputs = torch.zeros(3, size, dtype=torch.long, device=self.device)
+        # a flat step's: `FlatBatch`'s row, for the most tokens a step holds and a logit row per sequence
+        self._rows_max = size
+        self._tokens_max = max(self.config.prefill_tokens(self.device), max(self.config.graph_token_sizes)) + rows
+        self._flat = torch.zeros(FlatBatch.size(self._tokens_max, size), dtype=torch.long, device=self.device)
+        self._staging = Staging(max(self.config.graph_token_sizes))
 
     # -- forwards -------------------------------------------------------------------------------------------
     @torch.inference_mode()
-    def prefill(self, chunks: list[tuple[int, list[int], int]]) -> torch.Tensor:
-        """Feed prompt chunks (cache row, token ids, first position), of one or several sequences, in one forward
-        (several: packed, `ForwardMeta.packed`): the logits [chunks, vocab] of each chunk's last token."""
-        if len(chunks) == 1 and self._graphs_chunk(len(chunks[0][1])):
-            row, ids, start = chunks[0]
-            if self._chunk_graph is None:
-                self._chunk_graph = ChunkGraph(self.module, self.pool, len(ids), self.dtype, self.device)
-            return self._chunk_graph.run(row, start, ids)[0]
-        return self.prefill_eager(chunks)
+    def step(self, decodes: list[tuple[int, int]], tokens, chunks: list[tuple[int, list[int], int]]) -> torch.Tensor:
+        """One step in one forward: the decode tokens (cache row, position) with their ids `tokens` (host ints, or
+        int64 [D] on the device: the last step's sampled ids, which need not have reached the host), and the prompt
+        chunks (cache row, token ids, first position). Returns the logits [D + chunks, vocab] fp32 of each decode
+        token and each chunk's last token (with graphs, a view of the graph's output: read it before the next step)."""
+        if not chunks:
+            return self.decode([r for r, _ in decodes], [p for _, p in decodes], tokens)
+        D, R = len(decodes), len(decodes) + len(chunks)
+        n = D + sum(len(ids) for _, ids, _ in chunks)
+        n_pad = self._flat_graph_size(n, R)
+        batch = FlatBatch(decodes, chunks, self.pool.visible, n_pad, self._rows_max if n_pad else None)
+        on_host = D and not isinstance(tokens, torch.Tensor)
+        ids, meta = batch.place(self._flat, list(tokens) if on_host else None)
+        if D and not on_host:
+            ids[0, :D].copy_(tokens)
+        if n_pad is None:
+            return self.module(ids, self.pool, meta, self.dtype, last_only=True)[0]
+        return self._flat_graph(n_pad).run(meta)[:R]
 
-    @torch.inference_mode()
-    def prefill_eager(self, chunks: list[tuple[int, list[int], int]]) -> torch.Tensor:
-        """`prefill` without the chunk graph."""
-        tokens = on_device([[t for _, ids, _ in chunks for t in ids]], torch.long, self.device)
-        if len(chunks) == 1:
-            row, ids, start = chunks[0]
-            meta = ForwardMeta.prefill(row, 1, start, len(ids), self.device)
-        else:
-            meta = ForwardMeta.packed([(row, start, len(ids)) for row, ids, start in chunks], self.device)
-        return self.module(tokens, self.pool, meta, self.dtype, last_only=True)[0]
+    def prefill(self, chunks: list[tuple[int, list[int], int]]) -> torch.Tensor:
+        """Prompt chunks (cache row, token ids, first position) of one or several sequences in one forward: the
+        logits [chunks, vocab] of each chunk's last token."""
+        return self.step([], [], chunks)
 
     @torch.inference_mode()
     def decode(self, rows: list[int], positions: list[int], tokens: list[int] | torch.Tensor) -> torch.Tensor:
@@ -127,13 +139,35 @@ class ModelRunner:
         graph.replay()
         return logits[:n]
 
-    def _graphs_chunk(self, n: int) -> bool:
-        """Whether a prefill chunk of n tokens (of one sequence) replays the chunk graph (`engine/chunk_graph.py`):
-        with graphs, n the tokens a step prefills beside decodes when that is less than a step alone prefills, and
-        no streamed experts (whose prefill stages layers from the host)."""
-        beside = self.config.prefill_tokens(self.device, decoding=True)
-        return (self.uses_graphs and n == beside < self.config.prefill_tokens(self.device)
-                and getattr(self.module, "placement", None) is None)
+    def _streams_experts(self) -> bool:
+        return getattr(self.module, "placement", None) is not None
+
+    def _flat_graph_size(self, tokens: int, rows: int) -> int | None:
+        """The captured token count a flat step of `tokens` tokens and `rows` sequences replays in; None: eager (no
+        graphs, larger than any graph, or streamed experts, whose many-token steps stage whole layers)."""
+        if not self.uses_graphs or self._streams_experts() or rows > self._rows_max:
+            return None
+        return self.config.graph_tokens(tokens)
+
+    def _flat_graph(self, n_pad: int) -> PiecewiseGraph:
+        """The flat step of n_pad tokens, captured on first use (on a flat batch of the scratch row)."""
+        if n_pad not in self._flat_graphs:
+            if self._graph_memory is None:
+                self._graph_memory = torch.cuda.graph_pool_handle()
+            self._flat_graphs[n_pad] = PiecewiseGraph(self.module, self.pool, self._scratch_batch(n_pad), self._flat,
+                                                      self._staging, self.dtype, self._graph_memory)
+        return self._flat_graphs[n_pad]
+
+    def _scratch_batch(self, n_pad: int) -> FlatBatch:
+        """A flat batch of n_pad tokens on the scratch row that runs every kind of mixer: one decode token, then
+        prompt chunks of at most the pool's capacity."""
+        row, cap = self.pool.scratch_row, min(self.pool.capacity, n_pad)
+        chunks, left = [], n_pad - 1
+        while left and len(chunks) < self._rows_max - 1:
+            n = min(left, cap)
+            chunks.append((row, [0] * n, 0))
+            left -= n
+        return FlatBatch([(row, 0)], chunks, self.pool.visible, n_pad, self._rows_max)
 
     def _graph_size(self, n: int) -> int | None:
         """The captured batch size a decode step of n sequences replays in; None: run it eagerly (no graphs, larger
@@ -176,9 +210,21 @@ class ModelRunner:
             self._graphs[size] = (graph, logits)
         return self._graphs[size]
 
-    def capture(self, sizes) -> None:
-        """Capture the decode graphs of these batch sizes now (largest first: the smaller reuse its memory)."""
-        if self.uses_graphs:
-            with torch.inference_mode():
-                for size in sorted({self._graph_size(s) for s in sizes} - {None}, reverse=True):
-                    self._graph(size)
+    @torch.inference_mode()
+    def capture(self, sizes=None, tokens=None) -> None:
+        """Capture now the decode graphs of these batch sizes and the flat graphs of these token counts (None: all
+        that a step of this pool can use), largest first: the smaller reuse their memory."""
+        if not self.uses_graphs:
+            return
+        rows = self.pool.rows
+        if sizes is None:
+            sizes = [s for s in self.config.graph_batch_sizes if s < rows] + [rows]
+        for size in sorted({self._graph_size(s) for s in sizes} - {None}, reverse=True):
+            self._graph(size)
+        if self._streams_experts():
+            return
+        if tokens is None:
+            most = self.config.prefill_tokens(self.device) + rows
+            tokens = [t for t in self.config.graph_token_sizes if t < most] + [most]
+        for n in sorted({self.config.graph_tokens(t) for t in tokens} - {None}, reverse=True):
+            self._flat_graph(n)

@@ -1,7 +1,10 @@
-"""Which sequences run in the next step: admit waiting ones while the cache pool has rows, prefill prompts in chunks
-(as many prompts' chunks as fit one step's token budget, packed into one forward), decode every sequence whose
-prompt is in, free a finished sequence's row at once. A step in which sequences decode prefills fewer prompt tokens
-(`decode_prefill_chunk`): its decodes wait for the whole forward."""
+"""Which tokens the next step runs, in ONE forward: the next token of every decoding sequence first, then chunks of
+the prompts not yet in, oldest admitted first, as many as fit the step's budget of prompt tokens. Waiting requests
+take free cache rows first come first served; a finished sequence's row is free at once.
+
+The budget: `prefill_chunk` prompt tokens when nothing decodes (a burst of prompts is in after about
+total prompt tokens / prefill_chunk steps); while sequences decode, every one of them waits for the whole forward,
+so a step prefills at most `decode_prefill_chunk` prompt tokens, and within `prefill_chunk` tokens in all."""
 
 from __future__ import annotations
 
@@ -15,6 +18,7 @@ class Scheduler:
         self.prefill_chunk = prefill_chunk  # prompt tokens a step prefills at most, over all its prompts
         # ... while sequences decode in the step (None: prefill_chunk; never more)
         self.decode_prefill_chunk = min(prefill_chunk, decode_prefill_chunk or prefill_chunk)
+        self.proportional = False  # the budget beside decodes grows with the prompts waiting (`budget`)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # prefilling or decoding, in admission order
 
@@ -32,11 +36,32 @@ class Scheduler:
             seq.row, seq.status, seq.prefilled = pool.allocate(), PREFILLING, 0
             self.running.append(seq)
 
-    def next_prefills(self, decoding: bool = False) -> list[tuple[Sequence, int, int]]:
-        """[(sequence, first, end)]: the prompt chunks the next step prefills, oldest admitted prompt first, until
-        `prefill_chunk` tokens, or `decode_prefill_chunk` when sequences decode in that step (`decoding`); a prompt
-        that does not fit whole gets the tokens left, and the rest next step."""
-        chunks, budget = [], self.decode_prefill_chunk if decoding else self.prefill_chunk
+    def schedule(self, in_flight: dict[int, int] | None = None) -> tuple[list[Sequence], list[tuple[Sequence, int,
+                                                                                                  int]]]:
+        """The next step: (the sequences that decode a token, the prompt chunks (sequence, first, end) it prefills).
+        in_flight: tokens a sequence has sampled that are not in its output yet (a step run ahead); a sequence whose
+        last token is among them decodes no more."""
+        in_flight = in_flight or {}
+        decodes = [s for s in self.running
+                   if s.status == DECODING and len(s.output) + in_flight.get(s.id, 0) < s.max_tokens]
+        return decodes, self.next_prefills(len(decodes))
+
+    def budget(self, decoding: int) -> int:
+        """Prompt tokens a step in which `decoding` sequences decode may prefill: decode_prefill_chunk times
+        1 + (prompts waiting for their first token, admitted or not) / (decoding sequences): a burst of prompts gets
+        in fast, while a lone long prompt joining a batch stalls it little; within prefill_chunk tokens in all."""
+        if not decoding:
+            return self.prefill_chunk
+        share = 1.0
+        if self.proportional:
+            share += (len(self.waiting) + sum(s.status == PREFILLING for s in self.running)) / decoding
+        return max(1, min(int(self.decode_prefill_chunk * share), self.prefill_chunk - decoding))
+
+    def next_prefills(self, decoding: int = 0) -> list[tuple[Sequence, int, int]]:
+        """[(sequence, first, end)]: the prompt chunks the next step prefills beside `decoding` decode tokens,
+        oldest admitted prompt first, within `budget`; a prompt that does not fit whole gets the tokens left, and
+        the rest next step."""
+        chunks, budget = [], self.budget(decoding)
         for seq in self.running:
             if budget == 0:
                 break

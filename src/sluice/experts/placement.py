@@ -122,6 +122,11 @@ class Placement:
         hits, misses = torch.stack([c.stats for c in self.caches]).sum(0).tolist()
         return hits / (hits + misses) if hits + misses else None
 
+    def reset_stats(self) -> None:
+        """Forget the lookups so far (those of a warm-up)."""
+        for c in self.caches:
+            c.stats.zero_()
+
     def summary(self) -> dict:
         return {"streamed_layers": self.layers, "experts_per_layer": self.experts, "slots_per_layer": self.slots,
                 "expert_bytes": self.expert_bytes, "host_expert_bytes": self.host_bytes,

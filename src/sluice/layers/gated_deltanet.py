@@ -8,6 +8,8 @@ rows [q (nk*dk) | k (nk*dk) | v (nv*dv) | z (nv*dv) | b (nv) | a (nv)]. Qwen3-Ne
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -69,17 +71,42 @@ class GatedDeltaNet(nn.Module):
         mixed, z, b, a = proj.split([2 * self.nk * self.dk + nv * dv, nv * dv, nv, nv], dim=-1)
         z = z.reshape(B, T, nv, dv)
         # a few tokens (decode) through the recurrent kernel: the gated norm runs in the same launch
-        fused_norm = (kernels is not None and meta.parts is None and T <= RECURRENT_MAX_TOKENS
-                      and mixed.dtype == x.dtype)
-        if meta.parts is not None:  # packed prefill: each sequence's chunk through its own states
-            o = torch.cat([self._mix(kernels, mixed[:, t0:t1], b[:, t0:t1], a[:, t0:t1], cache, part)
-                           for t0, t1, part in meta.parts], dim=1)
+        fused_norm = kernels is not None and not meta.flat and T <= RECURRENT_MAX_TOKENS and mixed.dtype == x.dtype
+        if meta.flat:  # the step's sequences, each through its own states: the cut of a piecewise graph
+            o = cache.mix(functools.partial(self._mix_flat, kernels, cache), meta, mixed, b, a)
         else:
             o = self._mix(kernels, mixed, b, a, cache, meta, z if fused_norm else None, conv_done)
         if not fused_norm:
             norm = gated_rms_norm if kernels is None else kernels.gated_rms_norm
             o = norm(o.to(x.dtype), z, self.norm_weight, self.eps)
         return self.out_proj(o.reshape(B, T, nv * dv))
+
+    def _mix_flat(self, kernels, cache, meta, mixed, b, a):
+        """Conv + gated delta rule of a flat forward (`engine/batch.py`: B = 1, the decode tokens first, then the
+        prompt chunks): o [1, T, nv, dv], zero for the padding tokens. On a GPU the conv of every segment in one
+        launch (a decode token is a segment of one token), the decode tokens through the recurrent kernel, the
+        chunks through the chunked one with their offsets; elsewhere each segment alone through the references."""
+        i = self.state_index
+        conv_state, state = cache.conv(i), cache.recurrent(i)
+        N, D = meta.tokens, meta.decode_tokens
+        o = mixed.new_zeros(1, mixed.shape[1], self.nv, self.dv)
+        if kernels is None:
+            for t0, t1, row in meta.segments():
+                o[:, t0:t1] = self._reference(mixed[:, t0:t1], b[:, t0:t1], a[:, t0:t1], conv_state[row:row + 1],
+                                              state[row:row + 1])
+            return o
+        conv = kernels.causal_conv1d(mixed[:, :N], self.conv_weight, conv_state, activation="silu",
+                                     cu_seqlens=meta.cu_seqlens, state_indices=meta.rows)[0]
+        q, k, v = self._split_heads(conv)
+        rule = dict(A_log=self.A_log, dt_bias=self.dt_bias, use_qk_l2norm=True)
+        if D:
+            one = lambda x: x[0, :D, None]  # noqa: E731  [1, D, ...] -> [D, 1, ...]: one token per sequence
+            o[0, :D] = kernels.fused_recurrent_gated_delta_rule(one(q), one(k), one(v), one(a), one(b), state,
+                                                                state_indices=meta.rows[:D], **rule)[:, 0]
+        if N > D:
+            o[:, D:N] = kernels.chunk_gated_delta_rule(q[:, D:], k[:, D:], v[:, D:], a[:, D:N], b[:, D:N], state,
+                                                       state_indices=meta.rows[D:], cu_seqlens=meta.chunk_cu, **rule)
+        return o
 
     def _mix(self, kernels, mixed, b, a, cache, meta, norm_gate=None, conv_done=False):
         """Conv + gated delta rule of the sequences in meta's rows, their states advanced in place. With norm_gate

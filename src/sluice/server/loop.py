@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import queue
+import sys
 import threading
 import traceback
 from collections.abc import Callable
@@ -56,9 +57,12 @@ class EngineLoop:
 
     # -- the handlers' side (any thread; the async helpers on the asyncio loop) -------------------------------
     def start(self) -> None:
-        """Build the cache pool (when its size is fixed: max_seq_len) and start the engine thread."""
+        """Build the cache pool (when its size is fixed: max_seq_len), capture the graphs and compile the kernels
+        (`Engine.warmup`: before the server listens, so the first requests wait for none of it), and start the engine
+        thread."""
         if self.engine.config.max_seq_len is not None:
-            self.engine.reserve()
+            seconds = self.engine.warmup()
+            print(f"sluice: engine ready in {seconds:.1f} s (cache pool, graphs, kernels)", file=sys.stderr, flush=True)
         self._publish()
         self._thread.start()
 
