@@ -34,7 +34,7 @@ import sluice
 
 def sync():
     if torch.cuda.is_available():
-        sync()
+        torch.cuda.synchronize()
 
 
 def empty():

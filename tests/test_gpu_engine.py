@@ -1,6 +1,7 @@
-"""The engine on a CUDA GPU: decode steps replayed from CUDA graphs give the same greedy tokens as eager steps, a
-batch of up to 4 gives each sequence what it gets alone, with both cache kinds: a dense Llama and a 4-bit
-Qwen3-Next whose kernels take the Triton paths. Skipped without a GPU; run on the GPU machine."""
+"""The engine on a CUDA GPU: steps replayed from CUDA graphs (decode steps whole, flat steps in pieces) give the same
+greedy tokens as eager steps, with both cache kinds: a dense Llama and a 4-bit Qwen3-Next whose kernels take the
+Triton paths. Skipped without a GPU; run on the GPU machine. (A sequence's tokens may differ from its tokens alone:
+a step's token-wise GEMMs run over all its tokens, and other row counts round differently.)"""
 
 import pytest
 import torch
@@ -53,12 +54,8 @@ def test_graph_and_eager_decode_agree(checkpoints, name, kind):
         model = sluice.load(checkpoints[name], device="cuda", kv_cache=kind, graphs=graphs)
         out[graphs] = run(model, prompts)
         if graphs:
-            assert model.engine.runner._graphs, "no graph was captured"
-            # decode batches of up to 4 rows take per-row GEMVs and per-token MoE launches: a sequence's tokens do
-            # not depend on the batch (more rows run the tensor-core GEMMs, whose sums round differently: so do
-            # prompts prefilled packed together, which is why each prompt here is in before the next one comes)
-            four = staggered(model, prompts[:4])
-            assert four == [run(model, [p])[0] for p in prompts[:4]]
+            assert model.engine.runner._graphs and model.engine.runner._flat_graphs, "no graph was captured"
+    # a flat step is padded to its graph's size with graphs or without: the same shapes, the same sums
     assert out[True] == out[False]
 
 
@@ -99,9 +96,8 @@ def test_flat_graph_replays_the_eager_forward(checkpoints, name, kind):
 @pytest.mark.parametrize("kind", ["dense", "turboquant4"])
 @pytest.mark.parametrize("name", ["llama", "qwen3_next"])
 def test_prompts_joining_decodes_with_and_without_graphs(checkpoints, name, kind):
-    """Prompts joining running decodes, each step one flat forward: replayed from graphs (padded to a captured token
-    count) and eager (unpadded: other GEMM shapes, other roundings), the same first tokens and nearly all the same
-    greedy tokens."""
+    """Prompts joining running decodes, each step one flat forward: replayed from graphs and eager (padded to the
+    same token count), the same greedy tokens."""
     g = torch.Generator().manual_seed(7)
     prompts = [torch.randint(0, 300, (t,), generator=g).tolist() for t in (9, 5, 70, 130)]
     out = {}
@@ -110,9 +106,7 @@ def test_prompts_joining_decodes_with_and_without_graphs(checkpoints, name, kind
                             decode_prefill_chunk=16, max_batch=4, max_seq_len=256)
         out[graphs] = staggered(model, prompts)
         assert bool(model.engine.runner._flat_graphs) == graphs
-    assert [o[0] for o in out[True]] == [o[0] for o in out[False]]
-    same = sum(a == b for x, y in zip(out[True], out[False]) for a, b in zip(x, y))
-    assert same >= 0.9 * sum(len(x) for x in out[True])
+    assert out[True] == out[False]
 
 
 @pytest.mark.parametrize("kind", ["dense", "turboquant4"])

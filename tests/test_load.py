@@ -234,7 +234,9 @@ def test_dummy_values_are_reproducible_and_per_tensor(tmp_path):
 def test_dummy_tokenizer_stand_in_and_tokenizer_json(tmp_path):
     d = DummyCheckpoint(write_config(tmp_path / "bare", tiny_llama_config()))
     tok = d.tokenizer()
-    assert tok.vocab_size == 256 and not tok.stop_ids and tok.decode(tok.encode("héllo")) == "héllo"
+    vocab = tiny_llama_config()["vocab_size"]
+    assert tok.vocab_size == vocab and not tok.stop_ids and tok.decode(tok.encode("héllo")) == "héllo"
+    assert all(tok.decode([i]) for i in range(vocab) if i >= 256)  # every id of the model's vocabulary is text
     with_tok = write_config(tmp_path / "tok", tiny_llama_config())
     byte_level_tokenizer_json(with_tok)
     assert DummyCheckpoint(with_tok / "config.json").tokenizer().eos_id == 0

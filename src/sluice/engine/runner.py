@@ -103,14 +103,14 @@ class ModelRunner:
             return self.decode([r for r, _ in decodes], [p for _, p in decodes], tokens)
         D, R = len(decodes), len(decodes) + len(chunks)
         n = D + sum(len(ids) for _, ids, _ in chunks)
-        n_pad = self._flat_graph_size(n, R)
+        n_pad = self._flat_size(n, R)
         batch = FlatBatch(decodes, chunks, self.pool.visible, n_pad, self._rows_max if n_pad else None)
         on_host = D and not isinstance(tokens, torch.Tensor)
         ids, meta = batch.place(self._flat, list(tokens) if on_host else None)
         if D and not on_host:
             ids[0, :D].copy_(tokens)
-        if n_pad is None:
-            return self.module(ids, self.pool, meta, self.dtype, last_only=True)[0]
+        if n_pad is None or not self.uses_graphs or self._streams_experts():
+            return self.module(ids, self.pool, meta, self.dtype, last_only=True)[0][:R]
         return self._flat_graph(n_pad).run(meta)[:R]
 
     def prefill(self, chunks: list[tuple[int, list[int], int]]) -> torch.Tensor:
@@ -142,10 +142,12 @@ class ModelRunner:
     def _streams_experts(self) -> bool:
         return getattr(self.module, "placement", None) is not None
 
-    def _flat_graph_size(self, tokens: int, rows: int) -> int | None:
-        """The captured token count a flat step of `tokens` tokens and `rows` sequences replays in; None: eager (no
-        graphs, larger than any graph, or streamed experts, whose many-token steps stage whole layers)."""
-        if not self.uses_graphs or self._streams_experts() or rows > self._rows_max:
+    def _flat_size(self, tokens: int, rows: int) -> int | None:
+        """The tokens a flat step of `tokens` tokens and `rows` sequences is padded to on a GPU: the graph size that
+        holds it, whether it replays that graph or runs eagerly (no graphs, or streamed experts, whose many-token
+        steps stage whole layers), so that graphs change a step's speed, never its result; None: unpadded (the CPU,
+        or larger than any graph)."""
+        if self.device.type != "cuda" or rows > self._rows_max:
             return None
         return self.config.graph_tokens(tokens)
 

@@ -17,6 +17,7 @@ Architectures: `qwen3_next`, `qwen3_5_moe` (nested `text_config`), `qwen3_5_moe_
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import zlib
@@ -170,13 +171,24 @@ def _checkpoint_dtype(config: dict) -> torch.dtype:
     return torch.bfloat16
 
 
-def byte_level_tokenizer():
-    """A 256-token byte-level BPE `tokenizers.Tokenizer` (no merges, no special tokens): any text encodes, every
-    id below 256 decodes; ids beyond it decode to nothing."""
+def byte_level_tokenizer(vocab_size: int = 256):
+    """A byte-level BPE `tokenizers.Tokenizer` of `vocab_size` tokens (no special tokens): the 256 bytes, then pairs
+    of bytes, then a pair and a byte, each one merge: any text encodes, and every id decodes to the bytes it stands
+    for, so random weights stream text at every token (a server's time to its first token is then measurable)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from tokenizers.pre_tokenizers import ByteLevel
 
-    tok = Tokenizer(models.BPE({ch: i for i, ch in enumerate(sorted(ByteLevel.alphabet()))}, []))
+    byte = sorted(ByteLevel.alphabet())
+    vocab = {ch: i for i, ch in enumerate(byte)}
+    merges = []
+    pairs = ((a, b) for a in byte for b in byte)
+    triples = ((a + b, c) for a in byte for b in byte for c in byte)
+    for left, right in itertools.chain(pairs, triples):
+        if len(vocab) >= vocab_size:
+            break
+        vocab[left + right] = len(vocab)
+        merges.append((left, right))
+    tok = Tokenizer(models.BPE(vocab, merges))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     return tok
@@ -295,7 +307,7 @@ class DummyCheckpoint:
         if (self.path / "tokenizer.json").is_file():
             (out / "tokenizer.json").write_bytes((self.path / "tokenizer.json").read_bytes())
         else:
-            byte_level_tokenizer().save(str(out / "tokenizer.json"))
+            byte_level_tokenizer(self.vocab_size).save(str(out / "tokenizer.json"))
         shard, size, index = {}, 0, 0
         names = list(self.specs)
         for i, name in enumerate(names):
@@ -309,10 +321,15 @@ class DummyCheckpoint:
 
     def tokenizer(self):
         """The model's tokenizer: tokenizer.json beside config.json when there is one, else a byte-level stand-in
-        (`byte_level_tokenizer`) with no end-of-generation token, so generation runs to max_tokens. Token ids
-        of the model's vocabulary beyond the tokenizer's decode to nothing."""
+        of the model's vocabulary (`byte_level_tokenizer`) with no end-of-generation token, so generation runs to
+        max_tokens."""
         from sluice.formats.tokenizer import Tokenizer
 
         if (self.path / "tokenizer.json").is_file():
             return Tokenizer.from_hf_dir(self.path)
-        return Tokenizer(byte_level_tokenizer(), vocab_size=256, bos_id=None, eos_id=None)
+        return Tokenizer(byte_level_tokenizer(self.vocab_size), vocab_size=self.vocab_size, bos_id=None, eos_id=None)
+
+    @property
+    def vocab_size(self) -> int:
+        c = self.config
+        return int(c.get("vocab_size") or c.get("text_config", {}).get("vocab_size") or 256)
