@@ -75,10 +75,10 @@ join)
   ;;
 serving)  # issue #38: the flat step's GPU tests, then what a user gets in one process (a sweep of step budgets)
   S="$OUT/summary_serving.log"
-  CUDA_LAUNCH_BLOCKING=1 timeout 100 python -m pytest -q -x -rf -p no:cacheprovider tests/test_gpu_engine.py \
+  CUDA_LAUNCH_BLOCKING=1 timeout 80 python -m pytest -q -x -rf -p no:cacheprovider tests/test_gpu_engine.py \
     -k "flat_graph and turboquant4" > "$LOG/tests_tq.log" 2>&1
   tail -40 "$LOG/tests_tq.log" > "$S"
-  timeout 200 python -m pytest -q -rf -p no:cacheprovider tests/test_gpu_engine.py -k "not turboquant4" \
+  timeout 150 python -m pytest -q -rf -p no:cacheprovider tests/test_gpu_engine.py -k "not turboquant4" \
     "tests/test_gdn_triton.py::test_flat_step_kernels_match_each_sequence_alone" > "$LOG/tests.log" 2>&1
   tail -15 "$LOG/tests.log" >> "$S"
   timeout ${SERVING_S:-330} python benchmarks/serving_gpu.py --model $CONFIG --policies ${POLICIES:-default} \
@@ -93,15 +93,15 @@ server)  # issue #38: the tree before (.base/src: decode and prefill) in the sam
     --json "$OUT/serving_base.json" > "$LOG/serving_base.log" 2>&1 || tail -20 "$LOG/serving_base.log" >> "$S"
   tail -6 "$LOG/serving_base.log" >> "$S"
   for clients in 64 16; do
-    timeout 160 python benchmarks/server_load.py --model $CONFIG --load-format dummy --device cuda \
+    timeout 150 python benchmarks/server_load.py --model $CONFIG --load-format dummy --device cuda \
       --endpoint completions --clients $clients --prompts $clients --max-tokens 64 --duration 30 --temperature 1 \
       --max-batch 64 --json "$OUT/server_load_$clients.json" > "$LOG/server_load_$clients.log" 2>&1 \
       || tail -20 "$LOG/server_load_$clients.log" >> "$S"
     grep -E '"(completion_tokens_per_s|ttft_p50_s|ttft_p99_s|errors|requests)"' "$LOG/server_load_$clients.log" \
       | tr -d '\n' | sed "s/^/HTTP $clients clients: /" >> "$S"; echo >> "$S"
   done
-  timeout 200 python benchmarks/serving_gpu.py --model $CONFIG --kv-cache turboquant4 --scenarios closed,burst,join \
-    --json "$OUT/serving_tq.json" > "$LOG/serving_tq.log" 2>&1 || tail -20 "$LOG/serving_tq.log" >> "$S"
+  timeout 170 python benchmarks/serving_gpu.py --model $CONFIG --kv-cache turboquant4 --scenarios closed,burst,join \
+    --json "$OUT/serving_tq.json" > "$LOG/serving_tq.log" 2>&1 || tail -60 "$LOG/serving_tq.log" >> "$S"
   tail -5 "$LOG/serving_tq.log" >> "$S"
   ;;
 both)  # serving and server at once, one GPU each (a machine of two GPUs)

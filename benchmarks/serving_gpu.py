@@ -91,8 +91,8 @@ def closed(model, clients: int, prompt_tokens: int = 12, max_tokens: int = 64, w
         added[seq.id] = time.perf_counter()
         live.add(seq.id)
 
-    t_start = time.perf_counter()
-    started, steps = 0, 0
+    t_start = last = time.perf_counter()
+    started, steps, step_s = 0, 0, []
     t_measure = t_end = None
     while True:
         if started < clients:  # client i starts at step i
@@ -101,6 +101,9 @@ def closed(model, clients: int, prompt_tokens: int = 12, max_tokens: int = 64, w
         outs = engine.step()
         steps += 1
         now = time.perf_counter()
+        if t_measure is not None:
+            step_s.append(now - last)
+        last = now
         if t_measure is None and now - t_start >= warmup_s:
             t_measure = now
         for o in outs:
@@ -121,7 +124,8 @@ def closed(model, clients: int, prompt_tokens: int = 12, max_tokens: int = 64, w
     drain(engine)
     return {"clients": clients, "prompt_tokens": prompt_tokens, "max_tokens": max_tokens,
             "output_tok_s": tokens / (t_end - t_measure), "ttft_p50_s": pct(ttft, 50), "ttft_p99_s": pct(ttft, 99),
-            "requests_measured": len(ttft), "steps": steps}
+            "requests_measured": len(ttft), "steps": steps, "step_ms_p50": 1e3 * pct(step_s, 50),
+            "step_ms_p90": 1e3 * pct(step_s, 90), "step_ms_max": 1e3 * max(step_s)}
 
 
 def burst(model, n: int, prompt_tokens: int = 512, seed: int = 7) -> dict:
@@ -281,7 +285,8 @@ def main() -> int:
     if "closed" in report:
         r = report["closed"]
         print(f"closed loop {r['clients']} clients: {r['output_tok_s']:.1f} tok/s, TTFT p50 {r['ttft_p50_s']:.3f} s "
-              f"p99 {r['ttft_p99_s']:.3f} s ({r['requests_measured']} requests)")
+              f"p99 {r['ttft_p99_s']:.3f} s ({r['requests_measured']} requests); step p50 {r['step_ms_p50']:.1f} ms "
+              f"p90 {r['step_ms_p90']:.1f} max {r['step_ms_max']:.1f}")
     for r in report.get("burst", []):
         print(f"burst {r['prompts']} x {r['prompt_tokens']} [{r['policy']}]: first tokens p50 "
               f"{r['first_token_p50_s']:.3f} s, last {r['last_first_token_s']:.3f} s ({r['steps']} steps)")

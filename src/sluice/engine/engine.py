@@ -136,9 +136,16 @@ class Engine:
         t0 = time.perf_counter()
         self.reserve()
         self.runner.capture()
-        lengths = (1, 17, min(self.max_length - 4, self.config.prefill_tokens(self.runner.device) // 2))
-        seqs = [self.add_request([0] * n, max_tokens=3, stop_ids=(), temperature=t, seed=0)
-                for n, t in zip(lengths, (0.0, 1.0, 1.0))]
+        # a long prompt, then one short prompt a step joining the others as they decode: steps of every size of
+        # decode tokens beside a prompt chunk, greedy and sampled
+        rows = self.runner.pool.rows
+        long = min(self.max_length - 4, self.config.prefill_tokens(self.runner.device) // 2)
+        seqs = [self.add_request([0] * long, max_tokens=2, stop_ids=(), temperature=0.0)]
+        for i in range(rows):
+            n = max(1, min(1 + i % 17, self.max_length - rows - 2))
+            seqs.append(self.add_request([i % 251] * n, max_tokens=max(1, min(rows + 1 - i, self.max_length - n)),
+                                         stop_ids=(), temperature=float(i % 2), seed=i))
+            self.step()
         self.run(seqs)
         while self.has_work():
             self.step()

@@ -451,13 +451,17 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, position
     # one block, 4k at batch 1: 19.3 -> 16.1 us with two of 64; benchmarks/results/attention_tq_sweep2_h100.json)
     use_cuda = quant and cuda_kernel and not INTERPRET and tq_cuda.applies(q, k, v, k_scale, v_scale, k_recent,
                                                                            v_recent, positions, rows)
+    # the launch is planned for the batch rounded up to a power of two: the kernels' compile-time sizes then take
+    # a few values whatever the batch (an engine step's decode tokens come in any number; each new size would
+    # compile new kernels in the middle of serving)
+    Bp = triton.next_power_of_2(B)
     if use_cuda:  # the CUDA C split kernel (cuda.py): same partials, same merge
-        n_coded, per_split, ns = tq_cuda.plan(B * Hkv, visible, k_recent.shape[2], D, G, k_recent.dtype,
+        n_coded, per_split, ns = tq_cuda.plan(Bp * Hkv, visible, k_recent.shape[2], D, G, k_recent.dtype,
                                               positions.dtype, None if rows is None else rows.dtype, q.device,
                                               splits)
     elif quant:
         # one wave of the programs an SM holds (registers: 2 at D = 256, 3 at D = 128)
-        ns = splits or num_splits(B * Hkv, visible, q.device, block_n or 64, per_sm=3 if D <= 128 else 2,
+        ns = splits or num_splits(Bp * Hkv, visible, q.device, block_n or 64, per_sm=3 if D <= 128 else 2,
                                   one_wave=True)
         block_n = block_n or (128 if triton.cdiv(visible, ns) >= (256 if D <= 128 else 2048) else 64)
         # long splits stream: a third block in flight (batch 16, 32k, D = 256: 190 -> 176 us; short ones lose;
@@ -465,7 +469,7 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, position
         num_stages = num_stages or (3 if triton.cdiv(visible, ns) >= 2048 else 2)
     else:
         block_n = block_n or (64 if D <= 128 else 32)
-        ns = splits or num_splits(B * Hkv, visible, q.device, block_n)
+        ns = splits or num_splits(Bp * Hkv, visible, q.device, block_n)
         num_stages = num_stages or 2
     # int8 tensor cores take 32 values along the summed dim: the scores need D / 2 >= 32, P V block_n >= 32
     if not use_cuda:
@@ -504,7 +508,7 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, position
     # with unrotate the blocks of a KV head's query heads meet through `rot` and the KV head's counter
     nsp = triton.next_power_of_2(ns)
     BD = min(D, 64, max(16, merge_elems // nsp))
-    while BD > 16 and B * Hq * (D // BD) < num_sms(q.device) // 2:  # few heads (batch 1): narrower blocks
+    while BD > 16 and Bp * Hq * (D // BD) < num_sms(q.device) // 2:  # few heads (batch 1): narrower blocks
         BD //= 2
     sb = min(nsp, max(1, merge_elems // BD))
     signs = _tables(D, q.device)[0] if unrotate else dummy
