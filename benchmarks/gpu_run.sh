@@ -75,12 +75,9 @@ join)
   ;;
 serving)  # issue #38: the flat step's GPU tests, then what a user gets in one process (a sweep of step budgets)
   S="$OUT/summary_serving.log"
-  CUDA_LAUNCH_BLOCKING=1 timeout 80 python -m pytest -q -x -rf -p no:cacheprovider tests/test_gpu_engine.py \
-    -k "flat_graph and turboquant4" > "$LOG/tests_tq.log" 2>&1
-  tail -40 "$LOG/tests_tq.log" > "$S"
-  timeout 150 python -m pytest -q -rf -p no:cacheprovider tests/test_gpu_engine.py -k "not turboquant4" \
+  timeout 200 python -m pytest -q -rf -p no:cacheprovider tests/test_gpu_engine.py \
     "tests/test_gdn_triton.py::test_flat_step_kernels_match_each_sequence_alone" > "$LOG/tests.log" 2>&1
-  tail -15 "$LOG/tests.log" >> "$S"
+  grep -E "^(FAILED|ERROR|E  )|passed|failed" "$LOG/tests.log" | head -40 > "$S"
   timeout ${SERVING_S:-330} python benchmarks/serving_gpu.py --model $CONFIG --policies ${POLICIES:-default} \
     --scenarios ${SCENARIOS:-decode,prefill,closed,burst,join} --json "$OUT/serving_dense.json" \
     > "$LOG/serving_dense.log" 2>&1 || tail -25 "$LOG/serving_dense.log" >> "$S"
@@ -89,11 +86,13 @@ serving)  # issue #38: the flat step's GPU tests, then what a user gets in one p
 server)  # issue #38: the tree before (.base/src: decode and prefill) in the same session, sluice serve over HTTP,
   # TurboQuant in one process
   S="$OUT/summary_server.log"
-  PYTHONPATH=/tmp/site:.base/src timeout 110 python benchmarks/serving_gpu.py --model $CONFIG --baseline \
-    --json "$OUT/serving_base.json" > "$LOG/serving_base.log" 2>&1 || tail -20 "$LOG/serving_base.log" >> "$S"
-  tail -6 "$LOG/serving_base.log" >> "$S"
+  if [ -n "${BASE:-}" ]; then
+    PYTHONPATH=/tmp/site:.base/src timeout 110 python benchmarks/serving_gpu.py --model $CONFIG --baseline \
+      --json "$OUT/serving_base.json" > "$LOG/serving_base.log" 2>&1 || tail -20 "$LOG/serving_base.log" >> "$S"
+    tail -6 "$LOG/serving_base.log" >> "$S"
+  fi
   for clients in 64 16; do
-    timeout 150 python benchmarks/server_load.py --model $CONFIG --load-format dummy --device cuda \
+    timeout $((clients == 64 ? 200 : 120)) python benchmarks/server_load.py --model $CONFIG --load-format dummy --device cuda \
       --endpoint completions --clients $clients --prompts $clients --max-tokens 64 --duration 30 --temperature 1 \
       --max-batch 64 --json "$OUT/server_load_$clients.json" > "$LOG/server_load_$clients.log" 2>&1 \
       || tail -20 "$LOG/server_load_$clients.log" >> "$S"

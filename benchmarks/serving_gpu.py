@@ -37,11 +37,6 @@ def sync():
         torch.cuda.synchronize()
 
 
-def empty():
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
-
-
 def pct(xs, q):
     xs = sorted(xs)
     return xs[min(len(xs) - 1, int(round(q / 100 * (len(xs) - 1))))] if xs else float("nan")
@@ -232,7 +227,6 @@ def main() -> int:
         for r in report["decode"]:
             print(json.dumps(r), flush=True)
         del model
-        empty()
     if "prefill" in scenarios:
         report["prefill"] = []
         for n in (int(x) for x in args.prompt_lengths.split(",")):
@@ -242,7 +236,6 @@ def main() -> int:
                                       "prefill_tok_s": r["prefill_tok_s"]})
             print(json.dumps(report["prefill"][-1]), flush=True)
             del model
-            empty()
     if args.baseline:
         scenarios = []
     if "closed" in scenarios:
@@ -250,7 +243,6 @@ def main() -> int:
         report["closed"] = closed(model, args.clients, duration_s=args.duration)
         print(json.dumps(report["closed"]), flush=True)
         del model
-        empty()
     for policy in args.policies.split(","):
         opts, proportional = {}, None
         if policy != "default":
@@ -265,7 +257,6 @@ def main() -> int:
             report.setdefault("burst", []).append(r)
             print(json.dumps(r), flush=True)
             del model
-            empty()
         if "join" in scenarios:
             model = engine(max_batch=16, max_seq_len=32768 + 4096 + 256, **opts)
             if proportional is not None:
@@ -275,7 +266,6 @@ def main() -> int:
             report.setdefault("join", []).append(r)
             print(json.dumps(r), flush=True)
             del model
-            empty()
     print()
     print(f"sluice at {report['sluice']} ({report['commit']}), {report['gpu']}, {args.kv_cache} KV")
     for r in report.get("decode", []):

@@ -349,6 +349,7 @@ def test_flat_step_kernels_match_each_sequence_alone():
     g = torch.Generator().manual_seed(5)
     r = lambda *s: torch.randn(*s, generator=g)  # noqa: E731
     layer = GatedDeltaNet(None, r(C, W) * 0.5, r(nv) * 0.5, r(nv) * 0.5, r(dv), None, nk, nv, dk, dv, 1e-6, 0)
+    layer = layer.to(DEVICE)
     decodes, chunks = [(0, 9), (2, 30)], [(1, [0] * 20, 0), (3, [0] * 70, 5)]  # 70: more than one 64-token chunk
     batch = FlatBatch(decodes, chunks, 128, n_pad=100, r_pad=6)
     _, meta = batch.place(torch.zeros(FlatBatch.size(100, 6), dtype=torch.long, device=DEVICE))

@@ -90,7 +90,12 @@ def test_flat_graph_replays_the_eager_forward(checkpoints, name, kind):
             # one decode step after it, reading what the flat step stored
             logits.append(runner.decode(rows, [10, 71, 33, 40], [1, 2, 3, 4]).clone())
     assert torch.isfinite(logits[0]).all()
-    assert torch.equal(logits[0], logits[2]) and torch.equal(logits[1], logits[3])
+    if kind == "dense":
+        assert torch.equal(logits[0], logits[2]) and torch.equal(logits[1], logits[3])
+    else:  # the TurboQuant decode kernel's partial sums may meet in another order
+        assert torch.allclose(logits[0], logits[2], rtol=1e-2, atol=1e-2)
+        assert torch.allclose(logits[1], logits[3], rtol=1e-2, atol=1e-2)
+        assert torch.equal(logits[0].argmax(-1), logits[2].argmax(-1))
 
 
 @pytest.mark.parametrize("kind", ["dense", "turboquant4"])

@@ -23,9 +23,11 @@ from sluice.errors import InvalidOptionError
 
 
 def available_memory(device: torch.device) -> int:
-    """Bytes that can still be allocated on `device`: free GPU memory, or the host's MemAvailable."""
+    """Bytes that can still be allocated on `device`: free GPU memory and what PyTorch's allocator holds unused, or
+    the host's MemAvailable."""
     if device.type == "cuda":
-        return torch.cuda.mem_get_info(device)[0]
+        return (torch.cuda.mem_get_info(device)[0] + torch.cuda.memory_reserved(device)
+                - torch.cuda.memory_allocated(device))
     try:
         with open("/proc/meminfo") as f:
             for line in f:
@@ -61,11 +63,11 @@ class ModelRunner:
     # -- the cache pool -------------------------------------------------------------------------------------
     def build_pool(self, rows: int, capacity: int) -> None:
         """A new pool of `rows` sequences of `capacity` positions (the old one, and its graphs, dropped)."""
+        # (no torch.cuda.empty_cache(): it frees the cuBLAS workspaces that graphs captured anywhere in the process,
+        # this engine's or another's over the same weights, still write to)
         self.pool = self.seen = None
         self._graphs.clear()
         self._flat_graphs.clear()
-        if self.device.type == "cuda":
-            torch.cuda.empty_cache()
         kind = self.config.kv_cache
         need = (self.module.new_cache(rows, capacity, self.dtype, "meta", kind).nbytes()
                 + (rows + 1) * self.vocab_size)
@@ -195,20 +197,23 @@ class ModelRunner:
 
     def _graph(self, size: int):
         """The decode graph of `size` rows, captured on first use (after an eager warm-up on the scratch row that
-        compiles every kernel)."""
+        compiles every kernel). Captured by hand: `torch.cuda.graph` empties the allocator's cache first, which frees
+        the cuBLAS workspaces other graphs replay into."""
         if size not in self._graphs:
             self._inputs[:, :size].copy_(self._padded([[], [], []], size))
+            if self._graph_memory is None:
+                self._graph_memory = torch.cuda.graph_pool_handle()
             side = torch.cuda.Stream(self.device)
             side.wait_stream(torch.cuda.current_stream(self.device))
+            graph = torch.cuda.CUDAGraph()
             with torch.cuda.stream(side):
                 for _ in range(2):
                     self._graph_step(size)
-            torch.cuda.current_stream(self.device).wait_stream(side)
-            if self._graph_memory is None:
-                self._graph_memory = torch.cuda.graph_pool_handle()
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self._graph_memory):
+                torch.cuda.synchronize(self.device)
+                graph.capture_begin(pool=self._graph_memory)
                 logits = self._graph_step(size)
+                graph.capture_end()
+            torch.cuda.current_stream(self.device).wait_stream(side)
             self._graphs[size] = (graph, logits)
         return self._graphs[size]
 
