@@ -91,7 +91,7 @@ server)  # issue #38: the tree before (.base/src: decode and prefill) in the sam
       --json "$OUT/serving_base.json" > "$LOG/serving_base.log" 2>&1 || tail -20 "$LOG/serving_base.log" >> "$S"
     tail -6 "$LOG/serving_base.log" >> "$S"
   fi
-  for clients in 64 16; do
+  for clients in ${CLIENTS:-64 16}; do
     timeout $((clients == 64 ? 200 : 120)) python benchmarks/server_load.py --model $CONFIG --load-format dummy --device cuda \
       --endpoint completions --clients $clients --prompts $clients --max-tokens 64 --duration 30 --temperature 1 \
       --max-batch 64 --json "$OUT/server_load_$clients.json" > "$LOG/server_load_$clients.log" 2>&1 \
@@ -99,9 +99,15 @@ server)  # issue #38: the tree before (.base/src: decode and prefill) in the sam
     grep -E '"(completion_tokens_per_s|ttft_p50_s|ttft_p99_s|errors|requests)"' "$LOG/server_load_$clients.log" \
       | tr -d '\n' | sed "s/^/HTTP $clients clients: /" >> "$S"; echo >> "$S"
   done
-  timeout 170 python benchmarks/serving_gpu.py --model $CONFIG --kv-cache turboquant4 --scenarios closed,burst,join \
-    --json "$OUT/serving_tq.json" > "$LOG/serving_tq.log" 2>&1 || tail -60 "$LOG/serving_tq.log" >> "$S"
-  tail -5 "$LOG/serving_tq.log" >> "$S"
+  if [ "${TQ:-1}" = 1 ]; then
+    timeout 170 python benchmarks/serving_gpu.py --model $CONFIG --kv-cache turboquant4 --scenarios closed,burst,join \
+      --json "$OUT/serving_tq.json" > "$LOG/serving_tq.log" 2>&1 || tail -60 "$LOG/serving_tq.log" >> "$S"
+    tail -5 "$LOG/serving_tq.log" >> "$S"
+  fi
+  ;;
+single)  # serving, then server, on one GPU (CLIENTS, TQ, BASE choose the server part)
+  bash "$0" serving; bash "$0" server
+  cat "$OUT"/summary_*.log
   ;;
 both)  # serving and server at once, one GPU each (a machine of two GPUs)
   CUDA_VISIBLE_DEVICES=0 bash "$0" serving & CUDA_VISIBLE_DEVICES=1 bash "$0" server; wait
