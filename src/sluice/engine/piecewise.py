@@ -48,7 +48,7 @@ class Staging:
         key = (key, like.dtype, like.device)
         need = like.numel() if tokens is None else -(-like.numel() // tokens) * self.tokens_max
         if key not in self._buffers or self._buffers[key].numel() < need:
-            if torch.cuda.is_current_stream_capturing():
+            if like.is_cuda and torch.cuda.is_current_stream_capturing():
                 raise RuntimeError("piecewise graph: a staging buffer grew while capturing")
             self._buffers[key] = torch.empty(need, dtype=like.dtype, device=like.device)
         return self._buffers[key][:like.numel()].view(like.shape)

@@ -107,13 +107,15 @@ class ModelRunner:
         n = D + sum(len(ids) for _, ids, _ in chunks)
         n_pad = self._flat_size(n, R)
         batch = FlatBatch(decodes, chunks, self.pool.visible, n_pad, self._rows_max if n_pad else None)
+        # the graph first: a capture runs on a batch of its own in the same input buffer
+        graph = None if n_pad is None or not self.uses_graphs or self._streams_experts() else self._flat_graph(n_pad)
         on_host = D and not isinstance(tokens, torch.Tensor)
         ids, meta = batch.place(self._flat, list(tokens) if on_host else None)
         if D and not on_host:
             ids[0, :D].copy_(tokens)
-        if n_pad is None or not self.uses_graphs or self._streams_experts():
+        if graph is None:
             return self.module(ids, self.pool, meta, self.dtype, last_only=True)[0][:R]
-        return self._flat_graph(n_pad).run(meta)[:R]
+        return graph.run(meta)[:R]
 
     def prefill(self, chunks: list[tuple[int, list[int], int]]) -> torch.Tensor:
         """Prompt chunks (cache row, token ids, first position) of one or several sequences in one forward: the
