@@ -36,11 +36,11 @@ def _add_placement_args(p: argparse.ArgumentParser):
 
 def _add_prefill_args(p: argparse.ArgumentParser):
     p.add_argument("--prefill-chunk", type=int, default=None, metavar="N",
-                   help="prompt tokens a step prefills at most, over all the prompts it packs into one forward "
+                   help="prompt tokens a step's one forward takes at most when no sequence decodes "
                         "(default 4096 on a GPU, 512 on the CPU)")
     p.add_argument("--decode-prefill-chunk", type=int, default=None, metavar="N",
-                   help="prompt tokens a step prefills at most while sequences decode in it, so a long prompt joining "
-                        "stalls them less (default 64 on a GPU, 512 on the CPU; at most --prefill-chunk)")
+                   help="prompt tokens a step takes beside decoding sequences, which all wait for its forward: a "
+                        "long prompt joining stalls them less (default 512; at most --prefill-chunk)")
 
 
 def _prefill_options(args) -> dict:

@@ -15,8 +15,7 @@ GRAPH_TOKEN_SIZES = (16, 32, 48, 64, 80, 96, 128, 160, 192, 256, 320, 384, 512, 
                      2560, 3072, 4096)
 GPU_PREFILL_CHUNK = 4096  # every chunk reads all the experts: bigger chunks prefill faster (docs/PERF.md, "prefill")
 CPU_PREFILL_CHUNK = 512
-GPU_DECODE_PREFILL_CHUNK = 512  # a chunk stalls its step's decodes: bigger chunks prefill faster per token
-CPU_DECODE_PREFILL_CHUNK = CPU_PREFILL_CHUNK
+GPU_DECODE_PREFILL_CHUNK = CPU_DECODE_PREFILL_CHUNK = 512
 
 
 @dataclass(frozen=True)
@@ -25,20 +24,20 @@ class EngineConfig:
 
     max_batch: the most sequences decoding at once (cache rows).
     max_seq_len: the most positions one sequence may hold (prompt + generated); None = the model's context window.
-    prefill_chunk: prompt tokens a step prefills at most, over all the prompts it packs into one forward (bounds
-        activation memory and how long a step of the running decodes waits); None: 4096 on a GPU, where every chunk
-        reads all the experts once and bigger chunks prefill several times faster, 512 on the CPU.
-    decode_prefill_chunk: prompt tokens a step prefills at most while sequences decode in it (a long prompt joining
-        a running batch then takes many short steps, not a few that stall every decode for a whole big chunk); at
-        most prefill_chunk; None: 64 on a GPU (in the H100 sweep of docs/PERF.md the decodes' p99 step stays within
-        5x their normal step; at 512 it is 8x, and a 32k prompt's first token comes 4.7x sooner), 512 on the CPU.
-        A step with nothing decoding prefills prefill_chunk.
-    graphs: on CUDA, replay each decode step from a CUDA graph captured per batch size, and a prefill chunk of
-        decode_prefill_chunk tokens (below prefill_chunk) from one captured in pieces (`engine/chunk_graph.py`)
-        (False: eager, to compare).
-    graph_batch_sizes: the batch sizes graphs are captured for; a batch runs in the smallest that holds it.
+    prefill_chunk: prompt tokens a step prefills at most when no sequence decodes (bounds activation memory); None:
+        4096 on a GPU, where every step reads most of the experts once and bigger steps prefill several times faster,
+        512 on the CPU. A step's tokens (decodes and prompt chunks) never exceed it.
+    decode_prefill_chunk: prompt tokens a step prefills at most while sequences decode in it: each step is one
+        forward, so every decoding sequence waits for the whole of it (a long prompt joining then takes many short
+        steps, not a few that stall every decode for a whole big chunk); at most prefill_chunk; None: 512.
+        Measuring the trade-off on a GPU (a burst of prompts against a long prompt joining decodes) is open work.
+    graphs: on CUDA, replay each step from a CUDA graph: a decode step's captured per batch size, a step that
+        prefills captured in pieces per padded token count (`engine/piecewise.py`) (False: eager, to compare).
+    graph_batch_sizes: the batch sizes decode graphs are captured for; a batch runs in the smallest that holds it.
+    graph_token_sizes: the token counts the graphs of steps that prefill are captured for; a step is padded to the
+        smallest that holds it (on a GPU also when it runs eagerly: graphs change a step's speed, not its result).
     kv_cache: "dense" (K/V in the model's dtype) or "turboquant4".
-    overlap: launch each decode step before the host reads the last one's tokens (`engine/engine.py`); None: on a
+    overlap: launch each step before the host reads the last one's tokens (`engine/engine.py`); None: on a
         GPU, where it hides the host's part of a step behind the device's.
     """
 
