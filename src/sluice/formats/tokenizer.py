@@ -10,6 +10,7 @@ GGUF: only `tokenizer.ggml.model == "gpt2"` (byte-level BPE) is supported. The p
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 import secrets
@@ -425,6 +426,13 @@ class Tokenizer:
                 ids += self.encode(part, add_special=False)
             texts.append(part)
         return "".join(texts), ids
+
+    @functools.cached_property
+    def max_token_chars(self) -> int:
+        """The most characters one token stands for (the longest vocabulary entry: byte-level BPE entries hold one
+        character per byte, and a character is at least one byte): a text longer than n times this cannot be n
+        tokens or fewer."""
+        return max(map(len, self._tok.get_vocab(with_added_tokens=True)), default=1)
 
     def _special_pattern(self):
         """A regex of the special tokens' texts (longest first), or None when the vocabulary has none."""
