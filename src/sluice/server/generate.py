@@ -17,6 +17,7 @@ from pathlib import Path
 from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 
+from sluice.engine.sampling import SamplingParams
 from sluice.errors import InvalidOptionError
 from sluice.formats.tokenizer import check_text
 from sluice.server.chat import ReplyParser, prompt_opens_reasoning
@@ -62,9 +63,10 @@ def strings(value, path: str = ""):
             yield from strings(item, f"{path}.{i}" if path else str(i))
 
 
-def check_texts(req, prompt_fields: tuple[str, ...], max_chars: int) -> None:
+def check_texts(req, prompt_fields: tuple[str, ...], max_length: int, max_chars: int) -> None:
     """Every string of the request valid Unicode (400 naming the first that is not), and the strings that become the
-    prompt no longer than max_chars together (400 before any tokenizing)."""
+    prompt no longer than max_chars together, the most that max_length tokens can hold (400 before any
+    tokenizing)."""
     chars = 0
     for path, text in strings(req.model_dump(exclude_none=True)):
         try:
@@ -74,9 +76,9 @@ def check_texts(req, prompt_fields: tuple[str, ...], max_chars: int) -> None:
         if path.split(".", 1)[0] in prompt_fields:
             chars += len(text)
     if chars > max_chars:
-        raise APIError(400, f"The prompt's text has {chars} characters, more than the {max_chars} that the "
-                            "positions a sequence may hold could take; shorten it.", param=prompt_fields[0],
-                       code="context_length_exceeded")
+        raise APIError(400, f"The prompt's text has {chars} characters, more than the {max_length} tokens a sequence "
+                            f"may hold can take ({max_chars} characters at most); shorten it.",
+                       param=prompt_fields[0], code="context_length_exceeded")
 
 
 class EventStream(StreamingResponse):
@@ -138,8 +140,8 @@ class Generation:
 
     def options(self, req, prompt: list[int], max_tokens: int | None, logprobs: int | None, constraint,
                 param: str) -> dict:
-        """add_request's keyword arguments (the engine validates them: its errors become 400s), max_tokens measured
-        against the length limit (None: what it leaves)."""
+        """add_request's keyword arguments, the sampling values validated and max_tokens measured against the length
+        limit (None: what it leaves); the engine checks them again (its errors become 400s too)."""
         room = self.max_length - len(prompt)
         if room < 1:
             raise APIError(400, f"The prompt has {len(prompt)} tokens; a sequence holds at most {self.max_length} "
@@ -150,14 +152,16 @@ class Generation:
                                 f"{len(prompt) + max_tokens} positions, more than the {self.max_length} a sequence "
                                 "may hold; lower max_tokens or shorten the prompt.", param=param,
                            code="context_length_exceeded")
+        sampling = req.sampling()
+        SamplingParams(**sampling).validate()  # a bad value is refused here, never queued for the engine
         return dict(max_tokens=room if max_tokens is None else max_tokens, stop=req.stop_strings(),
-                    logprobs=logprobs, constraint=constraint, **req.sampling())
+                    logprobs=logprobs, constraint=constraint, **sampling)
 
     # -- /v1/chat/completions -------------------------------------------------------------------------------
     async def chat(self, req: ChatCompletionRequest, request: Request):
         self.check_model(req.model)
         req.check_supported()
-        check_texts(req, ("messages", "tools", "chat_template_kwargs"), self.max_chars)
+        check_texts(req, ("messages", "tools", "chat_template_kwargs"), self.max_length, self.max_chars)
         reserved = sorted(set(req.chat_template_kwargs or ()) & set(RESERVED_TEMPLATE_ARGS))
         if reserved:
             raise APIError(400, f"chat_template_kwargs may not set {', '.join(reserved)}: the server sets them.",
@@ -241,7 +245,7 @@ class Generation:
     async def complete(self, req: CompletionRequest, request: Request):
         self.check_model(req.model)
         req.check_supported()
-        check_texts(req, ("prompt",), self.max_chars)
+        check_texts(req, ("prompt",), self.max_length, self.max_chars)
         prompt = req.single_prompt()
         if isinstance(prompt, str):  # the client's own raw text: special-token texts in it are the tokens
             prompt = await self.off_loop(self.model.tokenizer.encode, prompt)
