@@ -132,6 +132,14 @@ def test_bad_values_are_refused_while_streams_beside_them_finish(server):
     assert after["failed"] == before["failed"] and after["rejected"] == before["rejected"]  # none reached the engine
 
 
+def test_deep_nesting_is_refused(server):
+    """JSON nested past MAX_DEPTH levels (which the template and tokenizer would walk recursively) is a 400."""
+    deep = json.loads("[" * 500 + "]" * 500)
+    error = assert_error(post(server, chat(chat_template_kwargs={"x": deep})), 400, code="invalid_value")
+    assert error["param"].startswith("chat_template_kwargs.x.0.0") and "nested" in error["message"]
+    assert post(server, chat(chat_template_kwargs={"x": json.loads("[" * 20 + "]" * 20)})).status_code == 200
+
+
 def test_one_length_limit_named_by_the_right_param(server):
     """Over max_seq_len (512) but within the model's window (8192), or over both: the same limit, and param
     "prompt" on /v1/completions, "messages" on chat; never the engine's "request N:"."""

@@ -8,13 +8,14 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import json
 import re
 import time
 from contextlib import asynccontextmanager
 
 from fastapi import APIRouter, FastAPI, HTTPException, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
+from fastapi.responses import Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from sluice.errors import ContextLengthError, SluiceError
@@ -80,8 +81,9 @@ def key_matches(header: str | None, api_key: str) -> bool:
 
 
 # -- errors -----------------------------------------------------------------------------------------------------
-def _json_error(status: int, body: dict) -> JSONResponse:
-    return JSONResponse(body, status_code=status)
+def _json_error(status: int, body: dict) -> Response:
+    """An error as ASCII JSON: a message that quotes the client's text can always be encoded."""
+    return Response(json.dumps(body), status_code=status, media_type="application/json")
 
 
 _HTTP_CODES = {400: "invalid_json", 404: "not_found", 405: "method_not_allowed", 408: "timeout",
@@ -184,6 +186,6 @@ class Gate:
 
 
 async def _send_json(send, status: int, body: dict) -> None:
-    response = JSONResponse(body, status_code=status)
+    response = _json_error(status, body)
     await send({"type": "http.response.start", "status": status, "headers": response.raw_headers})
     await send({"type": "http.response.body", "body": response.body})

@@ -42,6 +42,7 @@ from sluice.server.protocol import (
 
 
 PROMPT_THREADS = 4
+MAX_DEPTH = 32  # levels of nesting in a request's JSON
 RESERVED_TEMPLATE_ARGS = ("messages", "add_generation_prompt", "bos_token", "eos_token", "special_in_text")
 
 
@@ -49,18 +50,21 @@ def served_name(path: Path) -> str:
     return path.name if path.is_dir() else path.stem
 
 
-def strings(value, path: str = ""):
-    """(path, string) for every string in a request's JSON (dict keys included), paths as `messages.0.content`."""
+def strings(value, path: str = "", depth: int = 0):
+    """(path, string) for every string in a request's JSON (dict keys included), paths as `messages.0.content`; a
+    400 past MAX_DEPTH levels of nesting (the template and the tokenizer walk the values recursively)."""
+    if depth > MAX_DEPTH:
+        raise APIError(400, f"{path} is nested more than {MAX_DEPTH} levels deep.", param=path, code="invalid_value")
     if isinstance(value, str):
         yield path, value
     elif isinstance(value, dict):
         for key, item in value.items():
             where = f"{path}.{key}" if path else str(key)
             yield where, str(key)
-            yield from strings(item, where)
+            yield from strings(item, where, depth + 1)
     elif isinstance(value, (list, tuple)):
         for i, item in enumerate(value):
-            yield from strings(item, f"{path}.{i}" if path else str(i))
+            yield from strings(item, f"{path}.{i}" if path else str(i), depth + 1)
 
 
 def check_texts(req, prompt_fields: tuple[str, ...], max_length: int, max_chars: int) -> None:
@@ -159,9 +163,9 @@ class Generation:
 
     # -- /v1/chat/completions -------------------------------------------------------------------------------
     async def chat(self, req: ChatCompletionRequest, request: Request):
+        check_texts(req, ("messages", "tools", "chat_template_kwargs"), self.max_length, self.max_chars)
         self.check_model(req.model)
         req.check_supported()
-        check_texts(req, ("messages", "tools", "chat_template_kwargs"), self.max_length, self.max_chars)
         reserved = sorted(set(req.chat_template_kwargs or ()) & set(RESERVED_TEMPLATE_ARGS))
         if reserved:
             raise APIError(400, f"chat_template_kwargs may not set {', '.join(reserved)}: the server sets them.",
@@ -243,9 +247,9 @@ class Generation:
 
     # -- /v1/completions ------------------------------------------------------------------------------------
     async def complete(self, req: CompletionRequest, request: Request):
+        check_texts(req, ("prompt",), self.max_length, self.max_chars)
         self.check_model(req.model)
         req.check_supported()
-        check_texts(req, ("prompt",), self.max_length, self.max_chars)
         prompt = req.single_prompt()
         if isinstance(prompt, str):  # the client's own raw text: special-token texts in it are the tokens
             prompt = await self.off_loop(self.model.tokenizer.encode, prompt)
