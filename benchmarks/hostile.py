@@ -15,10 +15,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import random
 import socket
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -26,7 +24,8 @@ from pathlib import Path
 import httpx
 
 sys.path.insert(0, str(Path(__file__).parent))
-from server_load import free_port, rss_bytes  # noqa: E402
+from server_load import rss_bytes  # noqa: E402
+from soak import start_server  # noqa: E402
 
 KEY = "hostile-key"
 MODEL = "SmolLM2-135M-Instruct.Q4_1"
@@ -226,7 +225,8 @@ def normal_reply(url: str) -> str:
 
 
 def table(rows: dict) -> str:
-    lines = ["| kind | requests | statuses | 5xx | plain | unexpected | changed after |", "|---|---:|---|---:|---:|---:|---:|"]
+    lines = ["| kind | requests | statuses | 5xx | plain | unexpected | changed after |",
+             "|---|---:|---|---:|---:|---:|---:|"]
     for kind, row in rows.items():
         statuses = ", ".join(f"{s} ×{n}" for s, n in sorted(row["statuses"].items()))
         lines.append(f"| {kind} | {row['requests']} | {statuses} | {row['5xx']} | {row['plain']} | "
@@ -242,23 +242,12 @@ def main() -> int:
     ap.add_argument("--table", action="store_true", help="print the Markdown table")
     args = ap.parse_args()
 
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
     log = Path(args.json).with_suffix(".server.log")
     log.parent.mkdir(parents=True, exist_ok=True)
-    cmd = [sys.executable, "-m", "sluice", "serve", "--port", str(port), "--api-key", KEY, "--max-batch", "8",
-           "--max-seq-len", "512", "--read-timeout", str(READ_TIMEOUT), "--log-level", "warning"]
     with open(log, "w") as server_log:
-        server = subprocess.Popen(cmd, stderr=server_log, env={**os.environ, "OMP_NUM_THREADS": "1"})
+        server, url, _ = start_server(["--api-key", KEY, "--max-batch", "8", "--max-seq-len", "512", "--read-timeout",
+                                       str(READ_TIMEOUT)], threads=1, stderr=server_log)
     try:
-        for _ in range(1200):
-            try:
-                httpx.get(url + "/health", timeout=2)
-                break
-            except httpx.HTTPError:
-                if server.poll() is not None:
-                    raise SystemExit("the server exited during start-up")
-                time.sleep(0.25)
         want = normal_reply(url)
         rows = {k: {"requests": 0, "statuses": {}, "5xx": 0, "plain": 0, "unexpected": 0, "changed_after": 0}
                 for k in KINDS}

@@ -121,6 +121,26 @@ async def soak(url: str, model: str, args) -> dict:
     return {"results": results, "wall_s": time.perf_counter() - t0, "t0": t0}
 
 
+def start_server(serve_args: list[str], threads: int | None = None,
+                 stderr=None) -> tuple[subprocess.Popen, str, dict]:
+    """`python -m sluice serve` on a free loopback port with these arguments (OMP_NUM_THREADS=threads), once /health
+    answers: the process, its URL and that answer."""
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    cmd = [sys.executable, "-m", "sluice", "serve", "--port", str(port), "--log-level", "warning", *serve_args]
+    server = subprocess.Popen(cmd, stderr=stderr, env={**os.environ, "OMP_NUM_THREADS": str(threads)} if threads
+                              else None)
+    for _ in range(1200):
+        try:
+            return server, url, httpx.get(url + "/health", timeout=2).json()
+        except httpx.HTTPError:
+            if server.poll() is not None:
+                raise SystemExit("the server exited during start-up")
+            time.sleep(0.25)
+    server.kill()
+    raise SystemExit("the server did not answer within 5 minutes")
+
+
 def slope_mib_per_min(samples: list[tuple[float, int]], window: float = 30) -> float:
     """The least-squares slope through the lowest sample of each whole `window`-second stretch (the floor: a leak
     raises it, the transient peaks of the largest batches' activations do not)."""
@@ -154,24 +174,12 @@ def main() -> int:
     ap.add_argument("--json", default="benchmarks/results/soak.json")
     args = ap.parse_args()
 
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    cmd = [sys.executable, "-m", "sluice", "serve", "--port", str(port), "--device", args.device, "--max-batch",
-           str(args.max_batch), "--max-seq-len", str(args.max_seq_len), "--log-level", "warning", "--load-format",
-           args.load_format] + (["--model", args.model] if args.model else [])
-    env = {**os.environ, "OMP_NUM_THREADS": str(args.server_threads)} if args.device == "cpu" else None
-    server = subprocess.Popen(cmd, env=env)
-    rss: list[tuple[float, int]] = []
+    server, url, health = start_server(
+        ["--device", args.device, "--max-batch", str(args.max_batch), "--max-seq-len", str(args.max_seq_len),
+         "--load-format", args.load_format] + (["--model", args.model] if args.model else []),
+        args.server_threads if args.device == "cpu" else None)
+    model, rss = health["model"], []
     try:
-        for _ in range(1200):
-            try:
-                model = httpx.get(url + "/health", timeout=2).json()["model"]
-                break
-            except httpx.HTTPError:
-                if server.poll() is not None:
-                    raise SystemExit("the server exited during start-up")
-                time.sleep(0.25)
-
         async def run():
             async def sample():
                 while True:

@@ -437,8 +437,8 @@ class Tokenizer:
     def _special_pattern(self):
         """A regex of the special tokens' texts (longest first), or None when the vocabulary has none."""
         if self._specials is None:
-            texts = sorted({t.content for t in self._tok.get_added_tokens_decoder().values() if t.special and t.content},
-                           key=len, reverse=True)
+            added = self._tok.get_added_tokens_decoder().values()
+            texts = sorted({t.content for t in added if t.special and t.content}, key=len, reverse=True)
             self._specials = re.compile("|".join(map(re.escape, texts))) if texts else False
         return self._specials or None
 
