@@ -98,9 +98,10 @@ def cmd_run(args) -> int:
         prompt = utf8_text(args.prompt, "the prompt")
     else:
         prompt = utf8_text(sys.stdin.read(), "standard input") if not sys.stdin.isatty() else ""
+    system = utf8_text(args.system, "--system") if args.system is not None else None
     model = _load(args)
     t0, seq = time.perf_counter(), None
-    for out in model.outputs(prompt, max_tokens=args.max_tokens, chat=args.chat, system=args.system,
+    for out in model.outputs(prompt, max_tokens=args.max_tokens, chat=args.chat, system=system,
                              **_sampling(args)):
         sys.stdout.write(out.text)
         sys.stdout.flush()
