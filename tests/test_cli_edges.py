@@ -220,3 +220,81 @@ def test_unquantized_mlx_directory_is_labelled_mlx(tmp_path, capsys):
     assert main(["info", "--model", str(path)]) == 0
     out = capsys.readouterr().out
     assert "(mlx)" in out and "affine" not in out
+
+
+def test_text_that_is_not_utf8_is_refused_cleanly(tiny):
+    """Bytes that are not UTF-8, as an argument, piped into run, or as a line of chat: one clear message, no
+    traceback; chat goes on with the next line."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    base = [sys.executable, "-m", "sluice"]
+    proc = subprocess.run([*base, "run", b"caf\xe9 au lait", "--model", str(tiny), "--max-tokens", "2"],
+                          capture_output=True, env=env, timeout=300)
+    err = proc.stderr.decode()
+    assert proc.returncode == 2 and "not valid UTF-8 (byte 0xe9 at character 3)" in err and "Traceback" not in err
+    proc = subprocess.run([*base, "run", "--model", str(tiny), "--max-tokens", "2"], input=b"caf\xe9 au lait",
+                          capture_output=True, env=env, timeout=300)
+    err = proc.stderr.decode()
+    assert proc.returncode == 2 and "standard input is not valid UTF-8" in err and "Traceback" not in err
+    proc = subprocess.run([*base, "chat", "--model", str(tiny), "--max-tokens", "2", "--temperature", "0"],
+                          input=b"caf\xe9\nhello\n\n", capture_output=True, env=env, timeout=300)
+    err = proc.stderr.decode()
+    assert proc.returncode == 0 and "that message is not valid UTF-8" in err and "Traceback" not in err, err
+    assert proc.stdout.count(b"> ") == 3
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["serve", "--port", "99999"], "port=99999"),
+    (["serve", "--port", "-1"], "port=-1"),
+    (["serve", "--max-seq-len", "0"], "--max-seq-len 0: use a positive number"),
+    (["serve", "--max-seq-len", "100000"], "more than the model's context window (256 positions)"),
+    (["serve", "--max-body-mb", "-1"], "--max-body-mb -1: use a positive number of MiB"),
+    (["serve", "--max-body-mb", "nan"], "--max-body-mb nan"),
+    (["serve", "--read-timeout", "0"], "read_timeout=0"),
+    (["serve", "--max-connections", "0"], "max_connections=0"),
+    (["run", "hi", "--system", "Be brief."], "--system needs --chat"),
+    (["run", "hi", "--temperature", "nan"], "temperature=nan"),
+    (["run", "hi", "--temperature", "inf"], "temperature=inf"),
+    (["run", "hi", "--top-k", str(2**63)], "top_k=9223372036854775808"),
+    (["run", "hi", "--repetition-penalty", "nan"], "repetition_penalty=nan"),
+    (["chat", "--top-p", "nan"], "top_p=nan"),
+])
+def test_bad_values_fail_cleanly(tiny, monkeypatch, capsys, argv, needle):
+    import sluice.server
+
+    pytest.importorskip("uvicorn")
+    monkeypatch.setattr(sluice.server, "serve", lambda model, config: pytest.fail("it served"))
+    assert main([*argv, "--model", str(tiny)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("sluice: error: ") and needle in err and "\n" not in err.strip(), err
+
+
+def test_model_paths_that_are_not_models(tmp_path, capsys):
+    one = tmp_path / "model.safetensors"
+    one.write_bytes(bytes(16))
+    notes = tmp_path / "notes.txt"
+    notes.write_text("hello")
+    for path, needle in ((one, f"is one file of a checkpoint; pass the directory that holds it with config.json, "
+                               f"*.safetensors and tokenizer.json ({tmp_path})"),
+                         ("/dev/null", "/dev/null is not a regular file or a directory"),
+                         (notes, "not a GGUF file")):
+        assert main(["run", "hi", "--model", str(path)]) == 2
+        err = capsys.readouterr().err
+        assert needle in err and "download" not in err.lower(), err
+
+
+def test_chat_commands_are_not_sent(tiny, monkeypatch, capsys):
+    from sluice.engine.model import Model
+
+    sent, real = [], Model.outputs
+
+    def recorded(self, messages, *args, **kwargs):
+        sent.append(messages[-1]["content"])
+        return real(self, messages, *args, **kwargs)
+
+    monkeypatch.setattr(Model, "outputs", recorded)
+    for quit_command in ("/quit", "/exit"):
+        sent.clear()
+        status, out = chat(["--model", str(tiny), "--max-tokens", "2", "--temperature", "0"],
+                           ["/help", "hello", quit_command, "never read"], monkeypatch, capsys)
+        assert status == 0 and sent == ["hello"]
+        assert out.err.count("/reset to start over") == 2  # at the start, and for /help

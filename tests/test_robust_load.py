@@ -110,6 +110,47 @@ def test_malformed_safetensors_header(tmp_path, hf_dir, edit, needle):
     assert "model.safetensors" in str(e.value)
 
 
+def _same_size_pair(header):
+    """Two tensors with the same byte count, in offset order."""
+    by_size = {}
+    for name, info in sorted(((k, v) for k, v in header.items() if k != "__metadata__"),
+                             key=lambda kv: kv[1]["data_offsets"]):
+        begin, end = info["data_offsets"]
+        if end - begin in by_size:
+            return by_size[end - begin], name
+        by_size[end - begin] = name
+    raise AssertionError("no two tensors of one size")
+
+
+def _overlap(header):
+    first, second = _same_size_pair(header)
+    header[second]["data_offsets"] = list(header[first]["data_offsets"])
+
+
+def _shift_last(header):
+    last = max((k for k in header if k != "__metadata__"), key=lambda k: header[k]["data_offsets"])
+    header[last]["data_offsets"] = [o - 2 for o in header[last]["data_offsets"]]
+
+
+@pytest.mark.parametrize("damage, needle", [("tail", "not fully covered"), (_overlap, "invalid offset"),
+                                            (_shift_last, "invalid offset")])
+def test_safetensors_data_not_tiled_by_the_offsets(tmp_path, hf_dir, damage, needle):
+    """Bytes no tensor covers, overlapping or shifted offsets: refused as `safetensors.safe_open` refuses them."""
+    from safetensors import safe_open
+
+    d = _copy_dir(hf_dir, tmp_path / "m")
+    f = d / "model.safetensors"
+    if damage == "tail":
+        f.write_bytes(f.read_bytes() + bytes(16))
+    else:
+        _rewrite_header(f, damage)
+    with pytest.raises(Exception):
+        safe_open(str(f), "pt")
+    with pytest.raises(ModelFileError, match=needle) as e:
+        sluice.load(d, device="cpu")
+    assert "model.safetensors" in str(e.value)
+
+
 @pytest.mark.parametrize("raw, needle", [(b'{"model_type": "llama\xff\xfe"}', "UTF-8"), (b"[1, 2]", "JSON object")])
 def test_bad_config_json(tmp_path, hf_dir, raw, needle):
     d = _copy_dir(hf_dir, tmp_path / "m")

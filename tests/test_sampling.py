@@ -46,3 +46,28 @@ def test_repetition_penalty_hf_convention():
 def test_out_of_range(kw):
     with pytest.raises(InvalidOptionError):
         SamplingParams(**kw).validate()
+
+
+@pytest.mark.parametrize("kw", [
+    dict(temperature=float("nan")), dict(temperature=float("inf")), dict(temperature=1e-30), dict(temperature=1e9),
+    dict(temperature=True), dict(temperature="0.7"),
+    dict(top_k=2**63), dict(top_k=2**31), dict(top_k=1.5), dict(top_k=True),
+    dict(top_p=float("nan")), dict(min_p=float("nan")), dict(min_p=float("-inf")),
+    dict(repetition_penalty=float("nan")), dict(repetition_penalty=float("inf")), dict(repetition_penalty=1e-30),
+    dict(repetition_penalty=10**400),
+    dict(presence_penalty=float("nan")), dict(frequency_penalty=float("inf")),
+    dict(seed=2**64), dict(seed=-(2**63) - 1), dict(seed=1.5), dict(seed="7"),
+])
+def test_non_finite_and_unpackable_values_are_refused(kw):
+    """NaN passes `< 0` checks and 2**63 overflows the sampler's int64 packing: both are refused, naming the option."""
+    name = next(iter(kw))
+    with pytest.raises(InvalidOptionError, match=f"^{name}="):
+        SamplingParams(**kw).validate()
+
+
+def test_edges_that_stay_valid():
+    for kw in (dict(temperature=0), dict(temperature=1e-4), dict(temperature=100), dict(top_k=2**31 - 1),
+               dict(seed=2**64 - 1), dict(seed=-(2**63)), dict(repetition_penalty=0.01), dict(presence_penalty=-2)):
+        SamplingParams(**kw).validate()
+    logits = torch.randn(50, generator=torch.Generator().manual_seed(3))
+    assert Sampler(SamplingParams(temperature=1.0, top_k=2**31 - 1, seed=2**64 - 1))(logits) in range(50)

@@ -1,14 +1,16 @@
 """`sluice chat`: an interactive conversation. The history is sent whole each turn; when it outgrows the context
 window the oldest turns are dropped (the system message stays), and the user is told. Ctrl-C during a reply stops
-that reply; at the prompt it ends the session."""
+that reply; at the prompt it ends the session. /help, /reset, /quit and /exit are commands, not messages."""
 
 from __future__ import annotations
 
 import sys
 
-from sluice.errors import ContextLengthError
+from sluice.cli import utf8_text
+from sluice.errors import ContextLengthError, InvalidOptionError
 
-HELP = "sluice chat — empty line or Ctrl-D to quit, /reset to start over, Ctrl-C stops a reply."
+HELP = ("sluice chat — empty line, Ctrl-D, /quit or /exit to quit, /reset to start over, /help for this; Ctrl-C "
+        "stops a reply.")
 
 
 def _say(message: str) -> None:
@@ -41,11 +43,20 @@ def chat(model, system: str | None, max_tokens: int, sampling: dict, read=input)
         except EOFError:
             print()
             return 0
-        if not line.strip():
+        command = line.strip()
+        if not command or command in ("/quit", "/exit"):
             return 0
-        if line.strip() == "/reset":
+        if command == "/help":
+            print(HELP, file=sys.stderr)
+            continue
+        if command == "/reset":
             messages = messages[:1] if system else []
             _say("conversation cleared" + (" (the system message stays)." if system else "."))
+            continue
+        try:
+            utf8_text(line, "that message")
+        except InvalidOptionError as e:
+            _say(f"{e} Send it again.")
             continue
         messages.append({"role": "user", "content": line})
         messages, dropped = fit_history(model, messages, reserve)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 import time
@@ -76,14 +77,31 @@ def _load(args, **options):
                        expert_store=args.expert_store, **options)
 
 
+def utf8_text(text: str, what: str) -> str:
+    """Text from the command line or standard input, where Python keeps bytes that are not UTF-8 as lone surrogates
+    (U+DC80-U+DCFF): refused, naming the first such byte."""
+    bad = next((i for i, c in enumerate(text) if "\udc80" <= c <= "\udcff"), None)
+    if bad is not None:
+        raise InvalidOptionError(f"{what} is not valid UTF-8 (byte 0x{ord(text[bad]) - 0xDC00:02x} at character "
+                                 f"{bad}); convert it first, e.g. iconv -f latin1 -t utf-8.")
+    return text
+
+
 def cmd_run(args) -> int:
     from sluice.engine.sampling import SamplingParams
 
     SamplingParams(**_sampling(args)).validate()  # bad options fail before the model loads
-    prompt = args.prompt if args.prompt is not None else (sys.stdin.read() if not sys.stdin.isatty() else "")
+    if args.system is not None and not args.chat:
+        raise InvalidOptionError("--system needs --chat: the system message is part of the chat template. Add "
+                                 "--chat, or write the instruction into the prompt.")
+    if args.prompt is not None:
+        prompt = utf8_text(args.prompt, "the prompt")
+    else:
+        prompt = utf8_text(sys.stdin.read(), "standard input") if not sys.stdin.isatty() else ""
+    system = utf8_text(args.system, "--system") if args.system is not None else None
     model = _load(args)
     t0, seq = time.perf_counter(), None
-    for out in model.outputs(prompt, max_tokens=args.max_tokens, chat=args.chat, system=args.system,
+    for out in model.outputs(prompt, max_tokens=args.max_tokens, chat=args.chat, system=system,
                              **_sampling(args)):
         sys.stdout.write(out.text)
         sys.stdout.flush()
@@ -109,7 +127,8 @@ def cmd_chat(args) -> int:
     from sluice.engine.sampling import SamplingParams
 
     SamplingParams(**_sampling(args)).validate()
-    return chat(_load(args), args.system, args.max_tokens, _sampling(args))
+    system = utf8_text(args.system, "--system") if args.system is not None else None
+    return chat(_load(args), system, args.max_tokens, _sampling(args))
 
 
 def _human(n: float) -> str:
@@ -228,10 +247,17 @@ def cmd_serve(args) -> int:
     from sluice.server import ServerConfig, _require_server_packages, serve
 
     _require_server_packages()  # before the model loads
-    _check_port(args.host, args.port)
+    if args.max_seq_len is not None and args.max_seq_len < 1:
+        raise InvalidOptionError(f"--max-seq-len {args.max_seq_len}: use a positive number of positions (default: "
+                                 "the context window, at most 4096).")
+    if not (math.isfinite(args.max_body_mb) and args.max_body_mb * (1 << 20) >= 1):
+        raise InvalidOptionError(f"--max-body-mb {args.max_body_mb:g}: use a positive number of MiB (default 8).")
     api_key = args.api_key if args.api_key is not None else os.environ.get("SLUICE_API_KEY")
     config = ServerConfig(host=args.host, port=args.port, api_key=api_key, model_name=args.served_model_name,
-                          max_body_bytes=int(args.max_body_mb * (1 << 20)), log_level=args.log_level)
+                          max_body_bytes=int(args.max_body_mb * (1 << 20)), read_timeout=args.read_timeout,
+                          max_connections=args.max_connections, allow_special_tokens=args.allow_special_tokens,
+                          log_level=args.log_level)
+    _check_port(config.host, config.port)
     if config.api_key is None and config.host not in ("127.0.0.1", "localhost", "::1"):
         print(f"sluice: warning: serving on {config.host} without --api-key: anyone who can reach it may use it",
               file=sys.stderr)
@@ -241,6 +267,9 @@ def cmd_serve(args) -> int:
     if args.load_format != "auto":
         options["load_format"] = args.load_format
     model = _load(args, **options)
+    if args.max_seq_len is not None and args.max_seq_len > model.context_length:
+        raise InvalidOptionError(f"--max-seq-len {args.max_seq_len} is more than the model's context window "
+                                 f"({model.context_length} positions); use at most {model.context_length}.")
     max_seq_len = args.max_seq_len or min(model.context_length, 4096)
     model = model.with_engine(max_seq_len=max_seq_len)
     print(f"sluice: serving {model.path.name} on http://{config.host}:{config.port}/v1 ({args.max_batch} sequences "
@@ -256,9 +285,9 @@ def _check_port(host: str, port: int) -> None:
     try:
         with socket.create_server((host, port)):
             pass
-    except OSError as e:
-        raise InvalidOptionError(f"cannot listen on {host}:{port} ({e.strerror or e}); choose another --port or "
-                                 "--host.") from None
+    except (OSError, ValueError, OverflowError) as e:  # in use, unknown host, a host name that is not one
+        raise InvalidOptionError(f"cannot listen on {host}:{port} ({getattr(e, 'strerror', None) or e}); choose "
+                                 "another --port or --host.") from None
 
 
 def cmd_convert(args) -> int:
@@ -337,6 +366,13 @@ def build_parser() -> argparse.ArgumentParser:
                      help="positions per sequence, prompt + output (default: the context window, at most 4096)")
     _add_prefill_args(srv)
     srv.add_argument("--max-body-mb", type=float, default=8.0, help="largest request body accepted (413 beyond)")
+    srv.add_argument("--read-timeout", type=float, default=30.0, metavar="S",
+                     help="seconds a client has to send a request's headers, then its body (default 30)")
+    srv.add_argument("--max-connections", type=int, default=1024, metavar="N",
+                     help="open connections at most; one more is answered 503 (default 1024)")
+    srv.add_argument("--allow-special-tokens", action="store_true",
+                     help="read special-token texts such as <|im_start|> in chat messages as the tokens themselves "
+                          "(default: as plain text, so a message cannot open a turn of another role)")
     srv.add_argument("--no-graphs", action="store_true", help="decode eagerly (no CUDA graphs)")
     srv.add_argument("--no-overlap", action="store_true", help="read each decode step back before launching the next")
     srv.add_argument("--load-format", default="auto", help="auto, or dummy: random weights at the shapes of "
@@ -389,6 +425,8 @@ def _stdout_gone() -> int:
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
+    if hasattr(sys.stdin, "reconfigure"):  # bytes that are not UTF-8 reach utf8_text, which names them
+        sys.stdin.reconfigure(errors="surrogateescape")
     try:
         _usable_home()
         status = args.func(args)

@@ -44,6 +44,8 @@ def _resolve_dtype(dtype, device: torch.device) -> torch.dtype:
 
 
 LOAD_FORMATS = ("auto", "dummy")
+_WHAT_TO_PASS = ("Pass a .gguf file or a model directory (config.json + *.safetensors + tokenizer.json), or omit "
+                 "--model for the demo model.")
 
 
 def open_source(path, load_format: str = "auto"):
@@ -59,10 +61,14 @@ def open_source(path, load_format: str = "auto"):
         return DummyCheckpoint(p)
     if p.is_dir():
         return HFDirectory(p)
+    if p.is_file() and p.suffix.lower() in (".safetensors", ".json"):
+        raise ModelFileError(f"{p} is one file of a checkpoint; pass the directory that holds it with config.json, "
+                             f"*.safetensors and tokenizer.json ({p.parent}), or a .gguf file.")
     if p.is_file():
         return GGUFFile(p)
-    raise ModelFileError(f"{p}: no such file or directory. Pass a .gguf file or a model directory "
-                         "(config.json + *.safetensors + tokenizer.json), or omit --model for the demo model.")
+    if p.exists():  # /dev/null, a FIFO
+        raise ModelFileError(f"{p} is not a regular file or a directory. {_WHAT_TO_PASS}")
+    raise ModelFileError(f"{p}: no such file or directory. {_WHAT_TO_PASS}")
 
 
 class _DeviceReader:

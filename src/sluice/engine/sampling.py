@@ -3,6 +3,7 @@ seeded."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -33,24 +34,48 @@ class SamplingParams:
         return self.presence_penalty != 0 or self.frequency_penalty != 0
 
     def validate(self) -> SamplingParams:
-        def bad(name, value, rule):
-            raise InvalidOptionError(f"{name}={value!r} is out of range: {rule}.")
+        """Check every value's type and range (NaN and the infinities are out of range): a bad value is refused here,
+        naming itself, before it reaches the device sampler, which packs these values into float32 and int64
+        tensors."""
+        def bad(name, rule):
+            raise InvalidOptionError(f"{name}={getattr(self, name)!r} is out of range: {rule}.")
 
-        if not isinstance(self.temperature, (int, float)) or self.temperature < 0:
-            bad("temperature", self.temperature, "use 0 for greedy decoding or a positive value such as 0.7")
-        if not isinstance(self.top_k, int) or self.top_k < 0:
-            bad("top_k", self.top_k, "use 0 to disable or a positive integer")
-        if not 0 < self.top_p <= 1:
-            bad("top_p", self.top_p, "use a value in (0, 1]; 1 disables it")
-        if not 0 <= self.min_p < 1:
-            bad("min_p", self.min_p, "use a value in [0, 1); 0 disables it")
-        if self.repetition_penalty <= 0:
-            bad("repetition_penalty", self.repetition_penalty, "use a positive value; 1 disables it")
+        t = self.temperature
+        if not _real(t) or not (t == 0 or MIN_TEMPERATURE <= t <= MAX_TEMPERATURE):
+            bad("temperature", f"use 0 for greedy decoding or a value from {MIN_TEMPERATURE:g} to "
+                               f"{MAX_TEMPERATURE:g}, such as 0.7")
+        if not _integer(self.top_k) or not 0 <= self.top_k <= MAX_TOP_K:
+            bad("top_k", f"use 0 to disable or a positive integer up to {MAX_TOP_K}")
+        if not _real(self.top_p) or not 0 < self.top_p <= 1:
+            bad("top_p", "use a value in (0, 1]; 1 disables it")
+        if not _real(self.min_p) or not 0 <= self.min_p < 1:
+            bad("min_p", "use a value in [0, 1); 0 disables it")
+        lo, hi = REPETITION_PENALTY_RANGE
+        if not _real(self.repetition_penalty) or not lo <= self.repetition_penalty <= hi:
+            bad("repetition_penalty", f"use a value from {lo:g} to {hi:g}; 1 disables it")
         for name in ("presence_penalty", "frequency_penalty"):
-            value = getattr(self, name)
-            if not isinstance(value, (int, float)) or isinstance(value, bool) or not -2 <= value <= 2:
-                bad(name, value, "use a value in [-2, 2]; 0 disables it")
+            if not _real(getattr(self, name)) or not -2 <= getattr(self, name) <= 2:
+                bad(name, "use a value in [-2, 2]; 0 disables it")
+        if self.seed is not None and (not _integer(self.seed) or not -(1 << 63) <= self.seed < 1 << 64):
+            bad("seed", "use an integer from -2**63 to 2**64 - 1, or none for a random one")
         return self
+
+
+# Bounds that keep the sampler's float32 divisions by the temperature and the repetition penalty finite.
+MIN_TEMPERATURE, MAX_TEMPERATURE = 1e-4, 100.0
+REPETITION_PENALTY_RANGE = (0.01, 100.0)
+MAX_TOP_K = (1 << 31) - 1
+
+
+def _real(value) -> bool:
+    """A finite int or float (not a bool)."""
+    if isinstance(value, bool):
+        return False
+    return isinstance(value, int) or (isinstance(value, float) and math.isfinite(value))
+
+
+def _integer(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 class Sampler:

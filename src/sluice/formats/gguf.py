@@ -172,8 +172,9 @@ class GGUFFile:
         if not self.path.is_file():
             raise ModelFileError(f"{self.path}: no such file. Pass the path of a .gguf file or a model directory.")
         if not is_gguf(self.path):
+            again = " or download the file again" if self.path.suffix.lower() == ".gguf" else ""
             raise ModelFileError(f"{self.path}: not a GGUF file (it does not start with the GGUF magic bytes). "
-                                 "Check the path, or download the file again.")
+                                 f"Pass a .gguf file or a model directory (check the path{again}).")
         try:
             scan_header(np.memmap(self.path, dtype=np.uint8, mode="r"))
         except _Corrupt as e:

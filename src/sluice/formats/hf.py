@@ -59,7 +59,24 @@ def _read_header(path: Path) -> tuple[dict, int]:
         if problem:
             raise ModelFileError(f"{path}: corrupt safetensors header: tensor '{name}' {problem}. "
                                  "Download the file again.")
+    _check_coverage(path, header, data_len)
     return header, 8 + n
+
+
+def _check_coverage(path: Path, header: dict, data_len: int) -> None:
+    """The tensors must tile the data section exactly, in offset order, as `safetensors.safe_open` requires: a gap,
+    an overlap or bytes past the last tensor mean offsets that point at the wrong bytes."""
+    end = 0
+    for begin, stop, name in sorted((*info["data_offsets"], name) for name, info in header.items()
+                                    if name != "__metadata__"):
+        if begin != end:
+            where = "overlaps the tensor before it" if begin < end else f"leaves bytes {end}-{begin} uncovered"
+            raise ModelFileError(f"{path}: corrupt safetensors header: tensor '{name}' starts at data byte {begin} "
+                                 f"and {where} (invalid offset). Download the file again.")
+        end = stop
+    if end != data_len:
+        raise ModelFileError(f"{path}: corrupt safetensors file: the tensors cover {end} of its {data_len} data bytes "
+                             "(not fully covered). Download the file again.")
 
 
 def _is_int(v) -> bool:

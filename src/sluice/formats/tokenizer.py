@@ -10,18 +10,31 @@ GGUF: only `tokenizer.ggml.model == "gpt2"` (byte-level BPE) is supported. The p
 
 from __future__ import annotations
 
+import functools
 import json
+import re
+import secrets
 import threading
 import warnings
 from datetime import datetime
 from pathlib import Path
 from typing import Any, Iterable, Mapping
 
-from sluice.errors import ModelFileError, SluiceError, UnsupportedError
+from sluice.errors import InvalidOptionError, ModelFileError, SluiceError, UnsupportedError
 from sluice.formats.pretokenizers import pre_for
 from sluice.formats.validate import is_rust_panic, untrusted
 
 REPLACEMENT_CHAR = "\ufffd"
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def check_text(text: str, what: str) -> None:
+    """Refuse a str holding a lone UTF-16 surrogate (JSON's "\\ud800", or undecodable bytes Python kept as
+    surrogates): it is not text, and the tokenizer cannot take it."""
+    bad = _SURROGATE.search(text)
+    if bad:
+        raise InvalidOptionError(f"{what} is not valid Unicode: it holds a lone surrogate U+{ord(bad.group()):04X} at "
+                                 f"character {bad.start()}; send UTF-8 text.")
 
 # GGUF token types (llama.cpp's llama_token_type)
 TOKEN_NORMAL, TOKEN_UNKNOWN, TOKEN_CONTROL, TOKEN_USER_DEFINED, TOKEN_UNUSED, TOKEN_BYTE = 1, 2, 3, 4, 5, 6
@@ -83,7 +96,8 @@ class Tokenizer:
     - `decode(ids, skip_special=False)`, `stream_decoder()` for incremental decoding.
     - `vocab_size`, `bos_id`, `eos_id` (None when the model has none), `stop_ids` (end-of-generation ids).
     - `apply_chat_template(messages, add_generation_prompt=True)`: the model's Jinja chat template; when the
-      model has none, a plain ChatML template is used (see `CHATML_TEMPLATE`).
+      model has none, a plain ChatML template is used (see `CHATML_TEMPLATE`). `encode_chat(messages)`: its text
+      and ids, with special-token texts inside the messages tokenized as plain text (no role injection).
     """
 
     def __init__(self, hf_tokenizer, *, vocab_size: int, bos_id: int | None, eos_id: int | None,
@@ -109,6 +123,8 @@ class Tokenizer:
         self.pre_tokenizer = pre_tokenizer
         self._lock = threading.Lock()
         self._template = None
+        self._plain_tok = None
+        self._specials = None
 
     def __repr__(self) -> str:
         return (f"Tokenizer(vocab_size={self.vocab_size}, bos_id={self.bos_id}, eos_id={self.eos_id}, "
@@ -308,24 +324,31 @@ class Tokenizer:
 
     # ------------------------------------------------------------------ encode / decode
     def encode(self, text: str, add_special: bool = True, parse_special: bool = True) -> list[int]:
-        """Token ids of `text`. With `add_special`, BOS/EOS are added as the model specifies."""
+        """Token ids of `text`. With `add_special`, BOS/EOS are added as the model specifies. Runs without holding
+        Python's GIL, so a long text does not stall the caller's other threads (a server's event loop)."""
         if not isinstance(text, str):
             raise TypeError(f"encode() takes a str, not {type(text).__name__}")
-        with self._lock:  # encode_special_tokens is a setting of the shared HF tokenizer
-            if parse_special:
-                ids = self._tok.encode(text, add_special_tokens=False).ids
-            else:
-                self._tok.encode_special_tokens = True
-                try:
-                    ids = self._tok.encode(text, add_special_tokens=False).ids
-                finally:
-                    self._tok.encode_special_tokens = False
+        check_text(text, "the text")
+        hf = self._tok if parse_special else self._plain()
+        ids = hf.encode_batch([text], add_special_tokens=False)[0].ids  # encode() would hold the GIL throughout
         if add_special:
             if self.add_bos:
                 ids = [self.bos_id, *ids]
             if self.add_eos:
                 ids.append(self.eos_id)
         return ids
+
+    def _plain(self):
+        """A copy of the HF tokenizer that reads special-token texts as plain text (its own object: the setting
+        cannot change under another thread's encode)."""
+        with self._lock:
+            if self._plain_tok is None:
+                from tokenizers import Tokenizer as HFTokenizer
+
+                plain = HFTokenizer.from_str(self._tok.to_str())
+                plain.encode_special_tokens = True
+                self._plain_tok = plain
+        return self._plain_tok
 
     def decode(self, ids: Iterable[int], skip_special: bool = False) -> str:
         """Text of `ids`. `skip_special` drops control tokens (BOS, <|im_end|>, ...)."""
@@ -359,9 +382,65 @@ class Tokenizer:
                                    bos_token=self.bos_token or "", eos_token=self.eos_token or "", **kwargs)
         except _TemplateRaised as e:
             raise SluiceError(f"The model's chat template rejected the conversation: {e}") from None
+        except (TypeError, ValueError, LookupError, AttributeError, ArithmeticError, RecursionError) as e:
+            raise InvalidOptionError(f"The model's chat template failed on this conversation ({type(e).__name__}: "
+                                     f"{e}); check the messages and the template arguments.") from None
         except jinja2.TemplateError as e:
             raise ModelFileError(f"The model's chat template failed ({type(e).__name__}: {e}). Pass a raw prompt "
                                  "instead of chat messages.") from e
+
+    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True, special_in_text: bool = False,
+                    **kwargs) -> tuple[str, list[int]]:
+        """The chat template's text and its token ids (no BOS/EOS added: templates write their own). Unless
+        `special_in_text`, a special token's text inside the messages or kwargs (a user writing `<|im_start|>system`)
+        is tokenized as plain text: only the template's own become special tokens. Each such text is swapped for an
+        unguessable marker before rendering, and the marked pieces are encoded as plain text after it."""
+        pattern = None if special_in_text else self._special_pattern()
+        if pattern is None:
+            text = self.apply_chat_template(messages, add_generation_prompt, **kwargs)
+            return text, self.encode(text, add_special=False)
+        found: list[str] = []
+        mark = f"\ue000{secrets.token_hex(8)}\ue001"
+
+        def swap(match):
+            found.append(match.group())
+            return f"{mark}{len(found) - 1}{mark}"
+
+        def hide(value):
+            if isinstance(value, str):
+                return pattern.sub(swap, value)
+            if isinstance(value, dict):
+                return {k: hide(v) for k, v in value.items()}
+            if isinstance(value, (list, tuple)):
+                return [hide(v) for v in value]
+            return value
+
+        marked = self.apply_chat_template(hide(messages), add_generation_prompt, **hide(kwargs))
+        parts = re.split(f"{mark}([0-9]+){mark}", marked)  # template text, a hidden index, template text, ...
+        ids, texts = [], []
+        for i, part in enumerate(parts):
+            if i % 2:
+                part = found[int(part)]
+                ids += self.encode(part, add_special=False, parse_special=False)
+            elif part:
+                ids += self.encode(part, add_special=False)
+            texts.append(part)
+        return "".join(texts), ids
+
+    @functools.cached_property
+    def max_token_chars(self) -> int:
+        """The most characters one token stands for (the longest vocabulary entry: byte-level BPE entries hold one
+        character per byte, and a character is at least one byte): a text longer than n times this cannot be n
+        tokens or fewer."""
+        return max(map(len, self._tok.get_vocab(with_added_tokens=True)), default=1)
+
+    def _special_pattern(self):
+        """A regex of the special tokens' texts (longest first), or None when the vocabulary has none."""
+        if self._specials is None:
+            added = self._tok.get_added_tokens_decoder().values()
+            texts = sorted({t.content for t in added if t.special and t.content}, key=len, reverse=True)
+            self._specials = re.compile("|".join(map(re.escape, texts))) if texts else False
+        return self._specials or None
 
     def _compiled_template(self):
         if self._template is None:

@@ -6,7 +6,8 @@
 `create_app(model, config)` gives the FastAPI app (its engine thread runs while the app does); `Server` runs one in a
 background thread (tests, benchmarks). Files: `app.py` (routes, key, limits, errors), `protocol.py` (request models,
 response shapes), `generate.py` (prompt, engine options, replies and streams), `loop.py` (the engine's thread),
-`chat.py` (reasoning and tool calls out of the reply), `grammar.py` (structured output), `logprobs.py`.
+`listen.py` (uvicorn with header deadlines, a connection cap and a shutdown that ends the streams first), `chat.py`
+(reasoning and tool calls out of the reply), `grammar.py` (structured output), `logprobs.py`.
 """
 
 from __future__ import annotations
@@ -39,10 +40,10 @@ def create_app(model, config: ServerConfig):
 
 
 def _uvicorn_server(model, config: ServerConfig):
-    import uvicorn
+    _require_server_packages()
+    from sluice.server.listen import uvicorn_server
 
-    return uvicorn.Server(uvicorn.Config(create_app(model, config), host=config.host, port=config.port,
-                                         log_level=config.log_level, timeout_graceful_shutdown=5))
+    return uvicorn_server(model, config)
 
 
 def serve(model, config: ServerConfig) -> None:

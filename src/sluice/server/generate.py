@@ -1,15 +1,25 @@
 """From an OpenAI request to the engine and back: the prompt (chat template, tools), the engine options (sampling,
 limits, logprobs, grammar), then the reply as one JSON object or as server-sent events. A client that goes away
-aborts its request: the stream's close or a watcher of the connection (non-streaming) calls `abort`."""
+aborts its request: the stream's close or a watcher of the connection (non-streaming) calls `abort`.
+
+Before any work, a request's text is checked at the edge: every string valid Unicode, the prompt's text no longer than
+the length limit's tokens could hold (`max_chars`), and chat_template_kwargs free of the template's own names. The
+chat template, tokenization and grammars run in the server's own thread pool (`PROMPT_THREADS`), never on the event
+loop or the engine thread; tokenization releases the GIL, so a long prompt does not stall other requests."""
 
 from __future__ import annotations
 
 import asyncio
+import functools
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 
+from sluice.engine.sampling import SamplingParams
+from sluice.errors import InvalidOptionError
+from sluice.formats.tokenizer import check_text
 from sluice.server.chat import ReplyParser, prompt_opens_reasoning
 from sluice.server.config import ServerConfig
 from sluice.server.grammar import Grammars
@@ -31,8 +41,48 @@ from sluice.server.protocol import (
 )
 
 
+PROMPT_THREADS = 4
+MAX_DEPTH = 32  # levels of nesting in a request's JSON
+RESERVED_TEMPLATE_ARGS = ("messages", "add_generation_prompt", "bos_token", "eos_token", "special_in_text")
+
+
 def served_name(path: Path) -> str:
     return path.name if path.is_dir() else path.stem
+
+
+def strings(value, path: str = "", depth: int = 0):
+    """(path, string) for every string in a request's JSON (dict keys included), paths as `messages.0.content`; a
+    400 past MAX_DEPTH levels of nesting (the template and the tokenizer walk the values recursively)."""
+    if depth > MAX_DEPTH:
+        raise APIError(400, f"{path} is nested more than {MAX_DEPTH} levels deep.", param=path, code="invalid_value")
+    if isinstance(value, str):
+        yield path, value
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            where = f"{path}.{key}" if path else str(key)
+            yield where, str(key)
+            yield from strings(item, where, depth + 1)
+    elif isinstance(value, (list, tuple)):
+        for i, item in enumerate(value):
+            yield from strings(item, f"{path}.{i}" if path else str(i), depth + 1)
+
+
+def check_texts(req, prompt_fields: tuple[str, ...], max_length: int, max_chars: int) -> None:
+    """Every string of the request valid Unicode (400 naming the first that is not), and the strings that become the
+    prompt no longer than max_chars together, the most that max_length tokens can hold (400 before any
+    tokenizing)."""
+    chars = 0
+    for path, text in strings(req.model_dump(exclude_none=True)):
+        try:
+            check_text(text, path)
+        except InvalidOptionError as e:
+            raise APIError(400, str(e), param=path, code="invalid_value") from None
+        if path.split(".", 1)[0] in prompt_fields:
+            chars += len(text)
+    if chars > max_chars:
+        raise APIError(400, f"The prompt's text has {chars} characters, more than the {max_length} tokens a sequence "
+                            f"may hold can take ({max_chars} characters at most); shorten it.",
+                       param=prompt_fields[0], code="context_length_exceeded")
 
 
 class EventStream(StreamingResponse):
@@ -76,29 +126,56 @@ class Generation:
         self.name = config.model_name or served_name(Path(model.path))
         self.grammars = Grammars(model.tokenizer, model.config.vocab_size)
         self.texts = TokenTexts(model.tokenizer)
+        self.max_length = model.engine.max_length  # the one length limit: positions a sequence holds, prompt included
+        self.max_chars = self.max_length * model.tokenizer.max_token_chars
+        self.pool = ThreadPoolExecutor(PROMPT_THREADS, thread_name_prefix="sluice-prompt")
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=False, cancel_futures=True)
+
+    async def off_loop(self, fn, *args):
+        """fn(*args) in the prompt pool."""
+        return await asyncio.get_running_loop().run_in_executor(self.pool, functools.partial(fn, *args))
 
     def check_model(self, name: str) -> None:
         if name != self.name:
             raise APIError(404, f"The model {name!r} does not exist: this server serves {self.name!r}.",
                            param="model", code="model_not_found")
 
-    def options(self, req, prompt: list[int], limit: int | None, logprobs: int | None, constraint) -> dict:
-        """add_request's keyword arguments (the engine validates them: its errors become 400s)."""
-        if limit is None:  # as much as the context leaves
-            limit = max(self.model.engine.max_length - len(prompt), 1)
-        return dict(max_tokens=limit, stop=req.stop_strings(), logprobs=logprobs, constraint=constraint,
-                    **req.sampling())
+    def options(self, req, prompt: list[int], max_tokens: int | None, logprobs: int | None, constraint,
+                param: str) -> dict:
+        """add_request's keyword arguments, the sampling values validated and max_tokens measured against the length
+        limit (None: what it leaves); the engine checks them again (its errors become 400s too)."""
+        room = self.max_length - len(prompt)
+        if room < 1:
+            raise APIError(400, f"The prompt has {len(prompt)} tokens; a sequence holds at most {self.max_length} "
+                                "positions, prompt and reply together: shorten the prompt.", param=param,
+                           code="context_length_exceeded")
+        if max_tokens is not None and max_tokens > room:
+            raise APIError(400, f"{len(prompt)} prompt tokens + max_tokens={max_tokens} need "
+                                f"{len(prompt) + max_tokens} positions, more than the {self.max_length} a sequence "
+                                "may hold; lower max_tokens or shorten the prompt.", param=param,
+                           code="context_length_exceeded")
+        sampling = req.sampling()
+        SamplingParams(**sampling).validate()  # a bad value is refused here, never queued for the engine
+        return dict(max_tokens=room if max_tokens is None else max_tokens, stop=req.stop_strings(),
+                    logprobs=logprobs, constraint=constraint, **sampling)
 
     # -- /v1/chat/completions -------------------------------------------------------------------------------
     async def chat(self, req: ChatCompletionRequest, request: Request):
+        check_texts(req, ("messages", "tools", "chat_template_kwargs"), self.max_length, self.max_chars)
         self.check_model(req.model)
         req.check_supported()
+        reserved = sorted(set(req.chat_template_kwargs or ()) & set(RESERVED_TEMPLATE_ARGS))
+        if reserved:
+            raise APIError(400, f"chat_template_kwargs may not set {', '.join(reserved)}: the server sets them.",
+                           param="chat_template_kwargs")
         choice = req.tool_choice or ("auto" if req.tools else "none")
         tools = req.tools if choice != "none" else None
-        text, prompt = await asyncio.to_thread(self._render, req, tools)
-        constraint = await asyncio.to_thread(self._chat_constraint, req, choice)
+        text, prompt = await self.off_loop(self._render, req, tools)
+        constraint = await self.off_loop(self._chat_constraint, req, choice)
         stream = await self.loop.open(prompt, **self.options(req, prompt, req.token_limit, req.logprobs_count,
-                                                              constraint))
+                                                              constraint, "messages"))
         parser = ReplyParser(tools=tools is not None, in_reasoning=prompt_opens_reasoning(text))
         rid = new_id("chatcmpl")
         if req.stream:
@@ -119,14 +196,14 @@ class Generation:
                              usage(len(prompt), len(seq.output)))
 
     def _render(self, req: ChatCompletionRequest, tools) -> tuple[str, list[int]]:
-        """The prompt through the model's chat template (as Model.encode_prompt renders it): text and token ids."""
+        """The prompt through the model's chat template (as Model.encode_prompt renders it; special-token texts in
+        the messages as plain text unless allow_special_tokens): text and token ids."""
         messages = [m.for_template() for m in req.messages]
         kwargs = dict(req.chat_template_kwargs or {})
         if tools:
             kwargs["tools"] = [t.model_dump(exclude_none=True) for t in tools]
-        tok = self.model.tokenizer
-        text = tok.apply_chat_template(messages, add_generation_prompt=True, **kwargs)
-        return text, tok.encode(text, add_special=False)
+        return self.model.tokenizer.encode_chat(messages, add_generation_prompt=True,
+                                                special_in_text=self.config.allow_special_tokens, **kwargs)
 
     def _chat_constraint(self, req: ChatCompletionRequest, choice):
         forced = choice == "required" or not isinstance(choice, str)
@@ -170,12 +247,14 @@ class Generation:
 
     # -- /v1/completions ------------------------------------------------------------------------------------
     async def complete(self, req: CompletionRequest, request: Request):
+        check_texts(req, ("prompt",), self.max_length, self.max_chars)
         self.check_model(req.model)
         req.check_supported()
         prompt = req.single_prompt()
-        if isinstance(prompt, str):
-            prompt = await asyncio.to_thread(self.model.tokenizer.encode, prompt)
-        stream = await self.loop.open(prompt, **self.options(req, prompt, req.max_tokens, req.logprobs, None))
+        if isinstance(prompt, str):  # the client's own raw text: special-token texts in it are the tokens
+            prompt = await self.off_loop(self.model.tokenizer.encode, prompt)
+        stream = await self.loop.open(prompt, **self.options(req, prompt, req.max_tokens, req.logprobs, None,
+                                                              "prompt"))
         rid = new_id("cmpl")
         if req.stream:
             return EventStream(self._completion_events(rid, req, stream, len(prompt)), stream)

@@ -23,7 +23,16 @@ log = logging.getLogger("sluice.server")
 
 
 class EngineFailure(RuntimeError):
-    """engine.step() raised: the requests it was running end with this error (the server keeps serving)."""
+    """A request the engine could not finish: engine.step() raised (status 500; the server keeps serving), or the
+    server is shutting down (503)."""
+
+    def __init__(self, message: str, status: int = 500):
+        super().__init__(message)
+        self.status = status
+
+
+def shutting_down() -> EngineFailure:
+    return EngineFailure("the server is shutting down; send the request again once it is back", 503)
 
 
 @dataclass
@@ -52,6 +61,7 @@ class EngineLoop:
         self.counters = Counters()
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._live: dict[int, Submission] = {}  # sequence id -> its submission (engine thread only)
+        self._closed = False  # stop() was called: no request is taken any more
         self._thread = threading.Thread(target=self._run, name="sluice-engine", daemon=True)
         self._publish()
 
@@ -67,6 +77,8 @@ class EngineLoop:
         self._thread.start()
 
     def stop(self, timeout: float | None = 10) -> None:
+        """End every request (a stream gets an error event and [DONE], a waiting reply a 503) and the thread."""
+        self._closed = True
         if self._thread.is_alive():
             self._inbox.put(("stop", None))
             self._thread.join(timeout)
@@ -79,6 +91,8 @@ class EngineLoop:
     async def open(self, prompt: list[int], **options) -> RequestStream:
         """Submit a request and wait until the engine has taken it: the errors add_request raises (SluiceError)
         come out here, before anything is sent to the client."""
+        if self._closed:
+            raise shutting_down()
         aloop, items = asyncio.get_running_loop(), asyncio.Queue()
 
         def deliver(item):
@@ -117,12 +131,23 @@ class EngineLoop:
             kind, sub = self._inbox.get(block=block)
             while True:
                 if kind == "stop":
-                    self._fail_all(EngineFailure("the server is shutting down"))
+                    self._fail_all(shutting_down())
+                    self._refuse_queued()
                     return False
                 self._add(sub) if kind == "add" else self._abort(sub)
                 kind, sub = self._inbox.get_nowait()
         except queue.Empty:
             return True
+
+    def _refuse_queued(self) -> None:
+        """Answer the requests still in the inbox (sent while the server began to stop)."""
+        try:
+            while True:
+                kind, sub = self._inbox.get_nowait()
+                if kind == "add":
+                    sub.deliver(shutting_down())
+        except queue.Empty:
+            pass
 
     def _add(self, sub: Submission) -> None:
         try:

@@ -1,0 +1,235 @@
+"""Soak test of `sluice serve`: N clients send a mix of requests for a long time while the server's RSS is sampled
+every second; after warm-up it should stay flat (the issue's bar: within 3 %).
+
+    python benchmarks/soak.py --clients 8 --duration 300           # the demo model on the CPU
+    python benchmarks/soak.py --clients 64 --duration 1800
+
+Each client cycles through the kinds: a streamed and a whole greedy chat, a streamed completion, seeded sampling with
+penalties, logprobs, a JSON-object reply (a grammar), a client that disconnects mid-stream, and a bad request (400).
+Every reply of a deterministic kind must equal the first reply to the same request. Printed, and written as JSON:
+requests and errors per kind, mismatches, RSS after warm-up (the medians of its first and last quarters and their
+difference in %, the slope in MiB per minute of their 30-second floors, the peak), every sample, and the server's
+counters.
+The server and the samples are those of `server_load.py`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import itertools
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+sys.path.insert(0, str(Path(__file__).parent))
+from server_load import free_port, prompt_list, rss_bytes  # noqa: E402
+
+PLAIN = {"temperature": 0}
+KINDS = {  # name -> (path, extra body, streamed, deterministic)
+    "chat_stream": ("/v1/chat/completions", PLAIN, True, True),
+    "chat_whole": ("/v1/chat/completions", PLAIN, False, True),
+    "completion_stream": ("/v1/completions", PLAIN, True, True),
+    "seeded_penalties": ("/v1/chat/completions", {"temperature": 0.8, "top_p": 0.9, "top_k": 40, "seed": 7,
+                                                  "presence_penalty": 0.5, "repetition_penalty": 1.1}, True, True),
+    "logprobs": ("/v1/chat/completions", {"temperature": 0, "logprobs": True, "top_logprobs": 3}, False, True),
+    "json_object": ("/v1/chat/completions", {"temperature": 0, "response_format": {"type": "json_object"}}, False,
+                    True),
+    "disconnect": ("/v1/chat/completions", PLAIN, True, False),
+    "bad_request": ("/v1/chat/completions", {"temperature": float("nan")}, False, False),
+}
+
+
+def body_for(kind: str, model: str, prompt: str, max_tokens: int) -> dict:
+    path, extra, streamed, _ = KINDS[kind]
+    body = {"model": model, "max_tokens": max_tokens, "stream": streamed, **extra}
+    if path.endswith("chat/completions"):
+        body["messages"] = [{"role": "user", "content": prompt}]
+    else:
+        body["prompt"] = prompt
+    return body
+
+
+async def one(client: httpx.AsyncClient, kind: str, body: dict) -> dict:
+    """Send one request of a kind: its outcome (the reply's text for comparison, or an error)."""
+    path, _, streamed, _ = KINDS[kind]
+    content = json.dumps(body).encode()  # NaN is written as NaN: the bad request
+    headers = {"Content-Type": "application/json"}
+    if kind == "bad_request":
+        r = await client.post(path, content=content, headers=headers)
+        ok = r.status_code == 400 and r.json().get("error", {}).get("param") == "temperature"
+        return {"error": None if ok else f"HTTP {r.status_code}: {r.text[:200]}"}
+    if not streamed:
+        r = await client.post(path, content=content, headers=headers)
+        if r.status_code != 200:
+            return {"error": f"HTTP {r.status_code}: {r.text[:200]}"}
+        choice = r.json()["choices"][0]
+        text = choice["message"]["content"] if "message" in choice else choice["text"]
+        # the tokens, not their log probabilities: those move in the last bits with the batch
+        tokens = [t["token"] for t in ((choice.get("logprobs") or {}).get("content") or [])]
+        return {"error": None, "text": json.dumps([text, tokens])}
+    parts, done = [], False
+    async with client.stream("POST", path, content=content, headers=headers) as r:
+        if r.status_code != 200:
+            return {"error": f"HTTP {r.status_code}: {(await r.aread())[:200]!r}"}
+        async for line in r.aiter_lines():
+            if not line.startswith("data: "):
+                continue
+            if line == "data: [DONE]":
+                done = True
+                break
+            chunk = json.loads(line[len("data: "):])
+            if "error" in chunk:
+                return {"error": chunk["error"]["message"]}
+            for choice in chunk["choices"]:
+                parts.append((choice.get("delta") or {}).get("content") or choice.get("text") or "")
+            if kind == "disconnect" and len(parts) >= 3:
+                return {"error": None}  # leaving the stream closes the connection: the server must abort it
+    return {"error": None if done else "the stream ended without [DONE]", "text": "".join(parts)}
+
+
+async def soak(url: str, model: str, args) -> dict:
+    prompts = prompt_list(args.prompts)
+    results, first = [], {}
+    deadline = time.perf_counter() + args.duration
+    limits = httpx.Limits(max_connections=args.clients + 4, max_keepalive_connections=args.clients + 4)
+
+    async def client_task(i: int):
+        kinds = itertools.cycle(list(KINDS)[i % len(KINDS):] + list(KINDS)[:i % len(KINDS)])
+        async with httpx.AsyncClient(base_url=url, timeout=httpx.Timeout(600), limits=limits) as client:
+            for n in itertools.count():
+                if time.perf_counter() >= deadline:
+                    return
+                kind, prompt = next(kinds), prompts[(i + n) % len(prompts)]
+                try:
+                    r = await one(client, kind, body_for(kind, model, prompt, args.max_tokens))
+                except httpx.HTTPError as e:
+                    r = {"error": f"{type(e).__name__}: {e}"}
+                r["kind"] = kind
+                if r["error"] is None and KINDS[kind][3]:
+                    r["match"] = first.setdefault((kind, prompt), r["text"]) == r["text"]
+                results.append(r)
+
+    t0 = time.perf_counter()
+    await asyncio.gather(*[client_task(i) for i in range(args.clients)])
+    return {"results": results, "wall_s": time.perf_counter() - t0, "t0": t0}
+
+
+def start_server(serve_args: list[str], threads: int | None = None,
+                 stderr=None) -> tuple[subprocess.Popen, str, dict]:
+    """`python -m sluice serve` on a free loopback port with these arguments (OMP_NUM_THREADS=threads), once /health
+    answers: the process, its URL and that answer."""
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    cmd = [sys.executable, "-m", "sluice", "serve", "--port", str(port), "--log-level", "warning", *serve_args]
+    server = subprocess.Popen(cmd, stderr=stderr, env={**os.environ, "OMP_NUM_THREADS": str(threads)} if threads
+                              else None)
+    for _ in range(1200):
+        try:
+            return server, url, httpx.get(url + "/health", timeout=2).json()
+        except httpx.HTTPError:
+            if server.poll() is not None:
+                raise SystemExit("the server exited during start-up")
+            time.sleep(0.25)
+    server.kill()
+    raise SystemExit("the server did not answer within 5 minutes")
+
+
+def slope_mib_per_min(samples: list[tuple[float, int]], window: float = 30) -> float:
+    """The least-squares slope through the lowest sample of each whole `window`-second stretch (the floor: a leak
+    raises it, the transient peaks of the largest batches' activations do not)."""
+    groups: dict[int, list] = {}
+    for t, b in samples:
+        groups.setdefault(int(t // window), []).append((t, b))
+    points = [(statistics.median(t for t, _ in g), min(b for _, b in g)) for g in groups.values()
+              if len(g) >= window / 2]
+    if len(points) < 2:
+        return 0.0
+    ts, bs = [t for t, _ in points], [b / 2**20 for _, b in points]
+    tm, bm = statistics.fmean(ts), statistics.fmean(bs)
+    var = sum((t - tm) ** 2 for t in ts)
+    return 60 * sum((t - tm) * (b - bm) for t, b in zip(ts, bs)) / var if var else 0.0
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default=None, help="model to serve (default: the demo model)")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--load-format", default="auto", help="passed to sluice serve (dummy: random weights)")
+    ap.add_argument("--clients", type=int, default=8)
+    ap.add_argument("--duration", type=float, default=300, help="seconds of load")
+    ap.add_argument("--max-tokens", type=int, default=24)
+    ap.add_argument("--prompts", type=int, default=16, help="distinct prompts")
+    ap.add_argument("--max-batch", type=int, default=64)
+    ap.add_argument("--max-seq-len", type=int, default=256)
+    ap.add_argument("--server-threads", type=int, default=max(1, (os.cpu_count() or 2) - 1),
+                    help="CPU threads of the server (OMP_NUM_THREADS; the rest is left to the clients)")
+    ap.add_argument("--warmup", type=float, default=0.2, help="fraction of the run before RSS is taken as settled")
+    ap.add_argument("--json", default="benchmarks/results/soak.json")
+    args = ap.parse_args()
+
+    server, url, health = start_server(
+        ["--device", args.device, "--max-batch", str(args.max_batch), "--max-seq-len", str(args.max_seq_len),
+         "--load-format", args.load_format] + (["--model", args.model] if args.model else []),
+        args.server_threads if args.device == "cpu" else None)
+    model, rss = health["model"], []
+    try:
+        async def run():
+            async def sample():
+                while True:
+                    rss.append((time.perf_counter(), rss_bytes(server.pid)))
+                    await asyncio.sleep(1)
+
+            sampler = asyncio.ensure_future(sample())
+            try:
+                return await soak(url, model, args)
+            finally:
+                sampler.cancel()
+
+        out = asyncio.run(run())
+        counters = httpx.get(url + "/health", timeout=5).json()
+    finally:
+        server.terminate()
+        server.wait(30)
+
+    results, wall = out["results"], out["wall_s"]
+    settled = [(t, b) for t, b in rss if t >= out["t0"] + args.warmup * wall] or rss
+    quarter = max(1, len(settled) // 4)
+    early = statistics.median(b for _, b in settled[:quarter])
+    late = statistics.median(b for _, b in settled[-quarter:])
+    by_kind = {k: {"requests": 0, "errors": 0, "mismatches": 0} for k in KINDS}
+    for r in results:
+        row = by_kind[r["kind"]]
+        row["requests"] += 1
+        row["errors"] += r["error"] is not None
+        row["mismatches"] += r.get("match") is False
+    report = {
+        "date": time.strftime("%Y-%m-%d"), "device": args.device, "model": model, "clients": args.clients,
+        "duration_s": round(wall, 1), "max_tokens": args.max_tokens, "max_batch": args.max_batch,
+        "server_threads": args.server_threads, "cpu_count": os.cpu_count(), "requests": len(results),
+        "errors": sum(r["error"] is not None for r in results), "mismatches": sum(r.get("match") is False
+                                                                                   for r in results),
+        "by_kind": by_kind,
+        "rss_early_mib": round(early / 2**20, 1), "rss_late_mib": round(late / 2**20, 1),
+        "rss_growth_pct": round(100 * (late - early) / early, 2),
+        "rss_slope_mib_per_min": round(slope_mib_per_min(settled), 3),
+        "rss_peak_mib": round(max(b for _, b in settled) / 2**20, 1),
+        "rss_samples_mib": [[round(t - out["t0"], 1), round(b / 2**20, 1)] for t, b in rss],
+        "server_counters": counters,
+        "first_errors": [f"{r['kind']}: {r['error']}" for r in results if r["error"]][:5],
+        "command": " ".join([Path(sys.argv[0]).name] + sys.argv[1:]),
+    }
+    print(json.dumps({k: v for k, v in report.items() if k != "rss_samples_mib"}, indent=2))
+    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
+    return 0 if report["errors"] == 0 and report["mismatches"] == 0 else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
