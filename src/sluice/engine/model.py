@@ -95,8 +95,8 @@ class Model:
         if isinstance(prompt, str):
             prompt = ([{"role": "system", "content": system}] if system else []) + \
                      [{"role": "user", "content": prompt}]
-        if prompt and isinstance(prompt[0], dict):
-            return tok.encode(tok.apply_chat_template(prompt, add_generation_prompt=True), add_special=False)
+        if prompt and isinstance(prompt[0], dict):  # special tokens' texts inside the messages stay plain text
+            return tok.encode_chat(prompt, add_generation_prompt=True)[1]
         return [int(t) for t in prompt]
 
     def _request(self, ids: list[int], max_tokens, **kwargs):
