@@ -178,10 +178,11 @@ def main() -> int:
     print(f"\n{'KV':12s} {'batch':>5s} {'graphs':>6s} {'overlap':>7s} {'TTFT cold':>9s} {'TTFT warm':>9s} {'prefill t/s':>11s} "
           f"{'decode t/s':>10s} {'floor t/s':>9s} {'of floor':>8s}")
     for r in rows:
+        rate = r["decode_tok_s"] or 0.0  # None: no steady window
         print(f"{r['kv_cache']:12s} {r['batch']:5d} {str(r['graphs']):>6s} {str(r.get('overlap', True)):>7s} "
               f"{r['ttft_cold_s']:9.3f} "
-              f"{r['ttft_warm_s']:9.3f} {r['prefill_tok_s']:11.0f} {r['decode_tok_s']:10.1f} "
-              f"{r['floor_decode_tok_s']:9.0f} {r['decode_tok_s'] / r['floor_decode_tok_s']:8.1%}")
+              f"{r['ttft_warm_s']:9.3f} {r['prefill_tok_s']:11.0f} {rate:10.1f} "
+              f"{r['floor_decode_tok_s']:9.0f} {rate / r['floor_decode_tok_s']:8.1%}")
     for case, prof in profiles.items():
         print(f"\none replayed decode step, {case}: {prof['kernels']} launches, span {prof['span_ms']:.3f} ms = "
               f"{prof['busy_ms']:.3f} ms with a kernel running + {prof['gap_ms']:.3f} ms of gaps")
