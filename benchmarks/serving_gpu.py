@@ -73,7 +73,7 @@ def decode(model, batch: int, prompt_tokens: int = 512, steps: int = 64) -> dict
 
 
 def closed(model, clients: int, prompt_tokens: int = 12, max_tokens: int = 64, warmup_s: float = 5.0,
-           duration_s: float = 20.0) -> dict:
+           duration_s: float = 20.0, profile: str | None = None) -> dict:
     engine, vocab = model.engine, model.config.vocab_size
     counter = iter(range(1 << 30))
     added, first, tokens = {}, {}, 0
@@ -87,18 +87,36 @@ def closed(model, clients: int, prompt_tokens: int = 12, max_tokens: int = 64, w
         live.add(seq.id)
 
     t_start = last = time.perf_counter()
-    started, steps, step_s = 0, 0, []
+    started, steps, step_s, kinds = 0, 0, [], []
     t_measure = t_end = None
+    prof = None
     while True:
         if started < clients:  # client i starts at step i
             add()
             started += 1
+        mixed = bool(engine.scheduler.waiting) or any(s.status != "decoding" for s in engine.scheduler.running)
+        if profile and t_measure is not None and prof is None:  # 40 measured steps under the profiler
+            prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
+                                                      torch.profiler.ProfilerActivity.CUDA])
+            prof.__enter__()
+            prof_steps = 0
         outs = engine.step()
         steps += 1
         now = time.perf_counter()
         if t_measure is not None:
             step_s.append(now - last)
+            kinds.append(mixed)
         last = now
+        if prof is not None and prof_steps is not None:
+            prof_steps += 1
+            if prof_steps == 40:
+                sync()
+                prof.__exit__(None, None, None)
+                with open(profile, "w") as f:
+                    for key in ("self_cuda_time_total", "self_cpu_time_total"):
+                        f.write(prof.key_averages().table(sort_by=key, row_limit=45, max_name_column_width=70))
+                        f.write("\n\n")
+                prof_steps = None
         if t_measure is None and now - t_start >= warmup_s:
             t_measure = now
         for o in outs:
@@ -116,11 +134,15 @@ def closed(model, clients: int, prompt_tokens: int = 12, max_tokens: int = 64, w
             t_end = now
             break
     ttft = [first[i] - added[i] for i in first if t_measure is not None and added[i] >= t_measure]
+    mixed_s = [t for t, m in zip(step_s, kinds) if m]
+    decode_s = [t for t, m in zip(step_s, kinds) if not m]
     drain(engine)
     return {"clients": clients, "prompt_tokens": prompt_tokens, "max_tokens": max_tokens,
             "output_tok_s": tokens / (t_end - t_measure), "ttft_p50_s": pct(ttft, 50), "ttft_p99_s": pct(ttft, 99),
             "requests_measured": len(ttft), "steps": steps, "step_ms_p50": 1e3 * pct(step_s, 50),
-            "step_ms_p90": 1e3 * pct(step_s, 90), "step_ms_max": 1e3 * max(step_s)}
+            "step_ms_p90": 1e3 * pct(step_s, 90), "step_ms_max": 1e3 * max(step_s),
+            "mixed_steps": len(mixed_s), "mixed_step_ms_p50": 1e3 * pct(mixed_s, 50),
+            "decode_steps": len(decode_s), "decode_step_ms_p50": 1e3 * pct(decode_s, 50)}
 
 
 def burst(model, n: int, prompt_tokens: int = 512, seed: int = 7) -> dict:
@@ -194,6 +216,7 @@ def main() -> int:
                          "'D' / 'D+p' (decode_prefill_chunk D, with + the budget grows with the prompts waiting)")
     ap.add_argument("--baseline", action="store_true", help="only what an older tree has (decode, prefill)")
     ap.add_argument("--json")
+    ap.add_argument("--profile", help="closed: write a torch profiler table of 40 measured steps to this file")
     args = ap.parse_args()
     t0 = time.perf_counter()
     base = sluice.load(args.model, load_format=args.load_format, device=args.device, kv_cache=args.kv_cache)
@@ -240,7 +263,7 @@ def main() -> int:
         scenarios = []
     if "closed" in scenarios:
         model = timed_warmup(engine(max_batch=args.clients, max_seq_len=256))
-        report["closed"] = closed(model, args.clients, duration_s=args.duration)
+        report["closed"] = closed(model, args.clients, duration_s=args.duration, profile=args.profile)
         print(json.dumps(report["closed"]), flush=True)
         del model
     for policy in args.policies.split(","):
@@ -276,7 +299,8 @@ def main() -> int:
         r = report["closed"]
         print(f"closed loop {r['clients']} clients: {r['output_tok_s']:.1f} tok/s, TTFT p50 {r['ttft_p50_s']:.3f} s "
               f"p99 {r['ttft_p99_s']:.3f} s ({r['requests_measured']} requests); step p50 {r['step_ms_p50']:.1f} ms "
-              f"p90 {r['step_ms_p90']:.1f} max {r['step_ms_max']:.1f}")
+              f"p90 {r['step_ms_p90']:.1f} max {r['step_ms_max']:.1f}; mixed {r['mixed_steps']} p50 "
+              f"{r['mixed_step_ms_p50']:.1f} ms, decode-only {r['decode_steps']} p50 {r['decode_step_ms_p50']:.1f} ms")
     for r in report.get("burst", []):
         print(f"burst {r['prompts']} x {r['prompt_tokens']} [{r['policy']}]: first tokens p50 "
               f"{r['first_token_p50_s']:.3f} s, last {r['last_first_token_s']:.3f} s ({r['steps']} steps)")
