@@ -79,7 +79,7 @@ serving)  # issue #38: the flat step's GPU tests, then what a user gets in one p
     "tests/test_gdn_triton.py::test_flat_step_kernels_match_each_sequence_alone" > "$LOG/tests.log" 2>&1
   grep -E "^(FAILED|ERROR|E  )|passed|failed" "$LOG/tests.log" | head -40 > "$S"
   timeout ${SERVING_S:-330} python benchmarks/serving_gpu.py --model $CONFIG --policies ${POLICIES:-default} \
-    --profile "$OUT/profile_closed.txt" --scenarios ${SCENARIOS:-decode,prefill,closed,burst,join} --json "$OUT/serving_dense.json" \
+    ${PROFILE:+--profile "$OUT/profile_closed.txt"} --scenarios ${SCENARIOS:-decode,prefill,closed,burst,join} --json "$OUT/serving_dense.json" \
     > "$LOG/serving_dense.log" 2>&1 || tail -25 "$LOG/serving_dense.log" >> "$S"
   tail -20 "$LOG/serving_dense.log" >> "$S"
   ;;

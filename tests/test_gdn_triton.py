@@ -336,10 +336,12 @@ def test_chunk_bad_cu_seqlens():
                                   cu_seqlens=[0, 4, 10])
 
 
-def test_flat_step_kernels_match_each_sequence_alone():
+@pytest.mark.parametrize("static", [False, True])
+def test_flat_step_kernels_match_each_sequence_alone(static):
     """A flat step (`engine/batch.py`: decode tokens first, then prompt chunks, then padding) through a Gated DeltaNet
     layer's kernels (one conv launch for every segment, the recurrent kernel for the decodes, the chunked one for the
-    chunks): each sequence's output and states as the references give it alone; the padding's output is zero."""
+    chunks; static: over all the tokens and every padded table): each sequence's output and states as the references
+    give it alone; the padding's output is zero."""
     from sluice.cache.pool import CachePool, RecurrentStates
     from sluice.engine.batch import FlatBatch
     from sluice.layers.gated_deltanet import GatedDeltaNet
@@ -351,7 +353,7 @@ def test_flat_step_kernels_match_each_sequence_alone():
     layer = GatedDeltaNet(None, r(C, W) * 0.5, r(nv) * 0.5, r(nv) * 0.5, r(dv), None, nk, nv, dk, dv, 1e-6, 0)
     layer = layer.to(DEVICE)
     decodes, chunks = [(0, 9), (2, 30)], [(1, [0] * 20, 0), (3, [0] * 70, 5)]  # 70: more than one 64-token chunk
-    batch = FlatBatch(decodes, chunks, 128, n_pad=100, r_pad=6)
+    batch = FlatBatch(decodes, chunks, 128, n_pad=100, r_pad=6, static=static, pad_row=5)
     _, meta = batch.place(torch.zeros(FlatBatch.size(100, 6), dtype=torch.long, device=DEVICE))
     mixed, b, a = r(1, 100, C).to(DEVICE), r(1, 100, nv).to(DEVICE), r(1, 100, nv).to(DEVICE)
     outs = {}

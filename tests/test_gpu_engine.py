@@ -1,4 +1,4 @@
-"""The engine on a CUDA GPU: steps replayed from CUDA graphs (decode steps whole, flat steps in pieces) give the same
+"""The engine on a CUDA GPU: steps replayed from CUDA graphs (decode steps whole, flat steps whole or in pieces) give the same
 greedy tokens as eager steps, with both cache kinds: a dense Llama and a 4-bit Qwen3-Next whose kernels take the
 Triton paths. Skipped without a GPU; run on the GPU machine. (A sequence's tokens may differ from its tokens alone:
 a step's token-wise GEMMs run over all its tokens, and other row counts round differently.)"""
@@ -59,15 +59,17 @@ def test_graph_and_eager_decode_agree(checkpoints, name, kind):
     assert out[True] == out[False]
 
 
-@pytest.mark.parametrize("kind", ["dense", "turboquant4"])
+@pytest.mark.parametrize("kind,whole", [("dense", True), ("dense", False), ("turboquant4", False)])
 @pytest.mark.parametrize("name", ["llama", "qwen3_next"])
-def test_flat_graph_replays_the_eager_forward(checkpoints, name, kind):
+def test_flat_graph_replays_the_eager_forward(checkpoints, name, kind, whole):
     """A flat step (decode tokens and prompt chunks of several sequences in one row of tokens) replayed from its
-    piecewise graph (`engine/piecewise.py`) gives the logits, bit for bit, of the same padded flat forward run
-    eagerly on twin rows that hold the same caches, and leaves the same caches behind."""
+    graph (`engine/piecewise.py`: whole, static, or in pieces) gives the logits, bit for bit, of the same padded flat
+    forward run eagerly on twin rows that hold the same caches, and leaves the same caches behind."""
     from sluice.engine.batch import FlatBatch
+    from sluice.engine.piecewise import PiecewiseGraph, WholeGraph
 
-    model = sluice.load(checkpoints[name], device="cuda", kv_cache=kind, max_batch=8, max_seq_len=256)
+    model = sluice.load(checkpoints[name], device="cuda", kv_cache=kind, max_batch=8, max_seq_len=256,
+                        whole_graph_tokens=256 if whole else 0)
     runner = model.engine.runner
     runner.build_pool(8, 256)
     g = torch.Generator().manual_seed(7)
@@ -80,10 +82,15 @@ def test_flat_graph_replays_the_eager_forward(checkpoints, name, kind):
         for graphs, rows in zip((True, False), twins):
             decodes = [(rows[0], 9), (rows[1], 70)]
             chunks = [(rows[2], prompts[2][20:], 20), (rows[3], prompts[3], 0)]
-            batch = FlatBatch(decodes, chunks, runner.pool.visible, n_pad=128, r_pad=runner._rows_max)
+            batch = FlatBatch(decodes, chunks, runner.pool.visible, n_pad=128, r_pad=runner._rows_max,
+                              static=runner._static(128, chunks), pad_row=runner.pool.scratch_row)
+            assert batch.static == whole
             ids, meta = batch.place(runner._flat, [11, 12])
             if graphs:
-                out = runner._flat_graph(128).run(meta)
+                graph = runner._flat_graph(128, batch.static)
+                assert isinstance(graph, WholeGraph if whole else PiecewiseGraph)
+                ids, meta = batch.place(runner._flat, [11, 12])  # (a capture overwrites the buffer)
+                out = graph.run(meta)
             else:
                 out = runner.module(ids, runner.pool, meta, runner.dtype, last_only=True)[0]
             logits.append(out[:batch.r].clone())
@@ -98,9 +105,35 @@ def test_flat_graph_replays_the_eager_forward(checkpoints, name, kind):
         assert torch.equal(logits[0].argmax(-1), logits[2].argmax(-1))
 
 
-@pytest.mark.parametrize("kind", ["dense", "turboquant4"])
 @pytest.mark.parametrize("name", ["llama", "qwen3_next"])
-def test_prompts_joining_decodes_with_and_without_graphs(checkpoints, name, kind):
+def test_static_flat_forward_matches_the_pieces_one(checkpoints, name):
+    """A static flat forward (every token stored, then attended as a decode query; the recurrent and chunked rules
+    over all the tokens) gives the logits of the same step's forward in pieces (decode kernel and prefill
+    attention), on twin rows, to rounding."""
+    from sluice.engine.batch import FlatBatch
+
+    model = sluice.load(checkpoints[name], device="cuda", max_batch=8, max_seq_len=256)
+    runner = model.engine.runner
+    runner.build_pool(8, 256)
+    g = torch.Generator().manual_seed(8)
+    prompts = [torch.randint(0, 300, (t,), generator=g).tolist() for t in (9, 70, 33, 40)]
+    twins = [[runner.pool.allocate() for _ in range(4)] for _ in range(2)]
+    logits = []
+    with torch.inference_mode():
+        for static, rows in zip((True, False), twins):
+            runner.prefill([(rows[0], prompts[0], 0), (rows[1], prompts[1], 0), (rows[2], prompts[2][:20], 0)])
+            batch = FlatBatch([(rows[0], 9), (rows[1], 70)], [(rows[2], prompts[2][20:], 20), (rows[3], prompts[3], 0)],
+                              runner.pool.visible, n_pad=128, r_pad=runner._rows_max, static=static,
+                              pad_row=runner.pool.scratch_row)
+            ids, meta = batch.place(runner._flat, [11, 12])
+            logits.append(runner.module(ids, runner.pool, meta, runner.dtype, last_only=True)[0][:batch.r].float())
+    assert torch.isfinite(logits[0]).all()
+    assert torch.allclose(logits[0], logits[1], rtol=2e-2, atol=2e-2), (logits[0] - logits[1]).abs().max()
+
+
+@pytest.mark.parametrize("kind,whole", [("dense", 256), ("dense", 0), ("turboquant4", 256)])
+@pytest.mark.parametrize("name", ["llama", "qwen3_next"])
+def test_prompts_joining_decodes_with_and_without_graphs(checkpoints, name, kind, whole):
     """Prompts joining running decodes, each step one flat forward: replayed from graphs and eager (padded to the
     same token count), the same greedy tokens."""
     g = torch.Generator().manual_seed(7)
@@ -108,7 +141,7 @@ def test_prompts_joining_decodes_with_and_without_graphs(checkpoints, name, kind
     out = {}
     for graphs in (False, True):
         model = sluice.load(checkpoints[name], device="cuda", kv_cache=kind, graphs=graphs, prefill_chunk=64,
-                            decode_prefill_chunk=16, max_batch=4, max_seq_len=256)
+                            decode_prefill_chunk=16, max_batch=4, max_seq_len=256, whole_graph_tokens=whole)
         out[graphs] = staggered(model, prompts)
         assert bool(model.engine.runner._flat_graphs) == graphs
     assert out[True] == out[False]

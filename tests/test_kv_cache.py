@@ -245,11 +245,12 @@ def test_turboquant_cpu_decode_kernel_equals_the_torch_path(window):
     assert float((outs[True] - outs[False]).norm() / outs[False].norm()) < 1e-5
 
 
-@pytest.mark.parametrize("kind", ["dense", "turboquant4"])
-def test_flat_step_attention_matches_each_sequence_alone(kind, monkeypatch):
+@pytest.mark.parametrize("kind,static", [("dense", False), ("turboquant4", False), ("dense", True)])
+def test_flat_step_attention_matches_each_sequence_alone(kind, static, monkeypatch):
     """A flat step (`engine/batch.py`): the decode tokens through the split-K decode kernel (the GPU's path, here
-    under the Triton interpreter), each prompt chunk as a prefill; each sequence's output as it gets alone (one row at
-    a time, the torch paths), the padding's zero, the caches the same."""
+    under the Triton interpreter), each prompt chunk as a prefill, or (static) every token stored and then taken as a
+    decode query; each sequence's output as it gets alone (one row at a time, the torch paths), the padding's zero
+    (static: its keys in the pad row only), the caches the same."""
     pytest.importorskip("triton")
     from sluice.cache.kv import make_kv_cache
     from sluice.engine.batch import FlatBatch
@@ -257,8 +258,7 @@ def test_flat_step_attention_matches_each_sequence_alone(kind, monkeypatch):
     g = torch.Generator().manual_seed(3)
     Hq, Hkv, D = 4, 2, 32
     decodes, chunks = [(0, 20), (2, 7)], [(1, [0] * 6, 0), (3, [0] * 9, 30)]
-    batch = FlatBatch(decodes, chunks, 64, n_pad=24, r_pad=4)
-    _, meta = batch.place(torch.zeros(FlatBatch.size(24, 4), dtype=torch.long))
+    batch = FlatBatch(decodes, chunks, 64, n_pad=24, r_pad=6, static=static, pad_row=4)
     q, gate = torch.randn(1, Hq, 24, D, generator=g), torch.randn(1, Hq, 24, D, generator=g)
     k, v = torch.randn(1, Hkv, 24, D, generator=g), torch.randn(1, Hkv, 24, D, generator=g)
     out = {}
@@ -270,11 +270,13 @@ def test_flat_step_attention_matches_each_sequence_alone(kind, monkeypatch):
         monkeypatch.setattr(type(cache), "use_decode_kernel", lambda self, x, kernel=kernel: kernel)
         if kind == "turboquant4":  # the C decode kernel stands in for the torch path on the CPU: keep to torch
             monkeypatch.setattr(type(cache), "_use_cpu_kernel", lambda self, q: False)
+        batch.static = static and kernel
+        _, meta = batch.place(torch.zeros(FlatBatch.size(24, 6), dtype=torch.long))
         out[kernel] = cache.attend(0, q, k, v, meta, D ** -0.5, gate), cache
     (o, cache), (ref, ref_cache) = out[True], out[False]
-    assert not o[:, :, batch.n:].any()
-    assert torch.allclose(o, ref, atol=2e-3, rtol=1e-3)
+    assert static or not o[:, :, batch.n:].any()
+    assert torch.allclose(o[:, :, :batch.n], ref[:, :, :batch.n], atol=2e-3, rtol=1e-3)
     for name, t in vars(cache).items():
         if isinstance(t, torch.Tensor):
             other = vars(ref_cache)[name]
-            assert torch.allclose(t.float(), other.float(), atol=1e-4), name
+            assert torch.allclose(t[:, :4].float(), other[:, :4].float(), atol=1e-4), name

@@ -16,6 +16,7 @@ GRAPH_TOKEN_SIZES = (16, 32, 48, 64, 80, 96, 128, 160, 192, 256, 320, 384, 512, 
 GPU_PREFILL_CHUNK = 4096  # every chunk reads all the experts: bigger chunks prefill faster (docs/PERF.md, "prefill")
 CPU_PREFILL_CHUNK = 512
 GPU_DECODE_PREFILL_CHUNK = CPU_DECODE_PREFILL_CHUNK = 512
+WHOLE_GRAPH_TOKENS = 256  # flat steps up to this many tokens: one whole graph each (`EngineConfig.whole_graph_tokens`)
 
 
 @dataclass(frozen=True)
@@ -36,6 +37,9 @@ class EngineConfig:
     graph_batch_sizes: the batch sizes decode graphs are captured for; a batch runs in the smallest that holds it.
     graph_token_sizes: the token counts the graphs of steps that prefill are captured for; a step is padded to the
         smallest that holds it (on a GPU also when it runs eagerly: graphs change a step's speed, not its result).
+    whole_graph_tokens: steps that prefill, padded to at most this many tokens, are captured whole, mixers included
+        (`engine/batch.py`, static flat forwards: their attention takes each token as a decode query), where the
+        KV cache allows it (dense, no sliding window); larger ones, and the rest, in pieces. 0: always in pieces.
     kv_cache: "dense" (K/V in the model's dtype) or "turboquant4".
     overlap: launch each step before the host reads the last one's tokens (`engine/engine.py`); None: on a
         GPU, where it hides the host's part of a step behind the device's.
@@ -48,6 +52,7 @@ class EngineConfig:
     graphs: bool = True
     graph_batch_sizes: tuple[int, ...] = field(default=GRAPH_BATCH_SIZES)
     graph_token_sizes: tuple[int, ...] = field(default=GRAPH_TOKEN_SIZES)
+    whole_graph_tokens: int = WHOLE_GRAPH_TOKENS
     kv_cache: str = "dense"
     overlap: bool | None = None
 
@@ -65,6 +70,9 @@ class EngineConfig:
             positive("decode_prefill_chunk", self.decode_prefill_chunk)
         if self.max_seq_len is not None:
             positive("max_seq_len", self.max_seq_len)
+        if not isinstance(self.whole_graph_tokens, int) or isinstance(self.whole_graph_tokens, bool) \
+                or self.whole_graph_tokens < 0:
+            raise InvalidOptionError(f"whole_graph_tokens={self.whole_graph_tokens!r}: use an integer >= 0.")
         if self.overlap not in (None, True, False):
             raise InvalidOptionError(f"overlap={self.overlap!r}: use True, False or None (on a GPU).")
         if self.kv_cache not in KV_CACHE_KINDS:

@@ -56,7 +56,12 @@ class KVCache:
 
     def _attend_flat(self, layer, q, k, v, meta, scale, gate):
         """A flat forward (B = 1, `engine/batch.py`): the decode tokens as one decode step, each prompt chunk as its
-        own prefill; the padding tokens' output is zero."""
+        own prefill; the padding tokens' output is zero. Static (`static_flat`): every token stored, then each one
+        attended as a decode query of its row at its position (the padding's output is then finite, not zero)."""
+        if meta.static:
+            one = lambda x: None if x is None else x[0].transpose(0, 1)  # noqa: E731  [1, H, T, Dh] -> [T, H, Dh]
+            o = self.static_flat(layer, one(q), one(k), one(v), meta, scale, one(gate))
+            return o.transpose(0, 1)[None]
         o = torch.zeros_like(q)
         D = meta.decode_tokens
         if D:  # [1, H, D, Dh] -> [D, H, 1, Dh]: one query per sequence
@@ -70,6 +75,17 @@ class KVCache:
 
     def prefill(self, layer: int, row0: int, q, k, v, start: int, scale: float) -> torch.Tensor:
         """The B sequences of rows row0.. (eager; every position start..start+T-1 new)."""
+        raise NotImplementedError
+
+    @property
+    def supports_static_flat(self) -> bool:
+        """Whether flat forwards may take the static path (`static_flat`) with this cache."""
+        return False
+
+    def static_flat(self, layer: int, q, k, v, meta, scale: float, gate=None) -> torch.Tensor:
+        """A static flat forward's attention (`engine/batch.py`): q [T, Hq, D], k, v [T, Hkv, D], gate like q or
+        None: token t stored at meta.positions[0, t] of row meta.token_rows[t], then attended over its row up to
+        its position; [T, Hq, D]. Shapes and launches depend on T only."""
         raise NotImplementedError
 
     def decode(self, layer: int, q, k, v, meta, scale: float, gate=None) -> torch.Tensor:
@@ -160,6 +176,19 @@ class DenseKVCache(KVCache):
         kl.index_copy_(2, idx, k[:, :, T - keep:].to(kl.dtype))
         vl.index_copy_(2, idx, v[:, :, T - keep:].to(vl.dtype))
         return o
+
+    @property
+    def supports_static_flat(self) -> bool:
+        return self.window is None and self.k.is_cuda
+
+    def static_flat(self, layer, q, k, v, meta, scale, gate=None):
+        from sluice.kernels.attention.triton import decode_attention
+
+        rows, pos = meta.token_rows, meta.positions[0]
+        self.k[layer][rows, :, pos] = k.to(self.k.dtype)
+        self.v[layer][rows, :, pos] = v.to(self.v.dtype)
+        return decode_attention(q.contiguous(), self.k[layer], self.v[layer], pos, scale, self.capacity, rows=rows,
+                                gate=None if gate is None else gate.contiguous())
 
     def append_buffers(self, layer, meta, x):
         return (self.k[layer], self.v[layer]) if meta.decode and self.use_decode_kernel(x) else None

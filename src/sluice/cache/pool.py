@@ -47,6 +47,11 @@ class CachePool:
         return self.kv.capacity if self.kv is not None else 1
 
     @property
+    def static_flat(self) -> bool:
+        """Whether flat forwards over this pool may take the static path (`engine/batch.py`): one CUDA graph each."""
+        return self.kv is None or self.kv.supports_static_flat
+
+    @property
     def free_rows(self) -> int:
         return len(self._free)
 

@@ -10,6 +10,9 @@ step's tokens); the mixer runs eagerly on them with this step's metadata, into a
 on to the logits of the tokens the step samples. The pieces read the token ids, positions and logit rows from device
 buffers the step fills first (at fixed offsets: `FlatBatch`), so one capture serves every mix of sequences whose
 tokens fit.
+
+A static flat forward (`engine/batch.py`: its mixers read only device tables of fixed shapes) is captured whole
+instead (`WholeGraph`): one replay, no host work between the layers.
 """
 
 from __future__ import annotations
@@ -137,3 +140,37 @@ class _Staged(_Capturing):
     def mix(self, fn, meta, *args):
         out = fn(meta, *self._graph._stage(args))
         return self._graph.staging.view("out", out, self._graph.n_pad).copy_(out)
+
+
+class WholeGraph:
+    """A static flat forward of `batch.n_pad` tokens (`FlatBatch(static=True)`) captured whole, mixers included, on
+    the flat batch `batch` (a step on the pool's scratch row), its inputs read from `buffer`."""
+
+    def __init__(self, module, pool, batch: FlatBatch, buffer: torch.Tensor, staging: Staging, dtype: torch.dtype,
+                 memory):
+        if not batch.static:
+            raise ValueError("a whole graph needs a static flat batch")
+        self.n_pad, self.r_pad = batch.n_pad, batch.r_pad
+        device = buffer.device
+        side = torch.cuda.Stream(device)
+        side.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(side):
+            for _ in range(2):  # every kernel compiled, every lazily made buffer made
+                ids, meta = batch.place(buffer)
+                logits = module(ids, pool, meta, dtype, last_only=True)[0]
+            self.logits = staging.view("logits", logits)  # shared by all graphs, as the pieces' are
+            torch.cuda.synchronize(device)
+            ids, meta = batch.place(buffer)
+            torch.cuda.synchronize(device)
+            self.graph = torch.cuda.CUDAGraph()
+            self.graph.capture_begin(pool=memory)
+            self.logits.copy_(module(ids, pool, meta, dtype, last_only=True)[0])
+            self.graph.capture_end()
+        torch.cuda.current_stream(device).wait_stream(side)
+        pool.reset_scratch()
+
+    def run(self, meta) -> torch.Tensor:
+        """Replay with the flat batch whose row is in the buffer: the logits [r_pad, vocab] (a shared buffer: read
+        it before the next run of any graph)."""
+        self.graph.replay()
+        return self.logits

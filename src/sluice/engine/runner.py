@@ -3,6 +3,9 @@ replays a CUDA graph captured per batch size; a step that prefills is a flat for
 tokens, then the prompt chunks, in one row of tokens) replayed from a graph captured in pieces per padded token count
 (`engine/piecewise.py`), or eager.
 
+A flat step of few tokens (`EngineConfig.whole_graph_tokens`) is static where the pool allows it: its mixers read
+only device tables (`engine/batch.py`), and its graph holds the whole forward (`WholeGraph`).
+
 A captured decode step reads its token ids, positions and cache rows from persistent device buffers, so one graph
 serves every mix of sequences and positions; a batch smaller than its graph fills the remaining rows with the pool's
 scratch row (whose recurrent states the graph zeroes first, so the padding stays finite). A flat step's padding
@@ -18,7 +21,7 @@ import torch
 
 from sluice.config import EngineConfig
 from sluice.engine.batch import FlatBatch, ForwardMeta, on_device
-from sluice.engine.piecewise import PiecewiseGraph, Staging
+from sluice.engine.piecewise import PiecewiseGraph, Staging, WholeGraph
 from sluice.errors import InvalidOptionError
 
 
@@ -41,6 +44,12 @@ def available_memory(device: torch.device) -> int:
         return 1 << 62  # unknown: let the allocator decide
 
 
+# A static flat step attends each prompt token as its own decode query, reading its row's keys once per token: the
+# chunks' sum of length x end position key reads. Past this many, a step runs in pieces, whose prefill attention
+# reads each chunk's keys about once (a 256-token chunk ending at 1,024: 2^18).
+STATIC_KEY_READS = 1 << 18
+
+
 class ModelRunner:
     def __init__(self, module, config: EngineConfig, device: torch.device, dtype: torch.dtype):
         self.module, self.config, self.device, self.dtype = module, config, device, dtype
@@ -48,7 +57,7 @@ class ModelRunner:
         self.pool = None
         self.seen = None  # bool [rows + 1, vocab]: the tokens each row has seen (repetition penalty)
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
-        self._flat_graphs: dict[int, PiecewiseGraph] = {}
+        self._flat_graphs: dict[tuple[int, bool], PiecewiseGraph | WholeGraph] = {}  # by (tokens, static)
         self._graph_memory = None
         self._capturable = None
 
@@ -106,9 +115,13 @@ class ModelRunner:
         D, R = len(decodes), len(decodes) + len(chunks)
         n = D + sum(len(ids) for _, ids, _ in chunks)
         n_pad = self._flat_size(n, R)
-        batch = FlatBatch(decodes, chunks, self.pool.visible, n_pad, self._rows_max if n_pad else None)
+        static = self._static(n_pad, chunks)
+        batch = FlatBatch(decodes, chunks, self.pool.visible, n_pad, self._rows_max if n_pad else None,
+                          static=static, pad_row=self.pool.scratch_row)
         # the graph first: a capture runs on a batch of its own in the same input buffer
-        graph = None if n_pad is None or not self.uses_graphs or self._streams_experts() else self._flat_graph(n_pad)
+        graph = None
+        if n_pad is not None and self.uses_graphs and not self._streams_experts():
+            graph = self._flat_graph(n_pad, static)
         on_host = D and not isinstance(tokens, torch.Tensor)
         ids, meta = batch.place(self._flat, list(tokens) if on_host else None)
         if D and not on_host:
@@ -155,16 +168,30 @@ class ModelRunner:
             return None
         return self.config.graph_tokens(tokens)
 
-    def _flat_graph(self, n_pad: int) -> PiecewiseGraph:
-        """The flat step of n_pad tokens, captured on first use (on a flat batch of the scratch row)."""
-        if n_pad not in self._flat_graphs:
+    def _static(self, n_pad: int | None, chunks=()) -> bool:
+        """Whether a flat step padded to n_pad tokens, with these prompt chunks (cache row, ids, first position), is
+        static (`engine/batch.py`): captured whole. Its chunks' attention must be cheap that way
+        (`STATIC_KEY_READS`)."""
+        return (n_pad is not None and n_pad <= self.config.whole_graph_tokens and self.pool.static_flat
+                and sum(len(ids) * (start + len(ids)) for _, ids, start in chunks) <= STATIC_KEY_READS)
+
+    def _flat_graph(self, n_pad: int, static: bool) -> PiecewiseGraph | WholeGraph:
+        """The flat step of n_pad tokens, captured on first use (on a flat batch of the scratch row): whole when it
+        is static, else in pieces."""
+        if (n_pad, static) not in self._flat_graphs:
             if self._graph_memory is None:
                 self._graph_memory = torch.cuda.graph_pool_handle()
-            self._flat_graphs[n_pad] = PiecewiseGraph(self.module, self.pool, self._scratch_batch(n_pad), self._flat,
-                                                      self._staging, self.dtype, self._graph_memory)
-        return self._flat_graphs[n_pad]
+            batch = self._scratch_batch(n_pad, static)
+            if static:
+                graph = WholeGraph(self.module, self.pool, batch, self._flat, self._staging, self.dtype,
+                                   self._graph_memory)
+            else:
+                graph = PiecewiseGraph(self.module, self.pool, batch, self._flat, self._staging, self.dtype,
+                                       self._graph_memory)
+            self._flat_graphs[n_pad, static] = graph
+        return self._flat_graphs[n_pad, static]
 
-    def _scratch_batch(self, n_pad: int) -> FlatBatch:
+    def _scratch_batch(self, n_pad: int, static: bool) -> FlatBatch:
         """A flat batch of n_pad tokens on the scratch row that runs every kind of mixer: one decode token, then
         prompt chunks of at most the pool's capacity."""
         row, cap = self.pool.scratch_row, min(self.pool.capacity, n_pad)
@@ -173,7 +200,7 @@ class ModelRunner:
             n = min(left, cap)
             chunks.append((row, [0] * n, 0))
             left -= n
-        return FlatBatch([(row, 0)], chunks, self.pool.visible, n_pad, self._rows_max)
+        return FlatBatch([(row, 0)], chunks, self.pool.visible, n_pad, self._rows_max, static=static, pad_row=row)
 
     def _graph_size(self, n: int) -> int | None:
         """The captured batch size a decode step of n sequences replays in; None: run it eagerly (no graphs, larger
@@ -236,4 +263,6 @@ class ModelRunner:
             most = self.config.prefill_tokens(self.device) + rows
             tokens = [t for t in self.config.graph_token_sizes if t < most] + [most]
         for n in sorted({self.config.graph_tokens(t) for t in tokens} - {None}, reverse=True):
-            self._flat_graph(n)
+            self._flat_graph(n, False)
+            if self._static(n):  # small steps whose chunks start late (the end of a long prompt) run in pieces
+                self._flat_graph(n, True)

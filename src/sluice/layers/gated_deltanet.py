@@ -85,27 +85,36 @@ class GatedDeltaNet(nn.Module):
         """Conv + gated delta rule of a flat forward (`engine/batch.py`: B = 1, the decode tokens first, then the
         prompt chunks): o [1, T, nv, dv], zero for the padding tokens. On a GPU the conv of every segment in one
         launch (a decode token is a segment of one token), the decode tokens through the recurrent kernel, the
-        chunks through the chunked one with their offsets; elsewhere each segment alone through the references."""
+        chunks through the chunked one with their offsets, both writing into o; static (`ForwardMeta.static`): over
+        all T tokens, each kernel skipping the tokens that are not its own. Elsewhere each segment alone through
+        the references."""
         i = self.state_index
         conv_state, state = cache.conv(i), cache.recurrent(i)
-        N, D = meta.tokens, meta.decode_tokens
         o = mixed.new_zeros(1, mixed.shape[1], self.nv, self.dv)
         if kernels is None:
             for t0, t1, row in meta.segments():
                 o[:, t0:t1] = self._reference(mixed[:, t0:t1], b[:, t0:t1], a[:, t0:t1], conv_state[row:row + 1],
                                               state[row:row + 1])
             return o
+        D, S = meta.decode_tokens, meta.chunks
+        if meta.static:  # every table whole: the shapes depend on T and the pool's rows only
+            N, segments, chunks, decode_rows = mixed.shape[1], None, None, meta.decode_index
+        else:
+            N, segments, chunks, decode_rows = meta.tokens, D + S, S, meta.rows[:D]
         conv = kernels.causal_conv1d(mixed[:, :N], self.conv_weight, conv_state, activation="silu",
-                                     cu_seqlens=meta.cu_seqlens, state_indices=meta.rows)[0]
+                                     cu_seqlens=meta.cu_seqlens[:None if segments is None else segments + 1],
+                                     state_indices=meta.rows[:segments])[0]
         q, k, v = self._split_heads(conv)
         rule = dict(A_log=self.A_log, dt_bias=self.dt_bias, use_qk_l2norm=True)
-        if D:
-            one = lambda x: x[0, :D, None]  # noqa: E731  [1, D, ...] -> [D, 1, ...]: one token per sequence
-            o[0, :D] = kernels.fused_recurrent_gated_delta_rule(one(q), one(k), one(v), one(a), one(b), state,
-                                                                state_indices=meta.rows[:D], **rule)[:, 0]
-        if N > D:
-            o[:, D:N] = kernels.chunk_gated_delta_rule(q[:, D:], k[:, D:], v[:, D:], a[:, D:N], b[:, D:N], state,
-                                                       state_indices=meta.rows[D:], cu_seqlens=meta.chunk_cu, **rule)
+        n = decode_rows.shape[0]
+        if n:
+            one = lambda x: x[0, :n, None]  # noqa: E731  [1, n, ...] -> [n, 1, ...]: one token per sequence
+            kernels.fused_recurrent_gated_delta_rule(one(q), one(k), one(v), one(a), one(b), state,
+                                                     state_indices=decode_rows, out=one(o), **rule)
+        if S or meta.static:
+            kernels.chunk_gated_delta_rule(q, k, v, a[:, :N], b[:, :N], state, state_indices=meta.chunk_rows[:chunks],
+                                           cu_seqlens=meta.chunk_cu[:None if chunks is None else chunks + 1],
+                                           out=o[:, :N], **rule)
         return o
 
     def _mix(self, kernels, mixed, b, a, cache, meta, norm_gate=None, conv_done=False):

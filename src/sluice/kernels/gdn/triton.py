@@ -481,11 +481,13 @@ def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a:
                            dt_bias: torch.Tensor | None = None, state_indices: torch.Tensor | None = None,
                            cu_seqlens=None, scale: float | None = None, use_qk_l2norm: bool = True,
                            block_v: int | None = None, num_warps: tuple[int, int] | None = None,
-                           num_stages: int | None = None) -> torch.Tensor:
+                           num_stages: int | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
     """Prefill: the chunk-parallel form, same arguments and result as `fused_recurrent_gated_delta_rule` (the
     state updated in place), plus `cu_seqlens` ([N + 1] offsets: a host list or CPU tensor, checked, or a CUDA
     tensor, taken as it is; then B must be 1 and the T tokens hold N sequences back to back, sequence i using
-    state slot state_indices[i] or i). Two launches, no host synchronisation."""
+    state slot state_indices[i] or i; a device cu_seqlens may also start past 0 and leave tokens out, whose output
+    is not written). `out`: the output tensor to write into (contiguous [B, T, Hv, V] in v's dtype). Two launches,
+    no host synchronisation."""
     B, T, Hk, K = q.shape
     Hv, V = v.shape[-2:]
     raw = A_log is not None
@@ -499,7 +501,7 @@ def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a:
         N, n_chunks = B, B * triton.cdiv(T, C)
         cu_t = first_t = torch.empty(1, dtype=torch.int32, device=dev)  # placeholders
     _check(q, k, v, a, b, state, A_log, dt_bias, state_indices, sequences=N)
-    o = torch.empty((B, T, Hv, V), dtype=v.dtype, device=dev)
+    o = _output(out, (B, T, Hv, V), v)
     if B * T == 0:
         return o
     q2, k2, v2, a2, b2, o2 = (_tokens(x) for x in (q, k, v, a, b, o))
@@ -582,7 +584,7 @@ def fused_recurrent_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.
                                      scale: float | None = None, use_qk_l2norm: bool = True,
                                      z: torch.Tensor | None = None, norm_weight: torch.Tensor | None = None,
                                      norm_eps: float = 1e-6, block_v: int | None = None,
-                                     num_warps: int | None = None) -> torch.Tensor:
+                                     num_warps: int | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
     """Run T tokens of B sequences through the recurrence, the state updated in place; returns o [B, T, Hv, V]
     in v's dtype.
 
@@ -592,7 +594,8 @@ def fused_recurrent_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.
     V], sequence i using slot state_indices[i] (default i; negative: skipped, its output left unwritten).
     With z [B, T, Hv, V] (unit last stride) and norm_weight [V]: returns `gated_rms_norm(o, z, norm_weight,
     norm_eps)` instead, from the same launch (its bits under the interpreter; on a GPU a row's sum of squares may
-    be reduced in another order: an ulp of the output at times)."""
+    be reduced in another order: an ulp of the output at times). `out`: a [B, T, Hv, V] tensor in v's dtype (unit
+    last stride, any other strides) to write into; a skipped sequence's rows keep what they held."""
     B, T, Hk, K = q.shape
     Hv, V = v.shape[-2:]
     raw = A_log is not None
@@ -601,7 +604,7 @@ def fused_recurrent_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.
     if gated_norm:
         _check_gated_norm(z, norm_weight, v)
         norm_weight = norm_weight if norm_weight.stride(0) == 1 else norm_weight.contiguous()
-    o = torch.empty((B, T, Hv, V), dtype=v.dtype, device=v.device)
+    o = _output(out, (B, T, Hv, V), v, contiguous=False)
     if B == 0 or T == 0:
         return o
     bv = block_v or _value_block(V, B * Hv, v.device)
@@ -620,6 +623,17 @@ def fused_recurrent_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.
         PDL=pdl(v.device), launch_pdl=pdl(v.device),
         num_warps=num_warps or (4 if bv * triton.next_power_of_2(K) >= 4096 else 2))
     return o
+
+
+def _output(out: torch.Tensor | None, shape: tuple, v: torch.Tensor, contiguous: bool = True) -> torch.Tensor:
+    """The output tensor: `out` checked (shape, dtype, device, layout), or a new one."""
+    if out is None:
+        return torch.empty(shape, dtype=v.dtype, device=v.device)
+    if (tuple(out.shape) != shape or out.dtype != v.dtype or out.device != v.device or out.stride(-1) != 1
+            or (contiguous and not out.is_contiguous())):
+        raise ValueError(f"gated delta rule: out must be a {v.dtype} {shape} tensor on {v.device} with a unit last "
+                         f"stride{' (contiguous)' if contiguous else ''}, got {out.dtype} {tuple(out.shape)}")
+    return out
 
 
 def _check_gated_norm(z, norm_weight, v) -> None:
