@@ -100,7 +100,8 @@ server)  # issue #38: the tree before (.base/src: decode and prefill) in the sam
       | tr -d '\n' | sed "s/^/HTTP $clients clients: /" >> "$S"; echo >> "$S"
   done
   if [ "${TQ:-1}" = 1 ]; then
-    timeout 170 python benchmarks/serving_gpu.py --model $CONFIG --kv-cache turboquant4 --scenarios closed,burst,join \
+    timeout 170 python benchmarks/serving_gpu.py --model $CONFIG --kv-cache turboquant4 \
+      --scenarios ${TQ_SCENARIOS:-closed,burst,join} \
       --json "$OUT/serving_tq.json" > "$LOG/serving_tq.log" 2>&1 || tail -60 "$LOG/serving_tq.log" >> "$S"
     tail -5 "$LOG/serving_tq.log" >> "$S"
   fi

@@ -150,18 +150,29 @@ def burst(model, n: int, prompt_tokens: int = 512, seed: int = 7) -> dict:
     t0 = time.perf_counter()
     seqs = [engine.add_request(p, max_tokens=16, stop_ids=(), temperature=1.0, seed=i)
             for i, p in enumerate(randoms(model.config.vocab_size, n, prompt_tokens, seed))]
-    first, steps = {}, 0
+    first, steps, trace, last, shape = {}, 0, [], 0.0, []
+    runner_step = engine.runner.step
+
+    def traced(decodes, tokens, chunks):  # what each forward holds: decode tokens, prompt tokens
+        shape[:] = [len(decodes), sum(len(ids) for _, ids, _ in chunks)]
+        return runner_step(decodes, tokens, chunks)
+
+    engine.runner.step = traced
     while len(first) < n:
+        shape[:] = [0, 0]
         outs = engine.step()
         steps += 1
         now = time.perf_counter() - t0
+        trace.append((round(1e3 * (now - last), 1), *shape))  # ms, decode tokens, prompt tokens
+        last = now
         for o in outs:
             if o.token is not None and o.seq.id not in first:
                 first[o.seq.id] = now
+    engine.runner.step = runner_step
     drain(engine)
     times = sorted(first.values())
     return {"prompts": n, "prompt_tokens": prompt_tokens, "first_token_p50_s": pct(times, 50),
-            "last_first_token_s": times[-1], "steps": steps}
+            "last_first_token_s": times[-1], "steps": steps, "step_trace": trace}
 
 
 def join(model, running: int = 8, prompt_tokens: int = 32768, normal_steps: int = 30) -> dict:
@@ -213,7 +224,8 @@ def main() -> int:
     ap.add_argument("--duration", type=float, default=20.0, help="closed: seconds measured after a 5 s warm-up")
     ap.add_argument("--policies", default="default",
                     help="comma-separated step budgets to try for burst and join: 'default', or "
-                         "'D' / 'D+p' (decode_prefill_chunk D, with + the budget grows with the prompts waiting)")
+                         "'D' / 'D+p' (decode_prefill_chunk D, with + the budget grows with the prompts waiting), "
+                         "each optionally '/wN' (whole_graph_tokens N)")
     ap.add_argument("--baseline", action="store_true", help="only what an older tree has (decode, prefill)")
     ap.add_argument("--json")
     ap.add_argument("--profile", help="closed: write a torch profiler table of 40 measured steps to this file")
@@ -268,9 +280,12 @@ def main() -> int:
         del model
     for policy in args.policies.split(","):
         opts, proportional = {}, None
-        if policy != "default":
-            proportional = policy.endswith("+p")
-            opts["decode_prefill_chunk"] = int(policy.removesuffix("+p"))
+        budget, _, whole = policy.partition("/w")
+        if whole:
+            opts["whole_graph_tokens"] = int(whole)
+        if budget != "default":
+            proportional = budget.endswith("+p")
+            opts["decode_prefill_chunk"] = int(budget.removesuffix("+p"))
         if "burst" in scenarios:
             model = engine(max_batch=args.clients, max_seq_len=1024, **opts)
             if proportional is not None:

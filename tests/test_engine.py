@@ -450,3 +450,53 @@ def test_chat_prompts_keep_special_token_texts_plain(demo):
     (start,) = demo.tokenizer.encode("<|im_start|>")  # the control token
     assert ids == demo.tokenizer.encode_chat(msgs)[1]
     assert ids.count(start) == demo.encode_prompt([{"role": "user", "content": "hi"}]).count(start)  # the template's
+
+
+class _Exploding:
+    """A token constraint that allows every token, and raises once `advance` has seen `after` tokens (a request
+    whose host-side work fails mid-generation)."""
+
+    def __init__(self, vocab: int, after: int):
+        self.vocab, self.after, self.seen = vocab, after, 0
+
+    def allowed(self):
+        if self.seen >= self.after:
+            raise RuntimeError("constraint exploded")
+        return torch.ones(self.vocab, dtype=torch.bool)
+
+    def advance(self, token):
+        self.seen += 1
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_a_failing_request_fails_alone_and_the_others_finish(qwen, overlap):
+    """One request of a batch makes its step fail (its constraint raises): that request ends with finish_reason
+    "error"; every other one, greedy or seeded, running or joining, is preempted, prefilled again and finishes with
+    the tokens it gets alone; every row comes back."""
+    ps = prompts(qwen, n=4, seed=5)
+    seeded = dict(temperature=0.8, seed=3)
+    solo = [alone(qwen, ps[0], 16), alone(qwen, ps[1], 16, **seeded), alone(qwen, ps[3], 16)]
+    engine = qwen.with_engine(overlap=overlap).engine
+    seqs = [engine.add_request(ps[0], max_tokens=16, stop_ids=()),
+            engine.add_request(ps[1], max_tokens=16, stop_ids=(), **seeded)]
+    bad = engine.add_request(ps[2], max_tokens=16, stop_ids=(), constraint=_Exploding(qwen.config.vocab_size, 5))
+    for _ in range(3):
+        engine.step()
+    seqs.append(engine.add_request(ps[3], max_tokens=16, stop_ids=()))
+    engine.run(seqs + [bad])
+    assert bad.finish_reason == "error" and "constraint exploded" in bad.error and len(bad.output) == 5
+    assert [s.output for s in seqs] == solo and all(s.finish_reason == "length" for s in seqs)
+    assert not engine.has_work() and engine.runner.pool.free_rows == engine.runner.pool.rows
+
+
+def test_a_device_error_is_raised(qwen, monkeypatch):
+    """A CUDA error leaves the device unusable: the step raises it instead of retrying."""
+    engine = qwen.with_engine().engine
+    engine.add_request(prompts(qwen, n=1)[0], max_tokens=4, stop_ids=())
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    monkeypatch.setattr(engine.runner, "step", broken)
+    with pytest.raises(RuntimeError, match="illegal memory access"):
+        engine.step()

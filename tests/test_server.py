@@ -292,3 +292,14 @@ def test_cli_serve_with_api_key(demo_gguf_path):
     finally:
         proc.terminate()
         proc.wait(30)
+
+
+def test_server_sent_events_stay_one_line_whatever_the_text():
+    """Generated text holding characters that Python's splitlines (httpx's aiter_lines) takes for line ends stays
+    inside one event, and decodes back to itself."""
+    from sluice.server.protocol import sse
+
+    text = "a\u2028b\u2029c\x85d\x1ce\nf\rg"
+    event = sse({"text": text})
+    assert event.endswith("\n\n") and len(event[:-2].splitlines()) == 1
+    assert json.loads(event[len("data: "):-2])["text"] == text

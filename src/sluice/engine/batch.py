@@ -18,7 +18,7 @@ Three kinds of forward:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -56,6 +56,15 @@ class ForwardMeta:
     static: bool = False  # flat: the mixers take the static path (above)
     token_rows: torch.Tensor | None = None  # flat [N]: each token's cache row (padding: the batch's pad_row)
     decode_index: torch.Tensor | None = None  # flat [N]: a decode token's row, -1 for the others
+    _made: dict = field(default_factory=dict, repr=False)  # `once`
+
+    def once(self, key, make):
+        """make(), computed by the first layer that asks and shared by the rest of this forward (tables the mixers
+        derive on the device from the meta's tensors). Every forward gets its own meta: a graph that captured the
+        computation recomputes it on each replay."""
+        if key not in self._made:
+            self._made[key] = make()
+        return self._made[key]
 
     @classmethod
     def prefill(cls, row0: int, batch: int, start: int, tokens: int, device) -> ForwardMeta:

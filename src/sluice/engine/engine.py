@@ -170,23 +170,50 @@ class Engine:
 
     # -- steps ----------------------------------------------------------------------------------------------
     def step(self) -> list[StepOutput]:
+        """One step (above). If it fails, only what it can be traced to fails: a step of one sequence (or of isolated
+        ones) ends that request with finish_reason "error"; a step of several preempts them all (their prompts and
+        outputs prefilled again) and runs them alone, one a step, until each has a step of its own that succeeds.
+        An error of the device itself (a CUDA error leaves it unusable) is raised."""
+        self._stepping = []
+        try:
+            outputs = self._step()
+        except Exception as error:
+            if _device_error(error):
+                raise
+            return self._isolate(error)
+        for out in outputs:  # a sequence is cleared once its tokens reached the host
+            out.seq.isolated = False
+        return outputs
+
+    def _isolate(self, error: Exception) -> list[StepOutput]:
+        suspects = list({id(s): s for s in self._stepping if not s.finished}.values())
+        self._ahead = None  # its tokens are drawn again: a row's draws depend on (seed, index) alone
+        if len(suspects) == 1 or all(s.isolated for s in suspects):
+            why = f"{type(error).__name__}: {error}"
+            return [self._fail(s, f"the step failed ({why})") for s in suspects]
+        for seq in reversed(suspects):
+            self.scheduler.preempt(seq, self.runner.pool)
+        return []
+
+    def _step(self) -> list[StepOutput]:
         outputs = [StepOutput(s, None, "", True) for s in self._finish_empty()]
         ahead, self._ahead = self._ahead, None
         self._fit_pool()
         self.scheduler.admit(self.runner.pool)
         in_flight = {} if ahead is None else {s.id: 1 for s in ahead.seqs if not s.finished}
         decodes, chunks = self.scheduler.schedule(in_flight)
+        self._stepping = ([] if ahead is None else list(ahead.seqs)) + decodes + [seq for seq, _, _ in chunks]
         if decodes or chunks:
             for seq, first, _ in chunks:
                 if first == 0:
                     self._mark_seen(seq)
             logits = self.runner.step([(s.row, s.next_position + in_flight.get(s.id, 0)) for s in decodes],
                                       self._decode_ids(decodes, ahead),
-                                      [(seq.row, seq.prompt[first:end], first) for seq, first, end in chunks])
+                                      [(seq.row, seq.prefill_ids[first:end], first) for seq, first, end in chunks])
             done = []
             for i, (seq, _, end) in enumerate(chunks):
                 seq.prefilled = end
-                if end == len(seq.prompt):
+                if end == len(seq.prefill_ids):
                     seq.status = DECODING
                     done.append(len(decodes) + i)
             drawn = self._draw(decodes + [chunks[i - len(decodes)][0] for i in done],
@@ -250,7 +277,7 @@ class Engine:
 
     def _mark_seen(self, seq: Sequence) -> None:
         if seq.sampling.repetition_penalty != 1.0:
-            fill_seen(self.runner.seen, seq.row, seq.prompt)
+            fill_seen(self.runner.seen, seq.row, seq.prefill_ids)
 
     def _draw(self, seqs: list[Sequence], logits: torch.Tensor, ahead: list[int]) -> _Drawn:
         """Sample one token per sequence on the device and start copying the ids (with a finite check of each row's
@@ -321,9 +348,12 @@ class Engine:
 
     def _fail(self, seq: Sequence, why: str) -> StepOutput:
         """End a request that cannot go on (finish_reason "error"); the others in the batch continue."""
-        seq.error = (f"request {seq.id}: the model produced {why} after {len(seq.output)} generated tokens; its output"
-                     " would be garbage, so it was stopped. The weights may be damaged, or the dtype overflows "
-                     "(try --dtype float32).")
+        if why.startswith("the step failed"):
+            seq.error = f"request {seq.id}: {why} after {len(seq.output)} generated tokens; it was stopped."
+        else:
+            seq.error = (f"request {seq.id}: the model produced {why} after {len(seq.output)} generated tokens; its "
+                         "output would be garbage, so it was stopped. The weights may be damaged, or the dtype "
+                         "overflows (try --dtype float32).")
         self.scheduler.finish(seq, "error", self.runner.pool)
         return StepOutput(seq, None, "", True)
 
@@ -348,6 +378,13 @@ class Engine:
         """Step until these sequences are finished."""
         while not all(s.finished for s in seqs):
             self.step()
+
+
+def _device_error(error: Exception) -> bool:
+    """Whether an error comes from the device itself (a CUDA error: the context is unusable after it), not from a
+    request."""
+    accelerator = getattr(torch, "AcceleratorError", ())
+    return isinstance(error, accelerator) or "CUDA error" in str(error)
 
 
 def check_prompt(ids: list[int], vocab_size: int, context_length: int) -> None:

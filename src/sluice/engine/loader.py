@@ -113,7 +113,7 @@ class _DeviceReader:
 
 
 ENGINE_OPTIONS = ("max_batch", "max_seq_len", "prefill_chunk", "decode_prefill_chunk", "graphs", "graph_batch_sizes",
-                  "overlap")
+                  "graph_token_sizes", "whole_graph_tokens", "overlap")
 
 
 def _read_checkpoint(path, load_format: str, dev: torch.device, dt: torch.dtype, gpu_memory, expert_slots,

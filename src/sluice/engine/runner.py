@@ -45,9 +45,9 @@ def available_memory(device: torch.device) -> int:
 
 
 # A static flat step attends each prompt token as its own decode query, reading its row's keys once per token: the
-# chunks' sum of length x end position key reads. Past this many, a step runs in pieces, whose prefill attention
-# reads each chunk's keys about once (a 256-token chunk ending at 1,024: 2^18).
-STATIC_KEY_READS = 1 << 18
+# chunks' sum of length x end position key reads, mostly from L2 while a row's keys fit there. Past this many, a step
+# runs in pieces, whose prefill attention reads each chunk's keys about once (two 512-token prompts: 2^19).
+STATIC_KEY_READS = 1 << 20
 
 
 class ModelRunner:

@@ -4,7 +4,10 @@ take free cache rows first come first served; a finished sequence's row is free 
 
 The budget: `prefill_chunk` prompt tokens when nothing decodes (a burst of prompts is in after about
 total prompt tokens / prefill_chunk steps); while sequences decode, every one of them waits for the whole forward,
-so a step prefills at most `decode_prefill_chunk` prompt tokens, and within `prefill_chunk` tokens in all."""
+so a step prefills at most `decode_prefill_chunk` prompt tokens, and within `prefill_chunk` tokens in all.
+
+After a step failed (`Engine.step`), its sequences are preempted (their rows freed, their prompt and output prefilled
+again) and isolated: while one is, each step runs one isolated sequence alone."""
 
 from __future__ import annotations
 
@@ -42,6 +45,12 @@ class Scheduler:
         in_flight: tokens a sequence has sampled that are not in its output yet (a step run ahead); a sequence whose
         last token is among them decodes no more."""
         in_flight = in_flight or {}
+        isolated = next((s for s in self.running if s.isolated), None)
+        if isolated is not None:  # alone: a failure now is its own
+            if isolated.status == DECODING:
+                return [isolated], []
+            return [], [(isolated, isolated.prefilled,
+                         min(len(isolated.prefill_ids), isolated.prefilled + self.prefill_chunk))]
         decodes = [s for s in self.running
                    if s.status == DECODING and len(s.output) + in_flight.get(s.id, 0) < s.max_tokens]
         return decodes, self.next_prefills(len(decodes))
@@ -66,13 +75,26 @@ class Scheduler:
             if budget == 0:
                 break
             if seq.status == PREFILLING:
-                end = min(len(seq.prompt), seq.prefilled + budget)
+                end = min(len(seq.prefill_ids), seq.prefilled + budget)
                 chunks.append((seq, seq.prefilled, end))
                 budget -= end - seq.prefilled
         return chunks
 
     def decoding(self) -> list[Sequence]:
         return [s for s in self.running if s.status == DECODING]
+
+    def preempt(self, seq: Sequence, pool) -> None:
+        """Take a running sequence's row back and queue it first, to prefill its prompt and output again and go on
+        from there (recompute), isolated."""
+        if seq in self.running:
+            self.running.remove(seq)
+            pool.release(seq.row)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        seq.row, seq.status, seq.prefilled = None, WAITING, 0
+        seq.recompute = seq.prompt + seq.output if seq.output else None
+        seq.isolated = True
+        self.waiting.appendleft(seq)
 
     def finish(self, seq: Sequence, reason: str, pool) -> None:
         seq.status, seq.finish_reason = FINISHED, reason

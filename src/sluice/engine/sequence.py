@@ -41,6 +41,13 @@ class Sequence:
     logprobs: int | None = None  # None: off; N: each step reports the token's logprob and the N most likely
     constraint: TokenConstraint | None = None  # which tokens may be sampled next (structured output)
     error: str | None = None  # with finish_reason "error": what went wrong (e.g. NaN/inf logits)
+    recompute: list[int] | None = None  # preempted (`Scheduler.preempt`): its prompt and output, prefilled again
+    isolated: bool = False  # in a step that failed: runs alone until a step of its own succeeds
+
+    @property
+    def prefill_ids(self) -> list[int]:
+        """The ids its prefill puts in the cache: the prompt, or once preempted the prompt and the output so far."""
+        return self.prompt if self.recompute is None else self.recompute
 
     @property
     def length(self) -> int:

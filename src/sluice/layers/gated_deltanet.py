@@ -112,9 +112,11 @@ class GatedDeltaNet(nn.Module):
             kernels.fused_recurrent_gated_delta_rule(one(q), one(k), one(v), one(a), one(b), state,
                                                      state_indices=decode_rows, out=one(o), **rule)
         if S or meta.static:
+            cu = meta.chunk_cu[:None if chunks is None else chunks + 1]
             kernels.chunk_gated_delta_rule(q, k, v, a[:, :N], b[:, :N], state, state_indices=meta.chunk_rows[:chunks],
-                                           cu_seqlens=meta.chunk_cu[:None if chunks is None else chunks + 1],
-                                           out=o[:, :N], **rule)
+                                           cu_seqlens=cu, out=o[:, :N],
+                                           chunk_first=meta.once("chunk_first", lambda: kernels.chunk_offsets(cu)),
+                                           **rule)
         return o
 
     def _mix(self, kernels, mixed, b, a, cache, meta, norm_gate=None, conv_done=False):

@@ -264,6 +264,12 @@ def usage_chunk(rid: str, model: str, obj: str, use: dict) -> dict:
     return {"id": rid, "object": obj, "created": int(time.time()), "model": model, "choices": [], "usage": use}
 
 
+# what Python's str.splitlines (and so some SSE clients, e.g. httpx's aiter_lines) takes for a line end, that JSON
+# leaves raw inside strings: escaped, or a generated "\u2028" cuts an event in two
+_LINE_ENDS = {ord(c): f"\\u{ord(c):04x}" for c in "\x85\u2028\u2029"}
+
+
 def sse(data: dict | str) -> str:
-    """One server-sent event."""
-    return f"data: {data if isinstance(data, str) else json.dumps(data, ensure_ascii=False)}\n\n"
+    """One server-sent event: one line of JSON whatever text it carries."""
+    text = data if isinstance(data, str) else json.dumps(data, ensure_ascii=False).translate(_LINE_ENDS)
+    return f"data: {text}\n\n"

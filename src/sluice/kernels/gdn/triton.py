@@ -448,21 +448,32 @@ def _tokens(x: torch.Tensor) -> torch.Tensor:
     return x.reshape(x.shape[0] * x.shape[1], *x.shape[2:])
 
 
-def _sequence_tables(cu_seqlens, T: int, device):
+def chunk_offsets(cu_seqlens: torch.Tensor) -> torch.Tensor:
+    """The chunk offsets [N+1] int32 of device cu_seqlens [N+1] (sequence i owns the chunks first[i] ..
+    first[i+1]-1), computed on the device: `chunk_gated_delta_rule(chunk_first=)` takes them made once for all the
+    layers of a forward."""
+    cu = cu_seqlens.to(torch.int32)
+    counts = torch.div(cu[1:] - cu[:-1] + (CHUNK - 1), CHUNK, rounding_mode="floor")
+    return torch.cat([counts.new_zeros(1), counts.cumsum(0, dtype=torch.int32)])
+
+
+def _sequence_tables(cu_seqlens, T: int, device, first: torch.Tensor | None = None):
     """cu_seqlens -> (N, cu [N+1], first [N+1] chunk offsets, chunk-grid size), on the device without a host sync:
-    a tensor already on the device is taken as it is (checking it would need a sync), `first` computed there and
-    the grid sized for the worst case; a host list (or a tensor elsewhere) is checked and copied once, from
-    pinned memory."""
+    a tensor already on the device is taken as it is (checking it would need a sync), `first` computed there
+    (unless given: `chunk_offsets`) and the grid sized for the worst case; a host list (or a tensor elsewhere) is
+    checked and copied once, from pinned memory."""
     C = CHUNK
     if torch.is_tensor(cu_seqlens) and cu_seqlens.device == device:
         if cu_seqlens.dim() != 1 or cu_seqlens.shape[0] < 2 or cu_seqlens.dtype not in (torch.int32, torch.int64):
             raise ValueError(f"gated delta rule: cu_seqlens must be int32/int64 [N+1], got {cu_seqlens.dtype} "
                              f"{tuple(cu_seqlens.shape)}")
-        cu = cu_seqlens.to(device=device, dtype=torch.int32)
-        counts = torch.div(cu[1:] - cu[:-1] + (C - 1), C, rounding_mode="floor")
-        first = torch.cat([counts.new_zeros(1), counts.cumsum(0, dtype=torch.int32)])
-        N = cu.shape[0] - 1
-        return N, cu, first, triton.cdiv(T, C) + N
+        N = cu_seqlens.shape[0] - 1
+        if first is None:
+            first = chunk_offsets(cu_seqlens)
+        elif first.shape != (N + 1,) or first.dtype != torch.int32 or first.device != device:
+            raise ValueError(f"gated delta rule: chunk_first must be int32 [N+1] = [{N + 1}] on {device}, got "
+                             f"{first.dtype} {tuple(first.shape)}")
+        return N, cu_seqlens.to(torch.int32), first, triton.cdiv(T, C) + N
     cu = [int(c) for c in (cu_seqlens.tolist() if torch.is_tensor(cu_seqlens) else cu_seqlens)]
     if len(cu) < 2 or cu[0] != 0 or cu[-1] != T or any(x > y for x, y in zip(cu, cu[1:])):
         raise ValueError(f"gated delta rule: cu_seqlens must rise from 0 to T = {T} with B = 1, got "
@@ -481,13 +492,14 @@ def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a:
                            dt_bias: torch.Tensor | None = None, state_indices: torch.Tensor | None = None,
                            cu_seqlens=None, scale: float | None = None, use_qk_l2norm: bool = True,
                            block_v: int | None = None, num_warps: tuple[int, int] | None = None,
-                           num_stages: int | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+                           num_stages: int | None = None, out: torch.Tensor | None = None,
+                           chunk_first: torch.Tensor | None = None) -> torch.Tensor:
     """Prefill: the chunk-parallel form, same arguments and result as `fused_recurrent_gated_delta_rule` (the
     state updated in place), plus `cu_seqlens` ([N + 1] offsets: a host list or CPU tensor, checked, or a CUDA
     tensor, taken as it is; then B must be 1 and the T tokens hold N sequences back to back, sequence i using
     state slot state_indices[i] or i; a device cu_seqlens may also start past 0 and leave tokens out, whose output
-    is not written). `out`: the output tensor to write into (contiguous [B, T, Hv, V] in v's dtype). Two launches,
-    no host synchronisation."""
+    is not written; `chunk_first`: its `chunk_offsets`, when already made). `out`: the output tensor to write into
+    (contiguous [B, T, Hv, V] in v's dtype). Two launches, no host synchronisation."""
     B, T, Hk, K = q.shape
     Hv, V = v.shape[-2:]
     raw = A_log is not None
@@ -496,7 +508,7 @@ def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a:
     if cu_seqlens is not None:
         if B != 1:
             raise ValueError(f"gated delta rule: cu_seqlens needs B = 1, got B = {B}")
-        N, cu_t, first_t, n_chunks = _sequence_tables(cu_seqlens, T, dev)
+        N, cu_t, first_t, n_chunks = _sequence_tables(cu_seqlens, T, dev, chunk_first)
     else:
         N, n_chunks = B, B * triton.cdiv(T, C)
         cu_t = first_t = torch.empty(1, dtype=torch.int32, device=dev)  # placeholders
