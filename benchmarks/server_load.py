@@ -162,6 +162,7 @@ def main() -> int:
     ap.add_argument("--warmup", type=float, default=0.2, help="fraction of the run before RSS is taken as settled")
     ap.add_argument("--serve-args", default="", help="more options of sluice serve, e.g. '--kv-cache turboquant4'")
     ap.add_argument("--json", default="benchmarks/results/server_load.json")
+    ap.add_argument("--server-log", help="where the server's stderr goes (default: the JSON's path, .server.log)")
     args = ap.parse_args()
     args.prompts = max(1, args.prompts)
 
@@ -172,7 +173,8 @@ def main() -> int:
            "--log-level", "warning", "--load-format", args.load_format] + (["--model", args.model] if args.model else [])
     cmd += args.serve_args.split()
     env = {**os.environ, "OMP_NUM_THREADS": str(args.server_threads)} if args.device == "cpu" else None
-    server = subprocess.Popen(cmd, env=env)
+    server_log = open(args.server_log or Path(args.json).with_suffix(".server.log"), "w")
+    server = subprocess.Popen(cmd, env=env, stderr=server_log)
     try:
         for _ in range(1200):
             try:
@@ -213,6 +215,7 @@ def main() -> int:
     finally:
         server.terminate()
         server.wait(30)
+        server_log.close()
 
     results, wall = out["results"], out["wall_s"]
     ok = [r for r in results if r.get("error") is None]
@@ -241,9 +244,12 @@ def main() -> int:
         "rss_samples_mib": [[round(t - out["t0"], 1), round(b / 2**20, 1)] for t, b in rss],
         "server_counters": final_health,
         "first_errors": [r["error"] for r in results if r.get("error")][:5],
+        # per request, in the order they ended: when it started (s after the load began), TTFT, latency
+        "timeline": [[round(r["end"] - r["latency"] - out["t0"], 2), r.get("ttft") and round(r["ttft"], 3),
+                      round(r["latency"], 3)] for r in ok],
         "command": " ".join([Path(sys.argv[0]).name] + sys.argv[1:]),
     }
-    print(json.dumps({k: v for k, v in report.items() if k != "rss_samples_mib"}, indent=2))
+    print(json.dumps({k: v for k, v in report.items() if k not in ("rss_samples_mib", "timeline")}, indent=2))
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
     return 0 if report["errors"] == 0 and report["mismatches"] == 0 else 1

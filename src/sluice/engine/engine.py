@@ -27,6 +27,7 @@ or frequency penalties) is read back before the next launch.
 from __future__ import annotations
 
 import itertools
+import logging
 import time
 from dataclasses import dataclass
 
@@ -42,6 +43,7 @@ from sluice.engine.sequence import DECODING, Sequence, TokenConstraint, stop_tex
 from sluice.errors import ContextLengthError, InvalidOptionError, SluiceError
 
 POOL_POSITIONS = 256  # a growing pool's capacity is a multiple of this
+log = logging.getLogger("sluice.engine")
 
 
 class GenerationError(SluiceError):
@@ -187,6 +189,9 @@ class Engine:
 
     def _isolate(self, error: Exception) -> list[StepOutput]:
         suspects = list({id(s): s for s in self._stepping if not s.finished}.values())
+        log.warning("a step of %d sequence(s) failed; %s:", len(suspects),
+                    "they end" if len(suspects) == 1 or all(s.isolated for s in suspects) else "they go on one at a "
+                    "time", exc_info=error)
         self._ahead = None  # its tokens are drawn again: a row's draws depend on (seed, index) alone
         if len(suspects) == 1 or all(s.isolated for s in suspects):
             why = f"{type(error).__name__}: {error}"

@@ -10,6 +10,7 @@ import logging
 import queue
 import sys
 import threading
+import time
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -20,6 +21,7 @@ from sluice.engine.sequence import Sequence
 from sluice.errors import SluiceError
 
 log = logging.getLogger("sluice.server")
+SLOW_STEP_S = 1.0  # a step longer than this is logged (a warning): something compiled, captured or stalled
 
 
 class EngineFailure(RuntimeError):
@@ -173,8 +175,14 @@ class EngineLoop:
             self.counters.aborted += 1
 
     def _step(self) -> None:
+        t0 = time.perf_counter()
         try:
             outputs: list[StepOutput] = self.engine.step()
+            seconds = time.perf_counter() - t0
+            if seconds > SLOW_STEP_S:
+                sched = self.engine.scheduler
+                log.warning("a step took %.2f s (%d running, %d waiting)", seconds, len(sched.running),
+                            len(sched.waiting))
         except Exception as e:
             log.error("engine step failed:\n%s", traceback.format_exc())
             self._fail_all(EngineFailure(f"the engine failed: {type(e).__name__}: {e}"))
