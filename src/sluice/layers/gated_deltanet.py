@@ -96,24 +96,24 @@ class GatedDeltaNet(nn.Module):
                 o[:, t0:t1] = self._reference(mixed[:, t0:t1], b[:, t0:t1], a[:, t0:t1], conv_state[row:row + 1],
                                               state[row:row + 1])
             return o
+        # the segment tables whole (padded to the step's rows): the kernels' compile-time sizes (a power of two of
+        # the segments) stay those of the step's graph, where a count of prompts not seen before would compile
+        # them again mid-serving, for seconds
         D, S = meta.decode_tokens, meta.chunks
-        if meta.static:  # every table whole: the shapes depend on T and the pool's rows only
-            N, segments, chunks, decode_rows = mixed.shape[1], None, None, meta.decode_index
-        else:
-            N, segments, chunks, decode_rows = meta.tokens, D + S, S, meta.rows[:D]
+        N = mixed.shape[1] if meta.static else meta.tokens
         conv = kernels.causal_conv1d(mixed[:, :N], self.conv_weight, conv_state, activation="silu",
-                                     cu_seqlens=meta.cu_seqlens[:None if segments is None else segments + 1],
-                                     state_indices=meta.rows[:segments])[0]
+                                     cu_seqlens=meta.cu_seqlens, state_indices=meta.rows)[0]
         q, k, v = self._split_heads(conv)
         rule = dict(A_log=self.A_log, dt_bias=self.dt_bias, use_qk_l2norm=True)
+        decode_rows = meta.decode_index if meta.static else meta.rows[:D]  # static: every token, -1 = not a decode
         n = decode_rows.shape[0]
         if n:
             one = lambda x: x[0, :n, None]  # noqa: E731  [1, n, ...] -> [n, 1, ...]: one token per sequence
             kernels.fused_recurrent_gated_delta_rule(one(q), one(k), one(v), one(a), one(b), state,
                                                      state_indices=decode_rows, out=one(o), **rule)
         if S or meta.static:
-            cu = meta.chunk_cu[:None if chunks is None else chunks + 1]
-            kernels.chunk_gated_delta_rule(q, k, v, a[:, :N], b[:, :N], state, state_indices=meta.chunk_rows[:chunks],
+            cu = meta.chunk_cu
+            kernels.chunk_gated_delta_rule(q, k, v, a[:, :N], b[:, :N], state, state_indices=meta.chunk_rows,
                                            cu_seqlens=cu, out=o[:, :N],
                                            chunk_first=meta.once("chunk_first", lambda: kernels.chunk_offsets(cu)),
                                            **rule)
