@@ -500,3 +500,14 @@ def test_a_device_error_is_raised(qwen, monkeypatch):
     monkeypatch.setattr(engine.runner, "step", broken)
     with pytest.raises(RuntimeError, match="illegal memory access"):
         engine.step()
+
+
+def test_warmup_leaves_an_idle_engine_that_generates_as_a_fresh_one(qwen):
+    """`Engine.warmup` (the server runs it before it listens): staggered joins and waves of prompts, run to the end;
+    after it every row is free and a request gets the tokens it gets from a fresh engine."""
+    model = qwen.with_engine(max_batch=4, max_seq_len=128)
+    seconds = model.engine.warmup()
+    assert seconds > 0 and not model.engine.has_work()
+    assert model.engine.runner.pool.free_rows == model.engine.runner.pool.rows == 4
+    p = prompts(qwen, n=3, seed=9)[2]
+    assert alone(model, p, 12) == alone(qwen.with_engine(max_batch=4, max_seq_len=128), p, 12)

@@ -149,6 +149,13 @@ class Engine:
                                          stop_ids=(), temperature=float(i % 2), seed=i))
             self.step()
         self.run(seqs)
+        # then a wave: a prompt for every row at once (what many clients starting together send), then a wave
+        # joining a full batch as it decodes
+        for _ in range(2):
+            wave = [self.add_request([(7 * i) % 251] * max(1, min(1 + i % 17, self.max_length - 4)), max_tokens=2,
+                                     stop_ids=(), temperature=float(i % 2), seed=i) for i in range(rows)]
+            self.step()
+        self.run(wave)
         while self.has_work():
             self.step()
         placement = getattr(self.runner.module, "placement", None)
