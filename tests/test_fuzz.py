@@ -214,7 +214,13 @@ def serve() -> None:
     os.environ["OMP_NUM_THREADS"] = "1"
     import torch
 
-    import sluice  # noqa: F401 - imported once, before the forks
+    import gguf  # noqa: F401 - imported once, before the forks (a child then costs a load, not imports)
+    import tokenizers  # noqa: F401
+
+    import sluice  # noqa: F401
+    import sluice.engine.loader  # noqa: F401
+    import sluice.formats.gguf  # noqa: F401
+    import sluice.formats.hf  # noqa: F401
     from sluice.kernels.cpu import lib
 
     torch.set_num_threads(1)

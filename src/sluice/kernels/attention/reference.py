@@ -2,7 +2,6 @@
 
 import torch
 import torch.nn.functional as F
-from torch.nn.attention.bias import causal_lower_right
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
@@ -18,7 +17,9 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -
         mask, causal = None, False
     elif T == S:
         mask, causal = None, True
-    else:
+    else:  # (imported here: torch.nn.attention.bias imports torch._dynamo, seconds at every start)
+        from torch.nn.attention.bias import causal_lower_right
+
         mask, causal = causal_lower_right(T, S), False
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=scale,
                                           enable_gqa=q.shape[1] != k.shape[1])
