@@ -119,9 +119,10 @@ def test_tile_table_matches_a_sort(T, k, experts_, block_m):
     assert used[:len(want)].all() and not used[len(want):].any()
 
 
-@pytest.mark.parametrize("T", [5, 12])
+@pytest.mark.parametrize("T", [5])
 def test_decode_in_expert_order_gives_the_same_bits(T):
-    """The GEMV programs launched in expert order compute every slot as before: the same bits, either way."""
+    """The GEMV programs launched in expert order compute every slot as before: the same bits, either way (the order
+    itself, over several programs: `test_slot_order_is_a_stable_sort_by_expert`)."""
     g = torch.Generator().manual_seed(T)
     gate_up, down = experts(g, 4, 64, 64)
     x = torch.randn(T, H, generator=g).bfloat16().to(DEVICE)
@@ -291,11 +292,11 @@ def sparse_moe(T, n_exp, hidden, inter, k, quantized_router=False):
     return layer.to(DEVICE), torch.randn(T, hidden, generator=g).to(DEVICE)
 
 
-@pytest.mark.parametrize("T,quantized_router", [(1, False), (1, True), (3, True), (37, False)])
-def test_sparse_moe_triton_path_matches_its_reference_path(T, quantized_router):
-    """A decode batch (up to DECODE_MAX_TOKENS tokens) runs the expert GEMVs with the shared expert as an expert
-    slot."""
-    layer, x = sparse_moe(T, E, H, I, 3, quantized_router)
+@pytest.mark.parametrize("T,quantized_router,hidden", [(1, False, H), (1, True, H), (3, True, H), (37, False, 64)])
+def test_sparse_moe_triton_path_matches_its_reference_path(T, quantized_router, hidden):
+    """A decode batch (up to DECODE_MAX_TOKENS tokens; 37: in expert order, a narrower layer to keep the interpreter
+    quick) runs the expert GEMVs with the shared expert as an expert slot."""
+    layer, x = sparse_moe(T, E, hidden, I, 3, quantized_router)
     assert layer._shared_as_expert(mt) is not None
     out = layer._forward_triton(x, mt).combine()  # called directly: forward picks it on CUDA only
     assert rel_err(out, layer._forward_reference(x)) <= 1e-2
