@@ -3,7 +3,7 @@
 import os
 
 # OpenMP worker threads spin while they wait for work (libgomp's default). Beside another busy process on the same
-# cores they steal its time and it steals theirs: on 2 cores demo decode fell from ~30 to 3-5 tok/s (docs/PERF.md).
+# cores they steal its time and it steals theirs: on 2 cores demo decode slowed several-fold (docs/perf-log.md).
 # Waiting threads that sleep keep a shared machine usable. libgomp reads this once, when torch loads it (sluice's
 # native kernels share torch's copy), so it is set here, before anything of sluice imports torch (the CLI, and any
 # program that imports sluice first); the user's own setting wins.

@@ -14,6 +14,10 @@ from sluice.cache import KV_CACHE_KINDS
 from sluice.errors import InvalidOptionError, ModelFileError, SluiceError
 
 
+# sluice serve's default cache rows: a GPU serves many clients at once; on the CPU 16 rows of 4,096 fp32 positions of
+# the demo model already hold 3 GB
+SERVE_MAX_BATCH_GPU, SERVE_MAX_BATCH_CPU = 64, 16
+
 def _add_model_args(p: argparse.ArgumentParser):
     p.add_argument("--model", "-m", default=None, help="GGUF file or model directory (default: the demo model)")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
@@ -261,7 +265,10 @@ def cmd_serve(args) -> int:
     if config.api_key is None and config.host not in ("127.0.0.1", "localhost", "::1"):
         print(f"sluice: warning: serving on {config.host} without --api-key: anyone who can reach it may use it",
               file=sys.stderr)
-    options = {"max_batch": args.max_batch, "graphs": not args.no_graphs, **_prefill_options(args)}
+    if args.max_batch is not None and args.max_batch < 1:
+        raise InvalidOptionError(f"--max-batch {args.max_batch}: use a positive number of sequences (default: 64 on "
+                                 "a GPU, 16 on the CPU).")
+    options = {"graphs": not args.no_graphs, **_prefill_options(args)}
     if args.no_overlap:
         options["overlap"] = False
     if args.load_format != "auto":
@@ -271,8 +278,9 @@ def cmd_serve(args) -> int:
         raise InvalidOptionError(f"--max-seq-len {args.max_seq_len} is more than the model's context window "
                                  f"({model.context_length} positions); use at most {model.context_length}.")
     max_seq_len = args.max_seq_len or min(model.context_length, 4096)
-    model = model.with_engine(max_seq_len=max_seq_len)
-    print(f"sluice: serving {model.path.name} on http://{config.host}:{config.port}/v1 ({args.max_batch} sequences "
+    max_batch = args.max_batch or (SERVE_MAX_BATCH_GPU if model.device.type == "cuda" else SERVE_MAX_BATCH_CPU)
+    model = model.with_engine(max_seq_len=max_seq_len, max_batch=max_batch)
+    print(f"sluice: serving {model.path.name} on http://{config.host}:{config.port}/v1 ({max_batch} sequences "
           f"of up to {max_seq_len} positions{', API key required' if config.api_key else ''})", file=sys.stderr)
     serve(model, config)
     return 0
@@ -361,7 +369,9 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on every endpoint but "
                      "/health (default: $SLUICE_API_KEY, else none)")
     srv.add_argument("--served-model-name", default=None, help="the model's name in the API (default: its file name)")
-    srv.add_argument("--max-batch", type=int, default=16, help="sequences decoding together (cache rows)")
+    srv.add_argument("--max-batch", type=int, default=None,
+                     help=f"sequences decoding together, cache rows (default: {SERVE_MAX_BATCH_GPU} on a GPU, "
+                          f"{SERVE_MAX_BATCH_CPU} on the CPU, whose caches are fp32)")
     srv.add_argument("--max-seq-len", type=int, default=None,
                      help="positions per sequence, prompt + output (default: the context window, at most 4096)")
     _add_prefill_args(srv)

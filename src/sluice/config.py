@@ -13,7 +13,8 @@ GRAPH_BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64, 128)
 # step computes at most a fifth more tokens than it holds
 GRAPH_TOKEN_SIZES = (16, 32, 48, 64, 80, 96, 128, 160, 192, 256, 320, 384, 512, 640, 768, 1024, 1280, 1536, 2048,
                      2560, 3072, 4096)
-GPU_PREFILL_CHUNK = 4096  # every chunk reads all the experts: bigger chunks prefill faster (docs/PERF.md, "prefill")
+# every chunk reads all the experts: bigger chunks prefill faster (docs/perf-log.md, 2026-11-25 "prefill chunks")
+GPU_PREFILL_CHUNK = 4096
 CPU_PREFILL_CHUNK = 512
 GPU_DECODE_PREFILL_CHUNK = CPU_DECODE_PREFILL_CHUNK = 512
 WHOLE_GRAPH_TOKENS = 256  # flat steps up to this many tokens: one whole graph each (`EngineConfig.whole_graph_tokens`)

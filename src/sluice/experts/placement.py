@@ -4,7 +4,8 @@ each MoE layer keeps on the device.
 Decided twice: before loading (`streams`), from the checkpoint's tensor sizes, whether the routed experts must
 stay in host memory (then the loader reads them there, never to the device); after building (`place`), from
 what the rest of the model really takes, the slots per layer. Below 3 x top-k slots per layer an LRU cache hits
-almost nothing (docs/PERF.md, issue #27), so a smaller budget is refused, naming the smallest that works."""
+almost nothing (docs/perf-log.md, 2026-11-25 "streamed experts"), so a smaller budget is refused, naming the
+smallest that works."""
 
 from __future__ import annotations
 

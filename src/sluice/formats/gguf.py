@@ -142,8 +142,8 @@ def _reader_class():
     from gguf import GGUFReader
 
     class Reader(GGUFReader):
-        """GGUFReader over a plain ndarray view of the same memory map: numpy's memmap subclass costs ~1 us of
-        bookkeeping per view, and parsing a 49k-token vocabulary makes ~10^6 views (2x faster loading)."""
+        """GGUFReader over a plain ndarray view of the same memory map: numpy's memmap subclass costs
+        bookkeeping per view, and parsing a 49k-token vocabulary makes about a million views."""
 
         @property
         def data(self):

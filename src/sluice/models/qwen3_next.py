@@ -1,6 +1,6 @@
 """Qwen3-Next (`qwen3_next`) and Qwen3.5/3.6-MoE (`qwen3_5_moe`, text only): Gated DeltaNet layers interleaved
-with gated full attention, sparse MoE with a sigmoid-gated shared expert. HF transformers' math, torch reference
-path (CPU and GPU through PyTorch).
+with gated full attention, sparse MoE with a sigmoid-gated shared expert. HF transformers' math; the layers pick
+their Triton kernels on CUDA and the torch references elsewhere.
 
 Checkpoint layouts undone at load: Qwen3-Next's interleaved in_proj_qkvz/in_proj_ba (reordered into Qwen3.5's
 separate order), per-expert tensors (stacked), HF conv1d [C, 1, W], HF's zero-centred norms (1 + w).

@@ -25,7 +25,9 @@ from sluice.kernels.turboquant import triton as tq_triton
 SOURCE = Path(__file__).with_name("tq_decode.cu")
 WARPS = 4
 BLOCK = 32  # positions a warp takes at a time
-STAGES = 2  # blocks a warp has in flight (cp.async); 3 measured slower everywhere (docs/PERF.md)
+# blocks a warp has in flight (cp.async); 3 measured slower everywhere (docs/perf-log.md, 2026-11-25 "attention,
+# CUDA C")
+STAGES = 2
 Q_PARTS = 2  # q as two int8 parts (15 bits), as the Triton kernel
 RECENT_SPLIT = 16  # newest positions a recent split takes (4 a warp)
 RECENT_COST = 6  # a recent position costs a warp about as much as this many coded ones (fp32 FMAs, shuffles)

@@ -9,8 +9,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -
 
     Query t (absolute position S - T + t) sees keys 0 .. S - T + t. Hq must be a multiple of Hkv; query head h
     reads kv head h // (Hq / Hkv). A later chunk (T < S) is causal aligned to the bottom right, which the flash
-    backend runs as it is: a materialized mask would take cuDNN's backend on an H100, which builds a new plan,
-    tens of ms on the host, for every new key count (docs/PERF.md, prefill).
+    backend runs as it is: a materialized mask would take cuDNN's backend on an H100, which builds a new plan
+    on the host, a slow step, for every new key count (docs/perf-log.md, prefill).
     """
     T, S = q.shape[2], k.shape[2]
     if T == 1:

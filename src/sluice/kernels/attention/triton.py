@@ -305,7 +305,7 @@ def _merge_splits_kernel(op_ptr, ml_ptr, o_ptr, sign_ptr, rot_ptr, cnt_ptr, gate
     usual case) all partial outputs in one round trip. UNROTATE (TurboQuant): the merged block goes to rot
     (fp32 [query heads, D]) and the program of the KV head's G query heads that finishes last (a counter per KV
     head, zeroed by the split kernel) reads their rows back and rotates them, R^T o = (o H) * signs / sqrt(D).
-    (One program per query head doing both, as before, took 6-16 us on an H100: few programs, each reading
+    (One program per query head doing both, as before, was several times slower: few programs, each reading
     every split's D partials, and a one-row rotation.) GATE: the output times sigmoid(gate) (`_gated`)."""
     pdl_start(PDL)
     row = tl.program_id(0)
@@ -383,10 +383,9 @@ def _level_table(device) -> torch.Tensor:
 def num_splits(batch_heads: int, visible: int, device, block_n: int = 64, min_per_split: int | None = None,
                per_sm: int = 2, one_wave: bool = False) -> int:
     """Enough splits for about `per_sm` programs per multiprocessor, each with >= `min_per_split` positions
-    (default two blocks: at 4k positions, batch 1, 2 KV heads, 64 splits of 64 instead of 16 of 256 make D = 256
-    decode ~1.5x faster on an H100, benchmarks/results/attention_gpu_sweep_h100.json). `one_wave`: at most that
-    many, never a few more (for a kernel that holds `per_sm` programs per SM: TurboQuant at batch 16, 32k, 8 splits
-    of the 2-KV-head D = 256 shape took 199 us, the 9 that spill into a second wave 263 us;
+    (default two blocks: at 4k positions and batch 1 many short splits beat a few long ones, the multiprocessors
+    busy; benchmarks/results/attention_gpu_sweep_h100.json). `one_wave`: at most that many, never a few more (for a
+    kernel that holds `per_sm` programs per SM, splits that spill into a second wave cost a whole wave more;
     benchmarks/results/attention_tq_sweep_h100.json)."""
     min_per_split = min_per_split or 2 * block_n
     sms = num_sms(device)
@@ -447,8 +446,8 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, position
         raise ValueError(f"decode attention: gate must be [{B}, {Hq}, {D}] in the output dtype with a unit last "
                          f"stride, got {gate.dtype} {tuple(gate.shape)}")
     # positions per step (the H100 sweeps of benchmarks/attention_gpu.py): K and V tiles of D = 256 rows fill
-    # shared memory; the codes are a quarter of the bytes, 128 positions a step unless splits are short (D = 128:
-    # one block, 4k at batch 1: 19.3 -> 16.1 us with two of 64; benchmarks/results/attention_tq_sweep2_h100.json)
+    # shared memory; the codes are a quarter of the bytes, 128 positions a step unless splits are short (where two
+    # blocks of 64 keep more programs busy; benchmarks/results/attention_tq_sweep2_h100.json)
     use_cuda = quant and cuda_kernel and not INTERPRET and tq_cuda.applies(q, k, v, k_scale, v_scale, k_recent,
                                                                            v_recent, positions, rows)
     # the launch is planned for the batch rounded up to a power of two: the kernels' compile-time sizes then take
@@ -464,7 +463,7 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, position
         ns = splits or num_splits(Bp * Hkv, visible, q.device, block_n or 64, per_sm=3 if D <= 128 else 2,
                                   one_wave=True)
         block_n = block_n or (128 if triton.cdiv(visible, ns) >= (256 if D <= 128 else 2048) else 64)
-        # long splits stream: a third block in flight (batch 16, 32k, D = 256: 190 -> 176 us; short ones lose;
+        # long splits stream: a third block in flight hides the loads (short ones lose;
         # benchmarks/results/attention_tq_sweep3_h100.json)
         num_stages = num_stages or (3 if triton.cdiv(visible, ns) >= 2048 else 2)
     else:
@@ -512,8 +511,8 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, position
         BD //= 2
     sb = min(nsp, max(1, merge_elems // BD))
     signs = _tables(D, q.device)[0] if unrotate else dummy
-    # a warp per 2048 values loaded at once: the merge is one round trip, and fewer warps start sooner (H100, 32k
-    # batch 1, the merge alone: D = 128 2.2 -> 1.8 us with 128 programs of 1 warp, D = 256 2.6 -> 2.3 with 4);
+    # a warp per 2048 values loaded at once: the merge is one round trip, and fewer warps start sooner (measured
+    # on the merge alone at 32k, batch 1, both head dims);
     # with unrotate the last program also rotates G rows of D on tensor cores, which wants 4-8 warps
     warps = (8 if sb * BD >= 8192 else 4) if unrotate else max(1, min(8, sb * BD // 2048))
     g = o if gate is None else gate

@@ -10,7 +10,8 @@ import torch
 import triton
 import triton.language as tl
 
-FILL_BLOCK, FILL_WARPS = 1024, 4  # words per program of `fill`, its warps (docs/PERF.md, "streamed experts")
+# words per program of `fill`, its warps (docs/perf-log.md, 2026-11-25 "streamed experts")
+FILL_BLOCK, FILL_WARPS = 1024, 4
 
 
 @triton.jit

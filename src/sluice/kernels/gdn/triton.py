@@ -279,8 +279,8 @@ def _chunk_prep_kernel(q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, alog_ptr, dtb_ptr, cu_
     (I + A)^-1 goes through scratch memory: A there (one dot for all of it), the four 16x16 diagonal blocks
     inverted at once by forward substitution (a row read back per step), the blocks below from
     X_ij = -X_ii sum_{j<=m<i} A_im X_mj, then read back whole for the w and u products. The first value head of
-    each key head stores 1/|k| for the scan. ASM (on a GPU, measured on the H100: 531 -> 450 us at T = 16384 with
-    the one-axis grid): v is prefetched into L1 at the start (it is needed only after the solve) and the dead
+    each key head stores 1/|k| for the scan. ASM (on a GPU; faster on the H100 at long prompts): v is prefetched
+    into L1 at the start (it is needed only after the solve) and the dead
     scratch lines are dropped from L2 at the end instead of being written back to memory."""
     c = tl.program_id(0) // HV
     h = tl.program_id(0) % HV
@@ -364,7 +364,7 @@ def _chunk_prep_kernel(q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, alog_ptr, dtb_ptr, cu_
         tl.debug_barrier()
         ai = tl.load(scr + rows[:, None] * 64 + rows[None, :], mask=rows[:, None] // 16 >= rows[None, :] // 16,
                      other=0.0)
-        # bf16 operands, as FLA: tf32 here was 1.5x slower for the kernel on the H100, output error 2.9e-3 vs 3.3e-3
+        # bf16 operands, as FLA: tf32 here made the kernel slower on the H100 for no better output error
         w = _dot(ai, k.to(tl.float32) * (beta * tl.exp(G) * rk)[:, None], PREC, BF16)
         _store_rows(wq_ptr + (h % RATIO) * K, rows, ok, kh, stride_wt, stride_wh, offs_k, k_ok, w)
         offs_v = tl.arange(0, BV)
@@ -531,7 +531,7 @@ def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a:
     varlen = cu_seqlens is not None
     scale = K ** -0.5 if scale is None else scale
     use_pdl = pdl(dev)
-    w_prep, w_scan = num_warps or (4, 4)  # measured on the H100 (prep with 8 warps: 1.8x slower)
+    w_prep, w_scan = num_warps or (4, 4)  # measured on the H100 (prep with 8 warps: slower)
     _chunk_prep_kernel[(n_chunks * Hv,)](
         q2, k2, v2, a2, b2, A_log if raw else a2, dt_bias if raw else a2, cu_t, first_t,
         G, rk, wq, u, p, scratch, N, T, triton.cdiv(T, C), scale,
@@ -550,7 +550,7 @@ def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a:
         o2.stride(1),
         RATIO=Hv // Hk, K=K, V=V, BK=BK, BV=bv, C=C, VARLEN=varlen, HAS_IDX=state_indices is not None,
         L2NORM=use_qk_l2norm, PREC=prec, BF16=dot16, PDL=use_pdl, launch_pdl=use_pdl, num_warps=w_scan,
-        # 3 stages measured best on the H100 (scan 569 vs 705 us at T = 16384); K = 256 fits only 2 in shared
+        # 3 stages measured best on the H100 at long prompts; K = 256 fits only 2 in shared
         # memory. Stages 1 with bf16 dots gave illegal addresses there (Triton 3.6): not used
         num_stages=num_stages or ((3 if BK <= 128 else 2) if dot16 else 1))
     return o

@@ -184,7 +184,8 @@ def grouped_gemm(a, a_div, qt, c, table, swiglu, block_m, config: GemmConfig):
 def prefill_configs(rows: float) -> tuple[int, GemmConfig, GemmConfig]:
     """(block_m, gate_up's config, down's) for experts that average `rows` rows. Tiles as tall as the rows an
     expert has: each tile makes its expert's weights once for all its rows. Below 24 rows, gate_up stacks its gate
-    and up rows in one tile. From the H100 sweeps at 512 to 4,096 tokens (docs/PERF.md, 2026-11-26 prefill)."""
+    and up rows in one tile. From the H100 sweeps at 512 to 4,096 tokens (docs/perf-log.md, 2026-11-26 "prefill,
+    session 2")."""
     if rows >= 64:
         return 128, GemmConfig(), GemmConfig(128, num_stages=4)
     if rows >= 24:

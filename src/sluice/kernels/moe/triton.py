@@ -31,9 +31,9 @@ from sluice.quant.affine import QuantizedTensor
 MAX_TOP_K = 16
 MAX_EXPERTS = 1024
 DECODE_MAX_TOKENS = 128  # up to this many tokens (decode batches) the indexed GEMVs, one expert read per slot;
-# beyond, the grouped GEMMs (docs/PERF.md, "engine")
+# beyond, the grouped GEMMs (docs/perf-log.md, 2026-11-25 "engine")
 ORDER_MIN_TOKENS = 32  # from this many tokens the expert GEMVs run in expert order (`slot_order`); below, few
-# slots share an expert and the sort costs what it saves (docs/PERF.md, "small batches")
+# slots share an expert and the sort costs what it saves (docs/perf-log.md, 2026-11-25 "engine, second session")
 
 
 # ---------------------------------------------------------------------------------------------------- router
@@ -163,11 +163,10 @@ def swiglu_prep(y: torch.Tensor, bits: int, group_size: int) -> torch.Tensor:
 
 def expert_block_n(N: int, K: int, bits: int, rows: int) -> int:
     """Rows per program of an expert GEMV ([N, K] per expert, `rows` slots): 8, or 16 when a row is one short step
-    (<= 64 packed words). From the H100 sweep at the decode shapes (11 slots; docs/PERF.md 2026-11-25, "GEMV and
-    MoE decode"): Qwen3.5 gate_up 19.7 us with 8 rows against 22.4 / 24.2 with 4 / 16, down 11.5 against
-    15.7 / 13.0; Qwen3-Next gate_up 6.0 against 7.7 / 7.8, down (64 words a row) 4.0 with 16 rows against 4.5
-    with 8. The grid-filling rule of dense GEMVs (`qmm.gemv_block_n`, which takes N and rows) picked 16 / 4 / 8
-    rows there: the layer was 1.0-1.9 us slower with it."""
+    (<= 64 packed words). From the H100 sweep at the decode shapes (11 slots; docs/perf-log.md 2026-11-25, "GEMV
+    and MoE decode"): 8 rows were fastest for every Qwen3.5 and Qwen3-Next expert GEMV but Qwen3-Next's down (64
+    words a row), where 16 were. The grid-filling rule of dense GEMVs (`qmm.gemv_block_n`, which takes N and rows)
+    picked other sizes there and made the layer slower."""
     return 16 if K * bits // 32 <= 64 else 8
 
 

@@ -205,7 +205,7 @@ def qmatmul(x: torch.Tensor, qt) -> torch.Tensor:
     M = x.shape[0]
     if M <= GEMV_MAX_ROWS:
         return qgemv(x, qt)
-    if M <= 64:  # swapped: W the wide side (docs/PERF.md, small batches)
+    if M <= 64:  # swapped: W the wide side (docs/perf-log.md, 2026-11-25 "engine, second session")
         return qgemm(x, qt, block_m=max(16, triton.next_power_of_2(M)), block_n=64, block_k=128, num_warps=4,
                      num_stages=4)
     if M < DEQUANT_GEMM_ROWS or INTERPRET:

@@ -31,7 +31,7 @@ SUPPORTED_GROUPS = (32, 64, 128)
 X_INT_MAX = 32767  # x is rounded to int16 per group: x ~= xq * amax / X_INT_MAX
 _X_INT_MAX = tl.constexpr(X_INT_MAX)
 # `_gemv_kernel`'s PREFETCH where the weights may be read before the dependency wait (0 no, 1 into L2, 2 into
-# registers), dense and MoE expert GEMVs: defaults from the H100 sweeps (docs/PERF.md); `prefetch=` overrides.
+# registers), dense and MoE expert GEMVs: defaults from the H100 sweeps (docs/perf-log.md); `prefetch=` overrides.
 GEMV_PREFETCH = 2
 GEMV_PREFETCH_INDEXED = 2
 
@@ -481,13 +481,12 @@ def gemv_block_n(N: int, rows: int, device=None) -> int:
 
 
 def gemv_plan(N: int, K: int, bits: int, group_size: int, rows: int, device=None) -> tuple[int, int, bool]:
-    """(block_n, num_warps, raw_x) of a dense GEMV, from H100 sweeps (docs/PERF.md, 2026-11-25, "GEMV and MoE
-    decode"):
+    """(block_n, num_warps, raw_x) of a dense GEMV, from H100 sweeps (docs/perf-log.md, 2026-11-25, "GEMV and
+    MoE decode"):
     - long (more than ~3 waves of 4-row programs: the lm_heads): x prepared by its own launch, which is then
       nothing beside the GEMV, while preparing it in every program costs instructions at full bandwidth;
     - short rows of many words (an expert-sized gate_up): one step covers the row, the warps split it, 16 rows
-      a program between them (2048 x 4096: 4 rows x 4 warps 3.3-3.6 us against 4.3 for 2 x 4; 1024 x 2048:
-      8 x 2 2.0 against 2.2 for 4 x 2);
+      a program between them (faster than two rows a warp at both expert shapes of the sweep);
     - else one warp per program and the fewest rows per program (8 or 16) that keep the grid to one wave
       (~12 programs per multiprocessor at the registers the in-kernel x prep takes)."""
     sms = num_sms(device)

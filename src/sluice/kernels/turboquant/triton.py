@@ -273,8 +273,8 @@ def append_chunk(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_codes, v_c
 
 
 def _warps(D: int) -> int:
-    """These one-program launches are compute-bound: at D = 256, 8 warps took the step's append + rotate from 36.5
-    to 20.9 us (ncu, H100), 2 warps 90 us."""
+    """These one-program launches are compute-bound: at D = 256 more warps finish the step's append + rotate sooner
+    (ncu, H100; docs/perf-log.md)."""
     return 8 if D >= 128 else 4
 
 
