@@ -25,13 +25,11 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from qmatmul_gpu import end_run, L2_BYTES, copy_bandwidth, graph_time, start_run  # noqa: E402
-from sluice.cache.turboquant import RECENT  # noqa: E402
-from sluice.kernels.attention.triton import decode_attention, num_splits  # noqa: E402
-from sluice.kernels.turboquant import reference as tq  # noqa: E402
-from sluice.kernels.turboquant.triton import decode_step_prep, rotate  # noqa: E402
+from .gpu import end_run, L2_BYTES, copy_bandwidth, graph_time, start_run
+from sluice.cache.turboquant import RECENT
+from sluice.kernels.attention.triton import decode_attention, num_splits
+from sluice.kernels.turboquant import reference as tq
+from sluice.kernels.turboquant.triton import decode_step_prep, rotate
 
 SHAPES = {"qwen3-next 16q/2kv D256": (16, 2, 256), "8kv D128 (32q)": (32, 8, 128)}
 CONTEXTS = [4096, 32768, 131072]
@@ -242,8 +240,8 @@ def append_time(res):
             print(f"append {res['append'][-1]}", flush=True)
 
 
-def main():
-    a, dev, res = start_run("correctness", "timings", "errors", "sweep", "append", flags=("--sweep", "--tq-sweep"),
+def main(argv=None) -> dict:
+    a, dev, res = start_run(argv, "correctness", "timings", "errors", "sweep", "append", flags=("--sweep", "--tq-sweep"),
                             values=("--contexts",))
     contexts = [int(c) for c in a.contexts.split(",")] if a.contexts else CONTEXTS
     copy_bw = copy_bandwidth(dev)
@@ -284,8 +282,5 @@ def main():
                   f"{r['ours_bf16_us'] / r.get('kernel_turboquant4_us', float('nan')):8.2f}x "
                   f"{r.get('kernel_turboquant4_triton_us', float('nan')):7.1f} "
                   f"{r['step_bf16_us']:9.1f} {r['step_turboquant4_us']:8.1f}")
-        end_run(a, res)
-
-
-if __name__ == "__main__":
-    main()
+        end_run(res)
+    return res

@@ -14,9 +14,8 @@ import sys
 import time
 from pathlib import Path
 
-sys.path[:0] = [str(Path(__file__).parents[1] / "tests"), str(Path(__file__).parents[1] / "src")]
 
-from test_fuzz import ACCEPTED, OUTCOMES, Runner, build_bases, campaign  # noqa: E402
+from test_fuzz import ACCEPTED, OUTCOMES, Runner, build_bases, campaign
 
 
 def main() -> int:

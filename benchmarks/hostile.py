@@ -23,9 +23,8 @@ from pathlib import Path
 
 import httpx
 
-sys.path.insert(0, str(Path(__file__).parent))
-from server_load import rss_bytes  # noqa: E402
-from soak import start_server  # noqa: E402
+from server_load import rss_bytes
+from soak import start_server
 
 KEY = "hostile-key"
 MODEL = "SmolLM2-135M-Instruct.Q4_1"

@@ -18,11 +18,10 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).parent))
-from common import public_text  # noqa: E402
+from .common import public_text
 
-import sluice  # noqa: E402
-from sluice.cache import KV_CACHE_KINDS  # noqa: E402
+import sluice
+from sluice.cache import KV_CACHE_KINDS
 
 
 def perplexity(logits: torch.Tensor, ids: list[int]) -> float:

@@ -18,10 +18,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-sys.path.insert(0, str(Path(__file__).parent))
-from common import llama_cpp_model, public_text  # noqa: E402
+from .common import llama_cpp_model, public_text
 
-import sluice  # noqa: E402
+import sluice
 
 
 def perplexity(logits: np.ndarray, ids: list[int]) -> float:

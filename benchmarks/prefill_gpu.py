@@ -18,8 +18,7 @@ import torch
 
 import sluice
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from engine_gpu import kernel_profile  # noqa: E402
+from .engine_gpu import kernel_profile
 
 
 def main() -> int:

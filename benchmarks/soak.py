@@ -28,8 +28,7 @@ from pathlib import Path
 
 import httpx
 
-sys.path.insert(0, str(Path(__file__).parent))
-from server_load import free_port, prompt_list, rss_bytes  # noqa: E402
+from server_load import free_port, prompt_list, rss_bytes
 
 PLAIN = {"temperature": 0}
 KINDS = {  # name -> (path, extra body, streamed, deterministic)
