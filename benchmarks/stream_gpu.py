@@ -122,7 +122,7 @@ def greedy(model, prompts, n):
     return [model.generate(p, max_tokens=n, temperature=0) for p in prompts]
 
 
-def main() -> int:
+def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--config", required=True)
     ap.add_argument("--gpu-memory", required=True)
@@ -134,8 +134,7 @@ def main() -> int:
     ap.add_argument("--disk", type=Path, default=None,
                     help="write the dummy checkpoint here (MLX layout) and stream the experts from these files")
     ap.add_argument("--disk-steps", type=int, default=24)
-    ap.add_argument("--json", type=Path)
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     dev = torch.device("cuda")
     cfg = config_path(args.config, args.layers)
     out = {"config": args.config, "layers": args.layers, "gpu_memory": args.gpu_memory,
@@ -218,10 +217,6 @@ def main() -> int:
     print(f"peak host RSS {out['peak_rss_gb']:.1f} GB; peak GPU memory reserved {out['peak_gpu_gb']:.1f} GB, "
           f"allocated {out['peak_gpu_allocated_gb']:.1f} GB "
           f"(budget {out['budget_gb']:.1f} GB)", flush=True)
-    if args.json:
-        args.json.write_text(json.dumps(out, indent=2))
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())
+    if args.check_greedy:
+        out["ok"] = out["greedy_identical"]
+    return out
