@@ -1,7 +1,7 @@
 """Decode attention on the GPU: our split-K Triton kernel on the dense bf16 cache and on the TurboQuant 4-bit cache,
 against PyTorch SDPA (bf16, GQA) and against the bandwidth floor.
 
-    python benchmarks/attention_gpu.py [--json out.json] [--sweep | --tq-sweep] [--contexts 32768,...]
+    python -m benchmarks run attention_gpu [--json out.json] [--sweep | --tq-sweep] [--contexts 32768,...]
 
 (--sweep: launch options at 32k after the table; --tq-sweep: only the checks, the appends and the TurboQuant sweep.)
 
@@ -18,9 +18,7 @@ Correctness first, at real shapes, against fp32 attention over the same (dequant
 from __future__ import annotations
 
 import math
-import sys
 import traceback
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F

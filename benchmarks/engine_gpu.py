@@ -2,14 +2,13 @@
 real config, dense and TurboQuant KV, batch 1 with graphs and eagerly, and batches of distinct prompts; the HBM floor
 beside each figure, and the kernels of each batch's replayed decode step.
 
-    PYTHONPATH=src python benchmarks/engine_gpu.py --config benchmarks/configs/qwen3-next-80b-a3b.json --json out.json
+    PYTHONPATH=src python -m benchmarks run engine_gpu --config benchmarks/configs/qwen3-next-80b-a3b.json --json out.json
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import sys
 import time
 
 import torch

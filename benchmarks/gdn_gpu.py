@@ -1,6 +1,6 @@
 """Gated DeltaNet on the GPU: our Triton kernels vs FLA 0.6.0 (`fla-core`, carried as a wheel), same inputs.
 
-    python benchmarks/gdn_gpu.py [--json out.json]
+    python -m benchmarks run gdn_gpu [--json out.json]
 
 Qwen3-Next-80B-A3B's linear-attention shape: 16 key heads, 32 value heads, K = V = 128, bf16 inputs, fp32 state.
 - correctness: ours and FLA's against the fp32 torch reference (relative RMS of the output and final state);
@@ -20,9 +20,7 @@ adds the stages=1 sweep, which broke the CUDA context on the H100 (so it runs la
 from __future__ import annotations
 
 import os
-import sys
 import traceback
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F

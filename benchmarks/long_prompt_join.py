@@ -2,7 +2,7 @@
 before and while a long prompt prefills in chunks beside them, and that prompt's time to first token, for each
 `decode_prefill_chunk` given (the prompt tokens a step prefills at most while sequences decode in it).
 
-    PYTHONPATH=src python benchmarks/long_prompt_join.py --model benchmarks/configs/qwen3-next-80b-a3b.json \\
+    PYTHONPATH=src python -m benchmarks run long_prompt_join --model benchmarks/configs/qwen3-next-80b-a3b.json \\
         --load-format dummy --running 8 --prompt-tokens 32768 --decode-prefill-chunk 256 512 1024 --json out.json
 
 Steps are timed on the host around `Engine.step()` with the device synchronised before and after (with overlap a
@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import sys
 import time
 

@@ -1,6 +1,6 @@
 """Sparse MoE block on the GPU: our Triton kernels vs the memory-bandwidth floor (decode) and cuBLAS bf16 (prefill).
 
-    python benchmarks/moe_gpu.py [--json out.json] [--decode-only] [--chain-only] [--quick] [--gemv-sweep]
+    python -m benchmarks run moe_gpu [--json out.json] [--decode-only] [--chain-only] [--quick] [--gemv-sweep]
         [--prefill-only]
 
 One run, at Qwen3-Next-80B-A3B and Qwen3.5-397B-A17B shapes (4-bit g64 experts and shared expert; router and
@@ -27,10 +27,7 @@ Each case runs in try/except: an error is printed and recorded and the run goes 
 
 from __future__ import annotations
 
-import json
-import sys
 import traceback
-from pathlib import Path
 
 import torch
 

@@ -1,7 +1,7 @@
 """Prefill on the GPU machine (issue #29): time to first token and prefill tokens/s of one prompt, for several
 prefill chunk sizes (the prompt tokens one step's forward takes), and the peak GPU memory of each.
 
-    PYTHONPATH=src python benchmarks/prefill_gpu.py --config benchmarks/configs/qwen3-next-80b-a3b.json \\
+    PYTHONPATH=src python -m benchmarks run prefill_gpu --config benchmarks/configs/qwen3-next-80b-a3b.json \\
         --prompts 4096 --chunks 512,2048,4096,8192 --json out.json
 
 A dummy-weight model of the config, distinct random prompts (`Model.bench`: TTFT warm is the second of two runs).
@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
-from pathlib import Path
 
 import torch
 

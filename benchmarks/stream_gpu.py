@@ -7,7 +7,7 @@ host-to-device bytes a step, the placement, and peak host RSS and GPU memory aga
 --check-greedy the greedy tokens of the streamed model are compared with the same model fully resident (when that
 fits the GPU). With --layers N the config is cut to its first N layers (a slice of a model too big for the host).
 
-    PYTHONPATH=src python benchmarks/stream_gpu.py --config benchmarks/configs/qwen3.5-122b-a10b.json \\
+    PYTHONPATH=src python -m benchmarks run stream_gpu --config benchmarks/configs/qwen3.5-122b-a10b.json \\
         --gpu-memory 24GiB --json out.json
 """
 
@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import os
 import resource
 import tempfile
 import time
@@ -24,8 +25,18 @@ from pathlib import Path
 import torch
 
 import sluice
-from disk_read import evict
 from sluice.engine.bench import copy_bandwidth
+
+
+def evict(paths) -> None:
+    """Drop the files from the OS page cache (written pages flushed first), so the next reads come from the disk."""
+    for p in paths:
+        fd = os.open(p, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
 
 
 def _timed(fn, repeats: int = 6) -> float:
