@@ -176,12 +176,12 @@ def side_by_side(ours: dict, base: dict, ref: str) -> str:
 def run(argv: list[str]) -> int:
     name, out, base, own = parse(argv)
     bench = lookup(name)
-    missing = [p for p in bench.pythonpath if str(ROOT / p) not in sys.path]
-    if missing and not os.environ.get("SLUICE_BENCH_CHILD"):
-        # a benchmark that needs, say, tests/ importable runs in a child with it on PYTHONPATH (no sys.path edits)
+    if bench.pythonpath and not os.environ.get("SLUICE_BENCH_CHILD"):
+        # a benchmark that needs, say, tests/ importable runs in a child with it on PYTHONPATH (the import path is
+        # never edited in process)
         with tempfile.TemporaryDirectory() as tmp:
             path = Path(out) if out else Path(tmp) / "record.json"
-            status = child(name, own, path, None, tuple(missing))
+            status = child(name, own, path, None, bench.pythonpath)
             if not out and path.exists():
                 print(json.dumps(json.loads(path.read_text())["figures"], default=str)[:4000])
         return status
