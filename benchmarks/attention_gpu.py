@@ -1,7 +1,7 @@
 """Decode attention on the GPU: our split-K Triton kernel on the dense bf16 cache and on the TurboQuant 4-bit cache,
 against PyTorch SDPA (bf16, GQA) and against the bandwidth floor.
 
-    python benchmarks/attention_gpu.py [--json out.json] [--sweep | --tq-sweep] [--contexts 32768,...]
+    python -m benchmarks run attention_gpu [--json out.json] [--sweep | --tq-sweep] [--contexts 32768,...]
 
 (--sweep: launch options at 32k after the table; --tq-sweep: only the checks, the appends and the TurboQuant sweep.)
 
@@ -18,20 +18,16 @@ Correctness first, at real shapes, against fp32 attention over the same (dequant
 from __future__ import annotations
 
 import math
-import sys
 import traceback
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from qmatmul_gpu import end_run, L2_BYTES, copy_bandwidth, graph_time, start_run  # noqa: E402
-from sluice.cache.turboquant import RECENT  # noqa: E402
-from sluice.kernels.attention.triton import decode_attention, num_splits  # noqa: E402
-from sluice.kernels.turboquant import reference as tq  # noqa: E402
-from sluice.kernels.turboquant.triton import decode_step_prep, rotate  # noqa: E402
+from .gpu import end_run, L2_BYTES, copy_bandwidth, graph_time, start_run
+from sluice.cache.turboquant import RECENT
+from sluice.kernels.attention.triton import decode_attention, num_splits
+from sluice.kernels.turboquant import reference as tq
+from sluice.kernels.turboquant.triton import decode_step_prep, rotate
 
 SHAPES = {"qwen3-next 16q/2kv D256": (16, 2, 256), "8kv D128 (32q)": (32, 8, 128)}
 CONTEXTS = [4096, 32768, 131072]
@@ -242,8 +238,8 @@ def append_time(res):
             print(f"append {res['append'][-1]}", flush=True)
 
 
-def main():
-    a, dev, res = start_run("correctness", "timings", "errors", "sweep", "append", flags=("--sweep", "--tq-sweep"),
+def main(argv=None) -> dict:
+    a, dev, res = start_run(argv, "correctness", "timings", "errors", "sweep", "append", flags=("--sweep", "--tq-sweep"),
                             values=("--contexts",))
     contexts = [int(c) for c in a.contexts.split(",")] if a.contexts else CONTEXTS
     copy_bw = copy_bandwidth(dev)
@@ -284,8 +280,5 @@ def main():
                   f"{r['ours_bf16_us'] / r.get('kernel_turboquant4_us', float('nan')):8.2f}x "
                   f"{r.get('kernel_turboquant4_triton_us', float('nan')):7.1f} "
                   f"{r['step_bf16_us']:9.1f} {r['step_turboquant4_us']:8.1f}")
-        end_run(a, res)
-
-
-if __name__ == "__main__":
-    main()
+        end_run(res)
+    return res

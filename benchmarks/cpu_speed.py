@@ -1,6 +1,6 @@
 """Prompt processing and decode speed of sluice vs llama.cpp on the CPU, same GGUF, same thread count.
 
-    python benchmarks/cpu_speed.py [--model FILE.gguf] [--prompt-tokens 512] [--decode-tokens 128] [--json out.json]
+    python -m benchmarks run cpu_speed [--model FILE.gguf] [--prompt-tokens 512] [--decode-tokens 128] [--json out.json]
 
 Both engines are driven the same way: one prefill of the prompt ids, then greedy decode one token at a time
 (llama.cpp through llama-cpp-python's eval loop). Each number is the best of --repeats runs.
@@ -9,18 +9,14 @@ Both engines are driven the same way: one prefill of the prompt ids, then greedy
 from __future__ import annotations
 
 import argparse
-import json
-import sys
 import time
-from pathlib import Path
 
 import numpy as np
 import torch
 
-sys.path.insert(0, str(Path(__file__).parent))
-from common import llama_cpp_model, public_text  # noqa: E402
+from .common import llama_cpp_model, public_text
 
-import sluice  # noqa: E402
+import sluice
 
 
 def bench_sluice(model, ids, n_decode):
@@ -56,15 +52,14 @@ def bench_llamacpp(llm, ids, n_decode):
     return len(ids) / (t1 - t0), n_decode / (t2 - t1)
 
 
-def main():
+def main(argv=None) -> dict:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default=None)
     ap.add_argument("--prompt-tokens", type=int, default=512)
     ap.add_argument("--decode-tokens", type=int, default=128)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--json", default=None)
-    a = ap.parse_args()
+    a = ap.parse_args(argv)
     torch.set_num_threads(a.threads)
     model = sluice.load(a.model, device="cpu")
     text, _ = public_text()
@@ -81,10 +76,4 @@ def main():
     for name in ("sluice", "llama.cpp"):
         print(f"{name:10s} {rows[name]['prefill_tok_s']:14.1f} {rows[name]['decode_tok_s']:13.1f}")
     print(f"{'ratio':10s} {rows['ratio']['prefill']:14.2f} {rows['ratio']['decode']:13.2f}")
-    if a.json:
-        Path(a.json).write_text(json.dumps({"prompt_tokens": len(ids), "decode_tokens": a.decode_tokens,
-                                            "threads": a.threads, **rows}, indent=2))
-
-
-if __name__ == "__main__":
-    main()
+    return {"prompt_tokens": len(ids), "decode_tokens": a.decode_tokens, "threads": a.threads, **rows}

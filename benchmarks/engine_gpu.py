@@ -2,20 +2,21 @@
 real config, dense and TurboQuant KV, batch 1 with graphs and eagerly, and batches of distinct prompts; the HBM floor
 beside each figure, and the kernels of each batch's replayed decode step.
 
-    PYTHONPATH=src python benchmarks/engine_gpu.py --config benchmarks/configs/qwen3-next-80b-a3b.json --json out.json
+    PYTHONPATH=src python -m benchmarks run engine_gpu --config benchmarks/configs/qwen3-next-80b-a3b.json --json out.json
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import sys
 import time
 
 import torch
 
 import sluice
 from sluice.engine.bench import copy_bandwidth
+
+from .registry import checkpoint
 
 
 def profile_graph(graph, top: int = 14) -> dict:
@@ -127,15 +128,14 @@ def lone_replay_ms(graph, n: int = 20) -> float:
     return sorted(times)[n // 2]
 
 
-def main() -> int:
+def main(argv=None) -> dict:
     ap = argparse.ArgumentParser()
     ap.add_argument("--config", default="benchmarks/configs/qwen3-next-80b-a3b.json")
     ap.add_argument("--batches", default="1,8,16,64")
     ap.add_argument("--kinds", default="dense,turboquant4")
-    ap.add_argument("--json", default=None)
     ap.add_argument("--eager", action="store_true", help="also batch 1 without graphs")
     ap.add_argument("--serial", action="store_true", help="also batch 1 without overlap (each step read back at once)")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     t0 = time.perf_counter()
     base = sluice.load(args.config, load_format="dummy", device="cuda", max_batch=128)
     load_s = time.perf_counter() - t0
@@ -158,7 +158,7 @@ def main() -> int:
                 print(f"step anatomy, batch {batch}: step {anatomy['step_ms']:.2f} ms, runner "
                       f"{anatomy['runner_ms']:.2f} ms\n{anatomy['profile']}", flush=True)
             rows.append(r)
-            dump(args.json, args.config, rows, {})
+            checkpoint(figures(args.config, rows, {}))
             print(json.dumps({k: r.get(k) for k in ("kv_cache", "batch", "graphs", "ttft_cold_s", "ttft_warm_s",
                                                      "prefill_tok_s", "decode_tok_s", "floor_decode_tok_s",
                                                      "graph_replay_ms", "lone_replay_ms")}),
@@ -192,17 +192,9 @@ def main() -> int:
             print("  its first kernels in order (us, and the gap before each):")
             for p in prof["sequence"]:
                 print(f"    {p['us']:7.2f} {p['gap_us']:+6.2f}  {p['kernel']}")
-    dump(args.json, args.config, rows, profiles)
-    return 0
+    return figures(args.config, rows, profiles)
 
 
-def dump(path, config, rows, profiles) -> None:
-    """The results so far as JSON (written after every row: a run cut short keeps what it measured)."""
-    if path:
-        with open(path, "w") as f:
-            json.dump({"config": config, "gpu": torch.cuda.get_device_name(), "rows": rows, "profiles": profiles},
-                      f, indent=1)
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+def figures(config, rows, profiles) -> dict:
+    """The results so far (checkpointed after every row: a run cut short keeps what it measured)."""
+    return {"config": config, "gpu": torch.cuda.get_device_name(), "rows": rows, "profiles": profiles}

@@ -1,7 +1,7 @@
 """A long fuzz campaign of the loaders (issue #26): the mutator and fork-server runner of tests/test_fuzz.py over N
 mutants per seed; counts by outcome per seed, and every mutant that escaped the SluiceError promise kept on disk.
 
-    python benchmarks/fuzz_campaign.py --seeds 1 2 3 --n 2000 --out /tmp/fuzz [--json results.json]
+    python -m benchmarks run fuzz_campaign [--json results.json] --seeds 1 2 3 --n 2000 --out /tmp/fuzz
 
 Outcomes: ok, ok_nonfinite (loaded and ran; damaged tensor bytes gave NaN/inf logits), sluice_error, and the
 failures other_exception, memory (an allocation past the cap), hang (past --timeout), crash (a signal)."""
@@ -9,24 +9,22 @@ failures other_exception, memory (an allocation past the cap), hang (past --time
 from __future__ import annotations
 
 import argparse
-import json
-import sys
 import time
 from pathlib import Path
 
-sys.path[:0] = [str(Path(__file__).parents[1] / "tests"), str(Path(__file__).parents[1] / "src")]
-
-from test_fuzz import ACCEPTED, OUTCOMES, Runner, build_bases, campaign  # noqa: E402
 
 
-def main() -> int:
+
+def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--seeds", type=int, nargs="+", default=[1])
     ap.add_argument("--n", type=int, default=1000, help="mutants per seed")
     ap.add_argument("--out", type=Path, default=Path("/tmp/sluice-fuzz"))
     ap.add_argument("--timeout", type=float, default=20.0, help="seconds per mutant before it counts as a hang")
-    ap.add_argument("--json", type=Path, help="write the per-seed counts here")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
+    # tests/ is importable here: the registry runs this benchmark with it on PYTHONPATH
+    from test_fuzz import ACCEPTED, OUTCOMES, Runner, build_bases, campaign
+
     bases = build_bases(args.out / "bases")
     runner = Runner(timeout=args.timeout)
     results, failures = {}, 0
@@ -48,10 +46,4 @@ def main() -> int:
     runner.close()
     total = {o: sum(c[o] for c in results.values()) for o in OUTCOMES}
     print("all  " + " ".join(f"{total[o]:>15}" for o in OUTCOMES))
-    if args.json:
-        args.json.write_text(json.dumps({"n_per_seed": args.n, "per_seed": results, "total": total}, indent=1))
-    return 1 if failures else 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+    return {"n_per_seed": args.n, "per_seed": results, "total": total, "ok": not failures}

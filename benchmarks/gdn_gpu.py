@@ -1,6 +1,6 @@
 """Gated DeltaNet on the GPU: our Triton kernels vs FLA 0.6.0 (`fla-core`, carried as a wheel), same inputs.
 
-    python benchmarks/gdn_gpu.py [--json out.json]
+    python -m benchmarks run gdn_gpu [--json out.json]
 
 Qwen3-Next-80B-A3B's linear-attention shape: 16 key heads, 32 value heads, K = V = 128, bf16 inputs, fp32 state.
 - correctness: ours and FLA's against the fp32 torch reference (relative RMS of the output and final state);
@@ -20,18 +20,14 @@ adds the stages=1 sweep, which broke the CUDA context on the H100 (so it runs la
 from __future__ import annotations
 
 import os
-import sys
 import traceback
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from qmatmul_gpu import end_run, copy_bandwidth, events_time, graph_time, start_run  # noqa: E402
-from sluice.kernels.gdn import reference  # noqa: E402
-from sluice.kernels.gdn import triton as gt  # noqa: E402
+from .gpu import end_run, copy_bandwidth, events_time, graph_time, start_run
+from sluice.kernels.gdn import reference
+from sluice.kernels.gdn import triton as gt
 
 try:
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule as fla_chunk
@@ -255,8 +251,8 @@ def profile_prefill(res):
         case(res, "breakdown fla", lambda: kernel_breakdown(res, "FLA T=16384", lambda: fla_prefill(x, state)))
 
 
-def main():
-    a, dev, res = start_run("correctness", "prefill", "decode", "breakdown", "errors")
+def main(argv=None) -> dict:
+    a, dev, res = start_run(argv, "correctness", "prefill", "decode", "breakdown", "errors")
     res["fla"] = FLA
     copy_bw = copy_bandwidth(dev)
     res["copy_bandwidth_Bps"] = copy_bw
@@ -291,8 +287,5 @@ def main():
         for bd in res["breakdown"]:
             print(f"{bd['case']}: " + "; ".join(f"{r['kernel'].replace('_chunk_', '')} {r['us']:.0f}"
                                                 for r in bd["kernels"][:6]))
-        end_run(a, res)
-
-
-if __name__ == "__main__":
-    main()
+        end_run(res)
+    return res

@@ -5,13 +5,18 @@
 #
 #   bash benchmarks/gpu_run.sh tests   # GPU tests; first starts llama.cpp's build and model in the background
 #   bash benchmarks/gpu_run.sh bench   # the GDN and attention GPU tests, then
-#                                      # engine_gpu.py (dense 1/16/64 with --serial, TurboQuant 1), prefill_gpu.py
+#                                      # engine_gpu (dense 1/16/64 with --serial, TurboQuant 1), prefill_gpu
 #                                      # (4k and 32k prompts, both cache kinds),
 #                                      # a 32k TurboQuant bench, then llama.cpp's llama-bench (tg128, pp512, pp4096)
-#   bash benchmarks/gpu_run.sh join    # long_prompt_join.py: 8 decoding while a 32k prompt joins, both cache kinds
-#   bash benchmarks/gpu_run.sh serving # issue #38: the flat step's GPU tests, serving_gpu.py (POLICIES: a sweep)
+#   bash benchmarks/gpu_run.sh join    # long_prompt_join: 8 decoding while a 32k prompt joins, both cache kinds
+#   bash benchmarks/gpu_run.sh serving # issue #38: the flat step's GPU tests, serving_gpu (POLICIES: a sweep)
 #   bash benchmarks/gpu_run.sh server  # the tree before (.base/src) beside, sluice serve over HTTP, TurboQuant
+#   bash benchmarks/gpu_run.sh single  # serving, then server, on one GPU
 #   bash benchmarks/gpu_run.sh both    # the last two at once on a machine of two GPUs
+#
+# Every benchmark runs as `python -m benchmarks run NAME --json FILE ARGS` (benchmarks/registry.py); the JSON files
+# are the runner's records (figures under "figures"). Knobs: POLICIES, SCENARIOS, SERVING_S, PROFILE (serving);
+# CLIENTS, TQ, TQ_SCENARIOS, BASE (server; BASE=1 with the older tree's src at .base/src).
 #
 # Carry `.whl` (the wheels: gguf, fastapi, ...) and, for the peer, `.peer` (`cp -r ../shared/peers/llamacpp .peer`);
 # both are git-ignored. Make the second call right after the first: the machine and the background build stay only
@@ -44,16 +49,16 @@ bench)
   # the rest of the GPU tests first (the two calls' tests take about 9 minutes together)
   timeout 240 python -m pytest -q -rf -p no:cacheprovider tests/test_gdn_triton.py tests/test_attention_triton.py 2>&1 \
     | tee "$LOG/tests_bench.log" | tail -5 > "$LOG/tests_tail.log"
-  timeout 180 python benchmarks/engine_gpu.py --config $CONFIG --batches 1,16,64 --kinds dense --serial \
-    --json "$OUT/engine_dense.json" > "$LOG/engine_dense.log" 2>&1
-  timeout 60 python benchmarks/engine_gpu.py --config $CONFIG --batches 1 --kinds turboquant4 \
-    --json "$OUT/engine_tq.json" > "$LOG/engine_tq.log" 2>&1
+  timeout 180 python -m benchmarks run engine_gpu --json "$OUT/engine_dense.json" --config $CONFIG --batches 1,16,64 \
+    --kinds dense --serial > "$LOG/engine_dense.log" 2>&1
+  timeout 60 python -m benchmarks run engine_gpu --json "$OUT/engine_tq.json" --config $CONFIG --batches 1 \
+    --kinds turboquant4 > "$LOG/engine_tq.log" 2>&1
   timeout 60 python -m sluice bench -m $CONFIG --load-format dummy --kv-cache turboquant4 --prompt-tokens 32768 \
     --gen-tokens 64 --repeats 1 --json > "$OUT/bench_tq32k.json" 2> "$LOG/bench_tq32k.log"
-  timeout 90 python benchmarks/prefill_gpu.py --config $CONFIG --prompts 4096,32768 --chunks 4096 \
-    --json "$OUT/prefill.json" > "$LOG/prefill.log" 2>&1
-  timeout 90 python benchmarks/prefill_gpu.py --config $CONFIG --prompts 4096,32768 --chunks 4096 \
-    --kv-cache turboquant4 --json "$OUT/prefill_tq.json" > "$LOG/prefill_tq.log" 2>&1
+  timeout 90 python -m benchmarks run prefill_gpu --json "$OUT/prefill.json" --config $CONFIG --prompts 4096,32768 \
+    --chunks 4096 > "$LOG/prefill.log" 2>&1
+  timeout 90 python -m benchmarks run prefill_gpu --json "$OUT/prefill_tq.json" --config $CONFIG --prompts 4096,32768 \
+    --chunks 4096 --kv-cache turboquant4 > "$LOG/prefill_tq.log" 2>&1
   {
     cat "$LOG/tests_tail.log"
     grep -A40 "^KV " "$LOG/engine_dense.log"; grep -A20 "^KV " "$LOG/engine_tq.log"; grep -A3 "chunk " "$LOG/prefill.log" "$LOG/prefill_tq.log"
@@ -68,8 +73,8 @@ print('turboquant4 32k: decode', round(r['decode_tok_s'], 1), 'tok/s, floor', ro
   ;;
 join)
   for kind in dense turboquant4; do
-    timeout 240 python benchmarks/long_prompt_join.py --model $CONFIG --load-format dummy --kv-cache $kind \
-      --decode-prefill-chunk 64 512 --json "$OUT/join_$kind.json" > "$LOG/join_$kind.log" 2>&1
+    timeout 240 python -m benchmarks run long_prompt_join --json "$OUT/join_$kind.json" --model $CONFIG \
+      --load-format dummy --kv-cache $kind --decode-prefill-chunk 64 512 > "$LOG/join_$kind.log" 2>&1
     tail -4 "$LOG/join_$kind.log" | tee -a "$OUT/summary.log"
   done
   ;;
@@ -78,31 +83,31 @@ serving)  # issue #38: the flat step's GPU tests, then what a user gets in one p
   timeout 200 python -m pytest -q -rf -p no:cacheprovider tests/test_gpu_engine.py \
     "tests/test_gdn_triton.py::test_flat_step_kernels_match_each_sequence_alone" > "$LOG/tests.log" 2>&1
   grep -E "^(FAILED|ERROR|E  )|passed|failed" "$LOG/tests.log" | head -40 > "$S"
-  timeout ${SERVING_S:-330} python benchmarks/serving_gpu.py --model $CONFIG --policies ${POLICIES:-default} \
-    ${PROFILE:+--profile "$OUT/profile_closed.txt"} --scenarios ${SCENARIOS:-decode,prefill,closed,burst,join} --json "$OUT/serving_dense.json" \
-    > "$LOG/serving_dense.log" 2>&1 || tail -25 "$LOG/serving_dense.log" >> "$S"
+  timeout ${SERVING_S:-330} python -m benchmarks run serving_gpu --json "$OUT/serving_dense.json" --model $CONFIG \
+    --policies ${POLICIES:-default} ${PROFILE:+--profile "$OUT/profile_closed.txt"} \
+    --scenarios ${SCENARIOS:-decode,prefill,closed,burst,join} > "$LOG/serving_dense.log" 2>&1 || tail -25 "$LOG/serving_dense.log" >> "$S"
   tail -20 "$LOG/serving_dense.log" >> "$S"
   ;;
 server)  # issue #38: the tree before (.base/src: decode and prefill) in the same session, sluice serve over HTTP,
   # TurboQuant in one process
   S="$OUT/summary_server.log"
   if [ -n "${BASE:-}" ]; then
-    PYTHONPATH=/tmp/site:.base/src timeout 110 python benchmarks/serving_gpu.py --model $CONFIG --baseline \
-      --json "$OUT/serving_base.json" > "$LOG/serving_base.log" 2>&1 || tail -20 "$LOG/serving_base.log" >> "$S"
+    PYTHONPATH=/tmp/site:.base/src SLUICE_BENCH_COMMIT="base ($BASE)" timeout 110 python -m benchmarks run \
+      serving_gpu --json "$OUT/serving_base.json" --model $CONFIG --baseline > "$LOG/serving_base.log" 2>&1 || tail -20 "$LOG/serving_base.log" >> "$S"
     tail -6 "$LOG/serving_base.log" >> "$S"
   fi
   for clients in ${CLIENTS:-64 16}; do
-    timeout $((clients == 64 ? 200 : 120)) python benchmarks/server_load.py --model $CONFIG --load-format dummy --device cuda \
-      --endpoint completions --clients $clients --prompts $clients --max-tokens 64 --duration 30 --temperature 1 \
-      --max-batch 64 --json "$OUT/server_load_$clients.json" > "$LOG/server_load_$clients.log" 2>&1 \
+    timeout $((clients == 64 ? 200 : 120)) python -m benchmarks run server_load --json "$OUT/server_load_$clients.json" \
+      --model $CONFIG --load-format dummy --device cuda --endpoint completions --clients $clients --prompts $clients \
+      --max-tokens 64 --duration 30 --temperature 1 --max-batch 64 --server-log "$LOG/server_load_$clients.server.log" \
+      > "$LOG/server_load_$clients.log" 2>&1 \
       || tail -20 "$LOG/server_load_$clients.log" >> "$S"
     grep -E '"(completion_tokens_per_s|ttft_p50_s|ttft_p99_s|errors|requests)"' "$LOG/server_load_$clients.log" \
       | tr -d '\n' | sed "s/^/HTTP $clients clients: /" >> "$S"; echo >> "$S"
   done
   if [ "${TQ:-1}" = 1 ]; then
-    timeout 170 python benchmarks/serving_gpu.py --model $CONFIG --kv-cache turboquant4 \
-      --scenarios ${TQ_SCENARIOS:-closed,burst,join} \
-      --json "$OUT/serving_tq.json" > "$LOG/serving_tq.log" 2>&1 || tail -60 "$LOG/serving_tq.log" >> "$S"
+    timeout 170 python -m benchmarks run serving_gpu --json "$OUT/serving_tq.json" --model $CONFIG \
+      --kv-cache turboquant4 --scenarios ${TQ_SCENARIOS:-closed,burst,join} > "$LOG/serving_tq.log" 2>&1 || tail -60 "$LOG/serving_tq.log" >> "$S"
     tail -5 "$LOG/serving_tq.log" >> "$S"
   fi
   ;;
@@ -115,7 +120,7 @@ both)  # serving and server at once, one GPU each (a machine of two GPUs)
   cat "$OUT"/summary_*.log
   ;;
 *)
-  echo "usage: bash benchmarks/gpu_run.sh tests|bench|join|serving|server|both" >&2
+  echo "usage: bash benchmarks/gpu_run.sh tests|bench|join|serving|server|single|both" >&2
   exit 2
   ;;
 esac

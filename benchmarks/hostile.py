@@ -2,7 +2,7 @@
 bad text, bad JSON, bad HTTP, slow clients, oversized bodies and prompts, template and grammar abuse, auth), each
 followed by a normal greedy request whose reply must equal the one it gave before any hostile request.
 
-    python benchmarks/hostile.py --rounds 16 --json benchmarks/results/hostile.json
+    python -m benchmarks run hostile --rounds 16 --json benchmarks/results/hostile.json
 
 Counted per kind: requests, the statuses seen, 5xx, errors that are not OpenAI-shaped JSON ("plain"), statuses other
 than the kind expects, and normal replies after it that changed. The server runs with an API key and a 2-second read
@@ -15,17 +15,16 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import socket
-import sys
+import tempfile
 import time
 from pathlib import Path
 
 import httpx
 
-sys.path.insert(0, str(Path(__file__).parent))
-from server_load import rss_bytes  # noqa: E402
-from soak import start_server  # noqa: E402
+from .serve import rss_bytes, start_server
 
 KEY = "hostile-key"
 MODEL = "SmolLM2-135M-Instruct.Q4_1"
@@ -234,15 +233,15 @@ def table(rows: dict) -> str:
     return "\n".join(lines)
 
 
-def main() -> int:
+def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rounds", type=int, default=16, help="every kind this many times, in a shuffled order")
     ap.add_argument("--seed", type=int, default=39)
-    ap.add_argument("--json", default="benchmarks/results/hostile.json")
+    ap.add_argument("--server-log", help="where the server's stderr goes (default: a file in the temporary folder)")
     ap.add_argument("--table", action="store_true", help="print the Markdown table")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
 
-    log = Path(args.json).with_suffix(".server.log")
+    log = Path(args.server_log or Path(tempfile.gettempdir()) / f"sluice-hostile-{os.getpid()}.log")
     log.parent.mkdir(parents=True, exist_ok=True)
     with open(log, "w") as server_log:
         server, url, _ = start_server(["--api-key", KEY, "--max-batch", "8", "--max-seq-len", "512", "--read-timeout",
@@ -277,14 +276,10 @@ def main() -> int:
               "seconds": round(time.perf_counter() - t0, 1), "normal_reply": want, **totals,
               "normal_requests": totals["requests"] + 1, "server_tracebacks": tracebacks,
               "rss_mib_after_each_round": [round(m, 1) for m in rss], "server_counters": health,
-              "by_kind": rows, "command": " ".join([Path(sys.argv[0]).name] + sys.argv[1:])}
-    Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
+              "by_kind": rows}
     print(json.dumps({k: v for k, v in report.items() if k != "by_kind"}, indent=2))
     print(table(rows) if args.table else "\n".join(f"{k}: {r}" for k, r in rows.items() if r["unexpected"]
                                                    or r["5xx"] or r["plain"] or r["changed_after"]))
     bad = totals["5xx"] + totals["plain"] + totals["unexpected"] + totals["changed_after"] + tracebacks
-    return 1 if bad else 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+    report["ok"] = not bad
+    return report

@@ -4,25 +4,21 @@ Teacher-forced over a public text (>= 1,000 tokens; prefilled in the engine's 51
 attend to what the cache holds): perplexity with each cache kind, its change against the dense cache, top-1
 agreement of the next-token predictions, and the mean KL divergence of the dense distribution to the other.
 
-    python benchmarks/kv_quality.py [--model FILE.gguf] [--tokens 2000] [--json out.json]
+    python -m benchmarks run kv_quality [--model FILE.gguf] [--tokens 2000] [--json out.json]
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import math
-import sys
 import time
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).parent))
-from common import public_text  # noqa: E402
+from .common import public_text
 
-import sluice  # noqa: E402
-from sluice.cache import KV_CACHE_KINDS  # noqa: E402
+import sluice
+from sluice.cache import KV_CACHE_KINDS
 
 
 def perplexity(logits: torch.Tensor, ids: list[int]) -> float:
@@ -30,20 +26,19 @@ def perplexity(logits: torch.Tensor, ids: list[int]) -> float:
     return math.exp(float(-lp[torch.arange(len(ids) - 1), torch.tensor(ids[1:])].mean()))
 
 
-def main():
+def main(argv=None) -> dict:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default=None)
     ap.add_argument("--tokens", type=int, default=2000)
     ap.add_argument("--device", default="cpu")
-    ap.add_argument("--json", default=None)
-    a = ap.parse_args()
-    model = sluice.load(a.model, device=a.device)
+    a = ap.parse_args(argv)
+    base = sluice.load(a.model, device=a.device)
     text, label = public_text()
-    ids = model.tokenizer.encode(text)[: a.tokens]
-    res = {"model": str(model.path), "text": label, "tokens": len(ids), "device": a.device, "kinds": {}}
+    ids = base.tokenizer.encode(text)[: a.tokens]
+    res = {"model": str(base.path), "text": label, "tokens": len(ids), "device": a.device, "kinds": {}}
     dense = None
     for kind in KV_CACHE_KINDS:
-        model.kv_cache = kind
+        model = base if kind == base.kv_cache else base.with_engine(kv_cache=kind)
         t0 = time.perf_counter()
         logits = model.logits(ids)[0]
         row = {"ppl": perplexity(logits, ids), "seconds": time.perf_counter() - t0,
@@ -57,9 +52,4 @@ def main():
             row["kl_dense_to_this"] = float((lp.exp() * (lp - lq)).sum(-1).mean())
         res["kinds"][kind] = row
         print(f"{kind:12s} " + " ".join(f"{k}={v:.6g}" for k, v in row.items()), flush=True)
-    if a.json:
-        Path(a.json).write_text(json.dumps(res, indent=2))
-
-
-if __name__ == "__main__":
-    main()
+    return res

@@ -3,25 +3,21 @@
 Both engines read the same token ids (sluice's tokenization of a public text, >= 1,000 tokens); for every
 position we compare the top-1 next token and compute each engine's perplexity of the text.
 
-    python benchmarks/llamacpp_agreement.py [--model FILE.gguf] [--tokens 1500] [--json out.json]
+    python -m benchmarks run llamacpp_agreement [--model FILE.gguf] [--tokens 1500] [--json out.json]
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import math
-import sys
 import time
-from pathlib import Path
 
 import numpy as np
 import torch
 
-sys.path.insert(0, str(Path(__file__).parent))
-from common import llama_cpp_model, public_text  # noqa: E402
+from .common import llama_cpp_model, public_text
 
-import sluice  # noqa: E402
+import sluice
 
 
 def perplexity(logits: np.ndarray, ids: list[int]) -> float:
@@ -30,13 +26,12 @@ def perplexity(logits: np.ndarray, ids: list[int]) -> float:
     return math.exp(float(nll.mean()))
 
 
-def main():
+def main(argv=None) -> dict:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default=None)
     ap.add_argument("--tokens", type=int, default=1500)
     ap.add_argument("--kv-cache", default=None, help="(reserved for cache kinds)")
-    ap.add_argument("--json", default=None)
-    a = ap.parse_args()
+    a = ap.parse_args(argv)
     model = sluice.load(a.model, device="cpu")
     text, label = public_text()
     ids = model.tokenizer.encode(text)[: a.tokens]
@@ -55,9 +50,4 @@ def main():
            "max_abs_logit_diff": float(np.abs(ours - ref).max()), "seconds_sluice": t_ours, "seconds_llamacpp": t_ref}
     for k, v in res.items():
         print(f"{k:20s} {v:.6g}" if isinstance(v, float) else f"{k:20s} {v}")
-    if a.json:
-        Path(a.json).write_text(json.dumps(res, indent=2))
-
-
-if __name__ == "__main__":
-    main()
+    return res

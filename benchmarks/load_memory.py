@@ -8,10 +8,10 @@ tensors the dummy reader's values, so the loaded model is a sane one), then load
 from the disk), then again (warm; read from the page cache). Each process reports the load time, its peak host
 RSS (VmHWM of /proc/self/status: everything the process ever held resident, the import of torch and the CUDA
 context included) and its RSS before the load; the check is peak RSS < 2 GB + the largest tensor. Prints a table;
---json writes the numbers. The checkpoint is deleted at the end unless --keep.
+the runner's --json writes the numbers. The checkpoint is deleted at the end unless --keep.
 
-    python benchmarks/load_memory.py --json benchmarks/results/load_memory_h100.json
-    python benchmarks/load_memory.py --gb 0.05 --config tiny.json --device cpu   # a smoke test, no GPU
+    python -m benchmarks run load_memory --json benchmarks/results/load_memory_h100.json
+    python -m benchmarks run load_memory --gb 0.05 --config tiny.json --device cpu   # a smoke test, no GPU
 """
 
 from __future__ import annotations
@@ -30,8 +30,7 @@ import numpy as np
 import torch
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "src"))
-from sluice.formats.dummy import DummyCheckpoint, byte_level_tokenizer  # noqa: E402
+from sluice.formats.dummy import DummyCheckpoint, byte_level_tokenizer
 
 DEFAULT_CONFIG = ROOT / "benchmarks" / "configs" / "qwen3-next-80b-a3b.json"
 BOUND_SLACK = 2e9  # bytes: the check is peak RSS < BOUND_SLACK + the largest tensor
@@ -156,8 +155,8 @@ def child(directory: str, device: str) -> None:
 
 
 def measure(directory: Path, device: str, label: str, largest: int, total: int) -> dict:
-    proc = subprocess.run([sys.executable, __file__, "--child", str(directory), "--device", device],
-                          capture_output=True, text=True, check=False)
+    proc = subprocess.run([sys.executable, "-m", "benchmarks", "run", "load_memory", "--", "--child", str(directory),
+                           "--device", device], capture_output=True, text=True, check=False, cwd=ROOT)
     if proc.returncode != 0:
         sys.exit(f"the {label} load failed:\n{proc.stdout}\n{proc.stderr}")
     r = json.loads(proc.stdout.strip().splitlines()[-1])
@@ -166,7 +165,7 @@ def measure(directory: Path, device: str, label: str, largest: int, total: int) 
     return r
 
 
-def main() -> None:
+def main(argv=None) -> dict | None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--config", default=str(DEFAULT_CONFIG), help="an MLX-quantized model's config.json")
     ap.add_argument("--gb", type=float, default=22.0, help="checkpoint size to reach (GB; layers are dropped)")
@@ -174,12 +173,11 @@ def main() -> None:
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--dir", default=None, help="where to write the checkpoint (default: a new temporary dir)")
     ap.add_argument("--keep", action="store_true", help="keep the checkpoint")
-    ap.add_argument("--json", default=None, help="write the results here")
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
-    args = ap.parse_args()
-    if args.child:
+    args = ap.parse_args(argv)
+    if args.child:  # one load, in a fresh process: its result is the last line of its stdout
         child(args.child, args.device)
-        return
+        return None
 
     config = fit_layers(json.loads(Path(args.config).read_text()), args.gb)
     directory = Path(args.dir) if args.dir else Path(tempfile.mkdtemp(prefix="sluice-load-memory-"))
@@ -205,11 +203,5 @@ def main() -> None:
         print(f"{r['run']:5} {r['seconds']:7.1f} {r['gb_per_s']:6.2f} {r['rss_before'] / 1e9:9.2f}GB "
               f"{r['peak_rss'] / 1e9:7.2f}GB {r['rss_after'] / 1e9:8.2f}GB {r['rss_anon_after'] / 1e9:5.2f}GB "
               f"{r['rss_file_after'] / 1e9:5.2f}GB  {'yes' if r['within_bound'] else 'NO'}")
-    if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps({"device": device, "torch": torch.__version__, "checkpoint": ckpt,
-                                               "bound_slack_bytes": BOUND_SLACK, "runs": runs}, indent=2) + "\n")
-
-
-if __name__ == "__main__":
-    main()
+    return {"device": device, "torch": torch.__version__, "checkpoint": ckpt, "bound_slack_bytes": BOUND_SLACK,
+            "runs": runs}

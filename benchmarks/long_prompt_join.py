@@ -2,7 +2,7 @@
 before and while a long prompt prefills in chunks beside them, and that prompt's time to first token, for each
 `decode_prefill_chunk` given (the prompt tokens a step prefills at most while sequences decode in it).
 
-    PYTHONPATH=src python benchmarks/long_prompt_join.py --model benchmarks/configs/qwen3-next-80b-a3b.json \\
+    PYTHONPATH=src python -m benchmarks run long_prompt_join --model benchmarks/configs/qwen3-next-80b-a3b.json \\
         --load-format dummy --running 8 --prompt-tokens 32768 --decode-prefill-chunk 256 512 1024 --json out.json
 
 Steps are timed on the host around `Engine.step()` with the device synchronised before and after (with overlap a
@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import sys
 import time
 
@@ -91,7 +90,7 @@ def join(model, args, prompt_tokens: int, profile: bool = False) -> dict:
     return row
 
 
-def main() -> int:
+def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", required=True)
     ap.add_argument("--load-format", default="auto")
@@ -106,8 +105,7 @@ def main() -> int:
                          "(default: the engine's, 512)")
     ap.add_argument("--normal-steps", type=int, default=20)
     ap.add_argument("--profile", action="store_true", help="print the kernels and host time of one mixed step")
-    ap.add_argument("--json")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     # positions for the long prompt from the start: a pool sized to the running batch could only grow once it ends
     base = sluice.load(args.model, load_format=args.load_format, device=args.device, kv_cache=args.kv_cache,
                        max_batch=args.running + 1, max_seq_len=args.prompt_tokens + 1024,
@@ -125,9 +123,6 @@ def main() -> int:
             torch.cuda.empty_cache()  # the last run's cache pool and graphs
     out = {"model": args.model, "device": str(base.device), "running": args.running,
            "prompt_tokens": args.prompt_tokens, "kv_cache": args.kv_cache, "rows": rows}
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(out, f, indent=2)
     print(f"{args.running} decoding on {base.device}, a {args.prompt_tokens}-token prompt joins ({args.kv_cache} KV): "
           "steps in ms; the prompt prefills in chunks of `beside` tokens while the others decode (`mixed`: the steps "
           "that did both)")
@@ -138,8 +133,4 @@ def main() -> int:
         print(f"{r['prefill_chunk']:6d} {r['decode_prefill_chunk']:6d} {n['p50']:10.1f} {j['p50']:9.1f} "
               f"{j['p99']:9.1f} {j['max']:9.1f} {r['p99_over_normal']:10.1f} {r['join_steps']:6d} "
               f"{r['prefill_steps_beside_decodes']:6d} {r['ttft_s']:7.2f} {r['prefill_tok_s']:13.0f}", flush=True)
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())
+    return out

@@ -1,6 +1,6 @@
 """Sparse MoE block on the GPU: our Triton kernels vs the memory-bandwidth floor (decode) and cuBLAS bf16 (prefill).
 
-    python benchmarks/moe_gpu.py [--json out.json] [--decode-only] [--chain-only] [--quick] [--gemv-sweep]
+    python -m benchmarks run moe_gpu [--json out.json] [--decode-only] [--chain-only] [--quick] [--gemv-sweep]
         [--prefill-only]
 
 One run, at Qwen3-Next-80B-A3B and Qwen3.5-397B-A17B shapes (4-bit g64 experts and shared expert; router and
@@ -27,24 +27,19 @@ Each case runs in try/except: an error is printed and recorded and the run goes 
 
 from __future__ import annotations
 
-import json
-import sys
 import traceback
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from qmatmul_gpu import (copies_for, copy_bandwidth, events_time, graph_time, qt_bytes, random_qt,  # noqa: E402
+from .gpu import (copies_for, copy_bandwidth, events_time, graph_time, qt_bytes, random_qt,
                          rel_err, start_run)
-from sluice.kernels.moe import reference  # noqa: E402
-from sluice.kernels.moe import grouped as mg  # noqa: E402
-from sluice.kernels.moe import triton as mt  # noqa: E402
-from sluice.kernels.qmatmul import triton as qmm  # noqa: E402
-from sluice.layers.linear import Linear  # noqa: E402
-from sluice.layers.moe import SparseMoE, SwiGLU  # noqa: E402
-from sluice.quant.affine import QuantizedTensor  # noqa: E402
+from sluice.kernels.moe import reference
+from sluice.kernels.moe import grouped as mg
+from sluice.kernels.moe import triton as mt
+from sluice.kernels.qmatmul import triton as qmm
+from sluice.layers.linear import Linear
+from sluice.layers.moe import SparseMoE, SwiGLU
+from sluice.quant.affine import QuantizedTensor
 
 MODELS = {  # name: (hidden, experts, expert intermediate, top-k, shared intermediate)
     "Qwen3-Next-80B-A3B": (2048, 512, 512, 10, 512),
@@ -410,8 +405,8 @@ def print_tables(res):
         print(f"ERROR {msg}")
 
 
-def main():
-    a, dev, res = start_run("correctness", "decode", "sweep", "crossover", "prefill", "prefill_sweep", "errors",
+def main(argv=None) -> dict:
+    a, dev, res = start_run(argv, "correctness", "decode", "sweep", "crossover", "prefill", "prefill_sweep", "errors",
                             "timeline", "chain",
                             flags=("--decode-only", "--chain-only", "--quick", "--gemv-sweep", "--prefill-only"),
                             values=("--prefill-tokens",))
@@ -461,9 +456,4 @@ def main():
             torch.cuda.empty_cache()
     finally:
         print_tables(res)
-        if a.json:
-            Path(a.json).write_text(json.dumps(res, indent=2))
-
-
-if __name__ == "__main__":
-    main()
+    return res

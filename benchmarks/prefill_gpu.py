@@ -1,7 +1,7 @@
 """Prefill on the GPU machine (issue #29): time to first token and prefill tokens/s of one prompt, for several
 prefill chunk sizes (the prompt tokens one step's forward takes), and the peak GPU memory of each.
 
-    PYTHONPATH=src python benchmarks/prefill_gpu.py --config benchmarks/configs/qwen3-next-80b-a3b.json \\
+    PYTHONPATH=src python -m benchmarks run prefill_gpu --config benchmarks/configs/qwen3-next-80b-a3b.json \\
         --prompts 4096 --chunks 512,2048,4096,8192 --json out.json
 
 A dummy-weight model of the config, distinct random prompts (`Model.bench`: TTFT warm is the second of two runs).
@@ -11,26 +11,22 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
-from pathlib import Path
 
 import torch
 
 import sluice
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from engine_gpu import kernel_profile  # noqa: E402
+from .engine_gpu import kernel_profile
 
 
-def main() -> int:
+def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--config", default="benchmarks/configs/qwen3-next-80b-a3b.json")
     ap.add_argument("--prompts", default="4096")
     ap.add_argument("--chunks", default="512,2048,4096,8192")
     ap.add_argument("--kv-cache", default="dense")
-    ap.add_argument("--json")
     ap.add_argument("--profile", action="store_true", help="then the kernels of one prefill at the last chunk")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     base = sluice.load(args.config, load_format="dummy", device="cuda", kv_cache=args.kv_cache, max_batch=1)
     rows = []
     for chunk in (int(c) for c in args.chunks.split(",")):
@@ -57,11 +53,4 @@ def main() -> int:
     for r in rows:
         print(f"{r['prefill_chunk']:6d} {r['prompt_tokens']:7d} {r['ttft_warm_s']:10.3f} {r['prefill_tok_s']:11.0f} "
               f"{r['peak_gb']:8.1f}")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"config": args.config, "gpu": torch.cuda.get_device_name(), "rows": rows}, f, indent=1)
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+    return {"config": args.config, "gpu": torch.cuda.get_device_name(), "rows": rows}

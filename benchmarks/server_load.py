@@ -7,8 +7,8 @@ equal its prompt's reference; the server's RSS is sampled every second. Printed,
 tokens/s, time to first token p50 / p99, whole-request latency, errors, mismatches, RSS after warm-up (the median of
 its first and last quarters, their difference in %, the peak) and every RSS sample.
 
-    python benchmarks/server_load.py --clients 64 --duration 300          # the demo model on the CPU
-    python benchmarks/server_load.py --model benchmarks/configs/qwen3-next-80b-a3b.json --load-format dummy \
+    python -m benchmarks run server_load --clients 64 --duration 300          # the demo model on the CPU
+    python -m benchmarks run server_load --model benchmarks/configs/qwen3-next-80b-a3b.json --load-format dummy \
         --device cuda --endpoint completions --prompts 64 --clients 16 --duration 60   # a GPU, random weights
 
 --endpoint completions streams raw-text completions (a model without a chat template: dummy weights); --prompts
@@ -22,47 +22,13 @@ import argparse
 import asyncio
 import json
 import os
-import statistics
-import subprocess
-import sys
+import tempfile
 import time
 from pathlib import Path
 
 import httpx
 
-PROMPTS = ["What is the capital of France?", "Name three colors.", "Write a haiku about rivers.",
-           "What is 12 times 12?", "Tell me a fact about the moon.", "Why is the sky blue?",
-           "Give me a word that rhymes with cat.", "What do bees make?", "Describe a cat in one sentence.",
-           "How many days are in a week?", "What is the boiling point of water?", "Say hello in Spanish.",
-           "What is the largest planet?", "Name a famous painter.", "What is a noun?", "Count from one to five."]
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def rss_bytes(pid: int) -> int:
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-    return 0
-
-
-def percentile(values: list[float], q: float) -> float:
-    if not values:
-        return float("nan")
-    values = sorted(values)
-    return values[min(len(values) - 1, int(round(q / 100 * (len(values) - 1))))]
-
-
-def prompt_list(n: int) -> list[str]:
-    return [PROMPTS[i % len(PROMPTS)] + ("" if i < len(PROMPTS) else f" ({i})") for i in range(n)]
-
+from .serve import PROMPTS, percentile, prompt_list, rss_summary, sampling_rss, start_server
 
 def request_body(endpoint: str, model: str, prompt: str, max_tokens: int, stream: bool, temperature: float = 0,
                  seed: int = 0) -> dict:
@@ -140,7 +106,7 @@ async def load(url: str, model: str, args, references: dict[str, str]) -> dict:
     return {"results": results, "wall_s": time.perf_counter() - t0, "t0": t0}
 
 
-def main() -> int:
+def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default=None, help="model to serve (default: the demo model)")
     ap.add_argument("--device", default="cpu")
@@ -161,29 +127,22 @@ def main() -> int:
                     help="CPU threads of the server (OMP_NUM_THREADS; the rest is left to the clients)")
     ap.add_argument("--warmup", type=float, default=0.2, help="fraction of the run before RSS is taken as settled")
     ap.add_argument("--serve-args", default="", help="more options of sluice serve, e.g. '--kv-cache turboquant4'")
-    ap.add_argument("--json", default="benchmarks/results/server_load.json")
-    ap.add_argument("--server-log", help="where the server's stderr goes (default: the JSON's path, .server.log)")
-    args = ap.parse_args()
+    ap.add_argument("--server-log", help="where the server's stderr goes (default: a file in the temporary folder)")
+    args = ap.parse_args(argv)
     args.prompts = max(1, args.prompts)
 
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    cmd = [sys.executable, "-m", "sluice", "serve", "--host", "127.0.0.1", "--port", str(port), "--device",
-           args.device, "--max-batch", str(args.max_batch), "--max-seq-len", str(args.max_seq_len),
-           "--log-level", "warning", "--load-format", args.load_format] + (["--model", args.model] if args.model else [])
-    cmd += args.serve_args.split()
-    env = {**os.environ, "OMP_NUM_THREADS": str(args.server_threads)} if args.device == "cpu" else None
-    server_log = open(args.server_log or Path(args.json).with_suffix(".server.log"), "w")
-    server = subprocess.Popen(cmd, env=env, stderr=server_log)
+    log_path = args.server_log or Path(tempfile.gettempdir()) / f"sluice-server-load-{os.getpid()}.log"
+    print(f"# the server's log: {log_path}", flush=True)
+    server_log = open(log_path, "w")
+    serve_args = ["--device", args.device, "--max-batch", str(args.max_batch), "--max-seq-len", str(args.max_seq_len),
+                  "--load-format", args.load_format] + (["--model", args.model] if args.model else [])
     try:
-        for _ in range(1200):
-            try:
-                health = httpx.get(url + "/health", timeout=2).json()
-                break
-            except httpx.HTTPError:
-                if server.poll() is not None:
-                    raise SystemExit("the server exited during start-up")
-                time.sleep(0.25)
+        server, url, health = start_server(serve_args + args.serve_args.split(),
+                                           args.server_threads if args.device == "cpu" else None, stderr=server_log)
+    except BaseException:
+        server_log.close()
+        raise
+    try:
         model = health["model"]
         # the references: each prompt alone (greedy), through the same server
         references = {}
@@ -197,20 +156,7 @@ def main() -> int:
                     references[p] = choice["message"]["content"] if args.endpoint == "chat" else choice["text"]
 
         rss: list[tuple[float, int]] = []
-
-        async def run():
-            async def sample_rss():
-                while True:
-                    rss.append((time.perf_counter(), rss_bytes(server.pid)))
-                    await asyncio.sleep(1)
-
-            sampler = asyncio.ensure_future(sample_rss())
-            try:
-                return await load(url, model, args, references)
-            finally:
-                sampler.cancel()
-
-        out = asyncio.run(run())
+        out = asyncio.run(sampling_rss(server.pid, load(url, model, args, references), rss))
         final_health = httpx.get(url + "/health", timeout=5).json()
     finally:
         server.terminate()
@@ -221,10 +167,6 @@ def main() -> int:
     ok = [r for r in results if r.get("error") is None]
     ttft = [r["ttft"] for r in ok if r.get("ttft") is not None]
     latency = [r["latency"] for r in ok]
-    settled = out["t0"] + args.warmup * wall
-    after = [b for t, b in rss if t >= settled] or [b for _, b in rss]
-    quarter = max(1, len(after) // 4)
-    early, late = statistics.median(after[:quarter]), statistics.median(after[-quarter:])
     tokens = sum(r["tokens"] for r in ok)
     report = {
         "date": time.strftime("%Y-%m-%d"), "device": args.device, "model": model, "clients": args.clients,
@@ -237,23 +179,13 @@ def main() -> int:
         "completion_tokens": tokens, "completion_tokens_per_s": round(tokens / wall, 1),
         "ttft_p50_s": round(percentile(ttft, 50), 3), "ttft_p99_s": round(percentile(ttft, 99), 3),
         "latency_p50_s": round(percentile(latency, 50), 3), "latency_p99_s": round(percentile(latency, 99), 3),
-        # after warm-up: the median of the first and of the last quarter of the samples (growth = a leak), and the
-        # peak (transient: activations of the largest batches)
-        "rss_early_mib": round(early / 2**20, 1), "rss_late_mib": round(late / 2**20, 1),
-        "rss_growth_pct": round(100 * (late - early) / early, 2), "rss_peak_mib": round(max(after) / 2**20, 1),
-        "rss_samples_mib": [[round(t - out["t0"], 1), round(b / 2**20, 1)] for t, b in rss],
+        **rss_summary(rss, out["t0"], wall, args.warmup),
         "server_counters": final_health,
         "first_errors": [r["error"] for r in results if r.get("error")][:5],
         # per request, in the order they ended: when it started (s after the load began), TTFT, latency
         "timeline": [[round(r["end"] - r["latency"] - out["t0"], 2), r.get("ttft") and round(r["ttft"], 3),
                       round(r["latency"], 3)] for r in ok],
-        "command": " ".join([Path(sys.argv[0]).name] + sys.argv[1:]),
     }
+    report["ok"] = report["errors"] == 0 and report["mismatches"] == 0
     print(json.dumps({k: v for k, v in report.items() if k not in ("rss_samples_mib", "timeline")}, indent=2))
-    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
-    return 0 if report["errors"] == 0 and report["mismatches"] == 0 else 1
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+    return report

@@ -2,8 +2,8 @@
 engine thread does, with distinct random prompts and sampled tokens (temperature 1, seeded: random weights decode
 greedily into a few tokens that route to a few experts).
 
-    PYTHONPATH=src python benchmarks/serving_gpu.py --model benchmarks/configs/qwen3-next-80b-a3b.json \\
-        --load-format dummy --scenarios decode,prefill,closed,burst,join --json out.json
+    PYTHONPATH=src python -m benchmarks run serving_gpu --json out.json --model \\
+        benchmarks/configs/qwen3-next-80b-a3b.json --load-format dummy --scenarios decode,prefill,closed,burst,join
 
 Scenarios (each on its own engine over the same weights):
 - decode: steady decode of N sequences (`--batches`, 512-token prompts): tokens/s over the steps in which all of
@@ -15,7 +15,7 @@ Scenarios (each on its own engine over the same weights):
 - join: 8 sequences decode, then a 32k-token prompt joins: the time between the batch's steps before (normal) and
   while it prefills (p50, p99, max, p99 / normal), and the prompt's time to first token.
 Only the engine API that older trees have too is used for decode and prefill (`--baseline` runs those on a tree given
-by PYTHONPATH). Steps are timed by the host clock between `step()` returns, as a client would see them (with overlap
+by PYTHONPATH, or by the runner's `--base REF`). Steps are timed by the host clock between `step()` returns, as a client would see them (with overlap
 a step's tokens come from the next `step()` call). The table is printed last.
 """
 
@@ -23,13 +23,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
-import sys
 import time
 
 import torch
 
 import sluice
+
+from .registry import checkpoint
+from .runner import commit
 
 
 def sync():
@@ -209,7 +210,7 @@ def join(model, running: int = 8, prompt_tokens: int = 32768, normal_steps: int 
             "ttft_s": ttft, "join_steps": len(joined)}
 
 
-def main() -> int:
+def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="benchmarks/configs/qwen3-next-80b-a3b.json")
     ap.add_argument("--load-format", default="dummy")
@@ -227,17 +228,13 @@ def main() -> int:
                          "'D' / 'D+p' (decode_prefill_chunk D, with + the budget grows with the prompts waiting), "
                          "each optionally '/wN' (whole_graph_tokens N)")
     ap.add_argument("--baseline", action="store_true", help="only what an older tree has (decode, prefill)")
-    ap.add_argument("--json")
     ap.add_argument("--profile", help="closed: write a torch profiler table of 40 measured steps to this file")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     t0 = time.perf_counter()
     base = sluice.load(args.model, load_format=args.load_format, device=args.device, kv_cache=args.kv_cache)
     gpu = torch.cuda.get_device_name() if base.device.type == "cuda" else "cpu"
     report = {"model": args.model, "kv_cache": args.kv_cache, "gpu": gpu,
-              "load_s": time.perf_counter() - t0, "sluice": sluice.__file__,
-              "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                                       text=True).stdout.strip(),
-              "command": " ".join(sys.argv)}
+              "load_s": time.perf_counter() - t0, "sluice": sluice.__file__}
     print(f"loaded in {report['load_s']:.0f} s", flush=True)
     scenarios = args.scenarios.split(",")
 
@@ -246,9 +243,7 @@ def main() -> int:
         return base.with_engine(**options)
 
     def save():  # after every scenario: a run cut short keeps what it measured
-        if args.json:
-            with open(args.json, "w") as f:
-                json.dump(report, f, indent=1)
+        checkpoint(report)
 
     def timed_warmup(model):
         eng = model.engine
@@ -305,7 +300,7 @@ def main() -> int:
             print(json.dumps(r), flush=True)
             del model
     print()
-    print(f"sluice at {report['sluice']} ({report['commit']}), {report['gpu']}, {args.kv_cache} KV")
+    print(f"sluice at {report['sluice']} ({commit()}), {report['gpu']}, {args.kv_cache} KV")
     for r in report.get("decode", []):
         print(f"decode batch {r['batch']:3d}: {r['decode_tok_s']:9.1f} tok/s  ({r['step_ms']:.2f} ms a step)")
     for r in report.get("prefill", []):
@@ -323,9 +318,4 @@ def main() -> int:
         print(f"join {r['prompt_tokens']} beside {r['running']} [{r['policy']}]: TTFT {r['ttft_s']:.2f} s, step "
               f"normal {r['normal_step_ms']:.1f} ms, p50 {r['join_p50_ms']:.1f}, p99 {r['join_p99_ms']:.1f} "
               f"({r['p99_over_normal']:.1f}x), max {r['join_max_ms']:.1f}")
-    save()
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+    return report

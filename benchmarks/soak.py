@@ -1,8 +1,8 @@
 """Soak test of `sluice serve`: N clients send a mix of requests for a long time while the server's RSS is sampled
 every second; after warm-up it should stay flat (the issue's bar: within 3 %).
 
-    python benchmarks/soak.py --clients 8 --duration 300           # the demo model on the CPU
-    python benchmarks/soak.py --clients 64 --duration 1800
+    python -m benchmarks run soak --clients 8 --duration 300           # the demo model on the CPU
+    python -m benchmarks run soak --clients 64 --duration 1800
 
 Each client cycles through the kinds: a streamed and a whole greedy chat, a streamed completion, seeded sampling with
 penalties, logprobs, a JSON-object reply (a grammar), a client that disconnects mid-stream, and a bad request (400).
@@ -20,16 +20,11 @@ import asyncio
 import itertools
 import json
 import os
-import statistics
-import subprocess
-import sys
 import time
-from pathlib import Path
 
 import httpx
 
-sys.path.insert(0, str(Path(__file__).parent))
-from server_load import free_port, prompt_list, rss_bytes  # noqa: E402
+from .serve import prompt_list, rss_summary, sampling_rss, start_server
 
 PLAIN = {"temperature": 0}
 KINDS = {  # name -> (path, extra body, streamed, deterministic)
@@ -121,43 +116,7 @@ async def soak(url: str, model: str, args) -> dict:
     return {"results": results, "wall_s": time.perf_counter() - t0, "t0": t0}
 
 
-def start_server(serve_args: list[str], threads: int | None = None,
-                 stderr=None) -> tuple[subprocess.Popen, str, dict]:
-    """`python -m sluice serve` on a free loopback port with these arguments (OMP_NUM_THREADS=threads), once /health
-    answers: the process, its URL and that answer."""
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    cmd = [sys.executable, "-m", "sluice", "serve", "--port", str(port), "--log-level", "warning", *serve_args]
-    server = subprocess.Popen(cmd, stderr=stderr, env={**os.environ, "OMP_NUM_THREADS": str(threads)} if threads
-                              else None)
-    for _ in range(1200):
-        try:
-            return server, url, httpx.get(url + "/health", timeout=2).json()
-        except httpx.HTTPError:
-            if server.poll() is not None:
-                raise SystemExit("the server exited during start-up")
-            time.sleep(0.25)
-    server.kill()
-    raise SystemExit("the server did not answer within 5 minutes")
-
-
-def slope_mib_per_min(samples: list[tuple[float, int]], window: float = 30) -> float:
-    """The least-squares slope through the lowest sample of each whole `window`-second stretch (the floor: a leak
-    raises it, the transient peaks of the largest batches' activations do not)."""
-    groups: dict[int, list] = {}
-    for t, b in samples:
-        groups.setdefault(int(t // window), []).append((t, b))
-    points = [(statistics.median(t for t, _ in g), min(b for _, b in g)) for g in groups.values()
-              if len(g) >= window / 2]
-    if len(points) < 2:
-        return 0.0
-    ts, bs = [t for t, _ in points], [b / 2**20 for _, b in points]
-    tm, bm = statistics.fmean(ts), statistics.fmean(bs)
-    var = sum((t - tm) ** 2 for t in ts)
-    return 60 * sum((t - tm) * (b - bm) for t, b in zip(ts, bs)) / var if var else 0.0
-
-
-def main() -> int:
+def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default=None, help="model to serve (default: the demo model)")
     ap.add_argument("--device", default="cpu")
@@ -171,8 +130,7 @@ def main() -> int:
     ap.add_argument("--server-threads", type=int, default=max(1, (os.cpu_count() or 2) - 1),
                     help="CPU threads of the server (OMP_NUM_THREADS; the rest is left to the clients)")
     ap.add_argument("--warmup", type=float, default=0.2, help="fraction of the run before RSS is taken as settled")
-    ap.add_argument("--json", default="benchmarks/results/soak.json")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
 
     server, url, health = start_server(
         ["--device", args.device, "--max-batch", str(args.max_batch), "--max-seq-len", str(args.max_seq_len),
@@ -180,29 +138,13 @@ def main() -> int:
         args.server_threads if args.device == "cpu" else None)
     model, rss = health["model"], []
     try:
-        async def run():
-            async def sample():
-                while True:
-                    rss.append((time.perf_counter(), rss_bytes(server.pid)))
-                    await asyncio.sleep(1)
-
-            sampler = asyncio.ensure_future(sample())
-            try:
-                return await soak(url, model, args)
-            finally:
-                sampler.cancel()
-
-        out = asyncio.run(run())
+        out = asyncio.run(sampling_rss(server.pid, soak(url, model, args), rss))
         counters = httpx.get(url + "/health", timeout=5).json()
     finally:
         server.terminate()
         server.wait(30)
 
     results, wall = out["results"], out["wall_s"]
-    settled = [(t, b) for t, b in rss if t >= out["t0"] + args.warmup * wall] or rss
-    quarter = max(1, len(settled) // 4)
-    early = statistics.median(b for _, b in settled[:quarter])
-    late = statistics.median(b for _, b in settled[-quarter:])
     by_kind = {k: {"requests": 0, "errors": 0, "mismatches": 0} for k in KINDS}
     for r in results:
         row = by_kind[r["kind"]]
@@ -216,20 +158,10 @@ def main() -> int:
         "errors": sum(r["error"] is not None for r in results), "mismatches": sum(r.get("match") is False
                                                                                    for r in results),
         "by_kind": by_kind,
-        "rss_early_mib": round(early / 2**20, 1), "rss_late_mib": round(late / 2**20, 1),
-        "rss_growth_pct": round(100 * (late - early) / early, 2),
-        "rss_slope_mib_per_min": round(slope_mib_per_min(settled), 3),
-        "rss_peak_mib": round(max(b for _, b in settled) / 2**20, 1),
-        "rss_samples_mib": [[round(t - out["t0"], 1), round(b / 2**20, 1)] for t, b in rss],
+        **rss_summary(rss, out["t0"], wall, args.warmup),
         "server_counters": counters,
         "first_errors": [f"{r['kind']}: {r['error']}" for r in results if r["error"]][:5],
-        "command": " ".join([Path(sys.argv[0]).name] + sys.argv[1:]),
     }
+    report["ok"] = report["errors"] == 0 and report["mismatches"] == 0
     print(json.dumps({k: v for k, v in report.items() if k != "rss_samples_mib"}, indent=2))
-    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
-    return 0 if report["errors"] == 0 and report["mismatches"] == 0 else 1
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+    return report

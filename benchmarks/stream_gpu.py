@@ -7,7 +7,7 @@ host-to-device bytes a step, the placement, and peak host RSS and GPU memory aga
 --check-greedy the greedy tokens of the streamed model are compared with the same model fully resident (when that
 fits the GPU). With --layers N the config is cut to its first N layers (a slice of a model too big for the host).
 
-    PYTHONPATH=src python benchmarks/stream_gpu.py --config benchmarks/configs/qwen3.5-122b-a10b.json \\
+    PYTHONPATH=src python -m benchmarks run stream_gpu --config benchmarks/configs/qwen3.5-122b-a10b.json \\
         --gpu-memory 24GiB --json out.json
 """
 
@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import os
 import resource
 import tempfile
 import time
@@ -24,8 +25,18 @@ from pathlib import Path
 import torch
 
 import sluice
-from disk_read import evict
 from sluice.engine.bench import copy_bandwidth
+
+
+def evict(paths) -> None:
+    """Drop the files from the OS page cache (written pages flushed first), so the next reads come from the disk."""
+    for p in paths:
+        fd = os.open(p, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
 
 
 def _timed(fn, repeats: int = 6) -> float:
@@ -122,7 +133,7 @@ def greedy(model, prompts, n):
     return [model.generate(p, max_tokens=n, temperature=0) for p in prompts]
 
 
-def main() -> int:
+def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--config", required=True)
     ap.add_argument("--gpu-memory", required=True)
@@ -134,8 +145,7 @@ def main() -> int:
     ap.add_argument("--disk", type=Path, default=None,
                     help="write the dummy checkpoint here (MLX layout) and stream the experts from these files")
     ap.add_argument("--disk-steps", type=int, default=24)
-    ap.add_argument("--json", type=Path)
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     dev = torch.device("cuda")
     cfg = config_path(args.config, args.layers)
     out = {"config": args.config, "layers": args.layers, "gpu_memory": args.gpu_memory,
@@ -218,10 +228,6 @@ def main() -> int:
     print(f"peak host RSS {out['peak_rss_gb']:.1f} GB; peak GPU memory reserved {out['peak_gpu_gb']:.1f} GB, "
           f"allocated {out['peak_gpu_allocated_gb']:.1f} GB "
           f"(budget {out['budget_gb']:.1f} GB)", flush=True)
-    if args.json:
-        args.json.write_text(json.dumps(out, indent=2))
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())
+    if args.check_greedy:
+        out["ok"] = out["greedy_identical"]
+    return out

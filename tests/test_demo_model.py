@@ -62,7 +62,7 @@ def test_logits_shape_and_dtype(model):
 
 def test_agreement_with_llama_cpp(model, demo_gguf_path):
     """Teacher-forced top-1 agreement with llama.cpp on the same GGUF (the full 1,500-token measurement is
-    benchmarks/llamacpp_agreement.py)."""
+    `python -m benchmarks run llamacpp_agreement`)."""
     llama_cpp = pytest.importorskip("llama_cpp")
     import numpy as np
     from pydoc_data.topics import topics

@@ -3,8 +3,8 @@ directories of Llama and Qwen3-Next) are loaded, and run one short generation wh
 process with a memory cap and a timeout. Any outcome but success or a SluiceError fails.
 
 The children are forked from one server process (`python tests/test_fuzz.py --serve`) that imported sluice once,
-so a mutant costs a fork and a load, not a Python start. `benchmarks/fuzz_campaign.py` runs longer campaigns with
-the same mutator and runner.
+so a mutant costs a fork and a load, not a Python start. `python -m benchmarks run fuzz_campaign` runs longer
+campaigns with the same mutator and runner.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """Loading: dummy weights from a config.json (formats/dummy.py), the benchmark configs, tensors read straight to
-the device or memory-mapped on the CPU (formats/hf.py), the loader's options, and benchmarks/load_memory.py."""
+the device or memory-mapped on the CPU (formats/hf.py), the loader's options, and the load_memory benchmark."""
 
 import gc
 import json
@@ -341,20 +341,23 @@ def test_dummy_weights_are_made_on_the_gpu(tmp_path):
     assert torch.isfinite(model.logits([[1, 2, 3, 4]])).all()
 
 
-# -- benchmarks/load_memory.py -----------------------------------------------------------------------------------
+# -- the load_memory benchmark -------------------------------------------------------------------------------------
 
 def test_load_memory_benchmark_at_a_tiny_size(tmp_path):
-    """The script end to end on the CPU: a valid sharded MLX checkpoint (readable by the safetensors library,
-    tensor for tensor the dummy reader's layout), loaded in fresh processes, measured, written as JSON."""
+    """The benchmark end to end on the CPU (`python -m benchmarks run load_memory`): a valid sharded MLX checkpoint
+    (readable by the safetensors library, tensor for tensor the dummy reader's layout), loaded in fresh processes,
+    measured, written as the runner's JSON record."""
     from safetensors import safe_open
 
     config = tmp_path / "tiny.json"
     config.write_text(json.dumps(shrunk("qwen3-next-80b-a3b", layers=8)))
     out, ckpt = tmp_path / "result.json", tmp_path / "ckpt"
-    subprocess.run([sys.executable, str(ROOT / "benchmarks" / "load_memory.py"), "--config", str(config),
-                    "--gb", "0.001", "--shard-gb", "0.0004", "--device", "cpu", "--dir", str(ckpt), "--keep",
-                    "--json", str(out)], check=True, capture_output=True, timeout=300)
-    result = json.loads(out.read_text())
+    subprocess.run([sys.executable, "-m", "benchmarks", "run", "load_memory", "--json", str(out), "--config",
+                    str(config), "--gb", "0.001", "--shard-gb", "0.0004", "--device", "cpu", "--dir", str(ckpt),
+                    "--keep"], check=True, capture_output=True, timeout=300, cwd=ROOT)
+    record = json.loads(out.read_text())
+    assert record["benchmark"] == "load_memory" and record["gpu"] is None
+    result = record["figures"]
     assert result["checkpoint"]["shards"] > 1 and [r["run"] for r in result["runs"]] == ["cold", "warm"]
     assert all(r["finite_logits"] and r["peak_rss"] > 0 for r in result["runs"])
     layout = {}
