@@ -187,8 +187,8 @@ class Engine:
         try:
             outputs = self._step()
         except Exception as error:
-            if _device_error(error):
-                raise
+            if _device_error(error) or not any(not s.finished for s in self._stepping):
+                raise  # the device's, or before any request was in the step (e.g. a pool that does not fit)
             return self._isolate(error)
         for out in outputs:  # a sequence is cleared once its tokens reached the host
             out.seq.isolated = False
