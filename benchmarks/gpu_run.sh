@@ -80,7 +80,7 @@ join)
   ;;
 serving)  # issue #38: the flat step's GPU tests, then what a user gets in one process (a sweep of step budgets)
   S="$OUT/summary_serving.log"
-  timeout 200 python -m pytest -q -rf -p no:cacheprovider tests/test_gpu_engine.py \
+  timeout 300 python -m pytest -q -rf -p no:cacheprovider tests/test_gpu_engine.py \
     "tests/test_gdn_triton.py::test_flat_step_kernels_match_each_sequence_alone" > "$LOG/tests.log" 2>&1
   grep -E "^(FAILED|ERROR|E  )|passed|failed" "$LOG/tests.log" | head -40 > "$S"
   timeout ${SERVING_S:-330} python -m benchmarks run serving_gpu --json "$OUT/serving_dense.json" --model $CONFIG \
@@ -99,7 +99,7 @@ server)  # issue #38: the tree before (.base/src: decode and prefill) in the sam
   for clients in ${CLIENTS:-64 16}; do
     timeout $((clients == 64 ? 200 : 120)) python -m benchmarks run server_load --json "$OUT/server_load_$clients.json" \
       --model $CONFIG --load-format dummy --device cuda --endpoint completions --clients $clients --prompts $clients \
-      --max-tokens 64 --duration 30 --temperature 1 --max-batch 64 --server-log "$LOG/server_load_$clients.server.log" \
+      --max-tokens 64 --duration 30 --temperature 1 --max-batch 64 --server-log "$OUT/server_load_$clients.server.log" \
       > "$LOG/server_load_$clients.log" 2>&1 \
       || tail -20 "$LOG/server_load_$clients.log" >> "$S"
     grep -E '"(completion_tokens_per_s|ttft_p50_s|ttft_p99_s|errors|requests)"' "$LOG/server_load_$clients.log" \
