@@ -453,23 +453,26 @@ def test_chat_prompts_keep_special_token_texts_plain(demo):
 
 
 class _Exploding:
-    """A token constraint that allows every token, and raises once `advance` has seen `after` tokens (a request
-    whose host-side work fails mid-generation)."""
+    """A token constraint that allows every token, and raises once it has seen `after` tokens, in `allowed` (before
+    a draw) or in `advance` (while the step's tokens are handed out): a request whose host-side work fails
+    mid-generation."""
 
-    def __init__(self, vocab: int, after: int):
-        self.vocab, self.after, self.seen = vocab, after, 0
+    def __init__(self, vocab: int, after: int, where: str):
+        self.vocab, self.after, self.where, self.seen = vocab, after, where, 0
 
     def allowed(self):
-        if self.seen >= self.after:
+        if self.where == "allowed" and self.seen >= self.after:
             raise RuntimeError("constraint exploded")
         return torch.ones(self.vocab, dtype=torch.bool)
 
     def advance(self, token):
         self.seen += 1
+        if self.where == "advance" and self.seen > self.after:
+            raise RuntimeError("constraint exploded")
 
 
-@pytest.mark.parametrize("overlap", [False, True])
-def test_a_failing_request_fails_alone_and_the_others_finish(qwen, overlap):
+@pytest.mark.parametrize("overlap,where", [(False, "allowed"), (True, "allowed"), (True, "advance")])
+def test_a_failing_request_fails_alone_and_the_others_finish(qwen, overlap, where):
     """One request of a batch makes its step fail (its constraint raises): that request ends with finish_reason
     "error"; every other one, greedy or seeded, running or joining, is preempted, prefilled again and finishes with
     the tokens it gets alone; every row comes back."""
@@ -479,13 +482,20 @@ def test_a_failing_request_fails_alone_and_the_others_finish(qwen, overlap):
     engine = qwen.with_engine(overlap=overlap).engine
     seqs = [engine.add_request(ps[0], max_tokens=16, stop_ids=()),
             engine.add_request(ps[1], max_tokens=16, stop_ids=(), **seeded)]
-    bad = engine.add_request(ps[2], max_tokens=16, stop_ids=(), constraint=_Exploding(qwen.config.vocab_size, 5))
-    for _ in range(3):
-        engine.step()
-    seqs.append(engine.add_request(ps[3], max_tokens=16, stop_ids=()))
-    engine.run(seqs + [bad])
-    assert bad.finish_reason == "error" and "constraint exploded" in bad.error and len(bad.output) == 5
+    bad = engine.add_request(ps[2], max_tokens=16, stop_ids=(), constraint=_Exploding(qwen.config.vocab_size, 5, where))
+    handed = {}  # tokens each request got through step outputs: every token appended, once
+    for i in range(200):
+        if i == 3:
+            seqs.append(engine.add_request(ps[3], max_tokens=16, stop_ids=()))
+        for out in engine.step():
+            if out.token is not None:
+                handed.setdefault(out.seq.id, []).append(out.token)
+        if i > 3 and not engine.has_work():
+            break
+    assert bad.finish_reason == "error" and "constraint exploded" in bad.error
+    assert handed[bad.id] == bad.output[:5] and len(handed[bad.id]) == 5
     assert [s.output for s in seqs] == solo and all(s.finish_reason == "length" for s in seqs)
+    assert all(handed[s.id] == s.output for s in seqs)
     assert not engine.has_work() and engine.runner.pool.free_rows == engine.runner.pool.rows
 
 

@@ -21,7 +21,8 @@ back at once. The next step is launched first, its decode tokens' ids those stil
 and detokenizes the earlier step while the GPU runs the later one; so each step's outputs come from the `step()` call
 after the one that launched it. A sequence that stops on a stop id or string costs one step computed and thrown
 away, and one at its max_tokens decodes no further; a step whose rows need the host (logprobs, a constraint, presence
-or frequency penalties) is read back before the next launch.
+or frequency penalties), or that runs a sequence isolated after a failed step (`step`), is read back before the next
+launch.
 """
 
 from __future__ import annotations
@@ -79,6 +80,8 @@ class Engine:
         self.scheduler = Scheduler(config.prefill_tokens(device), config.prefill_tokens(device, decoding=True))
         self._ids = itertools.count()
         self._ahead: _Drawn | None = None  # a decode step launched, its ids not read yet (`overlap`)
+        self._stepping: list[Sequence] = []  # the sequences of the step under way (`step`'s failure isolation)
+        self._outputs: list[StepOutput] = []  # what the step under way has handed out so far
 
     @property
     def max_length(self) -> int:
@@ -182,16 +185,20 @@ class Engine:
         """One step (above). If it fails, only what it can be traced to fails: a step of one sequence (or of isolated
         ones) ends that request with finish_reason "error"; a step of several preempts them all (their prompts and
         outputs prefilled again) and runs them alone, one a step, until each has a step of its own that succeeds.
-        An error of the device itself (a CUDA error leaves it unusable) is raised."""
-        self._stepping = []
+        What the step handed out before it failed (tokens already appended) is returned with the rest. An error of the
+        device itself (a CUDA error leaves it unusable), or one raised before any request was in the step (a cache
+        pool that does not fit), is raised."""
+        self._stepping, self._outputs = [], []
         try:
-            outputs = self._step()
+            self._step()
         except Exception as error:
             if _device_error(error) or not any(not s.finished for s in self._stepping):
-                raise  # the device's, or before any request was in the step (e.g. a pool that does not fit)
-            return self._isolate(error)
-        for out in outputs:  # a sequence is cleared once its tokens reached the host
-            out.seq.isolated = False
+                raise  # the device's, or before any request was in the step
+            self._outputs += self._isolate(error)
+        else:
+            for out in self._outputs:  # a sequence is cleared once its tokens reached the host
+                out.seq.isolated = False
+        outputs, self._outputs = self._outputs, []
         return outputs
 
     def _isolate(self, error: Exception) -> list[StepOutput]:
@@ -207,8 +214,9 @@ class Engine:
             self.scheduler.preempt(seq, self.runner.pool)
         return []
 
-    def _step(self) -> list[StepOutput]:
-        outputs = [StepOutput(s, None, "", True) for s in self._finish_empty()]
+    def _step(self) -> None:
+        """The step, its outputs into `_outputs` as they come."""
+        self._outputs += [StepOutput(s, None, "", True) for s in self._finish_empty()]
         ahead, self._ahead = self._ahead, None
         self._fit_pool()
         self.scheduler.admit(self.runner.pool)
@@ -234,13 +242,12 @@ class Engine:
         else:
             drawn = None
         if ahead is not None:  # read while the GPU runs the step just launched
-            outputs += self._land(ahead)
+            self._land(ahead)
         if drawn is not None:
-            if self.overlaps and all(self._runs_ahead(s) for s in drawn.seqs):
+            if self.overlaps and all(self._runs_ahead(s) and not s.isolated for s in drawn.seqs):
                 self._ahead = drawn
             else:
-                outputs += self._land(drawn)
-        return outputs
+                self._land(drawn)
 
     def _decode_ids(self, decodes: list[Sequence], ahead: _Drawn | None):
         """The decode tokens' ids: host ints, or (a step run ahead) int64 [D] on the device: ahead's sampled ids
@@ -322,9 +329,9 @@ class Engine:
             ready.record()
         return _Drawn(list(seqs), ids, host, ready, raw)
 
-    def _land(self, drawn: _Drawn) -> list[StepOutput]:
-        """Wait for a drawn step's ids and hand them to their sequences (those aborted or stopped since are skipped:
-        a step run ahead of a stop is thrown away)."""
+    def _land(self, drawn: _Drawn) -> None:
+        """Wait for a drawn step's ids and hand them to their sequences, each output into `_outputs` as it is made
+        (those aborted or stopped since are skipped: a step run ahead of a stop is thrown away)."""
         if drawn.ready is not None:
             drawn.ready.synchronize()
         ids, ok = drawn.host.tolist()
@@ -332,8 +339,9 @@ class Engine:
         logprobs = self._logprobs([s for _, s in live], drawn.logits[[i for i, _ in live]],
                                   drawn.ids[[i for i, _ in live]]) if any(s.logprobs is not None
                                                                            for _, s in live) else {}
-        return [self._append(s, ids[i], *logprobs.get(j, ())) if ok[i] else self._fail(s, "NaN or inf logits")
-                for j, (i, s) in enumerate(live)]
+        for j, (i, s) in enumerate(live):
+            self._outputs.append(self._append(s, ids[i], *logprobs.get(j, ())) if ok[i]
+                                 else self._fail(s, "NaN or inf logits"))
 
     @staticmethod
     def _masked(seqs: list[Sequence], logits: torch.Tensor) -> torch.Tensor:
