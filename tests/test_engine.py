@@ -521,3 +521,32 @@ def test_warmup_leaves_an_idle_engine_that_generates_as_a_fresh_one(qwen):
     assert model.engine.runner.pool.free_rows == model.engine.runner.pool.rows == 4
     p = prompts(qwen, n=3, seed=9)[2]
     assert alone(model, p, 12) == alone(qwen.with_engine(max_batch=4, max_seq_len=128), p, 12)
+
+
+def test_deterministic_steps_never_mix_and_outputs_equal_alone(qwen):
+    """`deterministic=True`: a step either decodes every decoding sequence or prefills one chunk of one prompt (chunks
+    starting at multiples of prefill_chunk), the two in turn while both wait; every request gets its tokens alone,
+    greedy and seeded, and every row comes back."""
+    ps = prompts(qwen, n=5, seed=13)
+    seeded = dict(temperature=0.8, seed=4)
+    solo = [alone(qwen, p, 10, **(seeded if i % 2 else {})) for i, p in enumerate(ps)]
+    model = qwen.with_engine(deterministic=True)
+    engine, shapes = model.engine, []
+    runner_step = engine.runner.step
+
+    def traced(decodes, tokens, chunks):
+        shapes.append((len(decodes), [(len(ids), start) for _, ids, start in chunks]))
+        return runner_step(decodes, tokens, chunks)
+
+    engine.runner.step = traced
+    seqs = [engine.add_request(p, max_tokens=10, stop_ids=(), **(seeded if i % 2 else {})) for i, p in enumerate(ps)]
+    engine.run(seqs)
+    assert [s.output for s in seqs] == solo
+    assert all((d > 0) != bool(c) and len(c) <= 1 for d, c in shapes)  # never mixed, one prompt at a time
+    chunk = engine.scheduler.prefill_chunk
+    assert all(start % chunk == 0 for _, c in shapes for _, start in c)
+    kinds = [bool(c) for _, c in shapes]
+    assert any(a and not b for a, b in zip(kinds, kinds[1:]))  # decodes went on between prompts' chunks
+    assert engine.runner.pool.free_rows == engine.runner.pool.rows
+    with pytest.raises(InvalidOptionError, match="deterministic"):
+        qwen.with_engine(deterministic="yes")

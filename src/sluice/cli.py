@@ -199,6 +199,8 @@ def cmd_bench(args) -> int:
     options = {"graphs": not args.no_graphs, "max_batch": max(args.batch, 1), **_prefill_options(args)}
     if args.no_overlap:
         options["overlap"] = False
+    if args.deterministic:
+        options["deterministic"] = True
     if args.load_format != "auto":
         options["load_format"] = args.load_format
     _progress(f"loading {args.model or 'the demo model'}")
@@ -271,6 +273,8 @@ def cmd_serve(args) -> int:
     options = {"graphs": not args.no_graphs, **_prefill_options(args)}
     if args.no_overlap:
         options["overlap"] = False
+    if args.deterministic:
+        options["deterministic"] = True
     if args.load_format != "auto":
         options["load_format"] = args.load_format
     model = _load(args, **options)
@@ -355,6 +359,9 @@ def build_parser() -> argparse.ArgumentParser:
                        "--model's config.json (a directory or a config.json file), made on the device")
     _add_prefill_args(bench)
     bench.add_argument("--no-graphs", action="store_true", help="decode eagerly (no CUDA graphs), to compare")
+    bench.add_argument("--deterministic", action="store_true",
+                       help="batch-invariant outputs on a GPU: decode steps at the full batch, each prompt prefilled "
+                          "alone (slower; see EngineConfig.deterministic)")
     bench.add_argument("--no-overlap", action="store_true", help="read each decode step back before launching the "
                        "next (on a GPU the next is launched first), to compare")
     bench.add_argument("--compare-kv-caches", dest="kv_cache_kinds", action="store_const",
@@ -384,6 +391,9 @@ def build_parser() -> argparse.ArgumentParser:
                      help="read special-token texts such as <|im_start|> in chat messages as the tokens themselves "
                           "(default: as plain text, so a message cannot open a turn of another role)")
     srv.add_argument("--no-graphs", action="store_true", help="decode eagerly (no CUDA graphs)")
+    srv.add_argument("--deterministic", action="store_true",
+                     help="batch-invariant outputs on a GPU: decode steps at the full batch, each prompt prefilled "
+                          "alone (slower; see EngineConfig.deterministic)")
     srv.add_argument("--no-overlap", action="store_true", help="read each decode step back before launching the next")
     srv.add_argument("--load-format", default="auto", help="auto, or dummy: random weights at the shapes of "
                      "--model's config.json, made on the device (to measure a model without downloading it)")

@@ -44,6 +44,11 @@ class EngineConfig:
     kv_cache: "dense" (K/V in the model's dtype) or "turboquant4".
     overlap: launch each step before the host reads the last one's tokens (`engine/engine.py`); None: on a
         GPU, where it hides the host's part of a step behind the device's.
+    deterministic: batch-invariant outputs on a GPU, as a request alone gets them whatever shares its batch: every
+        decode step runs at the pool's full batch (its largest graph), and each prompt prefills alone, never beside
+        decodes or other prompts, in chunks that start at fixed positions; so every kernel sees the same shapes
+        and a row's sums never depend on the others'. Costs throughput; needs graphs on a GPU. (On the CPU each row
+        already runs alone.)
     """
 
     max_batch: int = 64
@@ -56,6 +61,7 @@ class EngineConfig:
     whole_graph_tokens: int = WHOLE_GRAPH_TOKENS
     kv_cache: str = "dense"
     overlap: bool | None = None
+    deterministic: bool = False
 
     def __post_init__(self):
         from sluice.cache import KV_CACHE_KINDS
@@ -74,6 +80,8 @@ class EngineConfig:
         if not isinstance(self.whole_graph_tokens, int) or isinstance(self.whole_graph_tokens, bool) \
                 or self.whole_graph_tokens < 0:
             raise InvalidOptionError(f"whole_graph_tokens={self.whole_graph_tokens!r}: use an integer >= 0.")
+        if self.deterministic not in (True, False):
+            raise InvalidOptionError(f"deterministic={self.deterministic!r}: use True or False.")
         if self.overlap not in (None, True, False):
             raise InvalidOptionError(f"overlap={self.overlap!r}: use True, False or None (on a GPU).")
         if self.kv_cache not in KV_CACHE_KINDS:

@@ -78,6 +78,10 @@ class Engine:
         self.context_length = module.cfg.context_length
         self.runner = ModelRunner(module, config, device, dtype)
         self.scheduler = Scheduler(config.prefill_tokens(device), config.prefill_tokens(device, decoding=True))
+        self.scheduler.deterministic = config.deterministic
+        if config.deterministic and device.type == "cuda" and not config.graphs:
+            raise InvalidOptionError("deterministic=True needs graphs on a GPU (its decode steps run at the largest "
+                                     "graph's batch); drop graphs=False.")
         self._ids = itertools.count()
         self._ahead: _Drawn | None = None  # a decode step launched, its ids not read yet (`overlap`)
         self._stepping: list[Sequence] = []  # the sequences of the step under way (`step`'s failure isolation)

@@ -48,7 +48,7 @@ class Model:
     def with_engine(self, **options) -> "Model":
         """The same weights (shared, not copied) with other engine settings (`sluice.config.EngineConfig`: kv_cache,
         max_batch, max_seq_len, prefill_chunk, decode_prefill_chunk, graphs, graph_batch_sizes, graph_token_sizes,
-        whole_graph_tokens, overlap): a model
+        whole_graph_tokens, overlap, deterministic): a model
         with its own engine, cache pool and graphs."""
         from dataclasses import fields, replace
 

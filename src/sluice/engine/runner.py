@@ -207,6 +207,8 @@ class ModelRunner:
         than any graph, or, with streamed experts, more tokens than a layer's slots hold, which stages whole layers, or
         any step whose misses the host must read from disk)."""
         size = self.config.graph_size(n) if self.uses_graphs else None
+        if size is not None and self.config.deterministic:  # every decode step at the pool's batch: one shape
+            size = self.config.graph_size(self.pool.rows) or size
         placement = getattr(self.module, "placement", None)
         if size is not None and placement is not None and size > placement.max_graph_tokens:
             return None

@@ -6,6 +6,9 @@ The budget: `prefill_chunk` prompt tokens when nothing decodes (a burst of promp
 total prompt tokens / prefill_chunk steps); while sequences decode, every one of them waits for the whole forward,
 so a step prefills at most `decode_prefill_chunk` prompt tokens, and within `prefill_chunk` tokens in all.
 
+Deterministic (`EngineConfig.deterministic`): a step either decodes every decoding sequence or prefills one chunk of
+one prompt (the oldest), the two in turn while both wait; a prompt's chunks start at multiples of prefill_chunk.
+
 After a step failed (`Engine.step`), its sequences are preempted (their rows freed, their prompt and output prefilled
 again) and isolated: while one is, each step runs one isolated sequence alone."""
 
@@ -22,6 +25,8 @@ class Scheduler:
         # ... while sequences decode in the step (None: prefill_chunk; never more)
         self.decode_prefill_chunk = min(prefill_chunk, decode_prefill_chunk or prefill_chunk)
         self.proportional = False  # the budget beside decodes grows with the prompts waiting (`budget`)
+        self.deterministic = False  # decode steps and one-prompt prefill steps, never mixed (above)
+        self._prefilled_last = False  # deterministic: the last step prefilled (the next decodes, if any decode)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # prefilling or decoding, in admission order
 
@@ -53,6 +58,13 @@ class Scheduler:
                          min(len(isolated.prefill_ids), isolated.prefilled + self.prefill_chunk))]
         decodes = [s for s in self.running
                    if s.status == DECODING and len(s.output) + in_flight.get(s.id, 0) < s.max_tokens]
+        if self.deterministic:
+            prompt = next((s for s in self.running if s.status == PREFILLING), None)
+            if prompt is None or (decodes and self._prefilled_last):
+                self._prefilled_last = False
+                return decodes, []
+            self._prefilled_last = True
+            return [], [(prompt, prompt.prefilled, min(len(prompt.prefill_ids), prompt.prefilled + self.prefill_chunk))]
         return decodes, self.next_prefills(len(decodes))
 
     def budget(self, decoding: int) -> int:
