@@ -288,7 +288,8 @@ class Engine:
             if pool is None:
                 self.runner.build_pool(self.config.max_batch, self.max_length)
             return
-        rows = min(self.config.max_batch, len(waiting))
+        # deterministic: every decode step at the pool's full batch, so the pool has all its rows from the start
+        rows = self.config.max_batch if self.config.deterministic else min(self.config.max_batch, len(waiting))
         capacity = max(s.length for s in waiting)
         if pool is not None and pool.rows >= rows and pool.capacity >= capacity:
             return
