@@ -247,6 +247,7 @@ def test_text_that_is_not_utf8_is_refused_cleanly(tiny):
     (["serve", "--port", "-1"], "port=-1"),
     (["serve", "--max-seq-len", "0"], "--max-seq-len 0: use a positive number"),
     (["serve", "--max-seq-len", "100000"], "more than the model's context window (256 positions)"),
+    (["serve", "--max-batch", "0"], "--max-batch 0: use a positive number of sequences"),
     (["serve", "--max-body-mb", "-1"], "--max-body-mb -1: use a positive number of MiB"),
     (["serve", "--max-body-mb", "nan"], "--max-body-mb nan"),
     (["serve", "--read-timeout", "0"], "read_timeout=0"),
