@@ -13,6 +13,7 @@
 #   bash benchmarks/gpu_run.sh server  # the tree before (.base/src) beside, sluice serve over HTTP, TurboQuant
 #   bash benchmarks/gpu_run.sh single  # serving, then server, on one GPU
 #   bash benchmarks/gpu_run.sh both    # the last two at once on a machine of two GPUs
+#   bash benchmarks/gpu_run.sh hardening; bash benchmarks/gpu_run.sh hardening2   # issue #39, two GPUs, two calls
 #
 # Every benchmark runs as `python -m benchmarks run NAME --json FILE ARGS` (benchmarks/registry.py); the JSON files
 # are the runner's records (figures under "figures"). Knobs: POLICIES, SCENARIOS, SERVING_S, PROFILE (serving);
@@ -115,12 +116,44 @@ single)  # serving, then server, on one GPU (CLIENTS, TQ, BASE choose the server
   bash "$0" serving; bash "$0" server
   cat "$OUT"/summary_*.log
   ;;
+hardening|hardening2)  # issue #39 on a machine of two GPUs: the 10-minute soak (--deterministic) on GPU 0, started
+  # in the background by the first call, collected by the second; on GPU 1 server_load greedy (replies checked
+  # against each prompt alone) and sampled, with and without --deterministic
+  S="$OUT/summary_hardening.log"
+  if [ "$1" = hardening ] && [ ! -e /tmp/soak_started ]; then
+    touch /tmp/soak_started
+    CUDA_VISIBLE_DEVICES=0 setsid bash -c "python -m benchmarks run soak --json /tmp/soak_gpu.json --model $CONFIG \
+      --load-format dummy --device cuda --clients 64 --prompts 64 --max-tokens 64 --duration ${SOAK_S:-600} \
+      --serve-args=--deterministic --server-log /tmp/soak_server.log > $LOG/soak.log 2>&1" < /dev/null > /dev/null 2>&1 &
+  fi
+  if [ "$1" = hardening ]; then runs="greedy greedy_det"; else runs="sampled_det sampled"; fi
+  for run in $runs; do
+    case $run in greedy*) temp=0;; *) temp=1;; esac
+    case $run in *_det) extra=--serve-args=--deterministic;; *) extra=;; esac
+    CUDA_VISIBLE_DEVICES=1 timeout 240 python -m benchmarks run server_load --json "$OUT/server_load_$run.json" \
+      --model $CONFIG --load-format dummy --device cuda --endpoint completions --clients 64 --prompts 64 \
+      --max-tokens 64 --duration 30 --temperature $temp --max-batch 64 $extra \
+      --server-log "$LOG/server_load_$run.server.log" > "$LOG/server_load_$run.log" 2>&1 \
+      || tail -20 "$LOG/server_load_$run.log" >> "$S"
+    grep -E '"(completion_tokens_per_s|ttft_p50_s|ttft_p99_s|errors|mismatches|requests)"' "$LOG/server_load_$run.log" \
+      | tr -d '\n' | sed "s/^/$run: /" >> "$S"; echo >> "$S"
+    grep -i "slow step\|Traceback\|Error" "$LOG/server_load_$run.server.log" | head -5 >> "$S"
+  done
+  if [ "$1" = hardening2 ]; then
+    for _ in $(seq 100); do pgrep -f "benchmarks run soak" > /dev/null || break; sleep 5; done
+    cp /tmp/soak_gpu.json "$OUT/" 2>/dev/null
+    tail -40 $LOG/soak.log >> "$S"; grep -i "slow step\|Traceback" /tmp/soak_server.log | head -5 >> "$S"
+  else
+    tail -3 $LOG/soak.log >> "$S"
+  fi
+  cat "$S"
+  ;;
 both)  # serving and server at once, one GPU each (a machine of two GPUs)
   CUDA_VISIBLE_DEVICES=0 bash "$0" serving & CUDA_VISIBLE_DEVICES=1 bash "$0" server; wait
   cat "$OUT"/summary_*.log
   ;;
 *)
-  echo "usage: bash benchmarks/gpu_run.sh tests|bench|join|serving|server|single|both" >&2
+  echo "usage: bash benchmarks/gpu_run.sh tests|bench|join|serving|server|single|both|hardening|hardening2" >&2
   exit 2
   ;;
 esac

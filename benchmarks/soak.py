@@ -130,12 +130,16 @@ def main(argv=None) -> dict:
     ap.add_argument("--server-threads", type=int, default=max(1, (os.cpu_count() or 2) - 1),
                     help="CPU threads of the server (OMP_NUM_THREADS; the rest is left to the clients)")
     ap.add_argument("--warmup", type=float, default=0.2, help="fraction of the run before RSS is taken as settled")
+    ap.add_argument("--serve-args", default="", help="more options of sluice serve, e.g. '--deterministic'")
+    ap.add_argument("--server-log", default=None, help="where the server's stderr goes (default: this process's)")
     args = ap.parse_args(argv)
 
     server, url, health = start_server(
         ["--device", args.device, "--max-batch", str(args.max_batch), "--max-seq-len", str(args.max_seq_len),
-         "--load-format", args.load_format] + (["--model", args.model] if args.model else []),
-        args.server_threads if args.device == "cpu" else None)
+         "--load-format", args.load_format] + (["--model", args.model] if args.model else [])
+        + args.serve_args.split(),
+        args.server_threads if args.device == "cpu" else None,
+        stderr=open(args.server_log, "w") if args.server_log else None)
     model, rss = health["model"], []
     try:
         out = asyncio.run(sampling_rss(server.pid, soak(url, model, args), rss))
@@ -154,6 +158,7 @@ def main(argv=None) -> dict:
     report = {
         "date": time.strftime("%Y-%m-%d"), "device": args.device, "model": model, "clients": args.clients,
         "duration_s": round(wall, 1), "max_tokens": args.max_tokens, "max_batch": args.max_batch,
+        "serve_args": args.serve_args,
         "server_threads": args.server_threads, "cpu_count": os.cpu_count(), "requests": len(results),
         "errors": sum(r["error"] is not None for r in results), "mismatches": sum(r.get("match") is False
                                                                                    for r in results),
