@@ -137,12 +137,12 @@ hardening|hardening2)  # issue #39 on a machine of two GPUs: the 10-minute soak 
       || tail -20 "$LOG/server_load_$run.log" >> "$S"
     grep -E '"(completion_tokens_per_s|ttft_p50_s|ttft_p99_s|errors|mismatches|requests)"' "$LOG/server_load_$run.log" \
       | tr -d '\n' | sed "s/^/$run: /" >> "$S"; echo >> "$S"
-    grep -i "slow step\|Traceback\|Error" "$LOG/server_load_$run.server.log" | head -5 >> "$S"
+    grep -i "a step took\|Traceback\|Error" "$LOG/server_load_$run.server.log" | head -5 >> "$S"
   done
   if [ "$1" = hardening2 ]; then
     for _ in $(seq 100); do pgrep -f "benchmarks run soak" > /dev/null || break; sleep 5; done
     cp /tmp/soak_gpu.json "$OUT/" 2>/dev/null
-    tail -40 $LOG/soak.log >> "$S"; grep -i "slow step\|Traceback" /tmp/soak_server.log | head -5 >> "$S"
+    tail -40 $LOG/soak.log >> "$S"; grep -i "a step took\|Traceback" /tmp/soak_server.log | head -5 >> "$S"
   else
     tail -3 $LOG/soak.log >> "$S"
   fi
