@@ -14,6 +14,7 @@
 #   bash benchmarks/gpu_run.sh single  # serving, then server, on one GPU
 #   bash benchmarks/gpu_run.sh both    # the last two at once on a machine of two GPUs
 #   bash benchmarks/gpu_run.sh hardening; bash benchmarks/gpu_run.sh hardening2   # issue #39, two GPUs, two calls
+#   bash benchmarks/gpu_run.sh prefix  # issue #41, two GPUs: the prefix cache's GPU tests, the agent trace
 #
 # Every benchmark runs as `python -m benchmarks run NAME --json FILE ARGS` (benchmarks/registry.py); the JSON files
 # are the runner's records (figures under "figures"). Knobs: POLICIES, SCENARIOS, SERVING_S, PROFILE (serving);
@@ -148,12 +149,33 @@ hardening|hardening2)  # issue #39 on a machine of two GPUs: the 10-minute soak 
   fi
   cat "$S"
   ;;
+prefix)  # issue #41 on a machine of two GPUs: the prefix cache's GPU tests, the agent trace with the cache (GPU 0)
+  # and without (GPU 1) at once
+  S="$OUT/summary_prefix.log"
+  for only in cached plain; do
+    gpu=$([ $only = cached ] && echo 0 || echo 1)
+    (
+      if [ $only = cached ] && [ "${PREFIX_TESTS:-1}" = 1 ]; then
+        CUDA_VISIBLE_DEVICES=0 timeout 150 python -m pytest -q -rf -p no:cacheprovider tests/test_gpu_engine.py \
+          -k prefix_cache > "$LOG/tests_prefix.log" 2>&1
+      fi
+      CUDA_VISIBLE_DEVICES=$gpu timeout ${TRACE_S:-420} python -m benchmarks run agent_trace \
+        --json "$OUT/agent_trace_$only.json" --model $CONFIG --load-format dummy --only $only ${TRACE_ARGS:-} \
+        > "$LOG/agent_trace_$only.log" 2>&1 || tail -30 "$LOG/agent_trace_$only.log" > "$LOG/agent_trace_$only.err"
+    ) &
+  done
+  wait
+  grep -E "^(FAILED|ERROR|E  )|passed|failed" "$LOG/tests_prefix.log" 2>/dev/null | head -20 > "$S"
+  cat "$LOG"/agent_trace_*.err >> "$S" 2>/dev/null
+  grep -hE "^(cached|plain)" "$LOG"/agent_trace_*.log >> "$S"
+  cat "$S"
+  ;;
 both)  # serving and server at once, one GPU each (a machine of two GPUs)
   CUDA_VISIBLE_DEVICES=0 bash "$0" serving & CUDA_VISIBLE_DEVICES=1 bash "$0" server; wait
   cat "$OUT"/summary_*.log
   ;;
 *)
-  echo "usage: bash benchmarks/gpu_run.sh tests|bench|join|serving|server|single|both|hardening|hardening2" >&2
+  echo "usage: bash benchmarks/gpu_run.sh tests|bench|join|serving|server|single|both|hardening|hardening2|prefix" >&2
   exit 2
   ;;
 esac

@@ -52,6 +52,9 @@ register("engine_gpu", "engine_gpu:main", "gpu",
 register("prefill_gpu", "prefill_gpu:main", "gpu", "TTFT and prefill tok/s by prefill chunk size; --profile")
 register("long_prompt_join", "long_prompt_join:main", "gpu",
          "running decodes' step latency while a long prompt prefills beside them, per --decode-prefill-chunk")
+register("agent_trace", "agent_trace:main", "cpu|gpu",
+         "users in multi-turn chats behind one system prompt, with the prefix cache and without: hit rate, TTFT, "
+         "whole time")
 register("stream_gpu", "stream_gpu:main", "gpu", "expert streaming (host / disk) of a model larger than the GPU")
 register("server_load", "server_load:main", "cpu|gpu",
          "N streaming clients against `sluice serve` on loopback (the demo model on the CPU, dummy weights on a GPU)")

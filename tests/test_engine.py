@@ -42,7 +42,7 @@ def test_batch_equals_each_sequence_alone(name, request):
     model.engine.run(seqs)
     assert [s.output for s in seqs] == solo
     assert all(len(s.output) == 48 and s.finish_reason == "length" for s in seqs)
-    assert model.engine.runner.pool.free_rows == model.engine.runner.pool.rows  # every row given back
+    assert model.engine.rows.free_rows == model.engine.runner.pool.rows  # every row given back
 
 
 def test_sequences_join_while_others_decode(qwen):
@@ -103,7 +103,7 @@ def test_abort_frees_the_row(qwen):
     engine.step()
     engine.abort(seq)
     assert seq.finish_reason == "abort" and not engine.has_work()
-    assert engine.runner.pool.free_rows == engine.runner.pool.rows
+    assert engine.rows.free_rows == engine.runner.pool.rows
 
 
 def test_overlapped_steps_give_the_same_tokens(qwen):
@@ -131,7 +131,7 @@ def test_overlapped_steps_give_the_same_tokens(qwen):
     engine.run(seqs)
     assert not engine.has_work()
     assert [s.output for s in seqs] == solo[:2] + [solo[2][:solo[2].index(stop)], solo_seeded, solo[3]]
-    assert engine.runner.pool.free_rows == engine.runner.pool.rows
+    assert engine.rows.free_rows == engine.runner.pool.rows
     with pytest.raises(InvalidOptionError, match="overlap"):
         qwen.with_engine(overlap="yes")
     assert sluice.load(qwen.path, device="cpu", overlap=False).engine_config.overlap is False
@@ -200,7 +200,7 @@ def test_scheduler_prefills_less_while_sequences_decode():
         def free_rows(self):
             return len(self.free)
 
-        def allocate(self):
+        def allocate(self, seq):
             return self.free.pop(0)
 
     scheduler = Scheduler(64, decode_prefill_chunk=8)
@@ -255,6 +255,7 @@ def _poison_row(monkeypatch, engine, row, after_steps):
 def test_nan_logits_stop_that_request_only(demo, monkeypatch):
     engine = demo.engine
     ps = prompts(demo, n=2, seed=3)
+    expected = alone(demo, ps[1], 12)
     seqs = [engine.add_request(p, max_tokens=12, stop_ids=()) for p in ps]
     engine.step()  # the first prompt is in: it holds a row
     _poison_row(monkeypatch, engine, seqs[0].row, after_steps=2)
@@ -262,8 +263,8 @@ def test_nan_logits_stop_that_request_only(demo, monkeypatch):
     bad, good = seqs
     assert bad.finish_reason == "error" and "NaN or inf logits" in bad.error and f"request {bad.id}" in bad.error
     assert 0 < len(bad.output) < 12
-    assert good.finish_reason == "length" and len(good.output) == 12 and good.output == alone(demo, ps[1], 12)
-    assert engine.runner.pool.free_rows == engine.runner.pool.rows
+    assert good.finish_reason == "length" and len(good.output) == 12 and good.output == expected
+    assert engine.rows.free_rows == engine.runner.pool.rows
 
 
 def test_nan_logits_raise_from_generate(demo, monkeypatch):
@@ -274,7 +275,7 @@ def test_nan_logits_raise_from_generate(demo, monkeypatch):
     engine.runner.build_pool(1, 256)  # one row: the request takes row 0
     with pytest.raises(GenerationError, match="request [0-9]+: the model produced NaN or inf logits"):
         demo.generate("The capital of France is", max_tokens=8, temperature=0)
-    assert engine.runner.pool.free_rows == engine.runner.pool.rows
+    assert engine.rows.free_rows == engine.runner.pool.rows
 
 
 def test_nan_logits_become_an_openai_error(tmp_path, monkeypatch):
@@ -303,7 +304,7 @@ def test_nan_logits_in_a_batch_raise_naming_the_request(demo, monkeypatch):
     with pytest.raises(GenerationError, match=r"request [0-9]+: the model produced NaN or inf logits") as e:
         demo.generate_batch(["The capital of France is", "Once upon a time"], max_tokens=6, temperature=0)
     assert str(e.value).count("request ") == 1  # only the poisoned row's request failed
-    assert engine.runner.pool.free_rows == engine.runner.pool.rows
+    assert engine.rows.free_rows == engine.runner.pool.rows
 
 
 def test_a_cache_pool_bigger_than_memory_is_refused_before_it_is_made(tmp_path):
@@ -496,7 +497,7 @@ def test_a_failing_request_fails_alone_and_the_others_finish(qwen, overlap, wher
     assert handed[bad.id] == bad.output[:5] and len(handed[bad.id]) == 5
     assert [s.output for s in seqs] == solo and all(s.finish_reason == "length" for s in seqs)
     assert all(handed[s.id] == s.output for s in seqs)
-    assert not engine.has_work() and engine.runner.pool.free_rows == engine.runner.pool.rows
+    assert not engine.has_work() and engine.rows.free_rows == engine.runner.pool.rows
 
 
 def test_a_device_error_is_raised(qwen, monkeypatch):
@@ -518,7 +519,7 @@ def test_warmup_leaves_an_idle_engine_that_generates_as_a_fresh_one(qwen):
     model = qwen.with_engine(max_batch=4, max_seq_len=128)
     seconds = model.engine.warmup()
     assert seconds > 0 and not model.engine.has_work()
-    assert model.engine.runner.pool.free_rows == model.engine.runner.pool.rows == 4
+    assert model.engine.rows.free_rows == model.engine.runner.pool.rows == 4
     p = prompts(qwen, n=3, seed=9)[2]
     assert alone(model, p, 12) == alone(qwen.with_engine(max_batch=4, max_seq_len=128), p, 12)
 
@@ -547,6 +548,6 @@ def test_deterministic_steps_never_mix_and_outputs_equal_alone(qwen):
     assert all(start % chunk == 0 for _, c in shapes for _, start in c)
     kinds = [bool(c) for _, c in shapes]
     assert any(a and not b for a, b in zip(kinds, kinds[1:]))  # decodes went on between prompts' chunks
-    assert engine.runner.pool.free_rows == engine.runner.pool.rows
+    assert engine.rows.free_rows == engine.runner.pool.rows
     with pytest.raises(InvalidOptionError, match="deterministic"):
         qwen.with_engine(deterministic="yes")

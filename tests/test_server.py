@@ -86,7 +86,27 @@ def test_chat_equals_generate(client, name, reference, messages):
     assert choice.finish_reason == ("length" if len(want_ids) == MAX_TOKENS else "stop")
     text, reason, use = stream_chat(client, name, messages, max_tokens=MAX_TOKENS, temperature=0)
     assert (text, reason) == (want, choice.finish_reason)
+    # the same prompt again: the prefix cache holds all of it but its last token
+    assert use.prompt_tokens_details.cached_tokens == use.prompt_tokens - 1
+    use.prompt_tokens_details = r.usage.prompt_tokens_details
     assert use.model_dump() == r.usage.model_dump()
+
+
+def test_a_chat_turn_starts_from_the_last(server, client, name, reference):
+    """The next turn of a conversation prefills only what is new (usage's cached_tokens, /health's hit counters),
+    and its reply is Model.generate's."""
+    messages = [{"role": "user", "content": "Tell me about the Loire river."}]
+    first = client.chat.completions.create(model=name, messages=messages, max_tokens=MAX_TOKENS, temperature=0)
+    before = health(server)["prefix_cache"]
+    messages += [{"role": "assistant", "content": first.choices[0].message.content},
+                 {"role": "user", "content": "And the Rhone?"}]
+    second = client.chat.completions.create(model=name, messages=messages, max_tokens=MAX_TOKENS, temperature=0)
+    assert second.choices[0].message.content == reference.generate(messages, max_tokens=MAX_TOKENS, temperature=0)
+    cached = second.usage.prompt_tokens_details.cached_tokens
+    assert first.usage.prompt_tokens < cached < second.usage.prompt_tokens
+    after = health(server)["prefix_cache"]
+    assert after["hits"] == before["hits"] + 1 and after["cached_tokens"] == before["cached_tokens"] + cached
+    assert 0 < after["hit_rate"] <= 1 and after["cached_prefixes"] >= 1
 
 
 def test_completions_equal_generate(client, name, reference):

@@ -128,5 +128,5 @@ def test_bad_options_and_reserve(model, tmp_path):
         model.engine.reserve()
     fixed = sluice.load(save_hf_dir(tiny_llama(seed=4), tmp_path / "m"), device="cpu", max_batch=3, max_seq_len=64)
     fixed.engine.reserve()
-    assert (fixed.engine.runner.pool.rows, fixed.engine.runner.pool.free_rows) == (3, 3)
+    assert (fixed.engine.runner.pool.rows, fixed.engine.rows.free_rows) == (3, 3)
     assert fixed.engine.runner.pool.capacity >= 64

@@ -25,6 +25,9 @@ def _add_model_args(p: argparse.ArgumentParser):
     _add_kv_cache_arg(p)
     p.add_argument("--dequantize", action="store_true",
                    help="hold quantized weights dense in memory (more memory; dense matmuls)")
+    p.add_argument("--no-prefix-cache", action="store_true",
+                   help="prefill every prompt whole (default: a prompt that begins with what an earlier request left "
+                        "in the cache, such as a chat's history, starts from there)")
     _add_placement_args(p)
 
 
@@ -76,6 +79,8 @@ def _sampling(args) -> dict:
 def _load(args, **options):
     import sluice
 
+    if args.no_prefix_cache:
+        options["prefix_cache"] = False
     return sluice.load(args.model, device=args.device, dtype=args.dtype, keep_quantized=not args.dequantize,
                        kv_cache=args.kv_cache, gpu_memory=args.gpu_memory, expert_slots=args.expert_slots,
                        expert_store=args.expert_store, **options)

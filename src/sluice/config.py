@@ -48,7 +48,10 @@ class EngineConfig:
         decode step runs at the pool's full batch (its largest graph), and each prompt prefills alone, never beside
         decodes or other prompts, in chunks that start at fixed positions; so every kernel sees the same shapes
         and a row's sums never depend on the others'. Costs throughput; needs graphs on a GPU. (On the CPU each row
-        already runs alone.)
+        already runs alone.) Turns the prefix cache off.
+    prefix_cache: a request whose ids begin with what an earlier one left in the cache starts from there
+        (`engine/prefix.py`): a finished sequence's row stays as a cached prefix until a row is needed. Dense KV
+        caches without a sliding window.
     """
 
     max_batch: int = 64
@@ -62,6 +65,7 @@ class EngineConfig:
     kv_cache: str = "dense"
     overlap: bool | None = None
     deterministic: bool = False
+    prefix_cache: bool = True
 
     def __post_init__(self):
         from sluice.cache import KV_CACHE_KINDS
@@ -80,8 +84,9 @@ class EngineConfig:
         if not isinstance(self.whole_graph_tokens, int) or isinstance(self.whole_graph_tokens, bool) \
                 or self.whole_graph_tokens < 0:
             raise InvalidOptionError(f"whole_graph_tokens={self.whole_graph_tokens!r}: use an integer >= 0.")
-        if self.deterministic not in (True, False):
-            raise InvalidOptionError(f"deterministic={self.deterministic!r}: use True or False.")
+        for name in ("deterministic", "prefix_cache"):
+            if getattr(self, name) not in (True, False):
+                raise InvalidOptionError(f"{name}={getattr(self, name)!r}: use True or False.")
         if self.overlap not in (None, True, False):
             raise InvalidOptionError(f"overlap={self.overlap!r}: use True, False or None (on a GPU).")
         if self.kv_cache not in KV_CACHE_KINDS:

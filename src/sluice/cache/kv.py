@@ -82,6 +82,15 @@ class KVCache:
         """Whether flat forwards may take the static path (`static_flat`) with this cache."""
         return False
 
+    @property
+    def supports_prefix(self) -> bool:
+        """Whether a row's first positions can be copied into another row to go on from there (`copy_prefix`)."""
+        return False
+
+    def copy_prefix(self, src: int, dst: int, n: int, into: "KVCache") -> None:
+        """Positions 0..n-1 of row src into row dst of `into` (this cache or another of the same layout)."""
+        raise NotImplementedError
+
     def static_flat(self, layer: int, q, k, v, meta, scale: float, gate=None) -> torch.Tensor:
         """A static flat forward's attention (`engine/batch.py`): q [T, Hq, D], k, v [T, Hkv, D], gate like q or
         None: token t stored at meta.positions[0, t] of row meta.token_rows[t], then attended over its row up to
@@ -180,6 +189,14 @@ class DenseKVCache(KVCache):
     @property
     def supports_static_flat(self) -> bool:
         return self.window is None and self.k.is_cuda
+
+    @property
+    def supports_prefix(self) -> bool:
+        return self.window is None
+
+    def copy_prefix(self, src, dst, n, into):
+        into.k[:, dst, :, :n].copy_(self.k[:, src, :, :n])
+        into.v[:, dst, :, :n].copy_(self.v[:, src, :, :n])
 
     def static_flat(self, layer, q, k, v, meta, scale, gate=None):
         from sluice.kernels.attention.triton import decode_attention

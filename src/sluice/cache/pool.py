@@ -8,6 +8,8 @@ captured decode graph write there, so they never touch a sequence's cache.
 
 from __future__ import annotations
 
+import heapq
+
 import torch
 
 from sluice.cache.kv import KVCache
@@ -26,6 +28,19 @@ class RecurrentStates:
         self.conv[:, row].zero_()
         self.recurrent[:, row].zero_()
 
+    def copy(self, src: int, dst: int, into: "RecurrentStates | None" = None) -> None:
+        """Row src's states into row dst (of `into`, another set of the same layers: snapshot slots, a new pool)."""
+        into = into or self
+        into.conv[:, dst].copy_(self.conv[:, src])
+        into.recurrent[:, dst].copy_(self.recurrent[:, src])
+
+    def slots(self, n: int) -> "RecurrentStates":
+        """n more rows of these states, apart (the prefix cache's snapshots)."""
+        new = RecurrentStates.__new__(RecurrentStates)
+        new.conv = self.conv.new_zeros((self.conv.shape[0], n, *self.conv.shape[2:]))
+        new.recurrent = self.recurrent.new_zeros((self.recurrent.shape[0], n, *self.recurrent.shape[2:]))
+        return new
+
     def bytes_per_sequence(self) -> int:
         return sum(t[:, 0].numel() * t.element_size() for t in (self.conv, self.recurrent))
 
@@ -34,7 +49,7 @@ class CachePool:
     def __init__(self, kv: KVCache | None, states: RecurrentStates | None, rows: int):
         self.kv, self.states, self.rows = kv, states, rows
         self.scratch_row = rows  # the caches hold rows + 1
-        self._free = list(range(rows - 1, -1, -1))
+        self._free = list(range(rows))  # a heap: the lowest free row goes first
 
     @property
     def capacity(self) -> int:
@@ -55,14 +70,30 @@ class CachePool:
     def free_rows(self) -> int:
         return len(self._free)
 
+    @property
+    def resumable(self) -> bool:
+        """Whether a sequence may start from another row's first positions (`copy_prefix`): the prefix cache. Not
+        with a sliding window (a ring keeps only the newest positions) or a TurboQuant cache (its exact ring holds
+        the newest 64 positions only) yet."""
+        return self.kv is None or self.kv.supports_prefix
+
+    def copy_prefix(self, src: int, dst: int, n: int, into: "CachePool | None" = None) -> None:
+        """Row src's first n positions of KV into row dst (of `into`: another pool of the same model)."""
+        if self.kv is not None and n:
+            self.kv.copy_prefix(src, dst, n, (into or self).kv)
+
     def allocate(self) -> int:
-        row = self._free.pop()
-        if self.states is not None:
-            self.states.reset(row)
+        row = heapq.heappop(self._free)
+        self.reset(row)
         return row
 
+    def reset(self, row: int) -> None:
+        """Zero a row's recurrent states: a sequence starts from nothing there."""
+        if self.states is not None:
+            self.states.reset(row)
+
     def release(self, row: int) -> None:
-        self._free.append(row)
+        heapq.heappush(self._free, row)
 
     def reset_scratch(self) -> None:
         """Zero the scratch row's recurrent states (padding rows of a graph start from them every step)."""

@@ -59,6 +59,8 @@ def _run(engine, prompts, gen_tokens: int, temperature: float) -> dict:
     last, over the tokens those steps computed (with overlap, a step launched before the window and read back in it
     is not counted); with one steady step only, that one; with none (a sequence ended first), no decode rate."""
     sync = torch.cuda.synchronize if engine.runner.device.type == "cuda" else (lambda: None)
+    if engine.rows is not None:
+        engine.rows.clear()  # every pass prefills its prompts whole: the passes repeat them
     sync()
     t0 = time.perf_counter()
     # the steps the last prompts take to prefill while the first ones decode, at the least a step prefills beside

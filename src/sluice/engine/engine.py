@@ -36,6 +36,7 @@ import torch
 
 from sluice.config import EngineConfig
 from sluice.engine.batch import on_device
+from sluice.engine.prefix import PrefixCache
 from sluice.engine.runner import ModelRunner
 from sluice.engine.sampler import SamplingBatch, fill_seen, mark_seen, output_counts, random_seed, sample
 from sluice.engine.sampling import SamplingParams
@@ -86,6 +87,7 @@ class Engine:
         self._ahead: _Drawn | None = None  # a decode step launched, its ids not read yet (`overlap`)
         self._stepping: list[Sequence] = []  # the sequences of the step under way (`step`'s failure isolation)
         self._outputs: list[StepOutput] = []  # what the step under way has handed out so far
+        self._rows: PrefixCache | None = None
 
     @property
     def max_length(self) -> int:
@@ -126,7 +128,7 @@ class Engine:
     def abort(self, seq: Sequence) -> None:
         """Cancel a request; its cache row is free for the next step."""
         if not seq.finished:
-            self.scheduler.finish(seq, "abort", self.runner.pool)
+            self.scheduler.finish(seq, "abort", self.rows)
 
     def reserve(self) -> None:
         """Build the cache pool now, at its final size (`max_batch` rows of `max_seq_len` positions), instead of at
@@ -134,7 +136,37 @@ class Engine:
         if self.config.max_seq_len is None:
             raise InvalidOptionError("reserve() needs max_seq_len: the positions each sequence may hold.")
         if self.runner.pool is None and not self.scheduler.running:
-            self.runner.build_pool(self.config.max_batch, self.max_length)
+            self._build_pool(self.config.max_batch, self.max_length)
+
+    @property
+    def prefix_caching(self) -> bool:
+        """Whether requests may start from a cached prefix (`EngineConfig.prefix_cache`; never deterministic: a hit
+        moves where a prompt's chunks begin)."""
+        return self.config.prefix_cache and not self.config.deterministic
+
+    @property
+    def rows(self) -> PrefixCache | None:
+        """The pool's rows and the prefixes cached in them (`engine/prefix.py`); None before there is a pool."""
+        pool = self.runner.pool
+        if pool is None:
+            return None
+        if self._rows is None or self._rows.pool is not pool:
+            self._rows = PrefixCache(pool, self.prefix_caching)
+        return self._rows
+
+    def _build_pool(self, rows: int, capacity: int) -> None:
+        """A new cache pool (`ModelRunner.build_pool`), the prefixes cached in the old one carried over while they
+        fit (dropped first if both do not fit in memory at once)."""
+        old = self._rows
+        try:
+            self.runner.build_pool(rows, capacity)
+        except InvalidOptionError:
+            if old is None or not old.entries:
+                raise
+            old = self._rows = None
+            self.runner.build_pool(rows, capacity)
+        if old is not None and self.rows.enabled and old.entries:
+            self.rows.take(old)
 
     def warmup(self) -> float:
         """Build the cache pool at its final size (needs max_seq_len), capture every graph a step can replay and
@@ -165,6 +197,7 @@ class Engine:
         self.run(wave)
         while self.has_work():
             self.step()
+        self.rows.clear()  # the warm-up's prompts are nobody's prefix
         placement = getattr(self.runner.module, "placement", None)
         if placement is not None:
             placement.reset_stats()  # the hit rate counts requests, not the warm-up
@@ -215,7 +248,7 @@ class Engine:
             why = f"{type(error).__name__}: {error}"
             return [self._fail(s, f"the step failed ({why})") for s in suspects]
         for seq in reversed(suspects):
-            self.scheduler.preempt(seq, self.runner.pool)
+            self.scheduler.preempt(seq, self.rows)
         return []
 
     def _step(self) -> None:
@@ -223,23 +256,27 @@ class Engine:
         self._outputs += [StepOutput(s, None, "", True) for s in self._finish_empty()]
         ahead, self._ahead = self._ahead, None
         self._fit_pool()
-        self.scheduler.admit(self.runner.pool)
+        self.scheduler.admit(self.rows)
         in_flight = {} if ahead is None else {s.id: 1 for s in ahead.seqs if not s.finished}
         decodes, chunks = self.scheduler.schedule(in_flight)
         self._stepping = ([] if ahead is None else list(ahead.seqs)) + decodes + [seq for seq, _, _ in chunks]
         if decodes or chunks:
             for seq, first, _ in chunks:
-                if first == 0:
+                if first == seq.cached:
                     self._mark_seen(seq)
-            logits = self.runner.step([(s.row, s.next_position + in_flight.get(s.id, 0)) for s in decodes],
+            positions = [s.next_position + in_flight.get(s.id, 0) for s in decodes]
+            logits = self.runner.step([(s.row, p) for s, p in zip(decodes, positions)],
                                       self._decode_ids(decodes, ahead),
                                       [(seq.row, seq.prefill_ids[first:end], first) for seq, first, end in chunks])
+            for seq, p in zip(decodes, positions):
+                seq.fed = p + 1
             done = []
             for i, (seq, _, end) in enumerate(chunks):
-                seq.prefilled = end
+                seq.prefilled = seq.fed = end
                 if end == len(seq.prefill_ids):
                     seq.status = DECODING
                     done.append(len(decodes) + i)
+                    self.rows.snapshot(seq, end)  # the recurrent states where the prompt ends
             drawn = self._draw(decodes + [chunks[i - len(decodes)][0] for i in done],
                                logits if len(done) == len(chunks) else logits[list(range(len(decodes))) + done],
                                [in_flight.get(s.id, 0) for s in decodes] + [0] * len(done))
@@ -275,7 +312,7 @@ class Engine:
         """Requests for no tokens at all end before they take a row."""
         empty = [s for s in self.scheduler.waiting if s.max_tokens == 0]
         for seq in empty:
-            self.scheduler.finish(seq, "length", self.runner.pool)
+            self.scheduler.finish(seq, "length", self.rows)
         return empty
 
     def _fit_pool(self) -> None:
@@ -286,18 +323,19 @@ class Engine:
             return
         if self.config.max_seq_len is not None:
             if pool is None:
-                self.runner.build_pool(self.config.max_batch, self.max_length)
+                self._build_pool(self.config.max_batch, self.max_length)
             return
         # deterministic: every decode step at the pool's full batch, so the pool has all its rows from the start
         rows = self.config.max_batch if self.config.deterministic else min(self.config.max_batch, len(waiting))
         capacity = max(s.length for s in waiting)
         if pool is not None and pool.rows >= rows and pool.capacity >= capacity:
             return
-        if pool is not None:
-            rows, capacity = max(rows, pool.rows), max(capacity, pool.capacity)
+        if pool is not None:  # grown: positions at least doubled (a chat's history grows every turn)
+            rows = max(rows, pool.rows)
+            capacity = max(capacity, pool.capacity if capacity <= pool.capacity else 2 * pool.capacity)
         rows = min(self.config.max_batch, 1 << (rows - 1).bit_length())
         capacity = min(self.max_length, -(-capacity // POOL_POSITIONS) * POOL_POSITIONS)
-        self.runner.build_pool(rows, capacity)
+        self._build_pool(rows, capacity)
 
     def _mark_seen(self, seq: Sequence) -> None:
         if seq.sampling.repetition_penalty != 1.0:
@@ -379,22 +417,23 @@ class Engine:
             seq.error = (f"request {seq.id}: the model produced {why} after {len(seq.output)} generated tokens; its "
                          "output would be garbage, so it was stopped. The weights may be damaged, or the dtype "
                          "overflows (try --dtype float32).")
-        self.scheduler.finish(seq, "error", self.runner.pool)
+        self.scheduler.finish(seq, "error", self.rows)
         return StepOutput(seq, None, "", True)
 
     def _append(self, seq: Sequence, token: int, logprob: float | None = None,
                 top_logprobs: list[tuple[int, float]] | None = None) -> StepOutput:
         if token in seq.stop_ids:
-            self.scheduler.finish(seq, "stop", self.runner.pool)
+            seq.stopped_on = token
+            self.scheduler.finish(seq, "stop", self.rows)
             return StepOutput(seq, None, seq.text.flush(), True, logprob, top_logprobs)
         seq.output.append(token)
         if seq.constraint is not None:
             seq.constraint.advance(token)
         text, stopped = seq.text.push(token)
         if stopped:
-            self.scheduler.finish(seq, "stop", self.runner.pool)
+            self.scheduler.finish(seq, "stop", self.rows)
         elif len(seq.output) >= seq.max_tokens:
-            self.scheduler.finish(seq, "length", self.runner.pool)
+            self.scheduler.finish(seq, "length", self.rows)
             text += seq.text.flush()
         return StepOutput(seq, token, text, seq.finished, logprob, top_logprobs)
 

@@ -113,7 +113,8 @@ class _DeviceReader:
 
 
 ENGINE_OPTIONS = ("max_batch", "max_seq_len", "prefill_chunk", "decode_prefill_chunk", "graphs", "graph_batch_sizes",
-                  "graph_token_sizes", "whole_graph_tokens", "overlap", "deterministic")
+                  "graph_token_sizes", "whole_graph_tokens", "overlap", "deterministic",
+                  "prefix_cache")
 
 
 def _read_checkpoint(path, load_format: str, dev: torch.device, dt: torch.dtype, gpu_memory, expert_slots,
@@ -158,7 +159,7 @@ def load(path=None, device=None, dtype=None, keep_quantized: bool = True, kv_cac
     expert_slots: that many slots a layer, whatever the budget. expert_store: where streamed experts stay: "auto"
     (host memory when they fit there, else the checkpoint's files), "host" or "disk". Engine options
     (`sluice.config.EngineConfig`): max_batch, max_seq_len, prefill_chunk, decode_prefill_chunk, graphs,
-    graph_batch_sizes, graph_token_sizes, whole_graph_tokens, overlap, deterministic."""
+    graph_batch_sizes, graph_token_sizes, whole_graph_tokens, overlap, deterministic, prefix_cache."""
     unknown = sorted(set(options) - set(ENGINE_OPTIONS))
     if unknown:
         raise InvalidOptionError(f"unknown load option(s): {', '.join(unknown)}.")

@@ -37,11 +37,13 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def admit(self, pool) -> None:
-        """Waiting sequences, first come first served, take free rows while they fit the pool's capacity."""
-        while self.waiting and pool.free_rows and self.waiting[0].length <= pool.capacity:
+    def admit(self, rows) -> None:
+        """Waiting sequences, first come first served, take free rows (`engine/prefix.py` `PrefixCache`) while they
+        fit the pool's capacity; one whose ids begin with a cached prefix prefills from its end."""
+        while self.waiting and rows.free_rows and self.waiting[0].length <= rows.capacity:
             seq = self.waiting.popleft()
-            seq.row, seq.status, seq.prefilled = pool.allocate(), PREFILLING, 0
+            seq.row, seq.status = rows.allocate(seq), PREFILLING
+            seq.prefilled = seq.fed = seq.cached
             self.running.append(seq)
 
     def schedule(self, in_flight: dict[int, int] | None = None) -> tuple[list[Sequence], list[tuple[Sequence, int,
@@ -95,12 +97,12 @@ class Scheduler:
     def decoding(self) -> list[Sequence]:
         return [s for s in self.running if s.status == DECODING]
 
-    def preempt(self, seq: Sequence, pool) -> None:
+    def preempt(self, seq: Sequence, rows) -> None:
         """Take a running sequence's row back and queue it first, to prefill its prompt and output again and go on
         from there (recompute), isolated."""
         if seq in self.running:
             self.running.remove(seq)
-            pool.release(seq.row)
+            rows.release(seq, keep=False)
         elif seq in self.waiting:
             self.waiting.remove(seq)
         seq.row, seq.status, seq.prefilled = None, WAITING, 0
@@ -108,11 +110,12 @@ class Scheduler:
         seq.isolated = True
         self.waiting.appendleft(seq)
 
-    def finish(self, seq: Sequence, reason: str, pool) -> None:
+    def finish(self, seq: Sequence, reason: str, rows) -> None:
+        """End a sequence; its row goes back (kept as a cached prefix unless it failed)."""
         seq.status, seq.finish_reason = FINISHED, reason
         if seq in self.running:
             self.running.remove(seq)
-            pool.release(seq.row)
+            rows.release(seq, keep=reason != "error")
         elif seq in self.waiting:
             self.waiting.remove(seq)
         seq.row = None

@@ -43,11 +43,20 @@ class Sequence:
     error: str | None = None  # with finish_reason "error": what went wrong (e.g. NaN/inf logits)
     recompute: list[int] | None = None  # preempted (`Scheduler.preempt`): its prompt and output, prefilled again
     isolated: bool = False  # in a step that failed: runs alone until a step of its own succeeds
+    cached: int = 0  # prompt tokens its row held from the prefix cache when it got it (`engine/prefix.py`)
+    fed: int = 0  # positions of its row a launched step has fed (its keys and values, its recurrent states)
+    stopped_on: int | None = None  # the end-of-generation id that ended it (fed by a step run ahead)
+    snapshots: list = field(default_factory=list)  # (position, slot): recurrent states kept (`PrefixCache`)
 
     @property
     def prefill_ids(self) -> list[int]:
         """The ids its prefill puts in the cache: the prompt, or once preempted the prompt and the output so far."""
         return self.prompt if self.recompute is None else self.recompute
+
+    def fed_ids(self) -> list[int] | None:
+        """The ids of the positions its row was fed, or None if they are not known."""
+        ids = self.prompt + self.output + ([] if self.stopped_on is None else [self.stopped_on])
+        return ids[:self.fed] if self.fed <= len(ids) else None
 
     @property
     def length(self) -> int:

@@ -193,7 +193,7 @@ class Generation:
         logprobs = [self.texts.chat(o) for o in outs if o.token is not None] if req.logprobs else None
         seq = stream.seq
         return chat_response(rid, self.name, message, _finish_reason(seq, len(reply.tool_calls)), logprobs,
-                             usage(len(prompt), len(seq.output)))
+                             usage(len(prompt), len(seq.output), seq.cached))
 
     def _render(self, req: ChatCompletionRequest, tools) -> tuple[str, list[int]]:
         """The prompt through the model's chat template (as Model.encode_prompt renders it; special-token texts in
@@ -240,7 +240,7 @@ class Generation:
                     yield sse(chat_chunk(rid, self.name, {}, _finish_reason(out.seq, calls), None, with_usage))
                     if with_usage:
                         yield sse(usage_chunk(rid, self.name, "chat.completion.chunk",
-                                              usage(prompt_tokens, len(out.seq.output))))
+                                              usage(prompt_tokens, len(out.seq.output), out.seq.cached)))
         except EngineFailure as e:
             yield sse(error_body(str(e), "server_error"))
         yield sse("[DONE]")
@@ -265,7 +265,7 @@ class Generation:
         logprobs = self.texts.completion(tokens, 0) if req.logprobs is not None else None
         seq = stream.seq
         return completion_response(rid, self.name, "".join(o.text for o in outs), seq.finish_reason, logprobs,
-                                   usage(len(prompt), len(seq.output)))
+                                   usage(len(prompt), len(seq.output), seq.cached))
 
     async def _completion_events(self, rid: str, req, stream: RequestStream, prompt_tokens: int):
         with_usage, offset = req.include_usage, 0
@@ -280,7 +280,8 @@ class Generation:
                     yield sse(completion_chunk(rid, self.name, out.text, reason, logprobs, with_usage))
                 if out.finished and with_usage:
                     yield sse(usage_chunk(rid, self.name, "text_completion", usage(prompt_tokens,
-                                                                                   len(out.seq.output))))
+                                                                                   len(out.seq.output),
+                                                                                   out.seq.cached)))
         except EngineFailure as e:
             yield sse(error_body(str(e), "server_error"))
         yield sse("[DONE]")

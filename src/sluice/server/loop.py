@@ -211,11 +211,13 @@ class EngineLoop:
         self._live.clear()
 
     def _publish(self) -> None:
-        sched, pool = self.engine.scheduler, self.engine.runner.pool
+        sched, rows = self.engine.scheduler, self.engine.rows
         self.counters.snapshot = {
             "running": len(sched.running), "waiting": len(sched.waiting),
-            "cache_rows": pool.rows if pool is not None else 0,
-            "cache_rows_free": pool.free_rows if pool is not None else 0}
+            "cache_rows": rows.pool.rows if rows is not None else 0,
+            "cache_rows_free": rows.free_rows if rows is not None else 0,  # free or holding a cached prefix
+            "prefix_cache": None if rows is None or not rows.enabled else {
+                "cached_prefixes": len(rows.entries), **rows.stats.as_dict()}}
 
 
 class RequestStream:

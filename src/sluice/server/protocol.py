@@ -222,9 +222,11 @@ def new_id(prefix: str) -> str:
     return f"{prefix}-{secrets.token_hex(12)}"
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict:
+    """OpenAI's usage object; cached_tokens: prompt tokens the prefix cache held (not prefilled)."""
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
 
 
 def chat_response(rid: str, model: str, message: dict, finish_reason: str | None, logprobs: list | None,

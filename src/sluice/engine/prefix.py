@@ -1,0 +1,214 @@
+"""The prefix cache: a request whose prompt begins with what an earlier one left in the cache starts from there
+instead of prefilling it again (a chat's next turn, an agent's next call, many users behind one system prompt).
+
+The scheduler takes and gives back cache rows through a `PrefixCache`. When a sequence ends, its row is not wiped:
+it stays, as an entry, with the ids whose keys and values it holds (prompt and output, as far as they were fed) and,
+for a model with recurrent layers (Gated DeltaNet), the states after the last of them. A sequence also leaves
+snapshots: the recurrent states where its prompt ended, copied into a slot apart (`RecurrentStates.slots`), since
+its row's states move on as it decodes. A new request is matched against every entry (its longest common prefix);
+it can resume at position r where both the KV and the recurrent states are known:
+- attention only (Llama): any r up to the common prefix;
+- recurrent layers: the entry's end (its whole ids a prefix of the prompt: a chat turn after the one before) or a
+  snapshot within the common prefix (a prompt that shares an earlier turn's prompt, then differs).
+r stays below the prompt's length: the last prompt token is always computed, for its logits. The new row gets the
+entry's first r positions of KV and the states at r (device copies, a few hundred microseconds for a 32k history
+on a GPU) and prefills from r; with no free row left it takes the entry's row itself (no copy). Entries and
+snapshots give way least recently used first: an entry whenever a request needs a row and none is free, a snapshot
+when a slot is needed.
+
+Not yet (issue #41): paged KV blocks shared between rows, hits for TurboQuant or sliding-window caches, snapshots at
+chunk boundaries, and a prompt sent again whole on a recurrent model (its state one token before the end is never
+kept).
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+
+import torch
+
+# snapshot slots take at most this share of the KV cache's bytes (and at least two slots, at most one a row)
+SNAPSHOT_SHARE = 0.1
+
+
+@dataclass
+class _Entry:
+    row: int
+    ids: torch.Tensor  # int64 [n] on the CPU: the ids whose keys and values the row holds, positions 0..n-1
+    snapshots: list[tuple[int, int]] = field(default_factory=list)  # (position p, slot): the states after ids[:p]
+    used: int = 0  # the last time it was inserted or hit (least recently used gives way first)
+
+
+@dataclass
+class PrefixStats:
+    requests: int = 0  # requests admitted with the cache on
+    hits: int = 0  # ... that resumed from a cached prefix
+    prompt_tokens: int = 0
+    cached_tokens: int = 0  # prompt tokens not prefilled
+
+    def as_dict(self) -> dict:
+        return {"requests": self.requests, "hits": self.hits, "prompt_tokens": self.prompt_tokens,
+                "cached_tokens": self.cached_tokens,
+                "hit_rate": round(self.cached_tokens / self.prompt_tokens, 4) if self.prompt_tokens else 0.0}
+
+
+class PrefixCache:
+    """The rows of one `CachePool` as the scheduler sees them (`allocate`, `release`, `free_rows`, `capacity`), with
+    the cached prefixes kept in the rows no sequence holds. `enabled` False: a plain row allocator."""
+
+    def __init__(self, pool, enabled: bool = True):
+        self.pool = pool
+        self.enabled = enabled and pool.resumable
+        self.recurrent = pool.states is not None
+        self.entries: list[_Entry] = []
+        self.stats = PrefixStats()
+        self._clock = itertools.count(1)
+        self.snapshots, self._free_slots = None, []
+        if self.enabled and self.recurrent:
+            per = pool.states.bytes_per_sequence()
+            kv = pool.nbytes() - per * (pool.rows + 1)
+            n = max(2, min(pool.rows, int(SNAPSHOT_SHARE * kv / per)))
+            try:
+                self.snapshots = pool.states.slots(n)
+                self._free_slots = list(range(n - 1, -1, -1))
+            except torch.OutOfMemoryError:
+                self.snapshots = None
+
+    # -- what the scheduler uses ----------------------------------------------------------------------------
+    @property
+    def capacity(self) -> int:
+        return self.pool.capacity
+
+    @property
+    def free_rows(self) -> int:
+        """Rows a new sequence may take: the free ones and those only a cached prefix holds."""
+        return self.pool.free_rows + len(self.entries)
+
+    def allocate(self, seq) -> int:
+        """A row for `seq`; where its ids begin with a cached prefix the row holds it (and seq.cached says how many
+        positions: its prefill starts there)."""
+        seq.cached, seq.snapshots = 0, []
+        ids = seq.prefill_ids
+        hit = self._match(ids) if self.enabled and not seq.isolated else None
+        if self.enabled and not seq.isolated:
+            self.stats.requests += 1
+            self.stats.prompt_tokens += len(ids)
+        if self.pool.free_rows:
+            row = self.pool.allocate()
+            if hit is not None:
+                entry, r, slot = hit
+                self.pool.copy_prefix(entry.row, row, r)
+                self._restore_states(entry, r, slot, row)
+                entry.used = next(self._clock)
+        elif hit is not None:  # no row free: the sequence takes the entry's row itself
+            entry, r, slot = hit
+            self.entries.remove(entry)
+            row = entry.row
+            self._restore_states(entry, r, slot, row)
+            # the row's first r positions stay: snapshots within them still hold, and go with the sequence
+            seq.snapshots = [(p, s) for p, s in entry.snapshots if p <= r]
+            self._free_slots += [s for p, s in entry.snapshots if p > r]
+        else:
+            row = self._evict(min(self.entries, key=lambda e: e.used))
+            self.pool.reset(row)
+        if hit is not None:
+            seq.cached = hit[1]
+            self.stats.hits += 1
+            self.stats.cached_tokens += hit[1]
+        return row
+
+    def release(self, seq, keep: bool = True) -> None:
+        """A sequence gives its row back: kept as an entry (keep, the cache on, something fed and known), else
+        free."""
+        ids = seq.fed_ids() if keep and self.enabled and seq.fed > 0 else None
+        if ids is not None:
+            self.entries.append(_Entry(seq.row, torch.tensor(ids, dtype=torch.long), seq.snapshots,
+                                       next(self._clock)))
+        else:
+            self._free_slots += [s for _, s in seq.snapshots]
+            self.pool.release(seq.row)
+        seq.snapshots = []
+
+    def snapshot(self, seq, position: int) -> None:
+        """Keep the recurrent states of seq's row, which follow its first `position` ids (taken right after the
+        step that fed them was launched: a copy on the device, in stream order)."""
+        if self.snapshots is None or seq.isolated:
+            return
+        slot = self._slot()
+        if slot is not None:
+            self.pool.states.copy(seq.row, slot, into=self.snapshots)
+            seq.snapshots.append((position, slot))
+
+    def clear(self) -> None:
+        """Forget every cached prefix (their rows free) and the counters."""
+        for entry in list(self.entries):
+            self.pool.release(self._evict(entry))
+        self.stats = PrefixStats()
+
+    def take(self, old: "PrefixCache") -> None:
+        """Carry the entries of another pool's cache over (a pool rebuilt bigger), most recent first, while rows and
+        slots are free."""
+        for entry in sorted(old.entries, key=lambda e: -e.used):
+            if not self.pool.free_rows or len(entry.ids) > self.pool.capacity:
+                continue
+            row = self.pool.allocate()
+            old.pool.copy_prefix(entry.row, row, len(entry.ids), into=self.pool)
+            snapshots = []
+            if self.recurrent:
+                old.pool.states.copy(entry.row, row, into=self.pool.states)
+                for p, s in entry.snapshots:
+                    slot = self._slot()
+                    if slot is not None:
+                        old.snapshots.copy(s, slot, into=self.snapshots)
+                        snapshots.append((p, slot))
+            self.entries.append(_Entry(row, entry.ids, snapshots, next(self._clock)))
+        self.stats = old.stats
+
+    # -- inside ---------------------------------------------------------------------------------------------
+    def _match(self, ids: list[int]):
+        """(entry, r, snapshot slot or None) of the longest resumable cached prefix of `ids`, or None."""
+        if not self.entries or len(ids) < 2:
+            return None
+        want = torch.tensor(ids, dtype=torch.long)
+        best = None
+        for entry in self.entries:
+            n = len(entry.ids)
+            m = min(n, len(want))
+            differ = (entry.ids[:m] != want[:m]).nonzero()
+            common = int(differ[0]) if len(differ) else m
+            r, slot = 0, None
+            if not self.recurrent:
+                r = min(common, len(ids) - 1)
+            elif common == n and n < len(ids):
+                r = n  # the row's own states
+            else:
+                for p, s in entry.snapshots:
+                    if r < p <= common and p < len(ids):
+                        r, slot = p, s
+            if r > 0 and (best is None or r > best[1]):
+                best = (entry, r, slot)
+        return best
+
+    def _restore_states(self, entry: _Entry, r: int, slot: int | None, row: int) -> None:
+        if not self.recurrent:
+            return
+        if slot is not None:
+            self.snapshots.copy(slot, row, into=self.pool.states)
+        elif row != entry.row:
+            self.pool.states.copy(entry.row, row)
+
+    def _evict(self, entry: _Entry) -> int:
+        self.entries.remove(entry)
+        self._free_slots += [s for _, s in entry.snapshots]
+        return entry.row
+
+    def _slot(self) -> int | None:
+        """A free snapshot slot, or the least recently used entry's oldest snapshot's; None if every slot is a
+        running sequence's."""
+        if self._free_slots:
+            return self._free_slots.pop()
+        for entry in sorted(self.entries, key=lambda e: e.used):
+            if entry.snapshots:
+                return entry.snapshots.pop(0)[1]
+        return None
