@@ -154,7 +154,8 @@ def _check_mla(c, where: str) -> None:
     if c.scoring_func not in SCORING_FUNCS:
         raise _bad(where, "scoring_func", c.scoring_func, f"one of {', '.join(SCORING_FUNCS)}")
     if c.first_k_dense_replace > c.num_layers:
-        raise _bad(where, "first_k_dense_replace", c.first_k_dense_replace, f"at most num_hidden_layers ({c.num_layers})")
+        raise _bad(where, "first_k_dense_replace", c.first_k_dense_replace,
+                   f"at most num_hidden_layers ({c.num_layers})")
     if any(not c.is_moe(i) for i in range(c.num_layers)) and c.intermediate_size < 1:
         raise _bad(where, "intermediate_size", c.intermediate_size, "at least 1 (the model has dense MLP layers)")
     if not c.num_experts:

@@ -152,7 +152,7 @@ class DeepseekConfig:
                       topk_method=c.get("topk_method") or ("greedy" if v2 else "noaux_tc"),
                       scoring_func=c.get("scoring_func") or ("softmax" if v2 else "sigmoid"),
                       norm_topk_prob=bool(c.get("norm_topk_prob", not v2)),
-                      routed_scaling_factor=float(c.get("routed_scaling_factor", 1.0 if v2 else 2.5)),
+                      routed_scaling_factor=c.get("routed_scaling_factor", 1.0 if v2 else 2.5),
                       first_k_dense_replace=c.get("first_k_dense_replace") or 0,
                       moe_layer_freq=c.get("moe_layer_freq") or 1,
                       num_nextn_predict_layers=c.get("num_nextn_predict_layers") or 0,
@@ -323,8 +323,8 @@ def _cat_rows(ws):
         if any(not isinstance(w, QuantizedTensor) or (w.bits, w.group_size) != (ws[0].bits, ws[0].group_size)
                for w in ws):
             raise ModelFileError("expert gate and up projections are quantized differently; sluice needs them alike.")
-        return QuantizedTensor(*(torch.cat([getattr(w, f) for w in ws], dim=-2) for f in ("weight", "scales", "biases")),
-                               ws[0].bits, ws[0].group_size)
+        parts = (torch.cat([getattr(w, f) for w in ws], dim=-2) for f in ("weight", "scales", "biases"))
+        return QuantizedTensor(*parts, ws[0].bits, ws[0].group_size)
     return torch.cat(ws, dim=-2)
 
 
