@@ -330,10 +330,8 @@ def test_dummy_checkpoint_is_what_the_loader_reads(name, over):
 
 
 def test_moonlight_dummy_runs(tmp_path):
-    """Moonlight-16B-A3B's config cut to two layers (one dense, one MoE), 4-bit dummy weights: loads, generates,
-    and `sluice info` describes it."""
-    from sluice.cli import main
-
+    """Moonlight-16B-A3B's config cut to two layers (one dense, one MoE), 4-bit dummy weights: loads and
+    generates."""
     path = tmp_path / "config.json"
     path.write_text(json.dumps(_bench_config("moonlight-16b-a3b.json", num_hidden_layers=2)))
     model = sluice.load(path, load_format="dummy", device="cpu", max_batch=2)
@@ -395,3 +393,68 @@ def test_fp8_checkpoint_missing_and_misshapen_tensors(small, tmp_path):
     d = _rewrite(src, tmp_path / "d", lambda t: {**t, name: torch.zeros(31, 64)})
     with pytest.raises(ModelFileError, match=name.replace(".", r"\.")):
         sluice.load(d, device="cpu")
+
+
+# -- streamed experts and the GPU -----------------------------------------------------------------------------------
+
+QUANT16 = dict(QUANT, n_routed_experts=16, n_group=4, topk_group=2, num_experts_per_tok=2)
+
+
+@pytest.fixture(scope="module")
+def quant16(tmp_path_factory):
+    from sluice.formats.convert import convert
+
+    d = tmp_path_factory.mktemp("q16")
+    hf = v3(seed=9, **QUANT16)
+    src = save(hf, d / "hf")
+    return hf, src, convert(src, d / "mlx", bits=4, group_size=32, quiet=True)
+
+
+def test_streamed_experts_give_identical_tokens(quant16):
+    """The routed experts in host memory with 6 device slots a layer (misses, evictions): the same logits and
+    greedy tokens as with every expert in place."""
+    _, _, mlx = quant16
+    whole = sluice.load(mlx, device="cpu", max_batch=3)
+    streamed = sluice.load(mlx, device="cpu", expert_slots=6, max_batch=3)
+    assert streamed.placement is not None and streamed.placement.slots == 6
+    ids = torch.randint(0, 300, (1, 30), generator=torch.Generator().manual_seed(4))
+    assert torch.equal(whole.logits(ids), streamed.logits(ids))
+    prompts = [[5, 6, 7], [9, 1, 200, 3], [42]]
+    kw = dict(max_tokens=12, temperature=0)
+    assert whole.generate_batch(prompts, **kw) == streamed.generate_batch(prompts, **kw)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_on_a_gpu(quant16):
+    """fp32 dense weights on the GPU (eager: the experts' reference loop): HF's logits and greedy tokens. 4-bit
+    experts on the GPU: the Triton MoE kernels fed the torch router, CUDA graphs for decode steps and flat steps
+    (cut at the latent attention): the CPU's logits, the same tokens with graphs and without."""
+    hf, src, mlx = quant16
+    ids = torch.randint(0, 300, (2, 40), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        ref = hf(ids).logits
+    dense = sluice.load(src, device="cuda", dtype="float32")
+    assert not dense.engine.runner.uses_graphs
+    assert rel_max(dense.logits(ids), ref) < 1e-4
+    prompt = [5, 17, 42, 99, 7, 250, 3]
+    with torch.no_grad():
+        want = hf.generate(torch.tensor([prompt]), max_new_tokens=16, do_sample=False, eos_token_id=None,
+                           pad_token_id=0)[0, len(prompt):].tolist()
+    assert list(dense.generate_ids(prompt, max_tokens=16, temperature=0, stop_ids=())) == want
+
+    cpu = sluice.load(mlx, device="cpu")
+    for dtype, tol in (("float32", 1e-2), ("bfloat16", 5e-2)):
+        gpu = sluice.load(mlx, device="cuda", dtype=dtype, max_batch=4, prefill_chunk=16, decode_prefill_chunk=8)
+        assert gpu.engine.runner.uses_graphs
+        assert rel_max(gpu.logits(ids), cpu.logits(ids)) < tol, dtype
+    g = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(0, 300, (n,), generator=g).tolist() for n in (3, 11, 20, 29)]
+
+    def run(model, batch):
+        seqs = [model.engine.add_request(p, max_tokens=12, stop_ids=()) for p in batch]
+        model.engine.run(seqs)
+        return [s.output for s in seqs]
+
+    gpu = sluice.load(mlx, device="cuda", dtype="float32", max_batch=4, prefill_chunk=16, decode_prefill_chunk=8)
+    graphs = run(gpu, prompts)
+    assert graphs == run(gpu.with_engine(graphs=False), prompts)

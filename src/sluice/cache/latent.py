@@ -8,9 +8,9 @@ read it as they read the dense cache; what differs is `attend`, which takes MLA'
 * prefill (B sequences in consecutive rows, positions start..start+T-1): the chunk stored, then the keys and values
   of every position so far decompressed through kv_b_proj and attended (`kernels/mla/reference.py`);
 * decode (one query per sequence): the token stored at its row and position, then the absorbed form over the
-  latents as they are; with host rows (the CPU, eager steps) one row at a time over exactly its positions, so a
-  row never depends on its batch; without (a captured graph) all rows at once over the `visible` positions,
-  masked past each row's own;
+  latents as they are; on the CPU one row at a time over exactly its positions, so a row never depends on its
+  batch; on a GPU all rows at once over the `visible` positions, masked past each row's own: device tensors only,
+  so a decode graph captures it, and eager steps take the same path (graphs change speed, not results);
 * flat (the engine's mixed steps): the decode tokens as one decode step, each prompt chunk as its own prefill, the
   padding's output zero.
 """
@@ -49,7 +49,7 @@ class LatentCache(KVCache):
             rows[:, meta.start:end] = new
             R = self.kv_lora_rank
             return decompressed_attention(q_nope, q_pe, rows[:, :end, :R], rows[:, :end, R:], w_uk, w_uv, scale)
-        if meta.rows_host is not None:  # one row at a time, exactly its positions
+        if meta.rows_host is not None and not cache.is_cuda:  # one row at a time, exactly its positions
             out = []
             for i, (row, pos) in enumerate(zip(meta.rows_host, meta.positions_host)):
                 if pos >= self.max_positions:
@@ -58,7 +58,7 @@ class LatentCache(KVCache):
                 out.append(absorbed_attention(q_nope[i:i + 1], q_pe[i:i + 1], cache[row:row + 1, :pos + 1], w_uk,
                                               w_uv, scale))
             return torch.cat(out)
-        # device rows and positions only (a captured decode step): all rows over the visible positions, masked
+        # on a GPU (captured or not, the same path): all rows over the visible positions, masked
         rows, pos = meta.rows.long(), meta.last_positions.long()
         cache[rows, pos] = new[:, 0]
         visible = min(meta.visible, self.capacity)

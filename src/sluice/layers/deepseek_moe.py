@@ -61,6 +61,11 @@ def route(logits: torch.Tensor, bias: torch.Tensor | None, top_k: int, r: Routin
     return ids.to(torch.int32), weights.float()
 
 
+def moe_kernels(moe: SparseMoE, x: torch.Tensor):
+    """The Triton MoE kernels for this block's experts when x is on CUDA and they run them, else None."""
+    return triton_for(moe.gate_up, moe.down, moe.top_k) if x.is_cuda else None
+
+
 class DeepseekMoE(SparseMoE):
     def __init__(self, router: Linear, bias: torch.Tensor | None, gate_up, down, top_k: int, routing: Routing,
                  shared: SwiGLU | None):
@@ -77,7 +82,7 @@ class DeepseekMoE(SparseMoE):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x2 = x.reshape(-1, x.shape[-1])
         ids, weights = self.route(x2)
-        kernels = triton_for(self.gate_up, self.down, self.top_k) if x.is_cuda else None
+        kernels = moe_kernels(self, x)
         if kernels is None:
             out = self._experts_reference(x2, ids, weights)
         else:
