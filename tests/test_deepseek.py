@@ -442,11 +442,13 @@ def test_on_a_gpu(quant16):
                            pad_token_id=0)[0, len(prompt):].tolist()
     assert list(dense.generate_ids(prompt, max_tokens=16, temperature=0, stop_ids=())) == want
 
-    cpu = sluice.load(mlx, device="cpu")
-    for dtype, tol in (("float32", 1e-2), ("bfloat16", 5e-2)):
+    cpu = sluice.load(mlx, device="cpu").logits(ids)
+    for dtype, tol in (("float32", 1e-3), ("bfloat16", 3e-2)):  # as tests/test_gpu_models.py holds Qwen3-Next
         gpu = sluice.load(mlx, device="cuda", dtype=dtype, max_batch=4, prefill_chunk=16, decode_prefill_chunk=8)
         assert gpu.engine.runner.uses_graphs
-        assert rel_max(gpu.logits(ids), cpu.logits(ids)) < tol, dtype
+        err = float((gpu.logits(ids) - cpu).norm() / cpu.norm())
+        print(f"{dtype}: |gpu - cpu| / |cpu| = {err:.2e}")
+        assert err < tol, dtype
     g = torch.Generator().manual_seed(2)
     prompts = [torch.randint(0, 300, (n,), generator=g).tolist() for n in (3, 11, 20, 29)]
 
