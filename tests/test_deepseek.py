@@ -443,12 +443,12 @@ def test_on_a_gpu(quant16):
     assert list(dense.generate_ids(prompt, max_tokens=16, temperature=0, stop_ids=())) == want
 
     cpu = sluice.load(mlx, device="cpu").logits(ids)
-    for dtype, tol in (("float32", 1e-3), ("bfloat16", 3e-2)):  # as tests/test_gpu_models.py holds Qwen3-Next
+    errors = {}
+    for dtype in ("float32", "bfloat16"):
         gpu = sluice.load(mlx, device="cuda", dtype=dtype, max_batch=4, prefill_chunk=16, decode_prefill_chunk=8)
         assert gpu.engine.runner.uses_graphs
-        err = float((gpu.logits(ids) - cpu).norm() / cpu.norm())
-        print(f"{dtype}: |gpu - cpu| / |cpu| = {err:.2e}")
-        assert err < tol, dtype
+        errors[dtype] = float((gpu.logits(ids) - cpu).norm() / cpu.norm())
+    print(f"|gpu - cpu| / |cpu|: {errors}")
     g = torch.Generator().manual_seed(2)
     prompts = [torch.randint(0, 300, (n,), generator=g).tolist() for n in (3, 11, 20, 29)]
 
@@ -460,3 +460,4 @@ def test_on_a_gpu(quant16):
     gpu = sluice.load(mlx, device="cuda", dtype="float32", max_batch=4, prefill_chunk=16, decode_prefill_chunk=8)
     graphs = run(gpu, prompts)
     assert graphs == run(gpu.with_engine(graphs=False), prompts)
+    assert errors["float32"] < 1e-3 and errors["bfloat16"] < 3e-2  # as tests/test_gpu_models.py holds Qwen3-Next
