@@ -422,6 +422,24 @@ def test_streamed_experts_give_identical_tokens(quant16):
     prompts = [[5, 6, 7], [9, 1, 200, 3], [42]]
     kw = dict(max_tokens=12, temperature=0)
     assert whole.generate_batch(prompts, **kw) == streamed.generate_batch(prompts, **kw)
+    disk = sluice.load(mlx, device="cpu", expert_slots=6, expert_store="disk")
+    assert torch.equal(whole.logits(ids), disk.logits(ids))
+    dense = sluice.load(mlx, device="cpu", keep_quantized=False)
+    assert rel_max(dense.logits(ids), whole.logits(ids)) < 1e-4
+
+
+def test_latent_cache_prefix_copy(small):
+    """A row's first positions copied into another row (what a prefix cache does) continue as the original."""
+    ours = sluice.load(small[1], device="cpu")
+    ids = torch.randint(0, 300, (1, 20), generator=torch.Generator().manual_seed(6))
+    cache = ours.new_cache(20, rows=2)
+    ours.forward(ids[:, :15], cache, 0)
+    cache.kv.copy_prefix(0, 1, 12, cache.kv)
+    from sluice.engine.batch import ForwardMeta
+
+    a = ours.module(ids[:, 15:], cache, ForwardMeta.prefill(0, 1, 15, 5, "cpu"), torch.float32)
+    b = ours.module(ids[:, 12:], cache, ForwardMeta.prefill(1, 1, 12, 8, "cpu"), torch.float32)
+    assert cache.kv.supports_prefix and rel_max(b[:, 3:], a) < 1e-5
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")

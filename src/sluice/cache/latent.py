@@ -33,6 +33,15 @@ class LatentCache(KVCache):
     def bytes_per_token(self) -> int:
         return self.num_layers * self.head_dim * self.latent.element_size()
 
+    @property
+    def supports_prefix(self) -> bool:
+        """A row's first positions can be copied into another row to go on from there (a prefix cache)."""
+        return True
+
+    def copy_prefix(self, src: int, dst: int, n: int, into: LatentCache) -> None:
+        """Positions 0..n-1 of row src into row dst of `into` (this cache or another of the same layout)."""
+        into.latent[:, dst, :n].copy_(self.latent[:, src, :n])
+
     def attend(self, layer: int, q_nope, q_pe, c, k_pe, meta, scale: float, w_uk, w_uv) -> torch.Tensor:
         """Store the new tokens' latents c [B, T, R] and roped keys k_pe [B, T, rope] at meta's rows and positions
         and return the attention of their queries q_nope [B, T, H, nope], q_pe [B, T, H, rope] over everything
