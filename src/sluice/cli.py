@@ -177,11 +177,14 @@ def cmd_info(args) -> int:
     print(f"architecture: {info['architecture']}: {c['num_layers']} layers, hidden {c['hidden_size']}, "
           f"{c['num_heads']} heads / {c['num_kv_heads']} kv heads of {c['head_dim']}, "
           f"MLP {c['intermediate_size']}, vocab {c['vocab_size']}, context {c['context_length']}")
+    if hasattr(model.config, "describe"):  # the architecture's own shape line (MLA + DeepSeekMoE)
+        print(f"              {model.config.describe()}")
     print(f"parameters:   {_count(info['parameters'])}, {_human(info['weight_bytes'])} of weights in memory")
     for kind, n in sorted(info["weights_by_kind"].items(), key=lambda kv: -kv[1]):
         print(f"  {kind:28s} {_count(n):>9s} params")
     kv = info["kv_cache_bytes_per_token"]
     kind = info["dtype"] if info["kv_cache"] == "dense" else info["kv_cache"]
+    kind = f"latent, {kind}" if hasattr(model.config, "kv_lora_rank") else kind
     fixed = info["kv_cache_fixed_bytes"]
     print(f"KV cache:     {_human(kv)} per token ({kind}; {info['kv_cache_bytes_per_token_layer']} B per token in "
           f"each of {info['kv_cache_layers']} attention layers){f' + {_human(fixed)} fixed' if fixed else ''}; "

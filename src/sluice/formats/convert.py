@@ -68,9 +68,10 @@ def convert(src: str | Path, dst: str | Path, bits: int = 4, group_size: int = 6
     for i, (name, load) in enumerate(plan):
         t = load()
         module = name.removesuffix(".weight")
-        override = arch.mlx_quant_override(module)
+        override = arch.mlx_quant_override(module)  # False: left dense (a router mlx-lm does not quantize)
         b, gs = (override["bits"], override["group_size"]) if override else (bits, group_size)
-        if name.endswith(".weight") and t.dim() >= 2 and "conv1d" not in module and t.shape[-1] % gs == 0:
+        if (name.endswith(".weight") and t.dim() >= 2 and "conv1d" not in module and t.shape[-1] % gs == 0
+                and override is not False):
             if override:
                 qconfig[module] = dict(override)
             qt = quantize(t, bits=b, group_size=gs)

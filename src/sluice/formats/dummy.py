@@ -12,7 +12,8 @@ std 1/sqrt(fan_in) (quantized: random codes, one scale s per tensor with that st
 the codes are centred), norms are 1, depthwise conv taps have std 0.5/sqrt(taps), and the Gated DeltaNet decay
 parameters follow the architectures' own initialisation (A_log = log U(1, 16), dt_bias = 1).
 
-Architectures: `qwen3_next`, `qwen3_5_moe` (nested `text_config`), `qwen3_5_moe_text`, `llama`, `mistral`.
+Architectures: `qwen3_next`, `qwen3_5_moe` (nested `text_config`), `qwen3_5_moe_text`, `llama`, `mistral`,
+`deepseek_v3`, `kimi_k2`, `deepseek_v2` (MLA and DeepSeekMoE as mlx-lm lays them out: `_deepseek_params`).
 """
 
 from __future__ import annotations
@@ -52,7 +53,8 @@ class TensorSpec:
 @dataclass(frozen=True)
 class _Param:
     """A parameter as the model names it: logical shape, kind ("linear": a weight [..., out, in] that an MLX
-    checkpoint may quantize; "norm", "conv", "A_log", "dt_bias"), and a dtype that overrides the checkpoint's."""
+    checkpoint may quantize; "dense": a weight left unquantized; "norm", "conv", "A_log", "dt_bias", "zeros"),
+    and a dtype that overrides the checkpoint's."""
 
     name: str
     shape: tuple[int, ...]
@@ -143,8 +145,56 @@ def _llama_params(config: dict) -> list[_Param]:
     return ps
 
 
+def _deepseek_params(config: dict) -> list[_Param]:
+    """DeepSeek-V3 / V2 / Kimi-K2 as mlx-lm's sanitize leaves them: kv_b_proj split per head into embed_q
+    [H, R, nope] and unembed_out [H, v, R] (V3; V2 keeps kv_b_proj), experts stacked in switch_mlp, the router dense
+    (no Linear, so mlx-lm does not quantize it), e_score_correction_bias fp32; no MTP layer."""
+    from sluice.models.deepseek_v3 import DeepseekConfig
+
+    c = DeepseekConfig.from_hf(config)
+    H, V, Hn, R = c.hidden_size, c.vocab_size, c.num_heads, c.kv_lora_rank
+    nope, rope, v, qlr = c.qk_nope_head_dim, c.qk_rope_head_dim, c.v_head_dim, c.q_lora_rank
+    ps = [_Param("model.embed_tokens.weight", (V, H), "linear")]
+    for i in range(c.num_layers):
+        p, a = f"model.layers.{i}.", f"model.layers.{i}.self_attn."
+        ps += [_Param(p + "input_layernorm.weight", (H,), "norm"),
+               _Param(p + "post_attention_layernorm.weight", (H,), "norm")]
+        if qlr:
+            ps += [_Param(a + "q_a_proj.weight", (qlr, H), "linear"),
+                   _Param(a + "q_a_layernorm.weight", (qlr,), "norm"),
+                   _Param(a + "q_b_proj.weight", (Hn * (nope + rope), qlr), "linear")]
+        else:
+            ps.append(_Param(a + "q_proj.weight", (Hn * (nope + rope), H), "linear"))
+        ps += [_Param(a + "kv_a_proj_with_mqa.weight", (R + rope, H), "linear"),
+               _Param(a + "kv_a_layernorm.weight", (R,), "norm")]
+        if c.model_type == "deepseek_v2":
+            ps.append(_Param(a + "kv_b_proj.weight", (Hn * (nope + v), R), "linear"))
+        else:
+            ps += [_Param(a + "embed_q.weight", (Hn, R, nope), "linear"),
+                   _Param(a + "unembed_out.weight", (Hn, v, R), "linear")]
+        ps.append(_Param(a + "o_proj.weight", (H, Hn * v), "linear"))
+        m = p + "mlp."
+        if c.is_moe(i):
+            E, I = c.num_experts, c.moe_intermediate_size
+            ps += [_Param(m + "gate.weight", (E, H), "dense"),
+                   _Param(m + "switch_mlp.gate_proj.weight", (E, I, H), "linear"),
+                   _Param(m + "switch_mlp.up_proj.weight", (E, I, H), "linear"),
+                   _Param(m + "switch_mlp.down_proj.weight", (E, H, I), "linear")]
+            if c.topk_method == "noaux_tc":
+                ps.append(_Param(m + "gate.e_score_correction_bias", (E,), "zeros", torch.float32))
+            if c.n_shared_experts:
+                ps += _mlp(m + "shared_experts.", I * c.n_shared_experts, H)
+        else:
+            ps += _mlp(m, c.intermediate_size, H)
+    ps.append(_Param("model.norm.weight", (H,), "norm"))
+    if not c.tie_word_embeddings:
+        ps.append(_Param("lm_head.weight", (V, H), "linear"))
+    return ps
+
+
 _LAYOUTS = {"qwen3_next": _qwen3_next_params, "qwen3_5_moe": _qwen3_next_params,
-            "qwen3_5_moe_text": _qwen3_next_params, "llama": _llama_params, "mistral": _llama_params}
+            "qwen3_5_moe_text": _qwen3_next_params, "llama": _llama_params, "mistral": _llama_params,
+            "deepseek_v3": _deepseek_params, "kimi_k2": _deepseek_params, "deepseek_v2": _deepseek_params}
 
 
 def _config_file(path: Path) -> Path:
@@ -233,10 +283,14 @@ class DummyCheckpoint:
         if p.kind == "conv":  # [C, W, 1]
             self.specs[p.name] = TensorSpec(p.shape, dtype, "normal", 0.5 / math.sqrt(p.shape[1]))
             return
-        if p.kind != "linear":
-            self.specs[p.name] = TensorSpec(p.shape, dtype, "A_log" if p.kind == "A_log" else "const", 1.0)
-            return
         std = 1.0 / math.sqrt(p.shape[-1])
+        if p.kind == "dense":  # a weight the checkpoint keeps unquantized (a router mlx-lm does not quantize)
+            self.specs[p.name] = TensorSpec(p.shape, dtype, "normal", std)
+            return
+        if p.kind != "linear":
+            fill = "A_log" if p.kind == "A_log" else "const"
+            self.specs[p.name] = TensorSpec(p.shape, dtype, fill, 0.0 if p.kind == "zeros" else 1.0)
+            return
         module = p.name.removesuffix(".weight")
         bits, gs = self.quantization(module) or (None, None)
         if bits is not None and (bits not in SUPPORTED_BITS or gs not in SUPPORTED_GROUP_SIZES):

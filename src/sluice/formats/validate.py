@@ -42,8 +42,23 @@ INT_LIMITS = {
     "moe_intermediate_size": (1, 1 << 18),
     "shared_expert_intermediate_size": (0, 1 << 18),
     "decoder_sparse_step": (1, 1024),
+    # multi-head latent attention and DeepSeekMoE (models/deepseek_v3.py)
+    "q_lora_rank": (0, 1 << 16),
+    "kv_lora_rank": (1, 1 << 14),
+    "qk_nope_head_dim": (1, 1024),
+    "qk_rope_head_dim": (2, 1024),
+    "v_head_dim": (1, 1024),
+    "n_shared_experts": (0, 64),
+    "n_group": (1, 4096),
+    "topk_group": (1, 4096),
+    "first_k_dense_replace": (0, 1024),
+    "moe_layer_freq": (1, 1024),
+    "rope_original_max_positions": (1, 1 << 24),
+    "num_nextn_predict_layers": (0, 64),
 }
-FLOAT_LIMITS = {"rope_theta": (1e-3, 1e12), "rms_norm_eps": (1e-12, 1.0)}
+FLOAT_LIMITS = {"rope_theta": (1e-3, 1e12), "rms_norm_eps": (1e-12, 1.0), "routed_scaling_factor": (1e-6, 1e6),
+                "rope_factor": (1e-3, 1e6), "rope_beta_fast": (1e-3, 1e6), "rope_beta_slow": (1e-3, 1e6),
+                "rope_attention_factor": (1e-3, 1e3), "softmax_scale": (1e-6, 1e3)}
 MAX_ATTENTION_WIDTH = 1 << 17  # num_heads * head_dim, num_kv_heads * head_dim
 
 _PARSE_ERRORS = (TypeError, ValueError, KeyError, IndexError, AttributeError, OverflowError, RecursionError,
@@ -107,7 +122,8 @@ def check_config(cfg, where: str) -> None:
     c = cfg
     if c.num_heads % c.num_kv_heads:
         raise _bad(where, "num_key_value_heads", c.num_kv_heads, f"a divisor of num_attention_heads ({c.num_heads})")
-    if c.head_dim % 2:
+    mla = hasattr(c, "kv_lora_rank")
+    if c.head_dim % 2 and not mla:
         raise _bad(where, "head_dim", c.head_dim, "even (RoPE rotates pairs)")
     if max(c.num_heads, c.num_kv_heads) * c.head_dim > MAX_ATTENTION_WIDTH:
         raise _bad(where, "num_attention_heads * head_dim", c.num_heads * c.head_dim, f"at most {MAX_ATTENTION_WIDTH}")
@@ -117,11 +133,44 @@ def check_config(cfg, where: str) -> None:
     if hasattr(c, "num_experts"):
         if c.num_experts and not 1 <= c.top_k <= c.num_experts:
             raise _bad(where, "num_experts_per_tok", c.top_k, f"from 1 to num_experts ({c.num_experts})")
+    if hasattr(c, "linear_num_key_heads"):
         if c.linear_num_value_heads % c.linear_num_key_heads:
             raise _bad(where, "linear_num_value_heads", c.linear_num_value_heads,
                        f"a multiple of linear_num_key_heads ({c.linear_num_key_heads})")
         if not all(isinstance(i, int) and 0 <= i < c.num_layers for i in c.mlp_only_layers):
             raise _bad(where, "mlp_only_layers", c.mlp_only_layers, f"layer indices below {c.num_layers}")
+    if mla:
+        _check_mla(c, where)
+
+
+def _check_mla(c, where: str) -> None:
+    """DeepSeek-V2/V3 (multi-head latent attention, DeepSeekMoE): the relations between their fields."""
+    from sluice.models.deepseek_v3 import SCORING_FUNCS, TOPK_METHODS
+
+    if c.qk_rope_head_dim % 2:
+        raise _bad(where, "qk_rope_head_dim", c.qk_rope_head_dim, "even (RoPE rotates pairs)")
+    if c.topk_method not in TOPK_METHODS:
+        raise _bad(where, "topk_method", c.topk_method, f"one of {', '.join(TOPK_METHODS)}")
+    if c.scoring_func not in SCORING_FUNCS:
+        raise _bad(where, "scoring_func", c.scoring_func, f"one of {', '.join(SCORING_FUNCS)}")
+    if c.first_k_dense_replace > c.num_layers:
+        raise _bad(where, "first_k_dense_replace", c.first_k_dense_replace,
+                   f"at most num_hidden_layers ({c.num_layers})")
+    if any(not c.is_moe(i) for i in range(c.num_layers)) and c.intermediate_size < 1:
+        raise _bad(where, "intermediate_size", c.intermediate_size, "at least 1 (the model has dense MLP layers)")
+    if not c.num_experts:
+        return
+    if c.num_experts % c.n_group:
+        raise _bad(where, "n_group", c.n_group, f"a divisor of n_routed_experts ({c.num_experts})")
+    if c.topk_group > c.n_group:
+        raise _bad(where, "topk_group", c.topk_group, f"at most n_group ({c.n_group})")
+    per_group = c.num_experts // c.n_group
+    if c.topk_method == "noaux_tc" and c.n_group > 1 and per_group < 2:
+        raise _bad(where, "n_group", c.n_group, f"at most n_routed_experts / 2 ({c.num_experts // 2}): noaux_tc "
+                   "ranks a group by its two best experts")
+    if c.topk_method != "greedy" and c.n_group > 1 and c.top_k > c.topk_group * per_group:
+        raise _bad(where, "num_experts_per_tok", c.top_k, f"at most the experts of topk_group groups "
+                   f"({c.topk_group * per_group})")
 
 
 def bounded_int(value, name: str, where: str) -> int:

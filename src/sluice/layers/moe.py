@@ -133,6 +133,13 @@ class SparseMoE(nn.Module):
         top_w, top_i = torch.topk(probs, self.top_k, dim=-1)
         if self.norm_topk_prob:
             top_w = top_w / top_w.sum(-1, keepdim=True)
+        out = self._experts_reference(x2, top_i, top_w)
+        if self.shared is not None:
+            out = out + torch.sigmoid(logits[:, self.num_experts:]) * self.shared(x2)
+        return out
+
+    def _experts_reference(self, x2: torch.Tensor, top_i: torch.Tensor, top_w: torch.Tensor) -> torch.Tensor:
+        """sum_j top_w[t, j] * expert top_i[t, j](x2[t]) [T, H] in x2's dtype: a loop over the hit experts."""
         gate_up, down, where = self._experts_for(top_i.to(torch.int32))  # where: top_i, or the experts' slots
         out = torch.zeros_like(x2)
         for e in top_i.unique().tolist():  # in expert order, wherever the experts are: the same sums
@@ -142,6 +149,4 @@ class SparseMoE(nn.Module):
             g, u = _expert_matmul(xe, gate_up, w).chunk(2, dim=-1)
             h = _expert_matmul(F.silu(g) * u, down, w)
             out.index_add_(0, tok, (h * top_w[tok, slot, None]).to(x2.dtype))
-        if self.shared is not None:
-            out = out + torch.sigmoid(logits[:, self.num_experts:]) * self.shared(x2)
         return out

@@ -9,6 +9,9 @@ ARCHITECTURES = {
     "qwen3_next": "sluice.models.qwen3_next",
     "qwen3_5_moe": "sluice.models.qwen3_next",
     "qwen3_5_moe_text": "sluice.models.qwen3_next",
+    "deepseek_v3": "sluice.models.deepseek_v3",
+    "deepseek_v2": "sluice.models.deepseek_v3",  # the same layers: softmax router, greedy or group-limited top-k
+    "kimi_k2": "sluice.models.deepseek_v3",  # Kimi-K2's config.json names DeepseekV3ForCausalLM
 }
 
 

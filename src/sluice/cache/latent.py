@@ -1,0 +1,99 @@
+"""The latent KV cache of multi-head latent attention (DeepSeek-V2/V3 MLA): per layer, row and position the
+normalised latent (kv_lora_rank values) and the roped key shared by all heads (qk_rope_head_dim), one
+[layers, rows, capacity, kv_lora_rank + rope] tensor in the model's dtype (576 values a token and layer for V3).
+
+It is a `KVCache` (one "head" of kv_lora_rank + rope values), so the pool's capacity, sizing and bytes per token
+read it as they read the dense cache; what differs is `attend`, which takes MLA's pieces (`layers/mla.py`):
+
+* prefill (B sequences in consecutive rows, positions start..start+T-1): the chunk stored, then the keys and values
+  of every position so far decompressed through kv_b_proj and attended (`kernels/mla/reference.py`);
+* decode (one query per sequence): the token stored at its row and position, then the absorbed form over the
+  latents as they are; on the CPU one row at a time over exactly its positions, so a row never depends on its
+  batch; on a GPU all rows at once over the `visible` positions, masked past each row's own: device tensors only,
+  so a decode graph captures it, and eager steps take the same path (graphs change speed, not results);
+* flat (the engine's mixed steps): the decode tokens as one decode step, each prompt chunk as its own prefill, the
+  padding's output zero.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from sluice.cache.kv import KVCache
+from sluice.kernels.mla.reference import absorbed_attention, decompressed_attention
+
+
+class LatentCache(KVCache):
+    def __init__(self, num_layers: int, rows: int, kv_lora_rank: int, rope_dim: int, capacity: int,
+                 dtype: torch.dtype, device: torch.device | str = "cpu"):
+        super().__init__(num_layers, rows, 1, kv_lora_rank + rope_dim, capacity)
+        self.kv_lora_rank, self.rope_dim = kv_lora_rank, rope_dim
+        self.latent = torch.zeros(num_layers, rows, capacity, kv_lora_rank + rope_dim, dtype=dtype, device=device)
+
+    def bytes_per_token(self) -> int:
+        return self.num_layers * self.head_dim * self.latent.element_size()
+
+    @property
+    def supports_prefix(self) -> bool:
+        """A row's first positions can be copied into another row to go on from there (a prefix cache)."""
+        return True
+
+    def copy_prefix(self, src: int, dst: int, n: int, into: LatentCache) -> None:
+        """Positions 0..n-1 of row src into row dst of `into` (this cache or another of the same layout)."""
+        into.latent[:, dst, :n].copy_(self.latent[:, src, :n])
+
+    def attend(self, layer: int, q_nope, q_pe, c, k_pe, meta, scale: float, w_uk, w_uv) -> torch.Tensor:
+        """Store the new tokens' latents c [B, T, R] and roped keys k_pe [B, T, rope] at meta's rows and positions
+        and return the attention of their queries q_nope [B, T, H, nope], q_pe [B, T, H, rope] over everything
+        their rows hold up to them: [B, T, H, v] (w_uk [H, nope, R], w_uv [H, v, R]: kv_b_proj per head)."""
+        if meta.flat:
+            return self._attend_flat(layer, q_nope, q_pe, c, k_pe, meta, scale, w_uk, w_uv)
+        new = torch.cat([c, k_pe], dim=-1).to(self.latent.dtype)
+        cache = self.latent[layer]
+        if not meta.decode:
+            B, T = c.shape[:2]
+            end = meta.start + T
+            self.slots(meta.start, end)  # the capacity check
+            rows = cache[meta.row0:meta.row0 + B]
+            rows[:, meta.start:end] = new
+            R = self.kv_lora_rank
+            return decompressed_attention(q_nope, q_pe, rows[:, :end, :R], rows[:, :end, R:], w_uk, w_uv, scale)
+        if meta.rows_host is not None and not cache.is_cuda:  # one row at a time, exactly its positions
+            out = []
+            for i, (row, pos) in enumerate(zip(meta.rows_host, meta.positions_host)):
+                if pos >= self.max_positions:
+                    raise IndexError(f"KV cache holds {self.max_positions} positions, asked to write {pos}")
+                cache[row, pos] = new[i, 0]
+                out.append(absorbed_attention(q_nope[i:i + 1], q_pe[i:i + 1], cache[row:row + 1, :pos + 1], w_uk,
+                                              w_uv, scale))
+            return torch.cat(out)
+        # on a GPU (captured or not, the same path): all rows over the visible positions, masked
+        rows, pos = meta.rows.long(), meta.last_positions.long()
+        cache[rows, pos] = new[:, 0]
+        visible = min(meta.visible, self.capacity)
+        return absorbed_attention(q_nope, q_pe, cache[rows, :visible], w_uk, w_uv, scale, meta.positions)
+
+    def _attend_flat(self, layer, q_nope, q_pe, c, k_pe, meta, scale, w_uk, w_uv):
+        """A flat forward (B = 1): the decode tokens as one decode step, each prompt chunk as its own prefill; the
+        padding tokens' output is zero."""
+        H, v = w_uv.shape[:2]
+        out = q_nope.new_zeros(*q_nope.shape[:2], H, v)
+        D = meta.decode_tokens
+        if D:  # [1, D, ...] -> [D, 1, ...]: one query per sequence
+            one = lambda x: x[0, :D, None]  # noqa: E731
+            out[0, :D] = self.attend(layer, one(q_nope), one(q_pe), one(c), one(k_pe), meta.decodes, scale, w_uk,
+                                     w_uv)[:, 0]
+        for t0, t1, part in meta.parts:
+            cut = lambda x: x[:, t0:t1]  # noqa: E731
+            out[:, t0:t1] = self.attend(layer, cut(q_nope), cut(q_pe), cut(c), cut(k_pe), part, scale, w_uk, w_uv)
+        return out
+
+
+def make_latent_cache(kind: str, num_layers: int, rows: int, kv_lora_rank: int, rope_dim: int, capacity: int,
+                      dtype: torch.dtype, device) -> LatentCache:
+    """The cache of an MLA model for KV cache kind `kind`: "dense" (the default kind) is the latent cache in the
+    model's dtype; other kinds (TurboQuant codes of per-head K/V) do not apply to latents: ValueError."""
+    if kind != "dense":
+        raise ValueError(f"multi-head latent attention keeps a latent cache; the {kind!r} KV cache does not apply "
+                         "to it")
+    return LatentCache(num_layers, rows, kv_lora_rank, rope_dim, capacity, dtype, device)

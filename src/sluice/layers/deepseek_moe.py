@@ -1,0 +1,103 @@
+"""DeepSeekMoE (V2/V3): a router of sigmoid (V3) or softmax (V2) scores with group-limited top-k, routed SwiGLU
+experts stacked as `SparseMoE` stacks them, and shared experts (one plain MLP, always on, no gate).
+
+Routing (`route`, HF `DeepseekV3TopkRouter` / `DeepseekV2TopkRouter` and DeepSeek's own modeling code):
+* "noaux_tc" (V3): selection on scores + e_score_correction_bias; the groups ranked by the sum of their two best
+  biased scores, the experts of all but `topk_group` groups masked; the weights are the unbiased scores of the
+  chosen experts, normalised when `norm_topk_prob` (and top-k > 1), times `routed_scaling_factor`;
+* "group_limited_greedy" (V2): groups ranked by their best score; "greedy": plain top-k; the weights are the scores
+  times `routed_scaling_factor` (or, with `norm_topk_prob`, normalised instead, as DeepSeek-V2's code does).
+
+The experts run where `SparseMoE`'s run: on CUDA with quantized experts the `kernels/moe` Triton launches (fed the
+ids and weights computed here in torch, so no host sync: a decode step can be captured; in decode the shared experts
+ride as one more slot when stored like a routed expert), else the reference loop over the hit experts. Streamed
+experts (`experts/`) work unchanged. A GPU fast path would move `route` into one kernel (group-limited top-k).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from sluice.kernels.moe import triton_for
+from sluice.layers.linear import Linear
+from sluice.layers.moe import SparseMoE, SwiGLU
+
+
+@dataclass(frozen=True)
+class Routing:
+    scoring: str  # "sigmoid" | "softmax"
+    method: str  # "noaux_tc" | "group_limited_greedy" | "greedy"
+    n_group: int
+    topk_group: int
+    norm_topk_prob: bool
+    scaling: float  # routed_scaling_factor
+
+
+def route(logits: torch.Tensor, bias: torch.Tensor | None, top_k: int, r: Routing) -> tuple[torch.Tensor, torch.Tensor]:
+    """(ids int32 [T, k], weights fp32 [T, k]) of router logits [T, E] (fp32)."""
+    T, E = logits.shape
+    scores = logits.sigmoid() if r.scoring == "sigmoid" else logits.softmax(dim=-1)
+    choice = scores + bias.float() if (r.method == "noaux_tc" and bias is not None) else scores
+    if r.method != "greedy" and r.n_group > 1:
+        grouped = choice.view(T, r.n_group, E // r.n_group)
+        if r.method == "noaux_tc":
+            group_scores = grouped.topk(2, dim=-1).values.sum(dim=-1)
+        else:
+            group_scores = grouped.max(dim=-1).values
+        keep = torch.zeros_like(group_scores, dtype=torch.bool)
+        keep.scatter_(1, group_scores.topk(r.topk_group, dim=-1, sorted=False).indices, True)
+        keep = keep[:, :, None].expand(T, r.n_group, E // r.n_group).reshape(T, E)
+        choice = choice.masked_fill(~keep, float("-inf") if r.method == "noaux_tc" else 0.0)
+    ids = choice.topk(top_k, dim=-1, sorted=False).indices
+    weights = scores.gather(1, ids)
+    normalise = r.norm_topk_prob and top_k > 1
+    if normalise:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    if r.method == "noaux_tc" or not normalise:
+        weights = weights * r.scaling
+    return ids.to(torch.int32), weights.float()
+
+
+def moe_kernels(moe: SparseMoE, x: torch.Tensor):
+    """The Triton MoE kernels for this block's experts when x is on CUDA and they run them, else None."""
+    return triton_for(moe.gate_up, moe.down, moe.top_k) if x.is_cuda else None
+
+
+class DeepseekMoE(SparseMoE):
+    def __init__(self, router: Linear, bias: torch.Tensor | None, gate_up, down, top_k: int, routing: Routing,
+                 shared: SwiGLU | None):
+        super().__init__(router, gate_up, down, top_k, routing.norm_topk_prob, shared, None)
+        self.routing = routing
+        self.register_buffer("correction_bias", None if bias is None else bias.float())
+
+    def route(self, x2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(ids, weights) of tokens x2 [T, H]; the router's logits in fp32 (as HF keeps the gate)."""
+        g = self.gates
+        logits = F.linear(x2.float(), g.weight.float()) if not g.quantized else g(x2).float()
+        return route(logits, self.correction_bias, self.top_k, self.routing)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x2 = x.reshape(-1, x.shape[-1])
+        ids, weights = self.route(x2)
+        kernels = moe_kernels(self, x)
+        if kernels is None:
+            out = self._experts_reference(x2, ids, weights)
+        else:
+            shared_expert = self._shared_as_expert(kernels) if x2.shape[0] <= kernels.DECODE_MAX_TOKENS else None
+            if shared_expert is not None:  # decode: the shared experts are slot k of every token, weight 1
+                T = x2.shape[0]
+                ids = torch.cat([ids, ids.new_full((T, 1), self.num_experts)], dim=1)
+                weights = torch.cat([weights, weights.new_ones(T, 1)], dim=1)
+                gate_up, down, ids = self._experts_for(ids)
+                return kernels.moe_decode(x2, ids, weights, gate_up, down, shared_expert=shared_expert).view(x.shape)
+            gate_up, down, ids = self._experts_for(ids)
+            out = kernels.moe(x2, ids, weights, gate_up, down)
+        if self.shared is not None:
+            out = out + self.shared(x2)
+        return out.view(x.shape)
+
+    def unsummed(self, x: torch.Tensor) -> torch.Tensor:
+        return self.forward(x)
