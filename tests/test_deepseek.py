@@ -151,7 +151,7 @@ def test_batch_of_chunked_prompts_equals_each_alone(tmp_path):
     seqs = [model.engine.add_request(p, max_tokens=12, stop_ids=()) for p in prompts]
     model.engine.run(seqs)
     assert [s.output for s in seqs] == solo
-    assert model.engine.runner.pool.free_rows == model.engine.runner.pool.rows
+    assert model.engine.rows.free_rows == model.engine.runner.pool.rows
     texts = ["the cat", "a much longer prompt that takes a few chunks", "x"]
     assert model.generate_batch(texts, max_tokens=6, temperature=0) == [model.generate(t, max_tokens=6, temperature=0)
                                                                         for t in texts]

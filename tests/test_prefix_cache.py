@@ -22,6 +22,13 @@ def qwen_dir(tmp_path_factory):
     return save(qwen3_next(seed=5), tmp_path_factory.mktemp("qwen"))
 
 
+@pytest.fixture(scope="module")
+def deepseek_dir(tmp_path_factory):
+    from test_deepseek import save, v3
+
+    return save(v3(seed=5, num_hidden_layers=2), tmp_path_factory.mktemp("deepseek") / "m")
+
+
 def load(path, **options):
     return sluice.load(path, device="cpu", prefill_chunk=32, **options)
 
@@ -36,7 +43,7 @@ def run(model, prompt, max_tokens=12):
     return seq
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen"])
+@pytest.mark.parametrize("arch", ["llama", "qwen", "deepseek"])
 def test_chat_turns_resume_and_match(arch, request):
     """Turn after turn, each prompt the last prompt + its reply + new text: the cache holds all but the last reply
     token, and the tokens are those of a model with the cache off."""
