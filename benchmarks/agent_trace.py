@@ -113,9 +113,9 @@ def one_run(model, args, users, system) -> dict:
                "per_turn": result["turns"]}
     rows = model.engine.rows
     if rows.enabled:  # the snapshot slots beside the KV cache
-        per = 0 if rows.pool.states is None else rows.pool.states.bytes_per_sequence()
+        per = rows.pool.state_bytes()
         kv = rows.pool.nbytes() - per * (rows.pool.rows + 1)
-        slots = 0 if rows.snapshots is None else rows.snapshots.conv.shape[1]
+        slots = 0 if rows.snapshots is None else rows.snapshots[0].shape[1]
         figures.update({"kv_bytes": kv, "snapshot_slots": slots, "snapshot_bytes": per * slots,
                         "snapshot_share": round(per * slots / kv, 4)})
     return figures

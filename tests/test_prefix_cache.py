@@ -137,11 +137,30 @@ def test_pool_rebuilt_bigger_keeps_prefixes(tmp_path):
     assert seq.cached == len(first) + len(reply) - 1
 
 
-def test_off_and_where_unsupported(llama_dir):
-    """prefix_cache=False, the deterministic mode and a TurboQuant cache never resume."""
-    for options in ({"prefix_cache": False}, {"deterministic": True}, {"kv_cache": "turboquant4"}):
+def test_off(llama_dir):
+    """prefix_cache=False and the deterministic mode never resume."""
+    for options in ({"prefix_cache": False}, {"deterministic": True}):
         model = load(llama_dir, **options)
         prompt = ids(40, 13, model.config.vocab_size)
         run(model, prompt)
         assert run(model, prompt).cached == 0
         assert not model.engine.rows.entries
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen"])
+def test_turboquant_resumes_where_its_ring_is_known(arch, request):
+    """A TurboQuant cache keeps its newest 64 positions exact in a ring, row state like the recurrent states: a
+    chat's next turn resumes at the row's end, a prompt sharing an earlier prompt whole at its snapshot (ring
+    included), one sharing part of it (even with attention only) nowhere; every reply the cache off's."""
+    path = request.getfixturevalue(f"{arch}_dir")
+    cached = load(path, kv_cache="turboquant4", max_batch=4, max_seq_len=512)
+    plain = load(path, kv_cache="turboquant4", prefix_cache=False)
+    vocab = cached.config.vocab_size
+    first = ids(150, 14, vocab)
+    reply = run(cached, first).output
+    cases = ((first + reply + ids(30, 15, vocab), len(first) + len(reply) - 1),  # the row's end
+             (first + ids(20, 16, vocab), len(first)),  # the prompt's end: a snapshot
+             (first[:120] + ids(20, 17, vocab), 0))  # neither
+    for prompt, hit in cases:
+        a, b = run(cached, prompt), run(plain, prompt)
+        assert a.cached == hit and a.output == b.output

@@ -91,6 +91,11 @@ class KVCache:
         """Positions 0..n-1 of row src into row dst of `into` (this cache or another of the same layout)."""
         raise NotImplementedError
 
+    def row_state(self) -> list[torch.Tensor]:
+        """Tensors [layers, rows, ...] a row holds that are not its positions' (a TurboQuant ring): copied whole
+        where a sequence resumes from another's row (`CachePool.row_state`)."""
+        return []
+
     def static_flat(self, layer: int, q, k, v, meta, scale: float, gate=None) -> torch.Tensor:
         """A static flat forward's attention (`engine/batch.py`): q [T, Hq, D], k, v [T, Hkv, D], gate like q or
         None: token t stored at meta.positions[0, t] of row meta.token_rows[t], then attended over its row up to

@@ -28,19 +28,6 @@ class RecurrentStates:
         self.conv[:, row].zero_()
         self.recurrent[:, row].zero_()
 
-    def copy(self, src: int, dst: int, into: "RecurrentStates | None" = None) -> None:
-        """Row src's states into row dst (of `into`, another set of the same layers: snapshot slots, a new pool)."""
-        into = into or self
-        into.conv[:, dst].copy_(self.conv[:, src])
-        into.recurrent[:, dst].copy_(self.recurrent[:, src])
-
-    def slots(self, n: int) -> "RecurrentStates":
-        """n more rows of these states, apart (the prefix cache's snapshots)."""
-        new = RecurrentStates.__new__(RecurrentStates)
-        new.conv = self.conv.new_zeros((self.conv.shape[0], n, *self.conv.shape[2:]))
-        new.recurrent = self.recurrent.new_zeros((self.recurrent.shape[0], n, *self.recurrent.shape[2:]))
-        return new
-
     def bytes_per_sequence(self) -> int:
         return sum(t[:, 0].numel() * t.element_size() for t in (self.conv, self.recurrent))
 
@@ -70,17 +57,38 @@ class CachePool:
     def free_rows(self) -> int:
         return len(self._free)
 
+    # -- what the prefix cache (`engine/prefix.py`) copies ---------------------------------------------------------
     @property
     def resumable(self) -> bool:
-        """Whether a sequence may start from another row's first positions (`copy_prefix`): the prefix cache. Not
-        with a sliding window (a ring keeps only the newest positions) or a TurboQuant cache (its exact ring holds
-        the newest 64 positions only) yet."""
+        """Whether a sequence may start from another row's first positions (`copy_prefix`) and row state: not with a
+        sliding window (its ring keeps only the newest positions)."""
         return self.kv is None or self.kv.supports_prefix
 
     def copy_prefix(self, src: int, dst: int, n: int, into: "CachePool | None" = None) -> None:
         """Row src's first n positions of KV into row dst (of `into`: another pool of the same model)."""
         if self.kv is not None and n:
             self.kv.copy_prefix(src, dst, n, (into or self).kv)
+
+    def row_state(self) -> list[torch.Tensor]:
+        """The tensors [layers, rows + 1, ...] of what a row holds besides its positions' keys and values: Gated
+        DeltaNet's conv and recurrent states, a TurboQuant cache's exact ring of the newest positions. A sequence
+        resumes at a position only with this state as it was there."""
+        return ([] if self.states is None else [self.states.conv, self.states.recurrent]) + \
+            ([] if self.kv is None else self.kv.row_state())
+
+    def state_slots(self, n: int) -> list[torch.Tensor]:
+        """n rows of `row_state` apart (snapshots)."""
+        return [t.new_zeros((t.shape[0], n, *t.shape[2:])) for t in self.row_state()]
+
+    def state_bytes(self) -> int:
+        """Bytes of one row's `row_state`."""
+        return sum(t[:, 0].numel() * t.element_size() for t in self.row_state())
+
+    def copy_state(self, src: int, dst: int, src_tensors=None, dst_tensors=None) -> None:
+        """Row state src into dst: of this pool's rows, or from / into other tensors of the same kinds (snapshot
+        slots, another pool's)."""
+        for a, b in zip(src_tensors or self.row_state(), dst_tensors or self.row_state()):
+            b[:, dst].copy_(a[:, src])
 
     def allocate(self) -> int:
         row = heapq.heappop(self._free)

@@ -43,6 +43,21 @@ class TurboQuantKVCache(KVCache):
         self.k_scale, self.v_scale = z(scales, torch.float32), z(scales, torch.float32)
         self.k_recent, self.v_recent = z(ring, dtype), z(ring, dtype)  # rotated, slot p % recent
 
+    @property
+    def supports_prefix(self) -> bool:
+        return self.window is None
+
+    def copy_prefix(self, src, dst, n, into):
+        """The codes and scales of positions 0..n-1 (the values' groups of four whole: the rest of the last group
+        is written again as the destination goes on); the exact ring is row state (`row_state`)."""
+        groups = -(-n // 4)
+        for a, b, m in ((self.k_codes, into.k_codes, n), (self.v_codes, into.v_codes, groups),
+                        (self.k_scale, into.k_scale, n), (self.v_scale, into.v_scale, n)):
+            b[:, dst, :, :m].copy_(a[:, src, :, :m])
+
+    def row_state(self):
+        return [self.k_recent, self.v_recent]
+
     def use_decode_kernel(self, x: torch.Tensor) -> bool:
         """The kernel needs at least 16 bytes of codes per vector (head dim >= 32); smaller heads use the torch path."""
         return super().use_decode_kernel(x) and self.head_dim >= 32

@@ -2,23 +2,23 @@
 instead of prefilling it again (a chat's next turn, an agent's next call, many users behind one system prompt).
 
 The scheduler takes and gives back cache rows through a `PrefixCache`. When a sequence ends, its row is not wiped:
-it stays, as an entry, with the ids whose keys and values it holds (prompt and output, as far as they were fed) and,
-for a model with recurrent layers (Gated DeltaNet), the states after the last of them. A sequence also leaves
-snapshots: the recurrent states where its prompt ended, copied into a slot apart (`RecurrentStates.slots`), since
-its row's states move on as it decodes. A new request is matched against every entry (its longest common prefix);
-it can resume at position r where both the KV and the recurrent states are known:
-- attention only (Llama): any r up to the common prefix;
-- recurrent layers: the entry's end (its whole ids a prefix of the prompt: a chat turn after the one before) or a
-  snapshot within the common prefix (a prompt that shares an earlier turn's prompt, then differs).
+it stays, as an entry, with the ids whose keys and values it holds (prompt and output, as far as they were fed) and
+its row state after the last of them (`CachePool.row_state`: Gated DeltaNet's recurrent and conv states, a
+TurboQuant cache's exact ring of the newest positions). A sequence also leaves snapshots: its row state where its
+prompt ended, copied into a slot apart (`CachePool.state_slots`), since the row's moves on as it decodes. A new
+request is matched against every entry (its longest common prefix); it can resume at position r where both the KV
+and the row state are known:
+- a dense or latent KV cache and no recurrent layers (Llama, DeepSeek): any r up to the common prefix;
+- else: the entry's end (its whole ids a prefix of the prompt: a chat turn after the one before) or a snapshot
+  within the common prefix (a prompt that shares an earlier turn's prompt, then differs).
 r stays below the prompt's length: the last prompt token is always computed, for its logits. The new row gets the
 entry's first r positions of KV and the states at r (device copies, a few hundred microseconds for a 32k history
 on a GPU) and prefills from r; with no free row left it takes the entry's row itself (no copy). Entries and
 snapshots give way least recently used first: an entry whenever a request needs a row and none is free, a snapshot
 when a slot is needed.
 
-Not yet (issue #41): paged KV blocks shared between rows, hits for TurboQuant or sliding-window caches, snapshots at
-chunk boundaries, and a prompt sent again whole on a recurrent model (its state one token before the end is never
-kept).
+Not yet (issue #41): paged KV blocks shared between rows, sliding-window caches, snapshots at chunk boundaries, and a
+prompt sent again whole on a model with row state (its state one token before the end is never kept).
 """
 
 from __future__ import annotations
@@ -60,17 +60,17 @@ class PrefixCache:
     def __init__(self, pool, enabled: bool = True):
         self.pool = pool
         self.enabled = enabled and pool.resumable
-        self.recurrent = pool.states is not None
+        self.stateful = bool(pool.row_state())  # resumes only where the row state is known
         self.entries: list[_Entry] = []
         self.stats = PrefixStats()
         self._clock = itertools.count(1)
         self.snapshots, self._free_slots = None, []
-        if self.enabled and self.recurrent:
-            per = pool.states.bytes_per_sequence()
+        if self.enabled and self.stateful:
+            per = pool.state_bytes()
             kv = pool.nbytes() - per * (pool.rows + 1)
             n = max(2, min(pool.rows, int(SNAPSHOT_SHARE * kv / per)))
             try:
-                self.snapshots = pool.states.slots(n)
+                self.snapshots = pool.state_slots(n)
                 self._free_slots = list(range(n - 1, -1, -1))
             except torch.OutOfMemoryError:
                 self.snapshots = None
@@ -131,13 +131,13 @@ class PrefixCache:
         seq.snapshots = []
 
     def snapshot(self, seq, position: int) -> None:
-        """Keep the recurrent states of seq's row, which follow its first `position` ids (taken right after the
-        step that fed them was launched: a copy on the device, in stream order)."""
+        """Keep the row state of seq's row, which follows its first `position` ids (taken right after the step
+        that fed them was launched: a copy on the device, in stream order)."""
         if self.snapshots is None or seq.isolated:
             return
         slot = self._slot()
         if slot is not None:
-            self.pool.states.copy(seq.row, slot, into=self.snapshots)
+            self.pool.copy_state(seq.row, slot, dst_tensors=self.snapshots)
             seq.snapshots.append((position, slot))
 
     def clear(self) -> None:
@@ -155,12 +155,12 @@ class PrefixCache:
             row = self.pool.allocate()
             old.pool.copy_prefix(entry.row, row, len(entry.ids), into=self.pool)
             snapshots = []
-            if self.recurrent:
-                old.pool.states.copy(entry.row, row, into=self.pool.states)
+            if self.stateful:
+                old.pool.copy_state(entry.row, row, dst_tensors=self.pool.row_state())
                 for p, s in entry.snapshots:
                     slot = self._slot()
                     if slot is not None:
-                        old.snapshots.copy(s, slot, into=self.snapshots)
+                        self.pool.copy_state(s, slot, old.snapshots, self.snapshots)
                         snapshots.append((p, slot))
             self.entries.append(_Entry(row, entry.ids, snapshots, next(self._clock)))
         self.stats = old.stats
@@ -178,7 +178,7 @@ class PrefixCache:
             differ = (entry.ids[:m] != want[:m]).nonzero()
             common = int(differ[0]) if len(differ) else m
             r, slot = 0, None
-            if not self.recurrent:
+            if not self.stateful:
                 r = min(common, len(ids) - 1)
             elif common == n and n < len(ids):
                 r = n  # the row's own states
@@ -191,12 +191,12 @@ class PrefixCache:
         return best
 
     def _restore_states(self, entry: _Entry, r: int, slot: int | None, row: int) -> None:
-        if not self.recurrent:
+        if not self.stateful:
             return
         if slot is not None:
-            self.snapshots.copy(slot, row, into=self.pool.states)
+            self.pool.copy_state(slot, row, src_tensors=self.snapshots)
         elif row != entry.row:
-            self.pool.states.copy(entry.row, row)
+            self.pool.copy_state(entry.row, row)
 
     def _evict(self, entry: _Entry) -> int:
         self.entries.remove(entry)
