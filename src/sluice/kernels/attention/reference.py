@@ -8,16 +8,20 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -
     """q [B, Hq, T, D] are the last T positions of the S cached positions in k, v [B, Hkv, S, D].
 
     Query t (absolute position S - T + t) sees keys 0 .. S - T + t. Hq must be a multiple of Hkv; query head h
-    reads kv head h // (Hq / Hkv). A later chunk (T < S) is causal aligned to the bottom right, which the flash
-    backend runs as it is: a materialized mask would take cuDNN's backend on an H100, which builds a new plan
-    on the host, a slow step, for every new key count (docs/perf-log.md, prefill).
+    reads kv head h // (Hq / Hkv). A later chunk (T < S) is causal aligned to the bottom right, which on a GPU the
+    flash backend runs as it is (`causal_lower_right`): a materialized mask would take cuDNN's backend on an H100,
+    which builds a new plan on the host, a slow step, for every new key count (docs/perf-log.md, prefill). On the
+    CPU the mask is materialized: `torch.nn.attention.bias` imports torch._dynamo, seconds the first time (a chat's
+    second turn resuming from the prefix cache waited for it).
     """
     T, S = q.shape[2], k.shape[2]
     if T == 1:
         mask, causal = None, False
     elif T == S:
         mask, causal = None, True
-    else:  # (imported here: torch.nn.attention.bias imports torch._dynamo, seconds at every start)
+    elif not q.is_cuda:
+        mask, causal = torch.ones(T, S, dtype=torch.bool, device=q.device).tril(S - T), False
+    else:
         from torch.nn.attention.bias import causal_lower_right
 
         mask, causal = causal_lower_right(T, S), False
