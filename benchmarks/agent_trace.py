@@ -10,6 +10,7 @@ temperature 1, seeded) joins the history too, as a chat client resends it. One m
 document in its first turn, so that later turns have a long history (~32k tokens). Token ids, not text: random
 weights, any vocabulary.
 
+Each request names the system prompt's end as a snapshot point, as `sluice serve` does for a chat's system message.
 The same trace runs twice over the same weights, with the prefix cache and without (`prefix_cache=False`), each
 engine warmed up first. Printed and returned: the prompt tokens the cache held (hit rate), time to first token of
 every turn (p50, p99, and of the turns whose history is over --long-history tokens), the whole trace's time, the
@@ -55,7 +56,7 @@ def run(model, args, users, system: list[int]) -> dict:
     def send(u):
         histories[u] += users[u][turn[u]]
         seq = engine.add_request(histories[u], max_tokens=args.max_tokens, stop_ids=(), temperature=1.0,
-                                 seed=1000 * u + turn[u])
+                                 seed=1000 * u + turn[u], snapshot_at=(len(system),))  # as `sluice serve` does
         live[seq.id] = (u, seq, time.perf_counter(), None)
 
     for u in range(len(users)):

@@ -192,6 +192,7 @@ def test_scheduler_prefills_less_while_sequences_decode():
 
     class Rows:  # the cache pool as admission sees it
         capacity = 1024
+        batch = 64
 
         def __init__(self, n):
             self.free = list(range(n))
@@ -200,7 +201,10 @@ def test_scheduler_prefills_less_while_sequences_decode():
         def free_rows(self):
             return len(self.free)
 
-        def allocate(self, seq):
+        def awaits(self, seq, running):
+            return False
+
+        def allocate(self, seq, running=()):
             return self.free.pop(0)
 
     scheduler = Scheduler(64, decode_prefill_chunk=8)

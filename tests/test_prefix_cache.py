@@ -164,3 +164,56 @@ def test_turboquant_resumes_where_its_ring_is_known(arch, request):
     for prompt, hit in cases:
         a, b = run(cached, prompt), run(plain, prompt)
         assert a.cached == hit and a.output == b.output
+
+
+def test_a_system_prompt_shared_by_requests_arriving_together(qwen_dir):
+    """A snapshot point at the end of a shared system prompt (`add_request(snapshot_at=)`, what `sluice serve` passes
+    for a chat's system message): the first request's prefill stops there and keeps the row state, the others
+    wait for it and resume from it; every reply the cache off's."""
+    cached, plain = load(qwen_dir, max_batch=8, max_seq_len=256), load(qwen_dir, prefix_cache=False)
+    vocab = cached.config.vocab_size
+    system = ids(45, 18, vocab)
+    prompts = [system + ids(8 + 5 * i, 19 + i, vocab) for i in range(4)]
+    seqs = [cached.engine.add_request(p, max_tokens=8, stop_ids=(), snapshot_at=(len(system),)) for p in prompts]
+    cached.engine.run(seqs)
+    assert [s.cached for s in seqs] == [0] + [len(system)] * 3
+    assert [s.output for s in seqs] == [run(plain, p, 8).output for p in prompts]
+
+
+def test_server_passes_the_system_prompt_end(qwen_dir):
+    """`sluice serve`'s chat rendering: the leading system message's end is a snapshot point when the template
+    renders it as a prefix of the whole conversation."""
+    from types import SimpleNamespace
+
+    from sluice.server.generate import Generation
+    from sluice.server.protocol import ChatCompletionRequest
+
+    model = load(qwen_dir)
+    handler = SimpleNamespace(model=model, config=SimpleNamespace(allow_special_tokens=False))
+    req = ChatCompletionRequest(model="m", messages=[{"role": "system", "content": "You are terse."},
+                                                      {"role": "user", "content": "Hi"}])
+    text, prompt, points = Generation._render(handler, req, None)
+    head = model.tokenizer.encode_chat([{"role": "system", "content": "You are terse."}],
+                                       add_generation_prompt=False)[1]
+    assert points == (len(head),) and prompt[:len(head)] == head and len(head) < len(prompt)
+    req = ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "Hi"}])
+    assert Generation._render(handler, req, None)[2] == ()
+
+
+def test_spare_rows_keep_prefixes_while_others_run(llama_dir):
+    """A pool with rows beyond its running batch (`build_pool(spare=)`, on a GPU by default): at most the batch
+    runs, and a conversation's cached row outlives the requests that run meanwhile."""
+    model = load(llama_dir, max_batch=2, max_seq_len=256)
+    engine = model.engine
+    engine.runner.build_pool(2, 256, spare=3)
+    vocab = model.config.vocab_size
+    first = ids(60, 30, vocab)
+    reply = run(model, first).output
+    seqs = [engine.add_request(ids(30, 31 + i, vocab), max_tokens=6, stop_ids=()) for i in range(4)]
+    while engine.has_work():
+        engine.step()
+        assert len(engine.scheduler.running) <= 2
+    assert all(len(s.output) == 6 for s in seqs) and len(engine.rows.entries) == 5
+    follow = run(model, first + reply + ids(10, 35, vocab))
+    assert follow.cached == len(first) + len(reply) - 1
+    assert engine.rows.free_rows == engine.runner.pool.rows == 5 and engine.rows.batch == 2

@@ -96,11 +96,13 @@ class Engine:
 
     # -- requests -------------------------------------------------------------------------------------------
     def add_request(self, prompt: list[int], max_tokens: int = 256, stop_ids=None, stop=(), logprobs: int | None = None,
-                    constraint: TokenConstraint | None = None, **sampling) -> Sequence:
+                    constraint: TokenConstraint | None = None, snapshot_at=(), **sampling) -> Sequence:
         """Queue a request (prompt token ids); it joins the running batch at the next step. stop_ids: the
         end-of-generation ids (default: the tokenizer's); stop: strings that end it (cut from the text); logprobs:
         None, or how many of the likeliest tokens each step reports beside the sampled one's log probability;
-        constraint: which tokens may come next (see `TokenConstraint`)."""
+        constraint: which tokens may come next (see `TokenConstraint`); snapshot_at: prompt positions where the
+        prefix cache should keep the row state, for later requests that share the prompt up to there (the end of a
+        system prompt: `sluice serve` passes it)."""
         rid = next(self._ids)
         params = SamplingParams(**sampling).validate()
         if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 0:
@@ -122,6 +124,7 @@ class Engine:
                        frozenset(self.tokenizer.stop_ids if stop_ids is None else stop_ids), tuple(stop))
         seq.text = stop_text(self.tokenizer, seq.stop)
         seq.logprobs, seq.constraint = logprobs, constraint
+        seq.snapshot_at = tuple(sorted({int(p) for p in snapshot_at if 0 < int(p) < len(prompt)}))
         self.scheduler.add(seq)
         return seq
 
@@ -136,7 +139,7 @@ class Engine:
         if self.config.max_seq_len is None:
             raise InvalidOptionError("reserve() needs max_seq_len: the positions each sequence may hold.")
         if self.runner.pool is None and not self.scheduler.running:
-            self._build_pool(self.config.max_batch, self.max_length)
+            self._build_pool(self.config.max_batch, self.max_length, spare=None)
 
     @property
     def prefix_caching(self) -> bool:
@@ -151,20 +154,22 @@ class Engine:
         if pool is None:
             return None
         if self._rows is None or self._rows.pool is not pool:
-            self._rows = PrefixCache(pool, self.prefix_caching)
+            self._rows = PrefixCache(pool, self.prefix_caching, self.runner.batch)
         return self._rows
 
-    def _build_pool(self, rows: int, capacity: int) -> None:
-        """A new cache pool (`ModelRunner.build_pool`), the prefixes cached in the old one carried over while they
-        fit (dropped first if both do not fit in memory at once)."""
+    def _build_pool(self, rows: int, capacity: int, spare: int | None = 0) -> None:
+        """A new cache pool (`ModelRunner.build_pool`: `spare` rows for cached prefixes beyond the `rows` that run),
+        the prefixes cached in the old one carried over while they fit (dropped first if both do not fit in memory
+        at once)."""
         old = self._rows
+        spare = spare if self.prefix_caching else 0
         try:
-            self.runner.build_pool(rows, capacity)
+            self.runner.build_pool(rows, capacity, spare)
         except InvalidOptionError:
             if old is None or not old.entries:
                 raise
             old = self._rows = None
-            self.runner.build_pool(rows, capacity)
+            self.runner.build_pool(rows, capacity, spare)
         if old is not None and self.rows.enabled and old.entries:
             self.rows.take(old)
 
@@ -179,7 +184,7 @@ class Engine:
         self.runner.capture()
         # a long prompt, then one short prompt a step joining the others as they decode: steps of every size of
         # decode tokens beside a prompt chunk, greedy and sampled
-        rows = self.runner.pool.rows
+        rows = self.runner.batch
         long = min(self.max_length - 4, self.config.prefill_tokens(self.runner.device) // 2)
         seqs = [self.add_request([0] * long, max_tokens=2, stop_ids=(), temperature=0.0)]
         for i in range(rows):
@@ -276,7 +281,9 @@ class Engine:
                 if end == len(seq.prefill_ids):
                     seq.status = DECODING
                     done.append(len(decodes) + i)
-                    self.rows.snapshot(seq, end)  # the recurrent states where the prompt ends
+                    self.rows.snapshot(seq, end)  # the row state where the prompt ends
+                elif end in seq.snapshot_at:
+                    self.rows.snapshot(seq, end)
             drawn = self._draw(decodes + [chunks[i - len(decodes)][0] for i in done],
                                logits if len(done) == len(chunks) else logits[list(range(len(decodes))) + done],
                                [in_flight.get(s.id, 0) for s in decodes] + [0] * len(done))
@@ -323,7 +330,7 @@ class Engine:
             return
         if self.config.max_seq_len is not None:
             if pool is None:
-                self._build_pool(self.config.max_batch, self.max_length)
+                self._build_pool(self.config.max_batch, self.max_length, spare=None)
             return
         # deterministic: every decode step at the pool's full batch, so the pool has all its rows from the start
         rows = self.config.max_batch if self.config.deterministic else min(self.config.max_batch, len(waiting))

@@ -10,7 +10,10 @@ request is matched against every entry (its longest common prefix); it can resum
 and the row state are known:
 - a dense or latent KV cache and no recurrent layers (Llama, DeepSeek): any r up to the common prefix;
 - else: the entry's end (its whole ids a prefix of the prompt: a chat turn after the one before) or a snapshot
-  within the common prefix (a prompt that shares an earlier turn's prompt, then differs).
+  within the common prefix (a prompt that shares an earlier turn's prompt, then differs; or its system prompt: a
+  request may name snapshot points, `Engine.add_request(snapshot_at=)`, where its prefill chunks end and the row
+  state is kept, and a request that shares the prompt up to a point another running prompt has not reached yet waits
+  for it, `awaits`).
 r stays below the prompt's length: the last prompt token is always computed, for its logits. The new row gets the
 entry's first r positions of KV and the states at r (device copies, a few hundred microseconds for a 32k history
 on a GPU) and prefills from r; with no free row left it takes the entry's row itself (no copy). Entries and
@@ -57,8 +60,10 @@ class PrefixCache:
     """The rows of one `CachePool` as the scheduler sees them (`allocate`, `release`, `free_rows`, `capacity`), with
     the cached prefixes kept in the rows no sequence holds. `enabled` False: a plain row allocator."""
 
-    def __init__(self, pool, enabled: bool = True):
+    def __init__(self, pool, enabled: bool = True, batch: int | None = None):
         self.pool = pool
+        self.batch = pool.rows if batch is None else batch  # sequences that may run at once; the other rows only
+        # hold cached prefixes
         self.enabled = enabled and pool.resumable
         self.stateful = bool(pool.row_state())  # resumes only where the row state is known
         self.entries: list[_Entry] = []
@@ -85,38 +90,54 @@ class PrefixCache:
         """Rows a new sequence may take: the free ones and those only a cached prefix holds."""
         return self.pool.free_rows + len(self.entries)
 
-    def allocate(self, seq) -> int:
+    def allocate(self, seq, running=()) -> int:
         """A row for `seq`; where its ids begin with a cached prefix the row holds it (and seq.cached says how many
-        positions: its prefill starts there)."""
+        positions: its prefill starts there). `running`: the sequences holding rows, whose snapshots count too."""
         seq.cached, seq.snapshots = 0, []
         ids = seq.prefill_ids
-        hit = self._match(ids) if self.enabled and not seq.isolated else None
+        hit = self._match(ids, running) if self.enabled and not seq.isolated else None
         if self.enabled and not seq.isolated:
             self.stats.requests += 1
             self.stats.prompt_tokens += len(ids)
-        if self.pool.free_rows:
-            row = self.pool.allocate()
-            if hit is not None:
-                entry, r, slot = hit
-                self.pool.copy_prefix(entry.row, row, r)
-                self._restore_states(entry, r, slot, row)
+        if hit is not None and (self.pool.free_rows or hit[3] is None):  # copied into a row of its own
+            src, r, slot, entry = hit
+            row = self.pool.allocate() if self.pool.free_rows else self._evict_lru()
+            self.pool.copy_prefix(src, row, r)
+            self._restore_states(src, slot, row)
+            if entry is not None:
                 entry.used = next(self._clock)
         elif hit is not None:  # no row free: the sequence takes the entry's row itself
-            entry, r, slot = hit
+            src, r, slot, entry = hit
             self.entries.remove(entry)
             row = entry.row
-            self._restore_states(entry, r, slot, row)
+            self._restore_states(src, slot, row)
             # the row's first r positions stay: snapshots within them still hold, and go with the sequence
             seq.snapshots = [(p, s) for p, s in entry.snapshots if p <= r]
             self._free_slots += [s for p, s in entry.snapshots if p > r]
         else:
-            row = self._evict(min(self.entries, key=lambda e: e.used))
-            self.pool.reset(row)
+            row = self.pool.allocate() if self.pool.free_rows else self._evict_lru()
         if hit is not None:
             seq.cached = hit[1]
             self.stats.hits += 1
             self.stats.cached_tokens += hit[1]
+        if not (self.enabled and self.stateful):
+            seq.snapshot_at = ()  # anywhere is resumable, or nothing is kept
+        seq.snapshot_at = tuple(p for p in seq.snapshot_at if p > seq.cached)
         return row
+
+    def awaits(self, seq, running) -> bool:
+        """Whether `seq` should wait to be admitted: a running prompt that shares seq's ids up to one of its snapshot
+        points, and has not reached it yet, will leave the row state there within a few steps, and seq could resume
+        from it (many clients sending one system prompt at once prefill it once)."""
+        if not (self.enabled and self.stateful) or self.snapshots is None or seq.isolated:
+            return False
+        ids = seq.prefill_ids
+        for other in running:
+            for p in other.snapshot_at:
+                if other.prefilled < p < len(ids) and other.prefill_ids[:p] == ids[:p]:
+                    hit = self._match(ids, running)
+                    return hit is None or hit[1] < p
+        return False
 
     def release(self, seq, keep: bool = True) -> None:
         """A sequence gives its row back: kept as an entry (keep, the cache on, something fed and known), else
@@ -166,12 +187,14 @@ class PrefixCache:
         self.stats = old.stats
 
     # -- inside ---------------------------------------------------------------------------------------------
-    def _match(self, ids: list[int]):
-        """(entry, r, snapshot slot or None) of the longest resumable cached prefix of `ids`, or None."""
-        if not self.entries or len(ids) < 2:
+    def _match(self, ids: list[int], running=()):
+        """(source row, r, snapshot slot or None, the entry or None: a running sequence's snapshot) of the longest
+        resumable cached prefix of `ids`, or None."""
+        if len(ids) < 2:
             return None
-        want = torch.tensor(ids, dtype=torch.long)
         best = None
+        if self.entries:
+            want = torch.tensor(ids, dtype=torch.long)
         for entry in self.entries:
             n = len(entry.ids)
             m = min(n, len(want))
@@ -181,22 +204,33 @@ class PrefixCache:
             if not self.stateful:
                 r = min(common, len(ids) - 1)
             elif common == n and n < len(ids):
-                r = n  # the row's own states
+                r = n  # the row's own state
             else:
                 for p, s in entry.snapshots:
                     if r < p <= common and p < len(ids):
                         r, slot = p, s
             if r > 0 and (best is None or r > best[1]):
-                best = (entry, r, slot)
+                best = (entry.row, r, slot, entry)
+        for other in running if self.stateful else ():  # a running sequence's row moves on: its snapshots only
+            for p, slot in other.snapshots:
+                if (best is None or p > best[1]) and p < len(ids) and p <= other.fed \
+                        and other.prefill_ids[:p] == ids[:p]:
+                    best = (other.row, p, slot, None)
         return best
 
-    def _restore_states(self, entry: _Entry, r: int, slot: int | None, row: int) -> None:
+    def _restore_states(self, src: int, slot: int | None, row: int) -> None:
         if not self.stateful:
             return
         if slot is not None:
             self.pool.copy_state(slot, row, src_tensors=self.snapshots)
-        elif row != entry.row:
-            self.pool.copy_state(entry.row, row)
+        elif row != src:
+            self.pool.copy_state(src, row)
+
+    def _evict_lru(self) -> int:
+        """The row of the least recently used entry, given up, its state zeroed."""
+        row = self._evict(min(self.entries, key=lambda e: e.used))
+        self.pool.reset(row)
+        return row
 
     def _evict(self, entry: _Entry) -> int:
         self.entries.remove(entry)

@@ -48,6 +48,10 @@ def available_memory(device: torch.device) -> int:
 # chunks' sum of length x end position key reads, mostly from L2 while a row's keys fit there. Past this many, a step
 # runs in pieces, whose prefill attention reads each chunk's keys about once (two 512-token prompts: 2^19).
 STATIC_KEY_READS = 1 << 20
+# a pool on a GPU holds rows beyond its running batch for cached prefixes (`engine/prefix.py`): as many as this share
+# of the memory left after the pool takes, at most this many per running row
+SPARE_SHARE = 0.25
+SPARE_PER_ROW = 4
 
 
 class ModelRunner:
@@ -55,6 +59,7 @@ class ModelRunner:
         self.module, self.config, self.device, self.dtype = module, config, device, dtype
         self.vocab_size = module.cfg.vocab_size
         self.pool = None
+        self.batch = 0  # the most sequences a step holds (the pool's rows less its spare ones)
         self.seen = None  # bool [rows + 1, vocab]: the tokens each row has seen (repetition penalty)
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self._flat_graphs: dict[tuple[int, bool], PiecewiseGraph | WholeGraph] = {}  # by (tokens, static)
@@ -70,17 +75,28 @@ class ModelRunner:
         return self.config.graphs and self.device.type == "cuda" and self._capturable
 
     # -- the cache pool -------------------------------------------------------------------------------------
-    def build_pool(self, rows: int, capacity: int) -> None:
-        """A new pool of `rows` sequences of `capacity` positions (the old one, and its graphs, dropped)."""
+    def build_pool(self, rows: int, capacity: int, spare: int | None = 0) -> None:
+        """A new pool of `capacity` positions a row for `rows` sequences running at once, and `spare` rows more that
+        only hold cached prefixes (`engine/prefix.py`; None: on a GPU, as many as `SPARE_SHARE` of the memory left
+        after the pool holds, at most `SPARE_PER_ROW` per running row; 0 elsewhere). The old pool, and its graphs,
+        are dropped."""
         # (no torch.cuda.empty_cache(): it frees the cuBLAS workspaces that graphs captured anywhere in the process,
         # this engine's or another's over the same weights, still write to)
         self.pool = self.seen = None
         self._graphs.clear()
         self._flat_graphs.clear()
         kind = self.config.kv_cache
-        need = (self.module.new_cache(rows, capacity, self.dtype, "meta", kind).nbytes()
-                + (rows + 1) * self.vocab_size)
+        size_of = lambda n: (self.module.new_cache(n, capacity, self.dtype, "meta", kind).nbytes()  # noqa: E731
+                             + (n + 1) * self.vocab_size)
+        need = size_of(rows)
         free = available_memory(self.device)
+        if spare is None:
+            per_row = size_of(rows + 1) - need
+            spare = 0 if self.device.type != "cuda" or need > free else \
+                min(SPARE_PER_ROW * rows, int(SPARE_SHARE * (free - need)) // per_row)
+        self.batch = rows  # the most sequences a step holds
+        rows += spare
+        need = size_of(rows)
         if need > free:  # sized before it is made: no giant allocation, no OOM killer
             raise InvalidOptionError(
                 f"the caches of {rows} sequence(s) of {capacity} positions need {need / 2**30:.2f} GiB ({kind} KV), "
@@ -94,12 +110,13 @@ class ModelRunner:
             raise InvalidOptionError(
                 f"the caches of {rows} sequences of {capacity} positions do not fit in {self.device} memory; "
                 "lower max_batch or max_seq_len.") from e
-        size = max(rows, self.config.graph_size(rows) or rows)
+        batch = self.batch
+        size = max(batch, self.config.graph_size(batch) or batch)
         # a decode graph's inputs, one host-to-device copy a step: token ids, positions, cache rows
         self._inputs = torch.zeros(3, size, dtype=torch.long, device=self.device)
         # a flat step's: `FlatBatch`'s row, for the most tokens a step holds and a logit row per sequence
         self._rows_max = size
-        self._tokens_max = max(self.config.prefill_tokens(self.device), max(self.config.graph_token_sizes)) + rows
+        self._tokens_max = max(self.config.prefill_tokens(self.device), max(self.config.graph_token_sizes)) + batch
         self._flat = torch.zeros(FlatBatch.size(self._tokens_max, size), dtype=torch.long, device=self.device)
         self._staging = Staging(max(self.config.graph_token_sizes))
 
@@ -208,7 +225,7 @@ class ModelRunner:
         any step whose misses the host must read from disk)."""
         size = self.config.graph_size(n) if self.uses_graphs else None
         if size is not None and self.config.deterministic:  # every decode step at the pool's batch: one shape
-            size = self.config.graph_size(self.pool.rows) or size
+            size = self.config.graph_size(self.batch) or size
         placement = getattr(self.module, "placement", None)
         if size is not None and placement is not None and size > placement.max_graph_tokens:
             return None
@@ -254,7 +271,7 @@ class ModelRunner:
         that a step of this pool can use), largest first: the smaller reuse their memory."""
         if not self.uses_graphs:
             return
-        rows = self.pool.rows
+        rows = self.batch
         if sizes is None:
             sizes = [s for s in self.config.graph_batch_sizes if s < rows] + [rows]
         for size in sorted({self._graph_size(s) for s in sizes} - {None}, reverse=True):

@@ -39,10 +39,13 @@ class Scheduler:
 
     def admit(self, rows) -> None:
         """Waiting sequences, first come first served, take free rows (`engine/prefix.py` `PrefixCache`) while they
-        fit the pool's capacity; one whose ids begin with a cached prefix prefills from its end."""
-        while self.waiting and rows.free_rows and self.waiting[0].length <= rows.capacity:
+        fit the pool's capacity and fewer than its batch run; one whose ids begin with a cached prefix prefills from its end."""
+        while (self.waiting and rows.free_rows and len(self.running) < rows.batch
+               and self.waiting[0].length <= rows.capacity):
+            if rows.awaits(self.waiting[0], self.running):
+                break  # a running prompt is about to leave the row state where this one could resume
             seq = self.waiting.popleft()
-            seq.row, seq.status = rows.allocate(seq), PREFILLING
+            seq.row, seq.status = rows.allocate(seq, self.running), PREFILLING
             seq.prefilled = seq.fed = seq.cached
             self.running.append(seq)
 
@@ -56,8 +59,7 @@ class Scheduler:
         if isolated is not None:  # alone: a failure now is its own
             if isolated.status == DECODING:
                 return [isolated], []
-            return [], [(isolated, isolated.prefilled,
-                         min(len(isolated.prefill_ids), isolated.prefilled + self.prefill_chunk))]
+            return [], [self._chunk(isolated, self.prefill_chunk)]
         decodes = [s for s in self.running
                    if s.status == DECODING and len(s.output) + in_flight.get(s.id, 0) < s.max_tokens]
         if self.deterministic:
@@ -66,7 +68,7 @@ class Scheduler:
                 self._prefilled_last = False
                 return decodes, []
             self._prefilled_last = True
-            return [], [(prompt, prompt.prefilled, min(len(prompt.prefill_ids), prompt.prefilled + self.prefill_chunk))]
+            return [], [self._chunk(prompt, self.prefill_chunk)]
         return decodes, self.next_prefills(len(decodes))
 
     def budget(self, decoding: int) -> int:
@@ -89,10 +91,15 @@ class Scheduler:
             if budget == 0:
                 break
             if seq.status == PREFILLING:
-                end = min(len(seq.prefill_ids), seq.prefilled + budget)
-                chunks.append((seq, seq.prefilled, end))
-                budget -= end - seq.prefilled
+                chunks.append(self._chunk(seq, budget))
+                budget -= chunks[-1][2] - seq.prefilled
         return chunks
+
+    @staticmethod
+    def _chunk(seq: Sequence, budget: int) -> tuple[Sequence, int, int]:
+        """The next chunk of a prompt within `budget` tokens, cut at a snapshot point (`Sequence.chunk_end`)."""
+        first = seq.prefilled
+        return seq, first, seq.chunk_end(first, min(len(seq.prefill_ids), first + budget))
 
     def decoding(self) -> list[Sequence]:
         return [s for s in self.running if s.status == DECODING]

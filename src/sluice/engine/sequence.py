@@ -47,11 +47,17 @@ class Sequence:
     fed: int = 0  # positions of its row a launched step has fed (its keys and values, its recurrent states)
     stopped_on: int | None = None  # the end-of-generation id that ended it (fed by a step run ahead)
     snapshots: list = field(default_factory=list)  # (position, slot): recurrent states kept (`PrefixCache`)
+    snapshot_at: tuple[int, ...] = ()  # prompt positions to keep the row state at (a system prompt's end)
 
     @property
     def prefill_ids(self) -> list[int]:
         """The ids its prefill puts in the cache: the prompt, or once preempted the prompt and the output so far."""
         return self.prompt if self.recompute is None else self.recompute
+
+    def chunk_end(self, first: int, end: int) -> int:
+        """Where a prompt chunk from `first` wanting to reach `end` stops: at the first snapshot point past `first`
+        before `end` (the row state is kept there, `PrefixCache.snapshot`)."""
+        return next((p for p in self.snapshot_at if first < p < end), end)
 
     def fed_ids(self) -> list[int] | None:
         """The ids of the positions its row was fed, or None if they are not known."""

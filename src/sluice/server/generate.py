@@ -18,7 +18,7 @@ from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 
 from sluice.engine.sampling import SamplingParams
-from sluice.errors import InvalidOptionError
+from sluice.errors import InvalidOptionError, SluiceError
 from sluice.formats.tokenizer import check_text
 from sluice.server.chat import ReplyParser, prompt_opens_reasoning
 from sluice.server.config import ServerConfig
@@ -172,10 +172,10 @@ class Generation:
                            param="chat_template_kwargs")
         choice = req.tool_choice or ("auto" if req.tools else "none")
         tools = req.tools if choice != "none" else None
-        text, prompt = await self.off_loop(self._render, req, tools)
+        text, prompt, points = await self.off_loop(self._render, req, tools)
         constraint = await self.off_loop(self._chat_constraint, req, choice)
-        stream = await self.loop.open(prompt, **self.options(req, prompt, req.token_limit, req.logprobs_count,
-                                                              constraint, "messages"))
+        stream = await self.loop.open(prompt, snapshot_at=points, **self.options(
+            req, prompt, req.token_limit, req.logprobs_count, constraint, "messages"))
         parser = ReplyParser(tools=tools is not None, in_reasoning=prompt_opens_reasoning(text))
         rid = new_id("chatcmpl")
         if req.stream:
@@ -195,15 +195,27 @@ class Generation:
         return chat_response(rid, self.name, message, _finish_reason(seq, len(reply.tool_calls)), logprobs,
                              usage(len(prompt), len(seq.output), seq.cached))
 
-    def _render(self, req: ChatCompletionRequest, tools) -> tuple[str, list[int]]:
+    def _render(self, req: ChatCompletionRequest, tools) -> tuple[str, list[int], tuple[int, ...]]:
         """The prompt through the model's chat template (as Model.encode_prompt renders it; special-token texts in
-        the messages as plain text unless allow_special_tokens): text and token ids."""
+        the messages as plain text unless allow_special_tokens): text, token ids, and where the leading system
+        message ends in them (a snapshot point for the prefix cache: other conversations share it), if it does."""
         messages = [m.for_template() for m in req.messages]
         kwargs = dict(req.chat_template_kwargs or {})
         if tools:
             kwargs["tools"] = [t.model_dump(exclude_none=True) for t in tools]
-        return self.model.tokenizer.encode_chat(messages, add_generation_prompt=True,
-                                                special_in_text=self.config.allow_special_tokens, **kwargs)
+        encode = self.model.tokenizer.encode_chat
+        text, ids = encode(messages, add_generation_prompt=True, special_in_text=self.config.allow_special_tokens,
+                           **kwargs)
+        points = ()
+        if len(messages) > 1 and messages[0].get("role") == "system" and self.model.engine.prefix_caching:
+            try:
+                _, head = encode(messages[:1], add_generation_prompt=False,
+                                 special_in_text=self.config.allow_special_tokens, **kwargs)
+            except SluiceError:  # a template that wants more than a system message: no point
+                head = []
+            if 0 < len(head) < len(ids) and ids[:len(head)] == head:
+                points = (len(head),)
+        return text, ids, points
 
     def _chat_constraint(self, req: ChatCompletionRequest, choice):
         forced = choice == "required" or not isinstance(choice, str)

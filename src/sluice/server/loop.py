@@ -214,10 +214,10 @@ class EngineLoop:
         sched, rows = self.engine.scheduler, self.engine.rows
         self.counters.snapshot = {
             "running": len(sched.running), "waiting": len(sched.waiting),
-            "cache_rows": rows.pool.rows if rows is not None else 0,
-            "cache_rows_free": rows.free_rows if rows is not None else 0,  # free or holding a cached prefix
+            "cache_rows": rows.batch if rows is not None else 0,  # sequences that may run at once
+            "cache_rows_free": min(rows.free_rows, rows.batch - len(sched.running)) if rows is not None else 0,
             "prefix_cache": None if rows is None or not rows.enabled else {
-                "cached_prefixes": len(rows.entries), **rows.stats.as_dict()}}
+                "cached_prefixes": len(rows.entries), "rows": rows.pool.rows, **rows.stats.as_dict()}}
 
 
 class RequestStream:
