@@ -25,7 +25,12 @@ Sizes (H100/H200: 228 KB shared memory and 64K 32-bit registers per SM), R = 512
   an SM's shared memory, the loads of the next tile in flight while the current one is multiplied.
 * the partials are fp32 [heads, R] a split: 32 KB for 16 heads, about a quarter of a 128-position split's latent
   bytes; they are written and read back at once (in L2), so splits shorter than 128 positions are not made.
-These defaults are reasoned, not measured: `benchmarks` sweeps should set them (every one is an argument).
+What ptxas makes of it for sm_90 (Triton 3.9, bf16, R = 512, P = 64; compiled without a GPU, not timed): 16 heads,
+BLOCK_N 32, 4 warps, 2 stages: 128 registers, 56 KB shared, no spills, cp.async pipelined, mma.sync (four programs
+fit an SM by both); 3 stages 93 KB; 32 heads at 8 warps 161 registers (one program an SM by registers), at 4 warps
+255; 64 heads at 8 warps takes wgmma but spills (255 registers + 88 B stack). So 16 heads a program up to 16
+heads, 32 (8 warps) above. These defaults are reasoned, not timed: a GPU sweep should set them (every one is an
+argument).
 
 Compile-time sizes do not depend on the batch: the launch is planned for the batch rounded up to a power of two
 (splits, the merge's load sizes), so serving does not compile per batch size. No host reads of device values:
@@ -50,7 +55,7 @@ LOG2E = 1.4426950408889634
 
 
 @triton.jit
-def _mla_split_kernel(ql_ptr, qp_ptr, kv_ptr, pos_ptr, rows_ptr, op_ptr, ml_ptr, scale_log2, H, n_hb, per_split,
+def _mla_split_kernel(ql_ptr, qp_ptr, kv_ptr, pos_ptr, rows_ptr, op_ptr, ml_ptr, scale_log2, H, n_hb, per_split, cap,
                       stride_lb, stride_lh, stride_pb, stride_ph, stride_kr, stride_kt,
                       R: tl.constexpr, P: tl.constexpr, BR: tl.constexpr, BP: tl.constexpr, BH: tl.constexpr,
                       BLOCK_N: tl.constexpr, TC: tl.constexpr, PDL: tl.constexpr):
@@ -63,18 +68,16 @@ def _mla_split_kernel(ql_ptr, qp_ptr, kv_ptr, pos_ptr, rows_ptr, op_ptr, ml_ptr,
     p = tl.load(pos_ptr + b)
     row = tl.load(rows_ptr + b).to(tl.int64)
     start = split * per_split
-    stop = tl.minimum(start + per_split, p + 1)
+    stop = tl.minimum(tl.minimum(start + per_split, p + 1), cap)  # never past the row, whatever positions say
     g = tl.arange(0, BH)
     heads = hb * BH + g
     h_ok = heads < H
     r = tl.arange(0, BR)
     e = tl.arange(0, BP)
-    r_ok = r < R
-    e_ok = e < P
     q_lat = tl.load(ql_ptr + b.to(tl.int64) * stride_lb + heads[:, None] * stride_lh + r[None, :],
-                    mask=h_ok[:, None] & r_ok[None, :], other=0.0)
+                    mask=_cols(h_ok, r, R, BR), other=0.0)
     q_pe = tl.load(qp_ptr + b.to(tl.int64) * stride_pb + heads[:, None] * stride_ph + e[None, :],
-                   mask=h_ok[:, None] & e_ok[None, :], other=0.0)
+                   mask=_cols(h_ok, e, P, BP), other=0.0)
     base = kv_ptr + row * stride_kr
     m = tl.full((BH,), float("-inf"), dtype=tl.float32)
     lsum = tl.zeros((BH,), dtype=tl.float32)
@@ -83,8 +86,8 @@ def _mla_split_kernel(ql_ptr, qp_ptr, kv_ptr, pos_ptr, rows_ptr, op_ptr, ml_ptr,
         j = n0 + tl.arange(0, BLOCK_N)
         valid = j < stop
         tile = base + j[:, None].to(tl.int64) * stride_kt
-        c = tl.load(tile + r[None, :], mask=valid[:, None] & r_ok[None, :], other=0.0)  # [BLOCK_N, R]: K and V
-        kp = tl.load(tile + R + e[None, :], mask=valid[:, None] & e_ok[None, :], other=0.0)  # [BLOCK_N, P]
+        c = tl.load(tile + r[None, :], mask=_cols(valid, r, R, BR), other=0.0)  # [BLOCK_N, R]: K and V
+        kp = tl.load(tile + R + e[None, :], mask=_cols(valid, e, P, BP), other=0.0)  # [BLOCK_N, P]
         s = _dot(q_lat, tl.trans(c), TC) + _dot(q_pe, tl.trans(kp), TC)
         s = tl.where(valid[None, :], s * scale_log2, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, axis=1))
@@ -98,6 +101,16 @@ def _mla_split_kernel(ql_ptr, qp_ptr, kv_ptr, pos_ptr, rows_ptr, op_ptr, ml_ptr,
     tl.store(op_ptr + (part * BH + g[:, None]).to(tl.int64) * BR + r[None, :], acc)
     tl.store(ml_ptr + (part * 2) * BH + g, m)
     tl.store(ml_ptr + (part * 2 + 1) * BH + g, lsum)
+
+
+@triton.jit
+def _cols(rows_ok, cols, N: tl.constexpr, BN: tl.constexpr):
+    """The mask [rows, BN] of rows_ok rows and the first N of BN columns; a row mask alone when N = BN (the real
+    sizes: whole 16-byte vectors, no per-column predicate)."""
+    mask = rows_ok[:, None]
+    if N != BN:
+        mask = mask & (cols < N)[None, :]
+    return mask
 
 
 @triton.jit
@@ -217,7 +230,7 @@ def mla_decode(q_lat: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor, row
     ml = torch.empty((B * n_hb, ns, 2, BH), dtype=torch.float32, device=device)
     use_pdl = pdl and pdl_available(device)
     _mla_split_kernel[(B * n_hb, ns)](
-        q_lat, q_pe, cache, positions, rows, op, ml, scale * LOG2E, H, n_hb, per_split,
+        q_lat, q_pe, cache, positions, rows, op, ml, scale * LOG2E, H, n_hb, per_split, cache.shape[1],
         q_lat.stride(0), q_lat.stride(1), q_pe.stride(0), q_pe.stride(1), cache.stride(0), cache.stride(1),
         R=R, P=P, BR=BR, BP=BP, BH=BH, BLOCK_N=block_n, TC=not INTERPRET, PDL=use_pdl, launch_pdl=use_pdl,
         num_warps=warps, num_stages=num_stages)
