@@ -75,6 +75,8 @@ register("moe_gpu", "moe_gpu:main", "gpu", "the MoE layer vs its floor: decode l
 register("attention_gpu", "attention_gpu:main", "gpu",
          "decode attention, dense bf16 and TurboQuant, vs SDPA and the copy floor; --sweep / --tq-sweep")
 register("gdn_gpu", "gdn_gpu:main", "gpu", "Gated DeltaNet prefill / decode vs FLA, accuracy, per-kernel breakdown")
+register("mla_gpu", "mla_gpu:main", "gpu",
+         "MLA absorbed decode (latent cache) vs the torch path and the copy floor, Moonlight / V3 heads; --sweep")
 # -- a smoke benchmark: the runner itself, on any machine ---------------------------------------------------------------
 register("tiny_cpu", "tiny:main", "cpu", "a tiny random Llama on the CPU: prefill and decode tok/s (the runner's test)")
 

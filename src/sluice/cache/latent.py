@@ -10,7 +10,8 @@ read it as they read the dense cache; what differs is `attend`, which takes MLA'
 * decode (one query per sequence): the token stored at its row and position, then the absorbed form over the
   latents as they are; on the CPU one row at a time over exactly its positions, so a row never depends on its
   batch; on a GPU all rows at once over the `visible` positions, masked past each row's own: device tensors only,
-  so a decode graph captures it, and eager steps take the same path (graphs change speed, not results);
+  so a decode graph captures it, and eager steps take the same path (graphs change speed, not results); there
+  the split-K Triton kernel (`kernels/mla/triton.py`, `use_decode_kernel`) reads each latent once for all heads;
 * flat (the engine's mixed steps): the decode tokens as one decode step, each prompt chunk as its own prefill, the
   padding's output zero.
 """
@@ -71,6 +72,11 @@ class LatentCache(KVCache):
         rows, pos = meta.rows.long(), meta.last_positions.long()
         cache[rows, pos] = new[:, 0]
         visible = min(meta.visible, self.capacity)
+        if self.use_decode_kernel(q_nope):  # the split-K Triton kernel over the latents as they are stored
+            from sluice.kernels.mla.triton import absorbed_decode
+
+            return absorbed_decode(q_nope[:, 0], q_pe[:, 0], cache, meta.rows, meta.last_positions.contiguous(),
+                                   visible, w_uk, w_uv, scale)[:, None]
         return absorbed_attention(q_nope, q_pe, cache[rows, :visible], w_uk, w_uv, scale, meta.positions)
 
     def _attend_flat(self, layer, q_nope, q_pe, c, k_pe, meta, scale, w_uk, w_uv):

@@ -11,7 +11,8 @@ Routing (`route`, HF `DeepseekV3TopkRouter` / `DeepseekV2TopkRouter` and DeepSee
 The experts run where `SparseMoE`'s run: on CUDA with quantized experts the `kernels/moe` Triton launches (fed the
 ids and weights computed here in torch, so no host sync: a decode step can be captured; in decode the shared experts
 ride as one more slot when stored like a routed expert), else the reference loop over the hit experts. Streamed
-experts (`experts/`) work unchanged. A GPU fast path would move `route` into one kernel (group-limited top-k).
+experts (`experts/`) work unchanged. On CUDA `route` runs as one Triton launch (`kernels/moe/group_route.py`: the
+same ids, best first, the same weights to an ulp).
 """
 
 from __future__ import annotations
@@ -77,7 +78,14 @@ class DeepseekMoE(SparseMoE):
         """(ids, weights) of tokens x2 [T, H]; the router's logits in fp32 (as HF keeps the gate)."""
         g = self.gates
         logits = F.linear(x2.float(), g.weight.float()) if not g.quantized else g(x2).float()
-        return route(logits, self.correction_bias, self.top_k, self.routing)
+        r = self.routing
+        if logits.is_cuda:  # the same routing in one Triton launch, where its sizes fit
+            from sluice.kernels.moe import group_route
+
+            if group_route.supports(logits.shape[1], self.top_k, r.scoring, r.method, r.n_group, r.topk_group):
+                return group_route.group_topk(logits, self.correction_bias, self.top_k, r.scoring, r.method,
+                                              r.n_group, r.topk_group, r.norm_topk_prob, r.scaling)
+        return route(logits, self.correction_bias, self.top_k, r)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x2 = x.reshape(-1, x.shape[-1])
