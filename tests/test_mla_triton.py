@@ -122,6 +122,7 @@ def test_the_latent_cache_decodes_through_the_kernel(monkeypatch):
     outs = {}
     for kernel in (False, True):
         monkeypatch.setattr(LatentCache, "use_decode_kernel", lambda self, x, on=kernel: on)
+        monkeypatch.setenv("SLUICE_DEEPSEEK_KERNELS", "1")
         cache = LatentCache(1, 4, R, P, T, torch.float32, DEVICE)
         for b, (r, n) in enumerate(zip(rows, prompts)):
             cut = lambda x: d(x[b:b + 1, :n])  # noqa: E731

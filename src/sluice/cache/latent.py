@@ -21,6 +21,7 @@ from __future__ import annotations
 import torch
 
 from sluice.cache.kv import KVCache
+from sluice.kernels.mla import kernels as mla_kernels
 from sluice.kernels.mla.reference import absorbed_attention, decompressed_attention
 
 
@@ -72,7 +73,7 @@ class LatentCache(KVCache):
         rows, pos = meta.rows.long(), meta.last_positions.long()
         cache[rows, pos] = new[:, 0]
         visible = min(meta.visible, self.capacity)
-        if self.use_decode_kernel(q_nope):  # the split-K Triton kernel over the latents as they are stored
+        if self.use_decode_kernel(q_nope) and mla_kernels():  # the split-K Triton kernel over the stored latents
             from sluice.kernels.mla.triton import absorbed_decode
 
             return absorbed_decode(q_nope[:, 0], q_pe[:, 0], cache, meta.rows, meta.last_positions.contiguous(),

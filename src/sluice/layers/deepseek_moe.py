@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from sluice.kernels.mla import kernels as mla_kernels
 from sluice.kernels.moe import triton_for
 from sluice.layers.linear import Linear
 from sluice.layers.moe import SparseMoE, SwiGLU
@@ -79,7 +80,7 @@ class DeepseekMoE(SparseMoE):
         g = self.gates
         logits = F.linear(x2.float(), g.weight.float()) if not g.quantized else g(x2).float()
         r = self.routing
-        if logits.is_cuda:  # the same routing in one Triton launch, where its sizes fit
+        if logits.is_cuda and mla_kernels():  # the same routing in one Triton launch, where its sizes fit
             from sluice.kernels.moe import group_route
 
             if group_route.supports(logits.shape[1], self.top_k, r.scoring, r.method, r.n_group, r.topk_group):

@@ -2,3 +2,13 @@
 oracle (both forms: K/V decompressed through kv_b_proj, and the absorbed one that attends the latents directly).
 `triton.py`: the GPU decode kernel (absorbed, split-K over the context, the heads of a block sharing each latent
 load)."""
+
+
+def kernels() -> bool:
+    """Whether DeepSeek models take the Triton kernels on a GPU (the MLA decode of `triton.py`, the router of
+    `kernels/moe/group_route.py`): only with SLUICE_DEEPSEEK_KERNELS=1 until they have run on a GPU (they pass their
+    tests under the Triton interpreter; `benchmarks/mla_gpu.py` and tests/test_deepseek.py::test_on_a_gpu are
+    the GPU checks)."""
+    import os
+
+    return os.environ.get("SLUICE_DEEPSEEK_KERNELS") == "1"
