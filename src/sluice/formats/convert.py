@@ -27,6 +27,20 @@ _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_m
                     "chat_template.jinja", "chat_template.json", "vocab.json", "merges.txt")
 
 
+def stacked_experts(hf, layer: str, out: str, intermediate: int, experts: int) -> list:
+    """An `mlx_plan`'s entries for one MoE layer's routed experts (HF names under `layer`, "...mlp."), stacked as
+    mlx-lm writes them (`out` + "{gate,up,down}_proj.weight"): from transformers' fused gate_up_proj / down_proj
+    tensors, or from one tensor per expert as the released checkpoints hold them."""
+    I = intermediate
+    if hf.has(layer + "experts.gate_up_proj"):
+        return [(out + "gate_proj.weight", lambda: hf.tensor(layer + "experts.gate_up_proj")[:, :I]),
+                (out + "up_proj.weight", lambda: hf.tensor(layer + "experts.gate_up_proj")[:, I:]),
+                (out + "down_proj.weight", lambda: hf.tensor(layer + "experts.down_proj"))]
+    return [(out + f"{proj}.weight", lambda proj=proj: torch.stack(
+        [hf.tensor(f"{layer}experts.{e}.{proj}.weight") for e in range(experts)]))
+        for proj in ("gate_proj", "up_proj", "down_proj")]
+
+
 def _progress(i: int, n: int, quiet: bool):
     """A progress bar on a terminal; one line at the end otherwise (logs stay readable)."""
     if quiet or (not sys.stderr.isatty() and i != n):

@@ -22,6 +22,7 @@ import torch.nn as nn
 from sluice.cache.latent import make_latent_cache
 from sluice.cache.pool import CachePool
 from sluice.errors import ModelFileError, UnsupportedError
+from sluice.formats.convert import stacked_experts
 from sluice.formats.validate import bounded_int, parse_config
 from sluice.kernels.rope import rope_cos_sin
 from sluice.kernels.rope.reference import rope_inv_freq
@@ -388,15 +389,7 @@ def mlx_plan(hf) -> list[tuple[str, object]]:
             if layer in done:
                 continue
             done.add(layer)
-            out = layer + "switch_mlp."
-            if hf.has(layer + "experts.gate_up_proj"):
-                plan += [(out + "gate_proj.weight", lambda l=layer: hf.tensor(l + "experts.gate_up_proj")[:, :I]),
-                         (out + "up_proj.weight", lambda l=layer: hf.tensor(l + "experts.gate_up_proj")[:, I:]),
-                         (out + "down_proj.weight", lambda l=layer: hf.tensor(l + "experts.down_proj"))]
-            else:
-                plan += [(out + f"{proj}.weight", lambda l=layer, proj=proj: torch.stack(
-                    [hf.tensor(f"{l}experts.{e}.{proj}.weight") for e in range(E)]))
-                    for proj in ("gate_proj", "up_proj", "down_proj")]
+            plan += stacked_experts(hf, layer, layer + "switch_mlp.", I, E)
         elif name.endswith("kv_b_proj.weight"):
             p = name.removesuffix("kv_b_proj.weight")
 

@@ -16,6 +16,7 @@ import torch.nn as nn
 from sluice.cache.kv import make_kv_cache
 from sluice.cache.pool import CachePool, RecurrentStates
 from sluice.errors import ModelFileError, UnsupportedError
+from sluice.formats.convert import stacked_experts
 from sluice.formats.validate import bounded_int, head_dim_default, parse_config
 from sluice.kernels.moe import ExpertOutputs
 from sluice.kernels.norm import add_rms_norm_fp32_scale
@@ -329,16 +330,8 @@ def mlx_plan(hf) -> list[tuple[str, object]]:
             if layer in done:
                 continue
             done.add(layer)
-            E, I = cfg.num_experts, cfg.moe_intermediate_size
-            out = rename(layer) + "switch_mlp."
-            if hf.has(layer + "experts.gate_up_proj"):
-                plan += [(out + "gate_proj.weight", lambda l=layer: hf.tensor(l + "experts.gate_up_proj")[:, :I]),
-                         (out + "up_proj.weight", lambda l=layer: hf.tensor(l + "experts.gate_up_proj")[:, I:]),
-                         (out + "down_proj.weight", lambda l=layer: hf.tensor(l + "experts.down_proj"))]
-            else:
-                plan += [(out + f"{proj}.weight", lambda l=layer, proj=proj: torch.stack(
-                    [hf.tensor(f"{l}experts.{e}.{proj}.weight") for e in range(E)]))
-                    for proj in ("gate_proj", "up_proj", "down_proj")]
+            plan += stacked_experts(hf, layer, rename(layer) + "switch_mlp.", cfg.moe_intermediate_size,
+                                    cfg.num_experts)
         elif name.endswith("conv1d.weight"):
             plan.append((rename(name), lambda n=name: hf.tensor(n).moveaxis(2, 1).contiguous()))
         elif name.endswith(_PLUS_ONE_NORMS) or name.endswith("model.norm.weight") \
