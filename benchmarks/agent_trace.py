@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import random
-import statistics
 import sys
 import time
 

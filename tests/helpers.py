@@ -132,3 +132,23 @@ def attention_reference(q, keys, values, scale):
     k, v = keys.repeat_interleave(G, 0).double(), values.repeat_interleave(G, 0).double()
     p = torch.softmax((q.double()[:, None, :] * k).sum(-1) * scale, dim=-1)
     return (p[..., None] * v).sum(1)
+
+
+def rewrite_checkpoint(src: Path, dst: Path, edit=None, config=None) -> Path:
+    """A copy of an HF checkpoint directory (one model.safetensors) with its tensors passed through `edit` (a dict
+    -> dict function) and its config.json through `config` (edits the dict in place)."""
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(src, dst)
+    tensors = load_file(str(dst / "model.safetensors"))
+    if edit:
+        tensors = edit(tensors)
+    save_file(tensors, str(dst / "model.safetensors"))
+    if config:
+        cfg = json.loads((dst / "config.json").read_text())
+        config(cfg)
+        (dst / "config.json").write_text(json.dumps(cfg))
+    return dst

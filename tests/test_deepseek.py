@@ -4,7 +4,6 @@ configs."""
 
 import copy
 import json
-import shutil
 from pathlib import Path
 
 import pytest
@@ -174,18 +173,9 @@ def test_turboquant_cache_is_refused(tmp_path):
 # -- checkpoint layouts -------------------------------------------------------------------------------------------
 
 def _rewrite(src: Path, dst: Path, edit=None, config=None) -> Path:
-    from safetensors.torch import load_file, save_file
+    from helpers import rewrite_checkpoint
 
-    shutil.copytree(src, dst)
-    tensors = load_file(str(dst / "model.safetensors"))
-    if edit:
-        tensors = edit(tensors)
-    save_file(tensors, str(dst / "model.safetensors"))
-    if config:
-        cfg = json.loads((dst / "config.json").read_text())
-        config(cfg)
-        (dst / "config.json").write_text(json.dumps(cfg))
-    return dst
+    return rewrite_checkpoint(src, dst, edit, config)
 
 
 @pytest.fixture(scope="module")

@@ -192,24 +192,17 @@ def test_convert_refuses_existing_destination_and_bad_bits(tmp_path, capsys):
 
 def _edit_checkpoint(src, dst, drop=None, reshape=None, config=None):
     """Copy an HF dir, dropping or replacing one tensor, or editing config.json."""
-    import json
-    import shutil
+    from helpers import rewrite_checkpoint
 
-    from safetensors.torch import load_file, save_file
+    def edit(tensors):
+        if drop:
+            del tensors[drop]
+        if reshape:
+            name, shape = reshape
+            tensors[name] = torch.zeros(shape)
+        return tensors
 
-    shutil.copytree(src, dst)
-    tensors = load_file(str(dst / "model.safetensors"))
-    if drop:
-        del tensors[drop]
-    if reshape:
-        name, shape = reshape
-        tensors[name] = torch.zeros(shape)
-    save_file(tensors, str(dst / "model.safetensors"))
-    if config:
-        cfg = json.loads((dst / "config.json").read_text())
-        config(cfg)
-        (dst / "config.json").write_text(json.dumps(cfg))
-    return dst
+    return rewrite_checkpoint(src, dst, edit, config)
 
 
 @pytest.fixture(scope="module")

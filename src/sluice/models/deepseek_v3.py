@@ -23,7 +23,7 @@ from sluice.cache.latent import make_latent_cache
 from sluice.cache.pool import CachePool
 from sluice.errors import ModelFileError, UnsupportedError
 from sluice.formats.convert import stacked_experts
-from sluice.formats.validate import bounded_int, parse_config
+from sluice.formats.validate import parse_config
 from sluice.kernels.rope import rope_cos_sin
 from sluice.kernels.rope.reference import rope_inv_freq
 from sluice.layers.deepseek_moe import DeepseekMoE, Routing
