@@ -217,3 +217,17 @@ def test_spare_rows_keep_prefixes_while_others_run(llama_dir):
     follow = run(model, first + reply + ids(10, 35, vocab))
     assert follow.cached == len(first) + len(reply) - 1
     assert engine.rows.free_rows == engine.runner.pool.rows == 5 and engine.rows.batch == 2
+
+
+def test_common_prefix_by_block_hashes():
+    """The matcher's common prefix (chained block hashes, a binary search, then one block's ids) is the plain one."""
+    import random
+
+    from sluice.engine.prefix import HASH_BLOCK, block_hashes, common_prefix
+
+    rng = random.Random(0)
+    for _ in range(300):
+        a = [rng.randrange(4) for _ in range(rng.randint(0, 3 * HASH_BLOCK))]
+        b = a[:rng.randint(0, len(a))] + [rng.randrange(4) for _ in range(rng.randint(0, 2 * HASH_BLOCK))]
+        plain = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+        assert common_prefix(a, b, block_hashes(a), block_hashes(b)) == plain

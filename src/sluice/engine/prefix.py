@@ -33,12 +33,40 @@ import torch
 
 # snapshot slots take at most this share of the KV cache's bytes (and at least two slots, at most one a row)
 SNAPSHOT_SHARE = 0.1
+HASH_BLOCK = 256  # ids are compared by chained hashes of blocks of this many (`block_hashes`), then one by one
+
+
+def block_hashes(ids: list[int]) -> list[int]:
+    """Chained hashes of the whole blocks of `ids`: the k-th stands for ids[:(k + 1) * HASH_BLOCK], so two id lists
+    agree up to block k exactly where their k-th hashes do (up to a collision, which `_match` rules out by comparing
+    the winner's ids)."""
+    out, h = [], 0
+    for k in range(len(ids) // HASH_BLOCK):
+        h = hash((h, tuple(ids[k * HASH_BLOCK:(k + 1) * HASH_BLOCK])))
+        out.append(h)
+    return out
+
+
+def common_prefix(a: list[int], b: list[int], ha: list[int], hb: list[int]) -> int:
+    """The length of the common prefix of id lists a and b, with their `block_hashes`: a binary search over the
+    blocks (O(log n) hash compares), then the ids of one block."""
+    lo, hi = 0, min(len(ha), len(hb))  # blocks known equal, blocks that may be
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if ha[mid - 1] == hb[mid - 1]:
+            lo = mid
+        else:
+            hi = mid - 1
+    start = lo * HASH_BLOCK
+    end = min(len(a), len(b), start + HASH_BLOCK)
+    return next((i for i in range(start, end) if a[i] != b[i]), end)
 
 
 @dataclass
 class _Entry:
     row: int
-    ids: torch.Tensor  # int64 [n] on the CPU: the ids whose keys and values the row holds, positions 0..n-1
+    ids: list[int]  # the ids whose keys and values the row holds, positions 0..n-1
+    hashes: list[int]  # their `block_hashes`
     snapshots: list[tuple[int, int]] = field(default_factory=list)  # (position p, slot): the states after ids[:p]
     used: int = 0  # the last time it was inserted or hit (least recently used gives way first)
 
@@ -144,8 +172,7 @@ class PrefixCache:
         free."""
         ids = seq.fed_ids() if keep and self.enabled and seq.fed > 0 else None
         if ids is not None:
-            self.entries.append(_Entry(seq.row, torch.tensor(ids, dtype=torch.long), seq.snapshots,
-                                       next(self._clock)))
+            self.entries.append(_Entry(seq.row, ids, block_hashes(ids), seq.snapshots, next(self._clock)))
         else:
             self._free_slots += [s for _, s in seq.snapshots]
             self.pool.release(seq.row)
@@ -183,7 +210,7 @@ class PrefixCache:
                     if slot is not None:
                         self.pool.copy_state(s, slot, old.snapshots, self.snapshots)
                         snapshots.append((p, slot))
-            self.entries.append(_Entry(row, entry.ids, snapshots, next(self._clock)))
+            self.entries.append(_Entry(row, entry.ids, entry.hashes, snapshots, next(self._clock)))
         self.stats = old.stats
 
     # -- inside ---------------------------------------------------------------------------------------------
@@ -193,13 +220,10 @@ class PrefixCache:
         if len(ids) < 2:
             return None
         best = None
-        if self.entries:
-            want = torch.tensor(ids, dtype=torch.long)
+        hashes = block_hashes(ids) if self.entries else None
         for entry in self.entries:
             n = len(entry.ids)
-            m = min(n, len(want))
-            differ = (entry.ids[:m] != want[:m]).nonzero()
-            common = int(differ[0]) if len(differ) else m
+            common = common_prefix(entry.ids, ids, entry.hashes, hashes)
             r, slot = 0, None
             if not self.stateful:
                 r = min(common, len(ids) - 1)
@@ -211,6 +235,8 @@ class PrefixCache:
                         r, slot = p, s
             if r > 0 and (best is None or r > best[1]):
                 best = (entry.row, r, slot, entry)
+        if best is not None and best[3] is not None and best[3].ids[:best[1]] != ids[:best[1]]:
+            best = None  # a hash collision: no hit rather than another prompt's cache
         for other in running if self.stateful else ():  # a running sequence's row moves on: its snapshots only
             for p, slot in other.snapshots:
                 if (best is None or p > best[1]) and p < len(ids) and p <= other.fed \
