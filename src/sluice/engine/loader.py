@@ -204,4 +204,5 @@ def load(path=None, device=None, dtype=None, keep_quantized: bool = True, kv_cac
     except ValueError as e:
         raise UnsupportedError(f"kv_cache={kv_cache!r}: {e}; use kv_cache='dense'.") from e
     module.eval().to(dev)  # what the builders made themselves (e.g. RoPE frequencies); the weights are there
+    module.memory_budget = gpu_memory  # the user's device budget, if any: the runner keeps no spare rows then
     return Model(module, tokenizer, Path(path), src.format, dev, dt, config)

@@ -78,8 +78,8 @@ class ModelRunner:
     def build_pool(self, rows: int, capacity: int, spare: int | None = 0) -> None:
         """A new pool of `capacity` positions a row for `rows` sequences running at once, and `spare` rows more that
         only hold cached prefixes (`engine/prefix.py`; None: on a GPU, as many as `SPARE_SHARE` of the memory left
-        after the pool holds, at most `SPARE_PER_ROW` per running row; 0 elsewhere). The old pool, and its graphs,
-        are dropped."""
+        after the pool holds, at most `SPARE_PER_ROW` per running row, unless the model has a memory budget
+        (`gpu_memory`) or streams experts; 0 elsewhere). The old pool, and its graphs, are dropped."""
         # (no torch.cuda.empty_cache(): it frees the cuBLAS workspaces that graphs captured anywhere in the process,
         # this engine's or another's over the same weights, still write to)
         self.pool = self.seen = None
@@ -90,9 +90,10 @@ class ModelRunner:
                              + (n + 1) * self.vocab_size)
         need = size_of(rows)
         free = available_memory(self.device)
-        if spare is None:
+        if spare is None:  # not under a memory budget the user set, nor beside streamed experts
             per_row = size_of(rows + 1) - need
-            spare = 0 if self.device.type != "cuda" or need > free else \
+            budgeted = getattr(self.module, "memory_budget", None) is not None or self._streams_experts()
+            spare = 0 if self.device.type != "cuda" or budgeted or need > free else \
                 min(SPARE_PER_ROW * rows, int(SPARE_SHARE * (free - need)) // per_row)
         self.batch = rows  # the most sequences a step holds
         rows += spare
