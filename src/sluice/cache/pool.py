@@ -1,8 +1,10 @@
 """All the caches of one model for a pool of sequences: the KV cache of the full-attention layers and, per Gated
 DeltaNet layer, the causal-conv state (last W-1 inputs) and the fp32 recurrent state; one row of each per sequence.
 
-The pool hands rows out and takes them back (`allocate`, `release`); a row's recurrent states are zeroed when it is
-handed out, its KV positions are simply overwritten. One extra row past `rows` is scratch: the padding rows of a
+The pool hands rows out, the lowest free first, and takes them back (`allocate`, `release`); a row's recurrent states
+are zeroed when it is handed out, its KV positions are simply overwritten. The prefix cache (`engine/prefix.py`) copies
+a row's first positions and its row state (`copy_prefix`, `row_state`, `copy_state`) into another row or snapshot
+slots. One extra row past `rows` is scratch: the padding rows of a
 captured decode graph write there, so they never touch a sequence's cache.
 """
 
@@ -27,9 +29,6 @@ class RecurrentStates:
     def reset(self, row: int) -> None:
         self.conv[:, row].zero_()
         self.recurrent[:, row].zero_()
-
-    def bytes_per_sequence(self) -> int:
-        return sum(t[:, 0].numel() * t.element_size() for t in (self.conv, self.recurrent))
 
 
 class CachePool:

@@ -148,9 +148,8 @@ class PrefixCache:
             seq.cached = hit[1]
             self.stats.hits += 1
             self.stats.cached_tokens += hit[1]
-        if not (self.enabled and self.stateful):
-            seq.snapshot_at = ()  # anywhere is resumable, or nothing is kept
-        seq.snapshot_at = tuple(p for p in seq.snapshot_at if p > seq.cached)
+        # points still ahead; none where any position is resumable or nothing is kept
+        seq.snapshot_at = tuple(p for p in seq.snapshot_at if p > seq.cached) if self.enabled and self.stateful else ()
         return row
 
     def awaits(self, seq, running) -> bool:
