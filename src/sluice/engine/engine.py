@@ -281,9 +281,8 @@ class Engine:
                 if end == len(seq.prefill_ids):
                     seq.status = DECODING
                     done.append(len(decodes) + i)
-                    self.rows.snapshot(seq, end)  # the row state where the prompt ends
-                elif end in seq.snapshot_at:
-                    self.rows.snapshot(seq, end)
+                if end == len(seq.prefill_ids) or end in seq.snapshot_at:  # the row state kept where the prompt
+                    self.rows.snapshot(seq, end)  # or a snapshot point ends
             drawn = self._draw(decodes + [chunks[i - len(decodes)][0] for i in done],
                                logits if len(done) == len(chunks) else logits[list(range(len(decodes))) + done],
                                [in_flight.get(s.id, 0) for s in decodes] + [0] * len(done))
