@@ -33,6 +33,36 @@ def test_dense_decode(splits, Hq, Hkv, D):
         assert rel(o[b], reference(q[b], k[b, :, :n], v[b, :, :n], 0.125)) < TOL
 
 
+@pytest.mark.parametrize("splits", [1, 3, None])
+@pytest.mark.parametrize("with_rows", [False, True])
+def test_dense_decode_paged(splits, with_rows):
+    """A paged cache (`cache/blocks.py`): blocks of 32 positions, each sequence's in a scattered order through its
+    table row; the same result as over its positions laid out in a row."""
+    g = torch.Generator().manual_seed(splits or 0)
+    Hq, Hkv, D, page, B = 4, 2, 64, 32, 3
+    pos = torch.tensor([130, 5, 64])
+    hist_k, hist_v = torch.randn(B, Hkv, 160, D, generator=g), torch.randn(B, Hkv, 160, D, generator=g)
+    blocks = 17
+    kb, vb = torch.randn(blocks, Hkv, page, D, generator=g), torch.randn(blocks, Hkv, page, D, generator=g)
+    order = torch.randperm(blocks - 1, generator=g).tolist()
+    table = torch.full((B + 1, 5), blocks - 1, dtype=torch.int32)  # unused entries: a scratch block
+    for b in range(B):
+        for i in range(int(pos[b]) // page + 1):
+            blk = order.pop()
+            table[b, i] = blk
+            kb[blk], vb[blk] = hist_k[b, :, i * page:(i + 1) * page], hist_v[b, :, i * page:(i + 1) * page]
+    rows = torch.tensor([2, 0, 1])  # query b reads table row rows[b]
+    q = torch.randn(B, Hq, D, generator=g)
+    kw = dict(rows=rows.to(DEVICE)) if with_rows else {}
+    qq, pp = (q[rows], pos[rows]) if with_rows else (q, pos)  # query i: row rows[i]'s
+    o = at.decode_attention(qq.to(DEVICE), kb.to(DEVICE), vb.to(DEVICE), pp.to(DEVICE), 0.125, visible=160,
+                            splits=splits, block_n=16, table=table.to(DEVICE), **kw).cpu()
+    for i in range(B):
+        b = int(rows[i]) if with_rows else i
+        n = int(pos[b]) + 1
+        assert rel(o[i], reference(qq[i], hist_k[b, :, :n], hist_v[b, :, :n], 0.125)) < TOL
+
+
 @pytest.mark.parametrize("pos", [3, 15, 16, 40, 101])
 def test_dense_decode_ring_wraps(pos):
     """Window 16 in a ring of 16 slots: position j lives in slot j % 16; the query sees j in (pos-16, pos]."""

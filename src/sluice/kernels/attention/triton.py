@@ -42,15 +42,15 @@ MERGE_ELEMS = 16384  # partial-output values one merge program loads at once (64
 
 
 @triton.jit
-def _decode_split_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, kr_ptr, vr_ptr, lv_ptr, pos_ptr, rows_ptr, op_ptr,
-                         ml_ptr, cnt_ptr, scale, Hkv, cap, per_split, n_splits,
+def _decode_split_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, kr_ptr, vr_ptr, lv_ptr, pos_ptr, rows_ptr, tab_ptr,
+                         op_ptr, ml_ptr, cnt_ptr, scale, Hkv, cap, per_split, n_splits, stride_tab,
                          stride_qb, stride_qh, stride_kb, stride_kh, stride_kt, stride_vb, stride_vh, stride_vt,
                          stride_sb, stride_sh,
                          stride_rb, stride_rh, stride_rt,
                          G: tl.constexpr, BG: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
                          QUANT: tl.constexpr, RING: tl.constexpr, WINDOW: tl.constexpr, RECENT: tl.constexpr,
                          INT8: tl.constexpr, TC: tl.constexpr, ZERO_CNT: tl.constexpr, HAS_ROWS: tl.constexpr,
-                         PDL: tl.constexpr):
+                         PAGED: tl.constexpr, PDL: tl.constexpr):
     pdl_start(PDL)  # q and the cache come from the kernels before
     bh = tl.program_id(0)
     split = tl.program_id(1)
@@ -157,7 +157,13 @@ def _decode_split_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, kr_ptr, vr_ptr, lv
         for n0 in range(start, stop, BLOCK_N):
             j = n0 + tl.arange(0, BLOCK_N)
             valid = j < stop
-            slot = j % cap if RING else j
+            if PAGED:  # the block holding this tile's positions (a tile never straddles two: cap % BLOCK_N == 0)
+                blk = tl.load(tab_ptr + cache_row * stride_tab + n0 // cap).to(tl.int64)
+                kv_base = blk * stride_kb + h * stride_kh
+                v_base = blk * stride_vb + h * stride_vh
+                slot = j % cap
+            else:
+                slot = j % cap if RING else j
             off = kv_base + slot[:, None] * stride_kt + d[None, :]
             s = _dot(q, tl.trans(tl.load(k_ptr + off, mask=valid[:, None], other=0.0)), TC)
             s = tl.where(valid[None, :], s * scale, float("-inf"))
@@ -399,7 +405,7 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, position
                      unrotate: bool = False, num_warps: int = 4, num_stages: int | None = None,
                      rows: torch.Tensor | None = None, gate: torch.Tensor | None = None,
                      int8_products: int = INT8_PRODUCTS, merge_elems: int = MERGE_ELEMS,
-                     cuda_kernel: bool = True) -> torch.Tensor:
+                     cuda_kernel: bool = True, table: torch.Tensor | None = None) -> torch.Tensor:
     """q [B, Hq, D] (one query per sequence, at positions[b], int32 or int64 [B] on the device: it sees the keys
     at positions <= positions[b]); dense k, v [P, Hkv, capacity, D], or with k_scale etc. the TurboQuant layout: k
     codes [P, Hkv, capacity, D/2] uint8, v codes [P, Hkv, capacity/4, D/2, 4] (`turboquant.reference.interleave`),
@@ -413,7 +419,11 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, position
     as torch rounds it (the gated attention's output gate, applied by the merge kernel). int8_products (TurboQuant,
     the Triton split kernel), merge_elems (the merge's load size) and cuda_kernel (TurboQuant: the CUDA C split
     kernel where it applies, else the Triton one) default to what the H100 sweeps chose; tests and benchmarks pass
-    others."""
+    others.
+
+    Paged (`table`, int32 [rows, max blocks] on the device, `cache/blocks.py`; dense only): the cache tensors are
+    blocks [N, Hkv, page, D] of `page` positions each (the capacity dim is the page), and query b's position j sits
+    in block table[rows[b] (or b), j // page] at slot j % page. No window."""
     B, Hq, D = q.shape
     P, Hkv, cap = k.shape[:3]
     quant = k_scale is not None
@@ -425,7 +435,7 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, position
                                   or not index.is_contiguous()):
             raise ValueError(f"decode attention: {name} must be contiguous int32 or int64 [B={B}], got "
                              f"{index.dtype} {tuple(index.shape)}")
-    if rows is None and P < B:
+    if rows is None and (P if table is None else table.shape[0]) < B:
         raise ValueError(f"decode attention: {B} queries, {P} cache rows and no `rows`")
     if quant:
         if (k.dtype != torch.uint8 or k.shape[-1] != D // 2 or k.stride(-1) != 1 or k_recent is None or D < 32
@@ -438,6 +448,10 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, position
     elif k.shape[-1] != D or k.stride() != v.stride() or k.stride(-1) != 1:
         raise ValueError(f"decode attention: k, v must be [B, Hkv, cap, {D}] with one layout and unit last strides, "
                          f"got {tuple(k.shape)}")
+    if table is not None and (quant or window is not None or table.dim() != 2 or table.dtype != torch.int32
+                              or table.stride(-1) != 1):
+        raise ValueError("decode attention: a block table (int32 [rows, blocks], unit last stride) is for the dense "
+                         "cache without a window")
     if unrotate and not quant:
         raise ValueError("decode attention: unrotate is for the TurboQuant layout")
     if q.stride(-1) != 1:
@@ -468,6 +482,8 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, position
         num_stages = num_stages or (3 if triton.cdiv(visible, ns) >= 2048 else 2)
     else:
         block_n = block_n or (64 if D <= 128 else 32)
+        if table is not None and cap % block_n:
+            raise ValueError(f"decode attention: the page ({cap} positions) must be a multiple of {block_n}")
         ns = splits or num_splits(Bp * Hkv, visible, q.device, block_n)
         num_stages = num_stages or 2
     # int8 tensor cores take 32 values along the summed dim: the scores need D / 2 >= 32, P V block_n >= 32
@@ -495,12 +511,14 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, position
     else:
         _decode_split_kernel[(B * Hkv, ns)](
             q, k, v, ks, vs, kr, vr, _level_table(q.device) if quant else dummy, positions,
-            positions if rows is None else rows, op, ml, cnt, scale, Hkv, cap, per_split, ns,
+            positions if rows is None else rows, positions if table is None else table, op, ml, cnt, scale, Hkv,
+            cap, per_split, ns, 0 if table is None else table.stride(0),
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
             ks.stride(0) if quant else 0, ks.stride(1) if quant else 0,
             kr.stride(0) if quant else 0, kr.stride(1) if quant else 0, kr.stride(2) if quant else 0,
             G=G, BG=BG, D=D, BLOCK_N=block_n, QUANT=quant, RING=window is not None, WINDOW=window or 0,
-            RECENT=recent, INT8=int8, TC=not INTERPRET, ZERO_CNT=unrotate, HAS_ROWS=rows is not None, PDL=use_pdl,
+            RECENT=recent, INT8=int8, TC=not INTERPRET, ZERO_CNT=unrotate, HAS_ROWS=rows is not None,
+            PAGED=table is not None, PDL=use_pdl,
             launch_pdl=use_pdl, num_warps=num_warps, num_stages=num_stages)
     o = torch.empty((B, Hq, D), dtype=out_dtype or q.dtype, device=q.device)
     # the merge: coordinate blocks small enough that one load holds every split's partials (<= 64 KB a program);
