@@ -15,6 +15,7 @@
 #   bash benchmarks/gpu_run.sh both    # the last two at once on a machine of two GPUs
 #   bash benchmarks/gpu_run.sh hardening; bash benchmarks/gpu_run.sh hardening2   # issue #39, two GPUs, two calls
 #   bash benchmarks/gpu_run.sh prefix  # issue #41, two GPUs: the prefix cache's GPU tests, the agent trace
+#   bash benchmarks/gpu_run.sh paged   # issues #41 (paged KV) and #42 (MLA kernels), four GPUs, four lanes
 #
 # Every benchmark runs as `python -m benchmarks run NAME --json FILE ARGS` (benchmarks/registry.py); the JSON files
 # are the runner's records (figures under "figures"). Knobs: POLICIES, SCENARIOS, SERVING_S, PROFILE (serving);
@@ -170,12 +171,67 @@ prefix)  # issue #41 on a machine of two GPUs: the prefix cache's GPU tests, the
   grep -hE "^(cached|plain)" "$LOG"/agent_trace_*.log >> "$S"
   cat "$S"
   ;;
+paged)  # issue #41's paged KV and #42's GPU kernels on a machine of four GPUs, one lane a GPU:
+  # 0: the GPU tests the paged cache touches, then engine_gpu (decode 1/16/64) of this tree;
+  # 1: sluice serve over HTTP, 64 and 16 clients; 2: paged_kv (64 sequences of 128..32k tokens in a quarter of the
+  # rows layout's KV), then the agent trace with the cache; 3: engine_gpu of the tree before (.base/src), then
+  # DeepSeek's GPU tests with its kernels on, mla_gpu and Moonlight's bench
+  S="$OUT/summary_paged.log"
+  (
+    CUDA_VISIBLE_DEVICES=0 timeout 300 python -m pytest -q -rf -p no:cacheprovider tests/test_gpu_engine.py \
+      tests/test_attention_triton.py tests/test_kv_cache.py tests/test_rope_triton.py tests/test_paged_kv.py \
+      ${PAGED_TESTS:-} > "$LOG/tests_paged.log" 2>&1
+    CUDA_VISIBLE_DEVICES=0 timeout 200 python -m benchmarks run engine_gpu --json "$OUT/engine_paged.json" \
+      --config $CONFIG --batches 1,16,64 --kinds dense > "$LOG/engine_paged.log" 2>&1
+  ) &
+  (
+    CUDA_VISIBLE_DEVICES=1 CLIENTS="64 16" TQ=0 OUT=/tmp/server_out bash "$0" server > /dev/null 2>&1
+    cp /tmp/server_out/server_load_*.json "$OUT/" 2>/dev/null
+    cp /tmp/server_out/summary_server.log "$LOG/" 2>/dev/null
+    grep -h "a step took" /tmp/server_out/*.server.log 2>/dev/null | head -8 > "$LOG/steps_took.log"
+  ) &
+  (
+    CUDA_VISIBLE_DEVICES=2 timeout 300 python -m benchmarks run paged_kv --json "$OUT/paged_kv.json" --model $CONFIG \
+      --load-format dummy > "$LOG/paged_kv.log" 2>&1
+    CUDA_VISIBLE_DEVICES=2 timeout 240 python -m benchmarks run agent_trace --json /tmp/agent_trace.json --model $CONFIG \
+      --load-format dummy --only cached > "$LOG/agent_trace.log" 2>&1
+  ) &
+  (
+    CUDA_VISIBLE_DEVICES=3 PYTHONPATH=/tmp/site:.base/src SLUICE_BENCH_COMMIT=base timeout 200 python -m benchmarks \
+      run engine_gpu --json /tmp/engine_base.json --config $CONFIG --batches 1,16,64 --kinds dense \
+      > "$LOG/engine_base.log" 2>&1
+    CUDA_VISIBLE_DEVICES=3 SLUICE_DEEPSEEK_KERNELS=1 timeout 200 python -m pytest -q -rf -p no:cacheprovider \
+      tests/test_mla_triton.py tests/test_group_route_triton.py tests/test_deepseek.py -k "gpu or triton or cuda" \
+      > "$LOG/tests_mla.log" 2>&1
+    CUDA_VISIBLE_DEVICES=3 SLUICE_DEEPSEEK_KERNELS=1 timeout 100 python -m benchmarks run mla_gpu \
+      --json "$OUT/mla_gpu.json" > "$LOG/mla_gpu.log" 2>&1
+    for b in 1 64; do
+      CUDA_VISIBLE_DEVICES=3 SLUICE_DEEPSEEK_KERNELS=1 timeout 90 python -m sluice bench \
+        -m benchmarks/configs/moonlight-16b-a3b.json --load-format dummy --batch $b --prompt-tokens 512 \
+        --gen-tokens 64 --repeats 1 --json > "$LOG/moonlight_$b.json" 2> "$LOG/moonlight_$b.log"
+    done
+  ) &
+  wait
+  {
+    echo "== tests (paged)"; grep -E "^(FAILED|ERROR)|passed|failed" "$LOG/tests_paged.log" | head -20
+    echo "== tests (MLA)"; grep -E "^(FAILED|ERROR)|passed|failed" "$LOG/tests_mla.log" | head -20
+    echo "== engine_gpu this tree"; grep -A12 "^KV " "$LOG/engine_paged.log" | head -14
+    echo "== engine_gpu base"; grep -A12 "^KV " "$LOG/engine_base.log" | head -14
+    echo "== server"; cat "$LOG/summary_server.log" 2>/dev/null; cat "$LOG/steps_took.log"
+    echo "== paged_kv"; tail -3 "$LOG/paged_kv.log"
+    echo "== agent trace"; grep -E "^cached" "$LOG/agent_trace.log"; tail -3 "$LOG/agent_trace.log"
+    echo "== mla_gpu"; tail -25 "$LOG/mla_gpu.log"
+    for b in 1 64; do echo "== moonlight b$b"; tail -4 "$LOG/moonlight_$b.log"; cat "$LOG/moonlight_$b.json" | head -c 600; echo; done
+  } > "$S" 2>&1
+  tar czf "$OUT/logs.tgz" -C "$LOG" . 2>/dev/null
+  cat "$S"
+  ;;
 both)  # serving and server at once, one GPU each (a machine of two GPUs)
   CUDA_VISIBLE_DEVICES=0 bash "$0" serving & CUDA_VISIBLE_DEVICES=1 bash "$0" server; wait
   cat "$OUT"/summary_*.log
   ;;
 *)
-  echo "usage: bash benchmarks/gpu_run.sh tests|bench|join|serving|server|single|both|hardening|hardening2|prefix" >&2
+  echo "usage: bash benchmarks/gpu_run.sh tests|bench|join|serving|server|single|both|hardening|hardening2|prefix|paged" >&2
   exit 2
   ;;
 esac

@@ -52,6 +52,8 @@ register("engine_gpu", "engine_gpu:main", "gpu",
 register("prefill_gpu", "prefill_gpu:main", "gpu", "TTFT and prefill tok/s by prefill chunk size; --profile")
 register("long_prompt_join", "long_prompt_join:main", "gpu",
          "running decodes' step latency while a long prompt prefills beside them, per --decode-prefill-chunk")
+register("paged_kv", "paged_kv:main", "cpu|gpu",
+         "issue #41: many sequences of mixed lengths in a pool of KV blocks too small for all at once")
 register("agent_trace", "agent_trace:main", "cpu|gpu",
          "users in multi-turn chats behind one system prompt, with the prefix cache and without: hit rate, TTFT, "
          "whole time")

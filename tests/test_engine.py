@@ -204,6 +204,9 @@ def test_scheduler_prefills_less_while_sequences_decode():
         def awaits(self, seq, running):
             return False
 
+        def fits(self, seq, running):
+            return True
+
         def allocate(self, seq, running=()):
             return self.free.pop(0)
 

@@ -18,6 +18,7 @@ GPU_PREFILL_CHUNK = 4096
 CPU_PREFILL_CHUNK = 512
 GPU_DECODE_PREFILL_CHUNK = CPU_DECODE_PREFILL_CHUNK = 512
 WHOLE_GRAPH_TOKENS = 256  # flat steps up to this many tokens: one whole graph each (`EngineConfig.whole_graph_tokens`)
+GPU_KV_PAGE = 256  # positions a block of a paged KV cache holds on a GPU (`EngineConfig.kv_page`)
 
 
 @dataclass(frozen=True)
@@ -52,6 +53,13 @@ class EngineConfig:
     prefix_cache: a request whose ids begin with what an earlier one left in the cache starts from there
         (`engine/prefix.py`): a finished sequence's row stays as a cached prefix until a row is needed. Dense KV
         caches without a sliding window.
+    kv_page: positions a block of a paged KV cache holds (`cache/blocks.py`: sequences take blocks as they grow, from
+        one pool, and share a cached prefix's blocks); None: 256 on a GPU, rows of `max_seq_len` positions on the CPU
+        (whose native attention kernel reads whole rows); 0: rows. On a GPU a multiple of 128. Dense KV caches
+        without a sliding window.
+    kv_blocks: the blocks of a paged KV cache; None: the memory plan decides (`engine/runner.py` `build_pool`:
+        enough for `max_batch` sequences of the longest length, fewer where memory is short, more for cached
+        prefixes where it is not).
     """
 
     max_batch: int = 64
@@ -66,6 +74,8 @@ class EngineConfig:
     overlap: bool | None = None
     deterministic: bool = False
     prefix_cache: bool = True
+    kv_page: int | None = None
+    kv_blocks: int | None = None
 
     def __post_init__(self):
         from sluice.cache import KV_CACHE_KINDS
@@ -81,6 +91,12 @@ class EngineConfig:
             positive("decode_prefill_chunk", self.decode_prefill_chunk)
         if self.max_seq_len is not None:
             positive("max_seq_len", self.max_seq_len)
+        if self.kv_blocks is not None:
+            positive("kv_blocks", self.kv_blocks)
+        if self.kv_page is not None and (not isinstance(self.kv_page, int) or isinstance(self.kv_page, bool)
+                                         or self.kv_page < 0 or self.kv_page % 16):
+            raise InvalidOptionError(f"kv_page={self.kv_page!r}: use 0 (rows) or a multiple of 16 (of 128 on a "
+                                     "GPU: the attention kernels' tiles never straddle two blocks).")
         if not isinstance(self.whole_graph_tokens, int) or isinstance(self.whole_graph_tokens, bool) \
                 or self.whole_graph_tokens < 0:
             raise InvalidOptionError(f"whole_graph_tokens={self.whole_graph_tokens!r}: use an integer >= 0.")
@@ -107,6 +123,12 @@ class EngineConfig:
         beside_decodes = self.decode_prefill_chunk if self.decode_prefill_chunk is not None else \
             GPU_DECODE_PREFILL_CHUNK if gpu else CPU_DECODE_PREFILL_CHUNK
         return min(step, beside_decodes)
+
+    def page(self, device) -> int | None:
+        """Positions a KV block holds on `device` (None: rows, not paged)."""
+        if self.kv_page is not None:
+            return self.kv_page or None
+        return GPU_KV_PAGE if torch.device(device).type == "cuda" else None
 
     def graph_size(self, batch: int) -> int | None:
         """The captured batch size a batch of `batch` sequences replays in (None: larger than any)."""

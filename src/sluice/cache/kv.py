@@ -21,12 +21,16 @@ import torch
 import torch.nn.functional as F
 
 from sluice.cache import KV_CACHE_KINDS
+from sluice.cache.blocks import BlockTable
 from sluice.kernels.attention.reference import attention
 
 
 class KVCache:
     """What every cache kind shares: `rows` sequences of `capacity` positions each, or a ring of `window` slots,
     and the interface the attention layers call (`attend`, `append_buffers`, `dense_buffers`, `bytes_per_token`)."""
+
+    PAGEABLE = False  # whether the kind can keep its positions in blocks (`cache/blocks.py`)
+    table = None  # paged: the `BlockTable`
 
     def __init__(self, num_layers: int, rows: int, num_kv_heads: int, head_dim: int, capacity: int,
                  window: int | None = None):
@@ -123,9 +127,9 @@ class KVCache:
         return x.is_cuda
 
     def append_buffers(self, layer: int, meta, x: torch.Tensor):
-        """(k, v) [rows, Hkv, capacity, D] for a decode step (activations like `x`) that writes its new key and value
-        itself, at slot position % capacity of each sequence's cache row, then calls `attend` with k = v = None;
-        None where this cache stores them itself."""
+        """(k, v, positions, rows) for a decode step (activations like `x`) that writes its new key and value itself,
+        into k, v [P, Hkv, cap, D] at [rows[b], :, positions[b] % cap] (a paged cache's rows are blocks, its cap the
+        page), then calls `attend` with k = v = None; None where this cache stores them itself."""
         return None
 
     def dense_buffers(self, layer: int):
@@ -143,30 +147,70 @@ class KVCache:
 
 
 class DenseKVCache(KVCache):
-    """K and V in the model's dtype: one preallocated [layers, rows, Hkv, capacity, D] buffer each."""
+    """K and V in the model's dtype: one preallocated buffer each, [layers, rows, Hkv, capacity, D] (rows layout), or
+    paged (`page`): [layers, blocks + 1, Hkv, page, D] and a `BlockTable` saying which blocks hold a row's
+    positions (`cache/blocks.py`; the last block is scratch). Prefill reads a paged row's keys gathered through its
+    table; decode kernels read the blocks in place."""
+
+    PAGEABLE = True
 
     def __init__(self, num_layers: int, rows: int, num_kv_heads: int, head_dim: int, capacity: int,
-                 dtype: torch.dtype, device: torch.device | str = "cpu", window: int | None = None):
+                 dtype: torch.dtype, device: torch.device | str = "cpu", window: int | None = None,
+                 page: int | None = None, blocks: int | None = None):
         super().__init__(num_layers, rows, num_kv_heads, head_dim, capacity, window)
-        shape = (num_layers, rows, num_kv_heads, self.capacity, head_dim)
+        self.table = None
+        if page is not None:
+            if window is not None:
+                raise ValueError("a sliding-window KV cache is not paged")
+            self.table = BlockTable(rows, blocks, page, capacity, device)
+            self.max_positions = self.capacity = self.table.max_positions
+            shape = (num_layers, blocks + 1, num_kv_heads, page, head_dim)
+        else:
+            shape = (num_layers, rows, num_kv_heads, self.capacity, head_dim)
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
+
+    def _at(self, meta, rows: torch.Tensor, pos: torch.Tensor, key: str):
+        """Where the tokens at cache rows `rows`, positions `pos` (device tensors) are stored: (index along the
+        buffers' first dim, slot), derived once a forward (`meta.once`)."""
+        if self.table is None:
+            return rows, pos % self.capacity
+        page, table = self.table.page, self.table.device
+        return meta.once(key, lambda: (table[rows.long(), (pos // page).long()], pos % page))
 
     def decode(self, layer, q, k, v, meta, scale, gate=None):
         from sluice.kernels.attention.triton import decode_attention
 
         pos = meta.last_positions
         if k is not None:  # else stored by the caller (`append_buffers`)
-            slots = pos % self.capacity
-            self.k[layer][meta.rows, :, slots] = k[:, :, 0].to(self.k.dtype)
-            self.v[layer][meta.rows, :, slots] = v[:, :, 0].to(self.v.dtype)
+            where, slots = self._at(meta, meta.rows, pos, "kv_decode")
+            self.k[layer][where, :, slots] = k[:, :, 0].to(self.k.dtype)
+            self.v[layer][where, :, slots] = v[:, :, 0].to(self.v.dtype)
         o = decode_attention(q[:, :, 0], self.k[layer], self.v[layer], pos, scale, min(meta.visible, self.capacity),
-                             self.window, rows=meta.rows, gate=None if gate is None else gate[:, :, 0])
+                             self.window, rows=meta.rows, gate=None if gate is None else gate[:, :, 0],
+                             table=None if self.table is None else self.table.device)
         return o[:, :, None]
+
+    def _row(self, layer: int, row: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Paged: row's keys and values of positions 0..end-1, [Hkv, end, D] (gathered from its blocks)."""
+        blocks = self.table.device[row, :self.table.blocks_for(end)].long()
+        gather = lambda x: x.index_select(0, blocks).transpose(0, 1).flatten(1, 2)[:, :end]  # noqa: E731
+        return gather(self.k[layer]), gather(self.v[layer])
 
     def prefill(self, layer, row0, q, k, v, start, scale):
         B, T = q.shape[0], k.shape[2]
         end = start + T
+        if self.table is not None:
+            self.slots(start, end)  # the capacity check
+            page, out = self.table.page, []
+            p = torch.arange(start, end, device=k.device)
+            for b in range(B):
+                where = self.table.device[row0 + b, p // page].long()
+                self.k[layer][where, :, p % page] = k[b].transpose(0, 1).to(self.k.dtype)
+                self.v[layer][where, :, p % page] = v[b].transpose(0, 1).to(self.v.dtype)
+                kb, vb = self._row(layer, row0 + b, end)
+                out.append(attention(q[b:b + 1], kb[None], vb[None], scale))
+            return torch.cat(out)
         kl, vl = self.k[layer][row0:row0 + B], self.v[layer][row0:row0 + B]
         if self.window is None:
             self.slots(start, end)  # the capacity check
@@ -200,34 +244,58 @@ class DenseKVCache(KVCache):
         return self.window is None
 
     def copy_prefix(self, src, dst, n, into):
-        into.k[:, dst, :, :n].copy_(self.k[:, src, :, :n])
-        into.v[:, dst, :, :n].copy_(self.v[:, src, :, :n])
+        if self.table is None:
+            into.k[:, dst, :, :n].copy_(self.k[:, src, :, :n])
+            into.v[:, dst, :, :n].copy_(self.v[:, src, :, :n])
+        elif into is self:  # whole blocks shared, a partial last one copied
+            if not self.table.share(src, dst, n, self._copy_block):
+                raise RuntimeError("no free KV block for a prefix's last block")
+        else:  # another pool: block by block into blocks of its own
+            if not into.table.ensure(dst, n):
+                raise RuntimeError("no free KV blocks for a prefix")
+            for a, b in zip(self.table.owned[src][:self.table.blocks_for(n)], into.table.owned[dst]):
+                into.k[:, b].copy_(self.k[:, a])
+                into.v[:, b].copy_(self.v[:, a])
+
+    def _copy_block(self, src: int, dst: int) -> None:
+        self.k[:, dst].copy_(self.k[:, src])
+        self.v[:, dst].copy_(self.v[:, src])
 
     def static_flat(self, layer, q, k, v, meta, scale, gate=None):
         from sluice.kernels.attention.triton import decode_attention
 
         rows, pos = meta.token_rows, meta.positions[0]
-        self.k[layer][rows, :, pos] = k.to(self.k.dtype)
-        self.v[layer][rows, :, pos] = v.to(self.v.dtype)
+        where, slots = self._at(meta, rows, pos, "kv_static")
+        self.k[layer][where, :, slots] = k.to(self.k.dtype)
+        self.v[layer][where, :, slots] = v.to(self.v.dtype)
         return decode_attention(q.contiguous(), self.k[layer], self.v[layer], pos, scale, self.capacity, rows=rows,
-                                gate=None if gate is None else gate.contiguous())
+                                gate=None if gate is None else gate.contiguous(),
+                                table=None if self.table is None else self.table.device)
 
     def append_buffers(self, layer, meta, x):
-        return (self.k[layer], self.v[layer]) if meta.decode and self.use_decode_kernel(x) else None
+        if not (meta.decode and self.use_decode_kernel(x)):
+            return None
+        where, _ = self._at(meta, meta.rows, meta.last_positions, "kv_decode")
+        return self.k[layer], self.v[layer], meta.last_positions, where
 
     def dense_buffers(self, layer: int):
-        return (self.k[layer], self.v[layer]) if self.window is None else None
+        return (self.k[layer], self.v[layer]) if self.window is None and self.table is None else None
 
     def bytes_per_token(self) -> int:
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.k.element_size()
 
 
 def make_kv_cache(kind: str, num_layers: int, rows: int, num_kv_heads: int, head_dim: int, capacity: int,
-                  dtype: torch.dtype, device, window: int | None = None) -> KVCache:
+                  dtype: torch.dtype, device, window: int | None = None, page: int | None = None,
+                  blocks: int | None = None) -> KVCache:
+    """A KV cache of kind `kind`: paged (`page` positions a block, `blocks` of them) where the kind pages
+    (`PAGEABLE`) and there is no window, else whole rows."""
     if kind == "dense":
-        return DenseKVCache(num_layers, rows, num_kv_heads, head_dim, capacity, dtype, device, window)
-    if kind == "turboquant4":
-        from sluice.cache.turboquant import TurboQuantKVCache
-
-        return TurboQuantKVCache(num_layers, rows, num_kv_heads, head_dim, capacity, dtype, device, window)
-    raise ValueError(f"unknown KV cache kind {kind!r}; use one of {', '.join(KV_CACHE_KINDS)}")
+        cls = DenseKVCache
+    elif kind == "turboquant4":
+        from sluice.cache.turboquant import TurboQuantKVCache as cls
+    else:
+        raise ValueError(f"unknown KV cache kind {kind!r}; use one of {', '.join(KV_CACHE_KINDS)}")
+    paged = {} if page is None or window is not None or not getattr(cls, "PAGEABLE", False) else \
+        {"page": page, "blocks": blocks}
+    return cls(num_layers, rows, num_kv_heads, head_dim, capacity, dtype, device, window, **paged)

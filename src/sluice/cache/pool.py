@@ -2,7 +2,9 @@
 DeltaNet layer, the causal-conv state (last W-1 inputs) and the fp32 recurrent state; one row of each per sequence.
 
 The pool hands rows out, the lowest free first, and takes them back (`allocate`, `release`); a row's recurrent states
-are zeroed when it is handed out, its KV positions are simply overwritten. The prefix cache (`engine/prefix.py`) copies
+are zeroed when it is handed out, its KV positions are simply overwritten. A paged KV cache (`cache/blocks.py`) holds
+a row's positions in blocks from one pool, handed out as the row needs them (`blocks.ensure`), shared between rows
+that share a prefix, and given back with the row. The prefix cache (`engine/prefix.py`) copies
 a row's first positions and its row state (`copy_prefix`, `row_state`, `copy_state`) into another row or snapshot
 slots. One extra row past `rows` is scratch: the padding rows of a
 captured decode graph write there, so they never touch a sequence's cache.
@@ -56,6 +58,16 @@ class CachePool:
     def free_rows(self) -> int:
         return len(self._free)
 
+    @property
+    def blocks(self):
+        """The KV cache's `BlockTable` when it is paged (`cache/blocks.py`), else None."""
+        return None if self.kv is None else self.kv.table
+
+    def sync(self) -> None:
+        """Before a step: the device copy of a paged cache's block table as the host's."""
+        if self.blocks is not None:
+            self.blocks.sync()
+
     # -- what the prefix cache (`engine/prefix.py`) copies ---------------------------------------------------------
     @property
     def resumable(self) -> bool:
@@ -100,7 +112,13 @@ class CachePool:
             self.states.reset(row)
 
     def release(self, row: int) -> None:
+        self.drop_kv(row)
         heapq.heappush(self._free, row)
+
+    def drop_kv(self, row: int) -> None:
+        """A paged cache's blocks of `row` given back (shared ones stay with their other holders)."""
+        if self.blocks is not None:
+            self.blocks.release(row)
 
     def reset_scratch(self) -> None:
         """Zero the scratch row's recurrent states (padding rows of a graph start from them every step)."""

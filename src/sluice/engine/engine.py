@@ -264,6 +264,8 @@ class Engine:
         self.scheduler.admit(self.rows)
         in_flight = {} if ahead is None else {s.id: 1 for s in ahead.seqs if not s.finished}
         decodes, chunks = self.scheduler.schedule(in_flight)
+        if self.rows.blocks is not None:
+            decodes, chunks, ahead, in_flight = self._reserve(decodes, chunks, ahead, in_flight)
         self._stepping = ([] if ahead is None else list(ahead.seqs)) + decodes + [seq for seq, _, _ in chunks]
         if decodes or chunks:
             for seq, first, _ in chunks:
@@ -295,6 +297,27 @@ class Engine:
                 self._ahead = drawn
             else:
                 self._land(drawn)
+
+    def _reserve(self, decodes, chunks, ahead, in_flight):
+        """A paged KV cache: give the step's sequences the blocks their new positions need, cached prefixes evicted
+        for them first; if that is not enough, the newest running sequence is preempted (its row kept as a cached
+        prefix, which it resumes from unless its blocks were taken meanwhile; the step run ahead, if any, is read
+        back first) and the step scheduled again. Returns (decodes, chunks, ahead, in_flight)."""
+        while True:
+            need = [(s, s.next_position + in_flight.get(s.id, 0) + 1) for s in decodes] + \
+                [(seq, end) for seq, _, end in chunks]
+            if all(self.rows.reserve(s, n) for s, n in need):
+                return decodes, chunks, ahead, in_flight
+            if ahead is not None:  # its tokens land first: a sequence preempted then holds no token in flight
+                self._land(ahead)
+                ahead, in_flight = None, {}
+            else:
+                if len(self.scheduler.running) < 2:
+                    raise RuntimeError("a sequence alone does not find the KV blocks its positions need")
+                victim = self.scheduler.running[-1]
+                log.info("KV blocks ran out: request %d preempted (it resumes later)", victim.id)
+                self.scheduler.preempt(victim, self.rows, isolate=False)
+            decodes, chunks = self.scheduler.schedule(in_flight)
 
     def _decode_ids(self, decodes: list[Sequence], ahead: _Drawn | None):
         """The decode tokens' ids: host ints, or (a step run ahead) int64 [D] on the device: ahead's sampled ids

@@ -114,7 +114,7 @@ class _DeviceReader:
 
 ENGINE_OPTIONS = ("max_batch", "max_seq_len", "prefill_chunk", "decode_prefill_chunk", "graphs", "graph_batch_sizes",
                   "graph_token_sizes", "whole_graph_tokens", "overlap", "deterministic",
-                  "prefix_cache")
+                  "prefix_cache", "kv_page", "kv_blocks")
 
 
 def _read_checkpoint(path, load_format: str, dev: torch.device, dt: torch.dtype, gpu_memory, expert_slots,
@@ -159,7 +159,8 @@ def load(path=None, device=None, dtype=None, keep_quantized: bool = True, kv_cac
     expert_slots: that many slots a layer, whatever the budget. expert_store: where streamed experts stay: "auto"
     (host memory when they fit there, else the checkpoint's files), "host" or "disk". Engine options
     (`sluice.config.EngineConfig`): max_batch, max_seq_len, prefill_chunk, decode_prefill_chunk, graphs,
-    graph_batch_sizes, graph_token_sizes, whole_graph_tokens, overlap, deterministic, prefix_cache."""
+    graph_batch_sizes, graph_token_sizes, whole_graph_tokens, overlap, deterministic, prefix_cache, kv_page,
+    kv_blocks."""
     unknown = sorted(set(options) - set(ENGINE_OPTIONS))
     if unknown:
         raise InvalidOptionError(f"unknown load option(s): {', '.join(unknown)}.")

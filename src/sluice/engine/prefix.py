@@ -15,13 +15,17 @@ and the row state are known:
   state is kept, and a request that shares the prompt up to a point another running prompt has not reached yet waits
   for it, `awaits`).
 r stays below the prompt's length: the last prompt token is always computed, for its logits. The new row gets the
-entry's first r positions of KV and the states at r (device copies, a few hundred microseconds for a 32k history
-on a GPU) and prefills from r; with no free row left it takes the entry's row itself (no copy). Entries and
-snapshots give way least recently used first: an entry whenever a request needs a row and none is free, a snapshot
-when a slot is needed.
+entry's first r positions of KV and the states at r and prefills from r; with no free row left it takes the entry's
+row itself. With a paged KV cache (`cache/blocks.py`) the entry's whole blocks are shared, not copied (a partial last
+block is; a row taken over makes its own copy of a shared block it will write into). Entries and snapshots give way
+least recently used first: an entry whenever a request needs a row or KV blocks and none are free, a snapshot when a
+slot is needed.
 
-Not yet (issue #41): paged KV blocks shared between rows, sliding-window caches, snapshots at chunk boundaries, and a
-prompt sent again whole on a model with row state (its state one token before the end is never kept).
+Paged KV blocks are handed out here too: `fits` (whether a waiting request's prompt finds the blocks it needs, free
+or held only by cached prefixes), `reserve` (the blocks a step's tokens need, entries evicted for them).
+
+Not yet (issue #41): sliding-window caches, snapshots at chunk boundaries, and a prompt sent again whole on a model
+with row state (its state one token before the end is never kept).
 """
 
 from __future__ import annotations
@@ -93,6 +97,7 @@ class PrefixCache:
         self.batch = pool.rows if batch is None else batch  # sequences that may run at once; the other rows only
         # hold cached prefixes
         self.enabled = enabled and pool.resumable
+        self.blocks = pool.blocks  # a paged KV cache's `BlockTable`, or None
         self.stateful = bool(pool.row_state())  # resumes only where the row state is known
         self.entries: list[_Entry] = []
         self.stats = PrefixStats()
@@ -129,7 +134,9 @@ class PrefixCache:
             self.stats.prompt_tokens += len(ids)
         if hit is not None and (self.pool.free_rows or hit[3] is None):  # copied into a row of its own
             src, r, slot, entry = hit
-            row = self.pool.allocate() if self.pool.free_rows else self._evict_lru()
+            row = self.pool.allocate() if self.pool.free_rows else self._evict_lru(keep=entry)
+            if self.blocks is not None and r % self.blocks.page:
+                self.make_room(1, keep=entry)  # the partial last block is copied
             self.pool.copy_prefix(src, row, r)
             self._restore_states(src, slot, row)
             if entry is not None:
@@ -139,6 +146,10 @@ class PrefixCache:
             self.entries.remove(entry)
             row = entry.row
             self._restore_states(src, slot, row)
+            if self.blocks is not None:  # its positions from r on are written again: blocks of its own there
+                self.make_room(1)
+                if not self.blocks.truncate(row, r, self.pool.kv._copy_block):
+                    raise RuntimeError("no free KV block to take a cached prefix's row over")
             # the row's first r positions stay: snapshots within them still hold, and go with the sequence
             seq.snapshots = [(p, s) for p, s in entry.snapshots if p <= r]
             self._free_slots += [s for p, s in entry.snapshots if p > r]
@@ -165,6 +176,37 @@ class PrefixCache:
                     hit = self._match(ids, running)
                     return hit is None or hit[1] < p
         return False
+
+    def fits(self, seq, running=()) -> bool:
+        """Whether a waiting sequence's prompt finds the KV blocks it needs (past a cached prefix it would resume
+        from), free or held only by cached prefixes; always with an unpaged cache."""
+        if self.blocks is None:
+            return True
+        ids = seq.prefill_ids
+        hit = self._match(ids, running) if self.enabled and not seq.isolated else None
+        need = self.blocks.blocks_for(len(ids)) - (0 if hit is None else hit[1] // self.blocks.page)
+        if need <= self.blocks.free_blocks:
+            return True
+        refs, owned = self.blocks.refs, self.blocks.owned
+        evictable = sum(refs[b] == 1 for e in self.entries if hit is None or e is not hit[3] for b in owned[e.row])
+        return need <= self.blocks.free_blocks + evictable
+
+    def reserve(self, seq, positions: int) -> bool:
+        """Give seq's row the KV blocks for its positions 0..positions-1 (a paged cache), cached prefixes evicted
+        for them if need be; False if even that leaves too few."""
+        if self.blocks is None:
+            return True
+        need = self.blocks.needs(seq.row, positions)
+        return need == 0 or (self.make_room(need) and self.blocks.ensure(seq.row, positions))
+
+    def make_room(self, blocks: int, keep=None) -> bool:
+        """Evict cached prefixes, least recently used first (never `keep`), until `blocks` KV blocks are free."""
+        while self.blocks.free_blocks < blocks:
+            victims = [e for e in self.entries if e is not keep]
+            if not victims:
+                return False
+            self.pool.release(self._evict(min(victims, key=lambda e: e.used)))
+        return True
 
     def release(self, seq, keep: bool = True) -> None:
         """A sequence gives its row back: kept as an entry (keep, the cache on, something fed and known), else
@@ -197,7 +239,8 @@ class PrefixCache:
         """Carry the entries of another pool's cache over (a pool rebuilt bigger), most recent first, while rows and
         slots are free."""
         for entry in sorted(old.entries, key=lambda e: -e.used):
-            if not self.pool.free_rows or len(entry.ids) > self.pool.capacity:
+            if not self.pool.free_rows or len(entry.ids) > self.pool.capacity or (
+                    self.blocks is not None and self.blocks.blocks_for(len(entry.ids)) > self.blocks.free_blocks):
                 continue
             row = self.pool.allocate()
             old.pool.copy_prefix(entry.row, row, len(entry.ids), into=self.pool)
@@ -251,9 +294,11 @@ class PrefixCache:
         elif row != src:
             self.pool.copy_state(src, row)
 
-    def _evict_lru(self) -> int:
-        """The row of the least recently used entry, given up, its state zeroed."""
-        row = self._evict(min(self.entries, key=lambda e: e.used))
+    def _evict_lru(self, keep=None) -> int:
+        """The row of the least recently used entry (never `keep`), given up: its KV blocks given back, its state
+        zeroed."""
+        row = self._evict(min((e for e in self.entries if e is not keep), key=lambda e: e.used))
+        self.pool.drop_kv(row)
         self.pool.reset(row)
         return row
 

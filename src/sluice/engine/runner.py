@@ -79,32 +79,56 @@ class ModelRunner:
         """A new pool of `capacity` positions a row for `rows` sequences running at once, and `spare` rows more that
         only hold cached prefixes (`engine/prefix.py`; None: on a GPU, as many as `SPARE_SHARE` of the memory left
         after the pool holds, at most `SPARE_PER_ROW` per running row, unless the model has a memory budget
-        (`gpu_memory`) or streams experts; 0 elsewhere). The old pool, and its graphs, are dropped."""
+        (`gpu_memory`) or streams experts; 0 elsewhere). The old pool, and its graphs, are dropped.
+
+        A paged KV cache (`EngineConfig.page`) holds `kv_blocks` blocks, or by default enough for `rows` sequences
+        of `capacity` positions, fewer if memory is short (never fewer than one sequence of `capacity` needs), and
+        with spare rows `SPARE_PER_ROW` times as many more for cached prefixes, within `SPARE_SHARE` of the memory
+        left."""
         # (no torch.cuda.empty_cache(): it frees the cuBLAS workspaces that graphs captured anywhere in the process,
         # this engine's or another's over the same weights, still write to)
         self.pool = self.seen = None
         self._graphs.clear()
         self._flat_graphs.clear()
         kind = self.config.kv_cache
-        size_of = lambda n: (self.module.new_cache(n, capacity, self.dtype, "meta", kind).nbytes()  # noqa: E731
-                             + (n + 1) * self.vocab_size)
-        need = size_of(rows)
+        page = self.config.page(self.device)
+        per_seq = -(-capacity // page) if page else 0  # blocks a sequence of `capacity` positions takes
+
+        def size_of(n, blocks=None):
+            pool = self.module.new_cache(n, capacity, self.dtype, "meta", kind, page=page,
+                                         blocks=max(1, blocks if blocks is not None else n * per_seq))
+            return pool, pool.nbytes() + (n + 1) * self.vocab_size
+
+        probe, need = size_of(rows)
+        paged = probe.blocks is not None
         free = available_memory(self.device)
+        budgeted = getattr(self.module, "memory_budget", None) is not None or self._streams_experts()
+        blocks = self.config.kv_blocks if paged else None
+        if paged and blocks is None:
+            per_block = size_of(rows, rows * per_seq + 1)[1] - need
+            base = rows * per_seq
+            if need > free:  # fewer blocks: short and long sequences share them
+                blocks = max(per_seq, base - -(-(need - free) // per_block))
+            elif spare is None and self.device.type == "cuda" and not budgeted:
+                blocks = base + min(SPARE_PER_ROW * base, int(SPARE_SHARE / 2 * (free - need)) // per_block)
+            else:
+                blocks = base
+            need = size_of(rows, blocks)[1]
         if spare is None:  # not under a memory budget the user set, nor beside streamed experts
-            per_row = size_of(rows + 1) - need
-            budgeted = getattr(self.module, "memory_budget", None) is not None or self._streams_experts()
+            per_row = size_of(rows + 1, blocks)[1] - need
+            share = SPARE_SHARE / 2 if paged else SPARE_SHARE
             spare = 0 if self.device.type != "cuda" or budgeted or need > free else \
-                min(SPARE_PER_ROW * rows, int(SPARE_SHARE * (free - need)) // per_row)
+                min(SPARE_PER_ROW * rows, int(share * (free - need)) // max(1, per_row))
         self.batch = rows  # the most sequences a step holds
         rows += spare
-        need = size_of(rows)
+        need = size_of(rows, blocks)[1]
         if need > free:  # sized before it is made: no giant allocation, no OOM killer
             raise InvalidOptionError(
                 f"the caches of {rows} sequence(s) of {capacity} positions need {need / 2**30:.2f} GiB ({kind} KV), "
                 f"but {self.device} has {free / 2**30:.2f} GiB free; lower max_batch or max_seq_len"
                 f"{' or use --kv-cache turboquant' if kind == 'dense' else ''}.")
         try:
-            self.pool = self.module.new_cache(rows, capacity, self.dtype, self.device, self.config.kv_cache)
+            self.pool = self.module.new_cache(rows, capacity, self.dtype, self.device, kind, page=page, blocks=blocks)
             self.seen = torch.zeros(rows + 1, self.vocab_size, dtype=torch.bool, device=self.device)
         except torch.OutOfMemoryError as e:
             self.pool = self.seen = None
@@ -128,6 +152,7 @@ class ModelRunner:
         int64 [D] on the device: the last step's sampled ids, which need not have reached the host), and the prompt
         chunks (cache row, token ids, first position). Returns the logits [D + chunks, vocab] fp32 of each decode
         token and each chunk's last token (with graphs, a view of the graph's output: read it before the next step)."""
+        self.pool.sync()
         if not chunks:
             return self.decode([r for r, _ in decodes], [p for _, p in decodes], tokens)
         D, R = len(decodes), len(decodes) + len(chunks)
@@ -159,6 +184,7 @@ class ModelRunner:
         graphs, a view of the graph's output: read it before the next step). tokens: host ints, or int64 [B] on the
         device (the last step's sampled ids, which need not have reached the host)."""
         n = len(rows)
+        self.pool.sync()
         size = self._graph_size(n)
         if size is None:
             meta = ForwardMeta.decode_host(rows, positions, self.pool.visible, self.device)

@@ -44,6 +44,8 @@ class Scheduler:
                and self.waiting[0].length <= rows.capacity):
             if rows.awaits(self.waiting[0], self.running):
                 break  # a running prompt is about to leave the row state where this one could resume
+            if not rows.fits(self.waiting[0], self.running):
+                break  # its prompt's KV blocks are not free (a paged cache)
             seq = self.waiting.popleft()
             seq.row, seq.status = rows.allocate(seq, self.running), PREFILLING
             seq.prefilled = seq.fed = seq.cached
@@ -104,17 +106,18 @@ class Scheduler:
     def decoding(self) -> list[Sequence]:
         return [s for s in self.running if s.status == DECODING]
 
-    def preempt(self, seq: Sequence, rows) -> None:
+    def preempt(self, seq: Sequence, rows, isolate: bool = True) -> None:
         """Take a running sequence's row back and queue it first, to prefill its prompt and output again and go on
-        from there (recompute), isolated."""
+        from there (recompute): isolated after a failed step (its row dropped); else (KV blocks ran out) its row kept
+        as a cached prefix, which it resumes from unless the blocks were needed meanwhile."""
         if seq in self.running:
             self.running.remove(seq)
-            rows.release(seq, keep=False)
+            rows.release(seq, keep=not isolate)
         elif seq in self.waiting:
             self.waiting.remove(seq)
         seq.row, seq.status, seq.prefilled = None, WAITING, 0
         seq.recompute = seq.prompt + seq.output if seq.output else None
-        seq.isolated = True
+        seq.isolated = isolate
         self.waiting.appendleft(seq)
 
     def finish(self, seq: Sequence, reason: str, rows) -> None:

@@ -71,8 +71,7 @@ class GatedAttention(nn.Module):
             q, k = qk_norm_rope(q, k, self.q_norm, self.k_norm, cos, sin, self.eps)
             k, v = k.transpose(1, 2), v.transpose(1, 2)
         else:
-            q, k = qk_norm_rope(q, k, self.q_norm, self.k_norm, cos, sin, self.eps, v, *stores, meta.last_positions,
-                                meta.rows)
+            q, k = qk_norm_rope(q, k, self.q_norm, self.k_norm, cos, sin, self.eps, v, *stores)
             v = None
         # o * sigmoid(gate): in the decode kernel's merge, or torch
         o = cache.attend(self.cache_index, q.transpose(1, 2), k, v, meta, self.scale, gate=gate.transpose(1, 2))

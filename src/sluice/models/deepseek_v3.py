@@ -195,8 +195,10 @@ class DeepseekModel(nn.Module):
             inv_freq = rope_inv_freq(c.qk_rope_head_dim, c.rope_theta)
         self.register_buffer("inv_freq", inv_freq, persistent=False)
 
-    def new_cache(self, rows: int, capacity: int, dtype: torch.dtype, device, kind: str = "dense") -> CachePool:
-        """Caches for `rows` sequences of up to `capacity` positions (and the pool's scratch row): the latent cache."""
+    def new_cache(self, rows: int, capacity: int, dtype: torch.dtype, device, kind: str = "dense",
+                  page: int | None = None, blocks: int | None = None) -> CachePool:
+        """Caches for `rows` sequences of up to `capacity` positions (and the pool's scratch row): the latent cache
+        (whole rows: not paged yet, `page` and `blocks` are ignored)."""
         c = self.cfg
         kv = make_latent_cache(kind, c.num_layers, rows + 1, c.kv_lora_rank, c.qk_rope_head_dim, capacity, dtype,
                                device)

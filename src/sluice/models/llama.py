@@ -159,11 +159,13 @@ class LlamaModel(nn.Module):
         self.lm_head = self.embed.as_linear() if cfg.tie_word_embeddings else Linear(get("lm_head.weight"))
         self.register_buffer("inv_freq", rope_inv_freq(cfg.head_dim, cfg.rope_theta), persistent=False)
 
-    def new_cache(self, rows: int, capacity: int, dtype: torch.dtype, device, kind: str = "dense") -> CachePool:
-        """Caches for `rows` sequences of up to `capacity` positions (and the pool's scratch row)."""
+    def new_cache(self, rows: int, capacity: int, dtype: torch.dtype, device, kind: str = "dense",
+                  page: int | None = None, blocks: int | None = None) -> CachePool:
+        """Caches for `rows` sequences of up to `capacity` positions (and the pool's scratch row); with `page`, KV in
+        `blocks` blocks of `page` positions where the cache kind pages (`cache/blocks.py`)."""
         c = self.cfg
         kv = make_kv_cache(kind, c.num_layers, rows + 1, c.num_kv_heads, c.head_dim, capacity, dtype, device,
-                           window=c.sliding_window)
+                           window=c.sliding_window, page=page, blocks=blocks)
         return CachePool(kv, None, rows)
 
     def check_cache_kind(self, kind: str) -> None:

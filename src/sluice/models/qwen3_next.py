@@ -162,10 +162,13 @@ class Qwen3NextModel(nn.Module):
             Linear(w.get(w.head_name, (cfg.vocab_size, cfg.hidden_size)))
         self.register_buffer("inv_freq", rope_inv_freq(cfg.rotary_dim, cfg.rope_theta), persistent=False)
 
-    def new_cache(self, rows: int, capacity: int, dtype: torch.dtype, device, kind: str = "dense") -> CachePool:
-        """Caches for `rows` sequences of up to `capacity` positions (and the pool's scratch row)."""
+    def new_cache(self, rows: int, capacity: int, dtype: torch.dtype, device, kind: str = "dense",
+                  page: int | None = None, blocks: int | None = None) -> CachePool:
+        """Caches for `rows` sequences of up to `capacity` positions (and the pool's scratch row); with `page`, KV in
+        `blocks` blocks of `page` positions where the cache kind pages (`cache/blocks.py`)."""
         c = self.cfg
-        kv = make_kv_cache(kind, c.num_kv_layers, rows + 1, c.num_kv_heads, c.head_dim, capacity, dtype, device)
+        kv = make_kv_cache(kind, c.num_kv_layers, rows + 1, c.num_kv_heads, c.head_dim, capacity, dtype, device,
+                           page=page, blocks=blocks)
         nk, nv, dk, dv = (c.linear_num_key_heads, c.linear_num_value_heads, c.linear_key_head_dim,
                           c.linear_value_head_dim)
         states = RecurrentStates(c.layer_types.count("linear_attention"), rows + 1, 2 * nk * dk + nv * dv,

@@ -1,0 +1,110 @@
+"""Paged KV (`cache/blocks.py`) on the CPU: the block table's reference counts; an engine whose dense KV cache is
+paged gives the greedy tokens of one whose cache is whole rows, for mixed lengths, with the prefix cache sharing
+blocks, and when blocks run out (the newest sequence preempted, every request finished, nothing lost)."""
+
+import pytest
+import torch
+
+import sluice
+from sluice.cache.blocks import BlockTable
+from helpers import save_hf_dir, tiny_llama
+
+
+@pytest.fixture(scope="module")
+def llama_dir(tmp_path_factory):
+    return save_hf_dir(tiny_llama(seed=3), tmp_path_factory.mktemp("llama"))
+
+
+@pytest.fixture(scope="module")
+def qwen_dir(tmp_path_factory):
+    from test_qwen3_next import qwen3_next, save
+
+    return save(qwen3_next(seed=5), tmp_path_factory.mktemp("qwen"))
+
+
+def ids(n, seed, vocab):
+    return torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def outputs(model, prompts, max_tokens=12, **sampling):
+    seqs = [model.engine.add_request(p, max_tokens=max_tokens, stop_ids=(), **sampling) for p in prompts]
+    model.engine.run(seqs)
+    assert all(s.finish_reason == "length" for s in seqs)
+    return [s.output for s in seqs]
+
+
+def test_block_table_counts_shares_and_copies():
+    copies = []
+    t = BlockTable(rows=4, blocks=6, page=4, max_positions=16, device="cpu")
+    assert t.ensure(0, 10) and t.owned[0] == [0, 1, 2] and t.free_blocks == 3
+    assert t.host[0].tolist() == [0, 1, 2, 6] and t.needs(0, 13) == 1
+    assert t.share(0, 1, 9, lambda a, b: copies.append((a, b)))  # two whole blocks shared, the third copied
+    assert t.owned[1] == [0, 1, 3] and copies == [(2, 3)] and t.refs[:4] == [2, 2, 1, 1]
+    assert not t.ensure(2, 16)  # four blocks wanted, two free: none given
+    assert t.owned[2] == [] and t.free_blocks == 2
+    t.release(0)  # the shared blocks stay with row 1
+    assert t.refs[:4] == [1, 1, 0, 1] and t.free_blocks == 3 and t.host[0].tolist() == [6] * 4
+    assert t.share(1, 2, 8, None)  # whole blocks only: nothing copied
+    assert t.truncate(2, 6, lambda a, b: copies.append((a, b)))  # it writes from 6 on: block 1 becomes its own
+    assert t.owned[2] == [0, copies[-1][1]] and copies[-1][0] == 1 and t.refs[1] == 1
+    t.sync()
+    assert t.device.tolist() == t.host.tolist()
+    with pytest.raises(IndexError):
+        t.ensure(3, 17)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen"])
+def test_paged_engine_gives_the_tokens_of_rows(arch, request):
+    """Prompts of mixed lengths in blocks of 16 positions, chunked prefill beside decodes, greedy and sampled, then
+    the same prompts and more, resuming from the cached prefixes (their blocks shared; Qwen3-Next from the snapshots
+    where the first prompts ended): the tokens of the rows layout."""
+    path = request.getfixturevalue(f"{arch}_dir")
+    rows = sluice.load(path, device="cpu", prefill_chunk=32, kv_page=0, prefix_cache=False)
+    paged = sluice.load(path, device="cpu", prefill_chunk=32, kv_page=16)
+    vocab = rows.config.vocab_size
+    prompts = [ids(n, i, vocab) for i, n in enumerate([5, 40, 17, 70, 33, 16])]
+    longer = [p + ids(7, 100 + i, vocab) for i, p in enumerate(prompts)]
+    for sampling in ({"temperature": 0.0}, {"temperature": 1.0, "seed": 7}):
+        assert outputs(paged, prompts, **sampling) == outputs(rows, prompts, **sampling)
+        assert outputs(paged, longer, **sampling) == outputs(rows, longer, **sampling)  # from the cached prefixes
+    table = paged.engine.runner.pool.blocks
+    assert table is not None and table.page == 16
+    stats = paged.engine.rows.stats
+    assert stats.hits >= len(prompts)
+    if arch == "llama":  # prefixes resumed anywhere: whole blocks shared, not copied
+        assert any(r > 1 for r in table.refs)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen"])
+def test_blocks_running_out_preempt_and_every_request_finishes(arch, request, caplog):
+    """Eight sequences growing in a pool of blocks that holds about three of them: the newest is preempted when a
+    step's tokens find no block (its row kept as a cached prefix it may resume from), and every request ends with
+    the tokens it gets alone in a big pool."""
+    path = request.getfixturevalue(f"{arch}_dir")
+    big = sluice.load(path, device="cpu", prefill_chunk=32, kv_page=0, prefix_cache=False)
+    small = sluice.load(path, device="cpu", prefill_chunk=32, kv_page=16, kv_blocks=12, max_batch=8,
+                        max_seq_len=96)
+    vocab = big.config.vocab_size
+    prompts = [ids(n, 10 + i, vocab) for i, n in enumerate([20, 50, 9, 33, 60, 14, 41, 27])]
+    want = [outputs(big, [p], max_tokens=30)[0] for p in prompts]
+    with caplog.at_level("INFO", logger="sluice.engine"):
+        assert outputs(small, prompts, max_tokens=30) == want
+    assert "preempted" in caplog.text
+    table = small.engine.runner.pool.blocks
+    assert table.blocks == 12
+    small.engine.rows.clear()
+    assert table.free_blocks == 12 and all(r == 0 for r in table.refs)
+
+
+def test_a_pool_short_of_memory_gets_fewer_blocks(llama_dir, monkeypatch):
+    """Sized against memory: a paged pool that cannot hold every row at its longest gets fewer blocks (at least one
+    longest sequence's), not an error."""
+    from sluice.engine import runner
+
+    model = sluice.load(llama_dir, device="cpu", kv_page=16, max_batch=8, max_seq_len=256)
+    pool = model.module.new_cache(8, 256, torch.float32, "meta", "dense", page=16, blocks=8 * 16)
+    monkeypatch.setattr(runner, "available_memory", lambda device: pool.nbytes() // 2)
+    model.engine.reserve()
+    blocks = model.engine.runner.pool.blocks.blocks
+    assert 16 <= blocks < 8 * 16
+    assert outputs(model, [ids(200, 1, model.config.vocab_size)], max_tokens=40)
