@@ -75,6 +75,7 @@ def test_flat_graph_replays_the_eager_forward(checkpoints, name, kind, whole):
     g = torch.Generator().manual_seed(7)
     prompts = [torch.randint(0, 300, (t,), generator=g).tolist() for t in (9, 70, 33, 40, 5)]
     twins = [[runner.pool.allocate() for _ in range(4)] for _ in range(2)]
+    assert all(runner.pool.reserve(row, 256) for rows in twins for row in rows)  # a paged cache's blocks
     with torch.inference_mode():
         for rows in twins:  # two decoding sequences and one half-prefilled prompt in each set of rows
             runner.prefill([(rows[0], prompts[0], 0), (rows[1], prompts[1], 0), (rows[2], prompts[2][:20], 0)])
@@ -118,6 +119,7 @@ def test_static_flat_forward_matches_the_pieces_one(checkpoints, name):
     g = torch.Generator().manual_seed(8)
     prompts = [torch.randint(0, 300, (t,), generator=g).tolist() for t in (9, 70, 33, 40)]
     twins = [[runner.pool.allocate() for _ in range(4)] for _ in range(2)]
+    assert all(runner.pool.reserve(row, 256) for rows in twins for row in rows)  # a paged cache's blocks
     logits = []
     with torch.inference_mode():
         for static, rows in zip((True, False), twins):

@@ -17,11 +17,14 @@ A flat forward (the engine's mixed steps) is its decode tokens as a decode step 
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 import torch.nn.functional as F
 
 from sluice.cache import KV_CACHE_KINDS
 from sluice.cache.blocks import BlockTable
+from sluice.engine.batch import on_device
 from sluice.kernels.attention.reference import attention
 
 
@@ -190,6 +193,54 @@ class DenseKVCache(KVCache):
                              self.window, rows=meta.rows, gate=None if gate is None else gate[:, :, 0],
                              table=None if self.table is None else self.table.device)
         return o[:, :, None]
+
+    def _attend_flat(self, layer, q, k, v, meta, scale, gate):
+        """Paged, a flat step in pieces: the decode tokens as the base class takes them; the prompt chunks stored in
+        one go, then each attended over its row: a chunk that starts a row over its own keys, a later one over its
+        row's keys gathered (one gather for all of them). The blocks and slots are planned once a forward."""
+        if self.table is None or meta.static or not meta.parts:
+            return super()._attend_flat(layer, q, k, v, meta, scale, gate)
+        chunks = meta.parts
+        o = super()._attend_flat(layer, q, k, v, replace(meta, parts=[]), scale, gate) if meta.decode_tokens \
+            else torch.zeros_like(q)
+        t0, t1 = chunks[0][0], chunks[-1][1]
+        where, slots, history, spans = meta.once("kv_paged_chunks", lambda: self._chunk_plan(chunks, q.device))
+        kl, vl = self.k[layer], self.v[layer]
+        new_k, new_v = k[0, :, t0:t1].to(kl.dtype), v[0, :, t0:t1].to(vl.dtype)
+        kl[where, :, slots] = new_k.transpose(0, 1)
+        vl[where, :, slots] = new_v.transpose(0, 1)
+        if history is not None:
+            hk, hv = kl.index_select(0, history), vl.index_select(0, history)
+        for (c0, c1, part), span in zip(chunks, spans):
+            if span is None:  # the row's first positions: its own keys
+                keys, values = new_k[None, :, c0 - t0:c1 - t0], new_v[None, :, c0 - t0:c1 - t0]
+            else:
+                b0, b1, end = span
+                keys, values = (x[b0:b1].transpose(0, 1).flatten(1, 2)[None, :, :end] for x in (hk, hv))
+            oc = attention(q[:, :, c0:c1], keys, values, scale)
+            o[:, :, c0:c1] = oc if gate is None else oc * torch.sigmoid(gate[:, :, c0:c1])
+        return o
+
+    def _chunk_plan(self, chunks, device):
+        """Where a flat step's prompt chunks go in a paged cache and what they read: (block, slot) of every chunk
+        token, the blocks of the rows of chunks that start past position 0 (one gather), and per chunk None (it
+        starts its row) or (first, end of its blocks in that gather, its end position)."""
+        table, page = self.table, self.table.page
+        where, slots, history, spans = [], [], [], []
+        for c0, c1, part in chunks:
+            start, end = part.start, part.start + c1 - c0
+            self.slots(start, end)  # the capacity check
+            p = torch.arange(start, end)
+            where.append(table.host[part.row0, p // page])
+            slots.append(p % page)
+            if start == 0:
+                spans.append(None)
+            else:
+                blocks = table.host[part.row0, :table.blocks_for(end)]
+                spans.append((sum(map(len, history)), sum(map(len, history)) + len(blocks), end))
+                history.append(blocks)
+        cat = lambda xs: on_device(torch.cat(xs), torch.long, device)  # noqa: E731
+        return cat(where), cat(slots), cat(history) if history else None, spans
 
     def _row(self, layer: int, row: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Paged: row's keys and values of positions 0..end-1, [Hkv, end, D] (gathered from its blocks)."""

@@ -115,6 +115,11 @@ class CachePool:
         self.drop_kv(row)
         heapq.heappush(self._free, row)
 
+    def reserve(self, row: int, positions: int) -> bool:
+        """Blocks of a paged KV cache for `row`'s positions 0..positions-1 (True at once when not paged): for
+        tools and tests that drive a pool themselves; the engine reserves through `engine/prefix.py`."""
+        return self.blocks is None or self.blocks.ensure(row, positions)
+
     def drop_kv(self, row: int) -> None:
         """A paged cache's blocks of `row` given back (shared ones stay with their other holders)."""
         if self.blocks is not None:

@@ -24,6 +24,7 @@ split's output back itself); this Triton kernel remains the path under the inter
 
 from __future__ import annotations
 
+import math
 import os
 
 import torch
@@ -98,10 +99,19 @@ def _decode_split_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, kr_ptr, vr_ptr, lv
         s_base = cache_row * stride_sb + h * stride_sh
         coded_stop = tl.minimum(stop, p - RECENT + 1)  # older positions: from the codes
         t4 = tl.arange(0, BLOCK_N // 4)
-        for n0 in range(start - start % 4, coded_stop, BLOCK_N):  # blocks from a multiple of 4: the value groups
+        # tiles from a multiple of 4 (the value groups); paged, of BLOCK_N, so that a tile never straddles two blocks
+        n_lo = start - start % BLOCK_N if PAGED else start - start % 4
+        for n0 in range(n_lo, coded_stop, BLOCK_N):
             j = n0 + tl.arange(0, BLOCK_N)
             valid = (j >= start) & (j < coded_stop)
-            slot = j % cap if RING else j
+            if PAGED:  # the block holding this tile's positions (cap % BLOCK_N == 0)
+                blk = tl.load(tab_ptr + cache_row * stride_tab + n0 // cap).to(tl.int64)
+                kv_base = blk * stride_kb + h * stride_kh
+                v_base = blk * stride_vb + h * stride_vh
+                s_base = blk * stride_sb + h * stride_sh
+                slot = j % cap
+            else:
+                slot = j % cap if RING else j
             c_off = kv_base + slot[:, None] * stride_kt + dh[None, :]
             k_codes = tl.load(k_ptr + c_off, mask=valid[:, None], other=0)
             if INT8 >= 1:
@@ -118,7 +128,10 @@ def _decode_split_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, kr_ptr, vr_ptr, lv
             pv = pr * (v_sc / v_max)[None, :]
             # the value codes [BLOCK_N / 4, D / 2, 4] (four positions of a byte column side by side, cap a multiple
             # of 4) as [BLOCK_N, D / 2]; whole groups (a group's positions outside the split have probability 0)
-            g4 = (n0 + 4 * t4) % cap // 4 if RING else n0 // 4 + t4
+            if PAGED:
+                g4 = n0 % cap // 4 + t4
+            else:
+                g4 = (n0 + 4 * t4) % cap // 4 if RING else n0 // 4 + t4
             g_ok = (n0 + 4 * t4 < coded_stop) & (n0 + 4 * t4 + 4 > start)
             v_codes = tl.load(v_ptr + v_base + g4[:, None] * stride_vt + tl.arange(0, 2 * D)[None, :],
                               mask=g_ok[:, None], other=0)  # a group's 2D bytes at once: 16-byte loads
@@ -154,11 +167,16 @@ def _decode_split_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, kr_ptr, vr_ptr, lv
         d = tl.arange(0, D)
         q = tl.load(q_row + d[None, :], mask=g[:, None] < G, other=0.0)
         acc = tl.zeros((BG, D), dtype=tl.float32)
+        tab_row = tab_ptr + cache_row * stride_tab
+        if PAGED:  # the block of the first tile; each tile loads the next one's (a tile never straddles two blocks:
+            # cap % BLOCK_N == 0), so the table's latency overlaps a tile's work
+            blk_next = tl.load(tab_row + start // cap, mask=start < stop, other=0).to(tl.int64)
         for n0 in range(start, stop, BLOCK_N):
             j = n0 + tl.arange(0, BLOCK_N)
             valid = j < stop
-            if PAGED:  # the block holding this tile's positions (a tile never straddles two: cap % BLOCK_N == 0)
-                blk = tl.load(tab_ptr + cache_row * stride_tab + n0 // cap).to(tl.int64)
+            if PAGED:
+                blk = blk_next
+                blk_next = tl.load(tab_row + tl.minimum(n0 + BLOCK_N, stop - 1) // cap).to(tl.int64)
                 kv_base = blk * stride_kb + h * stride_kh
                 v_base = blk * stride_vb + h * stride_vh
                 slot = j % cap
@@ -421,9 +439,11 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, position
     kernel where it applies, else the Triton one) default to what the H100 sweeps chose; tests and benchmarks pass
     others.
 
-    Paged (`table`, int32 [rows, max blocks] on the device, `cache/blocks.py`; dense only): the cache tensors are
-    blocks [N, Hkv, page, D] of `page` positions each (the capacity dim is the page), and query b's position j sits
-    in block table[rows[b] (or b), j // page] at slot j % page. No window."""
+    Paged (`table`, int32 [rows, max blocks] on the device, `cache/blocks.py`): the cache tensors are blocks
+    [N, Hkv, page, D] of `page` positions each (the capacity dim is the page; TurboQuant: the codes and scales
+    [N, Hkv, page, D/2], [N, Hkv, page/4, D/2, 4], [N, Hkv, page], the exact ring still one per row,
+    [rows, Hkv, RECENT, D]), and query b's position j sits in block table[rows[b] (or b), j // page] at slot
+    j % page. No window."""
     B, Hq, D = q.shape
     P, Hkv, cap = k.shape[:3]
     quant = k_scale is not None
@@ -448,10 +468,10 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, position
     elif k.shape[-1] != D or k.stride() != v.stride() or k.stride(-1) != 1:
         raise ValueError(f"decode attention: k, v must be [B, Hkv, cap, {D}] with one layout and unit last strides, "
                          f"got {tuple(k.shape)}")
-    if table is not None and (quant or window is not None or table.dim() != 2 or table.dtype != torch.int32
+    if table is not None and (window is not None or table.dim() != 2 or table.dtype != torch.int32
                               or table.stride(-1) != 1):
-        raise ValueError("decode attention: a block table (int32 [rows, blocks], unit last stride) is for the dense "
-                         "cache without a window")
+        raise ValueError("decode attention: a block table (int32 [rows, blocks], unit last stride) is for a cache "
+                         "without a window")
     if unrotate and not quant:
         raise ValueError("decode attention: unrotate is for the TurboQuant layout")
     if q.stride(-1) != 1:
@@ -463,7 +483,7 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, position
     # shared memory; the codes are a quarter of the bytes, 128 positions a step unless splits are short (where two
     # blocks of 64 keep more programs busy; benchmarks/results/attention_tq_sweep2_h100.json)
     use_cuda = quant and cuda_kernel and not INTERPRET and tq_cuda.applies(q, k, v, k_scale, v_scale, k_recent,
-                                                                           v_recent, positions, rows)
+                                                                           v_recent, positions, rows, table)
     # the launch is planned for the batch rounded up to a power of two: the kernels' compile-time sizes then take
     # a few values whatever the batch (an engine step's decode tokens come in any number; each new size would
     # compile new kernels in the middle of serving)
@@ -471,12 +491,17 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, position
     if use_cuda:  # the CUDA C split kernel (cuda.py): same partials, same merge
         n_coded, per_split, ns = tq_cuda.plan(Bp * Hkv, visible, k_recent.shape[2], D, G, k_recent.dtype,
                                               positions.dtype, None if rows is None else rows.dtype, q.device,
-                                              splits)
+                                              splits, paged=table is not None)
     elif quant:
         # one wave of the programs an SM holds (registers: 2 at D = 256, 3 at D = 128)
         ns = splits or num_splits(Bp * Hkv, visible, q.device, block_n or 64, per_sm=3 if D <= 128 else 2,
                                   one_wave=True)
-        block_n = block_n or (128 if triton.cdiv(visible, ns) >= (256 if D <= 128 else 2048) else 64)
+        if block_n is None:
+            block_n = 128 if triton.cdiv(visible, ns) >= (256 if D <= 128 else 2048) else 64
+            if table is not None:  # tiles within a block
+                block_n = math.gcd(block_n, cap)
+        if table is not None and (cap % block_n or block_n < 16):
+            raise ValueError(f"decode attention: the page ({cap} positions) must be a multiple of {block_n} and 16")
         # long splits stream: a third block in flight hides the loads (short ones lose;
         # benchmarks/results/attention_tq_sweep3_h100.json)
         num_stages = num_stages or (3 if triton.cdiv(visible, ns) >= 2048 else 2)
@@ -506,7 +531,7 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, position
     use_pdl = pdl(q.device)
     if use_cuda:
         tq_cuda.decode_split(q, k, v, k_scale, v_scale, k_recent, v_recent, positions, rows, scale, window, op, ml,
-                             unrotate, n_coded, per_split, ns)
+                             unrotate, n_coded, per_split, ns, table)
         unrotate = False  # done per split
     else:
         _decode_split_kernel[(B * Hkv, ns)](
