@@ -200,13 +200,13 @@ paged)  # issue #41's paged KV and #42's GPU kernels on a machine of four GPUs, 
     CUDA_VISIBLE_DEVICES=3 PYTHONPATH=/tmp/site:.base/src SLUICE_BENCH_COMMIT=base timeout 200 python -m benchmarks \
       run engine_gpu --json /tmp/engine_base.json --config $CONFIG --batches 1,16,64 --kinds dense \
       > "$LOG/engine_base.log" 2>&1
-    CUDA_VISIBLE_DEVICES=3 SLUICE_DEEPSEEK_KERNELS=1 timeout 200 python -m pytest -q -rf -p no:cacheprovider \
+    CUDA_VISIBLE_DEVICES=3 timeout 200 python -m pytest -q -rf -p no:cacheprovider \
       tests/test_mla_triton.py tests/test_group_route_triton.py tests/test_deepseek.py -k "gpu or triton or cuda" \
       > "$LOG/tests_mla.log" 2>&1
-    CUDA_VISIBLE_DEVICES=3 SLUICE_DEEPSEEK_KERNELS=1 timeout 100 python -m benchmarks run mla_gpu \
+    CUDA_VISIBLE_DEVICES=3 timeout 100 python -m benchmarks run mla_gpu \
       --json "$OUT/mla_gpu.json" > "$LOG/mla_gpu.log" 2>&1
     for b in 1 64; do
-      CUDA_VISIBLE_DEVICES=3 SLUICE_DEEPSEEK_KERNELS=1 timeout 90 python -m sluice bench \
+      CUDA_VISIBLE_DEVICES=3 timeout 90 python -m sluice bench \
         -m benchmarks/configs/moonlight-16b-a3b.json --load-format dummy --batch $b --prompt-tokens 512 \
         --gen-tokens 64 --repeats 1 --json > "$LOG/moonlight_$b.json" 2> "$LOG/moonlight_$b.log"
     done

@@ -6,9 +6,8 @@ load)."""
 
 def kernels() -> bool:
     """Whether DeepSeek models take the Triton kernels on a GPU (the MLA decode of `triton.py`, the router of
-    `kernels/moe/group_route.py`): only with SLUICE_DEEPSEEK_KERNELS=1 until they have run on a GPU (they pass their
-    tests under the Triton interpreter; `benchmarks/mla_gpu.py` and tests/test_deepseek.py::test_on_a_gpu are
-    the GPU checks)."""
+    `kernels/moe/group_route.py`): yes (checked on an H200: their tests, `benchmarks/mla_gpu.py`'s real shapes,
+    tests/test_deepseek.py::test_on_a_gpu), unless SLUICE_DEEPSEEK_KERNELS=0 (the torch paths, to compare)."""
     import os
 
-    return os.environ.get("SLUICE_DEEPSEEK_KERNELS") == "1"
+    return os.environ.get("SLUICE_DEEPSEEK_KERNELS") != "0"
