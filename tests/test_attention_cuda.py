@@ -1,7 +1,7 @@
 """The CUDA C TurboQuant decode kernel (kernels/attention/cuda.py, NVRTC) against fp64 attention over the
-dequantized cache with the newest positions exact, and against the Triton kernel: GPU only (CI has none; there the
-Triton kernel, which does the same math, runs under the interpreter); the byte-permute decode is checked on the CPU
-against an emulation of prmt."""
+dequantized cache with the newest positions exact, against the Triton kernel, and over a paged cache (blocks through a
+table) against the same cache in rows: GPU only (CI has none; there the Triton kernel, which does the same math, runs
+under the interpreter); the byte-permute decode is checked on the CPU against an emulation of prmt."""
 
 import pytest
 import torch
@@ -227,3 +227,56 @@ def test_a_captured_decode_step_replays_new_rows_and_positions():
         assert rel(replayed.cpu(), eager.cpu()) < 1e-6
         assert all(torch.equal(a, b) for a, b in zip(pool_replayed, pool))
         assert not all(torch.equal(a, b) for a, b in zip(pool, before))  # the step wrote into the pool
+
+
+def paged(x, table, page, blocks):
+    """A cache tensor of rows [B, Hkv, cap, ...] (value codes: [B, Hkv, cap/4, ...]) as blocks [blocks + 1, Hkv,
+    page, ...]: row b's block i (table[b, i], unless the scratch block `blocks`) holds its positions i page ..
+    (i + 1) page - 1."""
+    span = page // 4 if x.dim() == 5 else page
+    out = torch.zeros((blocks + 1, *x.shape[1:2], span, *x.shape[3:]), dtype=x.dtype, device=x.device)
+    for b in range(x.shape[0]):
+        for i, blk in enumerate(table[b].tolist()):
+            if blk != blocks:
+                out[blk] = x[b, :, i * span:(i + 1) * span]
+    return out
+
+
+@gpu
+@pytest.mark.parametrize("Hq,Hkv,D", [(16, 2, 256), (8, 2, 128), (9, 3, 64)])
+@pytest.mark.parametrize("page", [32, 256])
+@pytest.mark.parametrize("with_rows", [False, True])
+def test_cuda_kernel_reads_a_paged_cache(Hq, Hkv, D, page, with_rows):
+    """The codes and scales in blocks of `page` positions (256: eight of the kernel's 32-position blocks; 32: a table
+    look-up for each), scattered through each row's table row, the ring one per row: the CUDA C kernel and the
+    Triton one each give over the blocks what they give over the same cache in rows."""
+    g = torch.Generator().manual_seed(D + page)
+    B, recent, hist, blocks = 3, 64, 600, 40 * 256 // page
+    cap = -(-hist // page) * page
+    row_pos = torch.tensor([599, 40, 333])  # entry 1: every position in the ring
+    kcodes, vcodes, cache, _ = build(B, Hkv, D, hist, cap, recent, row_pos, torch.bfloat16, g)
+    order = torch.randperm(blocks, generator=g).tolist()
+    table = torch.full((B + 1, cap // page), blocks, dtype=torch.int32)  # unused entries: the scratch block
+    for b in range(B):
+        for i in range(int(row_pos[b]) // page + 1):
+            table[b, i] = order.pop()
+    table = table.cuda()
+    blocked = dict(k_scale=paged(cache["k_scale"], table, page, blocks),
+                   v_scale=paged(cache["v_scale"], table, page, blocks),
+                   k_recent=cache["k_recent"], v_recent=cache["v_recent"])
+    kb, vb = paged(kcodes, table, page, blocks), paged(vcodes, table, page, blocks)
+    rows = torch.tensor([2, 0, 1]) if with_rows else torch.arange(B)
+    qr = tq.rotate(torch.randn(B, Hq, D, generator=g)).cuda()
+    pos = row_pos[rows].cuda().int()
+    kw = dict(rows=rows.cuda().int()) if with_rows else {}
+    assert tq_cuda.applies(qr, kb, vb, blocked["k_scale"], blocked["v_scale"], blocked["k_recent"],
+                           blocked["v_recent"], pos, kw.get("rows"), table)
+    for cuda_kernel in (True, False):
+        for splits in (None, 3):
+            ref = at.decode_attention(qr, kcodes, vcodes, pos, D ** -0.5, cap, splits=splits, cuda_kernel=cuda_kernel,
+                                      **kw, **cache).cpu()
+            out = at.decode_attention(qr, kb, vb, pos, D ** -0.5, cap, splits=splits, cuda_kernel=cuda_kernel,
+                                      table=table, **kw, **blocked).cpu()
+            # the CUDA C kernel streams the same 32-position blocks either way; the Triton one's tiles stay within a
+            # block (of 32: tiles of 32, not 64 or 128), its int8 products quantizing the probabilities per tile
+            assert rel(out, ref) < (1e-6 if cuda_kernel or page == 256 else 5e-3), (cuda_kernel, splits)

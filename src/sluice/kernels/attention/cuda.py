@@ -5,7 +5,9 @@ apply), and the same merge kernel finishes. The math and the fragment layouts ar
 
 Applies when: G = Hq / Hkv <= 8, D in (64, 128, 256), cache capacity a multiple of 32 (positions in blocks of 32),
 codes, scales and the ring contiguous per (sequence, KV head); the cache tensors may be a pool of more rows than
-queries (`rows`: query b reads row rows[b]). SLUICE_TQ_CUDA=0 turns it off.
+queries (`rows`: query b reads row rows[b]), or paged (`table`: the codes and scales blocks of `page` positions, a
+multiple of 32, and a row's position j in block table[row, j // page]; the ring one per row). SLUICE_TQ_CUDA=0
+turns it off.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ Q_PARTS = 2  # q as two int8 parts (15 bits), as the Triton kernel
 RECENT_SPLIT = 16  # newest positions a recent split takes (4 a warp)
 RECENT_COST = 6  # a recent position costs a warp about as much as this many coded ones (fp32 FMAs, shuffles)
 ENABLED = os.environ.get("SLUICE_TQ_CUDA", "1") != "0"  # SLUICE_TQ_CUDA=0: the Triton kernel everywhere
-SIGNATURE = "p" * 12 + "ff" + "i" * 10 + "q" * 10 + "uuuu"
+SIGNATURE = "p" * 12 + "ff" + "i" * 10 + "q" * 10 + "uuuu" + "pq"
 _kernels: dict = {}
 
 
@@ -55,19 +57,22 @@ def smem_bytes(D: int, G: int) -> int:
 
 
 def kernel(D: int, G: int, ring_dtype: torch.dtype, pos_dtype: torch.dtype, rows_dtype: torch.dtype | None,
-           device) -> nvrtc.Kernel:
-    """The variant for these shapes and dtypes (`rows_dtype` None: no rows, query b reads cache row b)."""
-    key = (D, G, ring_dtype, pos_dtype, rows_dtype, torch.device(device))
+           device, paged: bool = False) -> nvrtc.Kernel:
+    """The variant for these shapes and dtypes (`rows_dtype` None: no rows, query b reads cache row b; `paged`:
+    the codes and scales read through a block table)."""
+    key = (D, G, ring_dtype, pos_dtype, rows_dtype, torch.device(device), paged)
     if key not in _kernels:
         defines = dict(D=D, G=G, QP=Q_PARTS, W=WARPS, STAGES=STAGES, RING_BF16=ring_dtype == torch.bfloat16,
-                       POS64=pos_dtype == torch.int64, ROWS=0 if rows_dtype is None else rows_dtype.itemsize * 8)
+                       POS64=pos_dtype == torch.int64, ROWS=0 if rows_dtype is None else rows_dtype.itemsize * 8,
+                       PAGED=int(paged))
         _kernels[key] = nvrtc.Kernel(SOURCE.read_text(), "tq_decode_split", defines, SIGNATURE, device)
     return _kernels[key]
 
 
-def applies(q, k_codes, v_codes, k_scale, v_scale, k_recent, v_recent, positions, rows=None) -> bool:
+def applies(q, k_codes, v_codes, k_scale, v_scale, k_recent, v_recent, positions, rows=None, table=None) -> bool:
     """Whether this kernel takes the call (else the Triton one). The batch dims are not compared: the cache
-    tensors' may be a pool larger than q's (`rows`)."""
+    tensors' may be a pool larger than q's (`rows`), or blocks (`table`, int32 [rows, blocks]: the capacity dim is
+    the page)."""
     if not ENABLED or q.device.type != "cuda" or not nvrtc.available(q.device):
         return False
     if torch.cuda.get_device_capability(q.device) < (8, 0):
@@ -85,21 +90,23 @@ def applies(q, k_codes, v_codes, k_scale, v_scale, k_recent, v_recent, positions
     rows_dtype = None if rows is None else rows.dtype
     if positions.dtype not in (torch.int32, torch.int64) or rows_dtype not in (None, torch.int32, torch.int64):
         return False
+    if table is not None and (table.dtype != torch.int32 or table.dim() != 2 or table.stride(-1) != 1):
+        return False
     if smem_bytes(D, Hq // Hkv) > nvrtc.max_shared_per_block(q.device):  # D = 256, G = 8: 108 KB, not on sm_86 / 89
         return False
-    return _compiles(D, Hq // Hkv, k_recent.dtype, positions.dtype, rows_dtype, q.device)
+    return _compiles(D, Hq // Hkv, k_recent.dtype, positions.dtype, rows_dtype, q.device, table is not None)
 
 
 _failed: set = set()
 
 
-def _compiles(D, G, ring_dtype, pos_dtype, rows_dtype, device) -> bool:
+def _compiles(D, G, ring_dtype, pos_dtype, rows_dtype, device, paged=False) -> bool:
     """Compile (once) and say whether it worked; a failure is reported once and the Triton kernel takes over."""
-    key = (D, G, ring_dtype, pos_dtype, rows_dtype, torch.device(device))
+    key = (D, G, ring_dtype, pos_dtype, rows_dtype, torch.device(device), paged)
     if key in _failed:
         return False
     try:
-        kernel(D, G, ring_dtype, pos_dtype, rows_dtype, device)
+        kernel(D, G, ring_dtype, pos_dtype, rows_dtype, device, paged)
         return True
     except nvrtc.NvrtcError as e:
         _failed.add(key)
@@ -109,7 +116,7 @@ def _compiles(D, G, ring_dtype, pos_dtype, rows_dtype, device) -> bool:
 
 
 def plan(batch_heads: int, visible: int, recent: int, D: int, G: int, ring_dtype, pos_dtype, rows_dtype, device,
-         splits: int | None = None) -> tuple[int, int, int]:
+         splits: int | None = None, paged: bool = False) -> tuple[int, int, int]:
     """(coded splits, positions per coded split, all splits): one wave of the programs the GPU holds, each split
     at least one block per warp; the newest `recent` positions in splits of RECENT_SPLIT after them."""
     coded = max(visible - recent, 0)
@@ -117,7 +124,8 @@ def plan(batch_heads: int, visible: int, recent: int, D: int, G: int, ring_dtype
     if splits is None:
         # one wave of coded splits, and the recent ones after them: when they do not fit the wave they run once
         # the first coded ones end, unless giving them slots of the wave costs less (few sequences and KV heads)
-        occ = max(1, kernel(D, G, ring_dtype, pos_dtype, rows_dtype, device).occupancy(WARPS * 32, smem_bytes(D, G)))
+        occ = max(1, kernel(D, G, ring_dtype, pos_dtype, rows_dtype, device, paged).occupancy(WARPS * 32,
+                                                                                               smem_bytes(D, G)))
         slots = occ * num_sms(device)
         splits = max(1, slots // batch_heads)
         spill = batch_heads * (splits + n_recent) > slots
@@ -133,17 +141,19 @@ def plan(batch_heads: int, visible: int, recent: int, D: int, G: int, ring_dtype
 
 
 def decode_split(q, k_codes, v_codes, k_scale, v_scale, k_recent, v_recent, positions, rows, scale: float, window,
-                 op, ml, unrotate: bool, n_coded: int, per_split: int, n_splits: int) -> None:
+                 op, ml, unrotate: bool, n_coded: int, per_split: int, n_splits: int, table=None) -> None:
     """The split kernel: partials into op [B Hkv, n_splits, BG, D] and ml [B Hkv, n_splits, 2, BG] (fp32, natural
     log units) as the Triton kernel writes them, query b reading the cache tensors' row rows[b] (row b where rows
     is None); with `unrotate` each partial is rotated back out of the codec's domain already (the merge is linear),
-    so the merge need not. On sm_90 launched with programmatic dependent launch, like the Triton kernels: it starts
-    while the launch before ends and waits for it before reading."""
+    so the merge need not. Paged (`table`): the codes and scales are blocks, the capacity dim the page, read
+    through table[row, position // page]. On sm_90 launched with programmatic dependent launch, like the Triton
+    kernels: it starts while the launch before ends and waits for it before reading."""
     B, Hq, D = q.shape
     Hkv, cap = k_codes.shape[1], k_codes.shape[2]
     G = Hq // Hkv
     BG = op.shape[2]
-    kern = kernel(D, G, k_recent.dtype, positions.dtype, None if rows is None else rows.dtype, q.device)
+    kern = kernel(D, G, k_recent.dtype, positions.dtype, None if rows is None else rows.dtype, q.device,
+                  table is not None)
     ta0, ta1, tb0, tb1 = _tables()
     recent = k_recent.shape[2]
     signs = tq_triton._tables(D, q.device)[0]
@@ -153,4 +163,5 @@ def decode_split(q, k_codes, v_codes, k_scale, v_scale, k_recent, v_recent, posi
          Hkv, cap, per_split, n_coded, n_splits, recent, window or 0, int(window is not None), int(unrotate), BG,
          q.stride(0), q.stride(1), k_codes.stride(0), k_codes.stride(1), v_codes.stride(0), v_codes.stride(1),
          k_scale.stride(0), k_scale.stride(1), k_recent.stride(0), k_recent.stride(1),
-         ta0, ta1, tb0, tb1, pdl=pdl(q.device))
+         ta0, ta1, tb0, tb1, 0 if table is None else table, 0 if table is None else table.stride(0),
+         pdl=pdl(q.device))

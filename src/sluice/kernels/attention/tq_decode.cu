@@ -27,7 +27,9 @@
 //
 // Compile-time: D (64, 128, 256), G (query heads per KV head, <= 8), QP (q as 1 or 2 int8 parts: 7 or 15
 // bits), W (warps), STAGES, RING_BF16 (the ring's dtype: bf16, else fp32), POS64 (positions int64), ROWS (0: query
-// row b reads the cache tensors' row b; 32 or 64: row rows[b], rows int32 or int64, the cache tensors a pool).
+// row b reads the cache tensors' row b; 32 or 64: row rows[b], rows int32 or int64, the cache tensors a pool), PAGED
+// (the codes and scales are blocks of `cap` positions, a multiple of BLK: a row's position j sits in block
+// tab[row, j / cap] at slot j % cap; the ring stays one per row; no window).
 
 typedef unsigned int u32;
 typedef unsigned short u16;
@@ -210,7 +212,7 @@ extern "C" __global__ void __launch_bounds__(W * 32) tq_decode_split(
     float level_step, int Hkv, int cap, int per_split, int n_coded, int n_splits, int recent, int window, int ring,
     int unrotate, int BG,
     i64 sqb, i64 sqh, i64 skb, i64 skh, i64 svb, i64 svh, i64 ssb, i64 ssh, i64 srb, i64 srh,
-    u32 ta0, u32 ta1, u32 tb0, u32 tb1) {
+    u32 ta0, u32 ta1, u32 tb0, u32 tb1, const int* __restrict__ tab, i64 stab) {
     extern __shared__ __align__(16) unsigned char smem[];
     grid_wait();
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
@@ -268,10 +270,17 @@ extern "C" __global__ void __launch_bounds__(W * 32) tq_decode_split(
         const int nblk = s_start < s_stop ? (s_stop + BLK - 1) / BLK - blk0 : 0;
         const int my_blocks = nblk > warp ? (nblk - warp + W - 1) / W : 0;
         unsigned char* stage0 = smem + warp * STAGES * STAGE_BYTES;
+#if PAGED  // block 0's: each block's offset is added as it is issued
+        const unsigned char* kbase = kc + h * skh;
+        const unsigned char* vbase = vc + h * svh;
+        const float* ksb = ks + h * ssh;
+        const float* vsb = vs + h * ssh;
+#else
         const unsigned char* kbase = kc + row * skb + h * skh;
         const unsigned char* vbase = vc + row * svb + h * svh;
         const float* ksb = ks + row * ssb + h * ssh;
         const float* vsb = vs + row * ssb + h * ssh;
+#endif
 
         // issue block i of this warp into its stage. Lane offsets are fixed: chunk c = lane + 32 k of the keys
         // (row c / (D / 32)) lands k * 512 bytes after chunk `lane`'s (odd rows swap chunk pairs at D = 256);
@@ -288,17 +297,35 @@ extern "C" __global__ void __launch_bounds__(W * 32) tq_decode_split(
         const u32 stage_addr = smem_addr(stage0);
         int issue_slot = blk0 * BLK + warp * BLK;  // slot of block i (ring: kept below cap)
         if (ring) issue_slot %= cap;
+#if PAGED
+        // issue_slot is the position (no ring): the block holding the next one to issue, looked up an issue
+        // ahead, so the table read's latency hides behind a block's work
+        const int* trow = tab + row * stab;
+        i64 next_blk = my_blocks > 0 ? (i64)trow[issue_slot / cap] : 0;
+#endif
         auto issue = [&](int i) {
             if (i < my_blocks) {
                 const u32 sk = stage_addr + (i % STAGES) * STAGE_BYTES, sv = sk + CODE_BYTES;
+#if PAGED
+                const i64 pblk = next_blk;
+                const int pslot = issue_slot % cap;
+                const unsigned char* gk = kbase + pblk * skb + (i64)pslot * DH + lane * 16;
+                const unsigned char* gv = vbase + pblk * svb + (i64)pslot * DH + lane * 16;  // (slot / 4) * 4 DH
+                if (i + 1 < my_blocks) next_blk = trow[(issue_slot + W * BLK) / cap];
+#else
                 const unsigned char* gk = kbase + (i64)issue_slot * DH + lane * 16;
                 const unsigned char* gv = vbase + (i64)issue_slot * DH + lane * 16;  // (slot / 4) * 4 DH
+#endif
 #pragma unroll
                 for (int k = 0; k < D / 32; k++) {
                     cp16(sk + k_off + k * 512, gk + k * 512);
                     cp16(sv + v_off[k % 4] + (k / 4) * 2048, gv + k * 512);
                 }
+#if PAGED
+                if (lane < 16) cp16(sk + 2 * CODE_BYTES + lane * 16, sc_src + pblk * ssb + pslot);
+#else
                 if (lane < 16) cp16(sk + 2 * CODE_BYTES + lane * 16, sc_src + issue_slot);
+#endif
                 issue_slot += W * BLK;
                 if (ring && issue_slot >= cap) issue_slot -= cap;
             }
