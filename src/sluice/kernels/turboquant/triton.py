@@ -10,7 +10,9 @@ in registers); the code of each coordinate of sqrt(d) y / |y| by 15 compares aga
 (values: four positions interleaved, reference.interleave), the scale beside them, and the exact rotated vector
 into the recent ring. Sequence b's position p = positions[b] and its cache row (rows[b], or b) are read on the
 device, so a CUDA graph captures the launch: slot p % capacity (p itself below the capacity; a sliding window's
-ring slot), ring slot p % R.
+ring slot), ring slot p % R. Paged (a block table, `cache/blocks.py`): the codes and scales are blocks of `page`
+positions (their capacity dim), position p of cache row r at slot p % page of block table[r, p // page]; the ring
+stays one per row.
 """
 
 from __future__ import annotations
@@ -25,35 +27,35 @@ from sluice.kernels.turboquant import reference
 
 @triton.jit(do_not_specialize=["ring_from"])
 def _append_kernel(k_ptr, v_ptr, q_ptr, qr_ptr, sign_ptr, lv_ptr, bd_ptr, kc_ptr, vc_ptr, ks_ptr, vs_ptr,
-                   kr_ptr, vr_ptr, pos_ptr, rows_ptr, n_vecs, n_q_rows, Hkv, cap, R, ring_from, stride_xr, stride_qr,
-                   stride_kcb, stride_kch, stride_kct, stride_vcb, stride_vch, stride_vct,
+                   kr_ptr, vr_ptr, pos_ptr, rows_ptr, tab_ptr, n_vecs, n_q_rows, Hkv, cap, R, ring_from, stride_xr,
+                   stride_qr, stride_tab, stride_kcb, stride_kch, stride_kct, stride_vcb, stride_vch, stride_vct,
                    stride_sb, stride_sh, stride_rb, stride_rh, stride_rt,
                    D: tl.constexpr, VECS: tl.constexpr, K_LANES: tl.constexpr, V_LANES: tl.constexpr,
-                   HAS_ROWS: tl.constexpr):
+                   HAS_ROWS: tl.constexpr, PAGED: tl.constexpr):
     """Job program_id(1): 0 appends the new keys (rows of k), 1 the new values, 2 rotates the queries into qr
     (fp32): a decode step's three small jobs in one launch, VECS vectors per program. LANES: positions interleaved
     in the code array (1: row by row; 4: reference.interleave)."""
     job = tl.program_id(1)
     if job == 0:
-        _append_vectors(k_ptr, sign_ptr, lv_ptr, bd_ptr, kc_ptr, ks_ptr, kr_ptr, pos_ptr, rows_ptr, n_vecs, Hkv, cap,
-                        R, ring_from, stride_xr, stride_kcb, stride_kch, stride_kct, stride_sb, stride_sh, stride_rb,
-                        stride_rh, stride_rt, D, VECS, K_LANES, HAS_ROWS)
+        _append_vectors(k_ptr, sign_ptr, lv_ptr, bd_ptr, kc_ptr, ks_ptr, kr_ptr, pos_ptr, rows_ptr, tab_ptr, n_vecs,
+                        Hkv, cap, R, ring_from, stride_xr, stride_tab, stride_kcb, stride_kch, stride_kct, stride_sb,
+                        stride_sh, stride_rb, stride_rh, stride_rt, D, VECS, K_LANES, HAS_ROWS, PAGED)
     elif job == 1:
-        _append_vectors(v_ptr, sign_ptr, lv_ptr, bd_ptr, vc_ptr, vs_ptr, vr_ptr, pos_ptr, rows_ptr, n_vecs, Hkv, cap,
-                        R, ring_from, stride_xr, stride_vcb, stride_vch, stride_vct, stride_sb, stride_sh, stride_rb,
-                        stride_rh, stride_rt, D, VECS, V_LANES, HAS_ROWS)
+        _append_vectors(v_ptr, sign_ptr, lv_ptr, bd_ptr, vc_ptr, vs_ptr, vr_ptr, pos_ptr, rows_ptr, tab_ptr, n_vecs,
+                        Hkv, cap, R, ring_from, stride_xr, stride_tab, stride_vcb, stride_vch, stride_vct, stride_sb,
+                        stride_sh, stride_rb, stride_rh, stride_rt, D, VECS, V_LANES, HAS_ROWS, PAGED)
     else:
         _rotate_rows(q_ptr, qr_ptr, sign_ptr, n_q_rows, stride_qr, D, False, VECS)
 
 
 @triton.jit
-def _append_vectors(x_ptr, sign_ptr, lv_ptr, bd_ptr, codes_ptr, scale_ptr, ring_ptr, pos_ptr, rows_ptr, n_vecs, Hkv,
-                    cap, R, ring_from, stride_xr, stride_cb, stride_ch, stride_ct, stride_sb, stride_sh, stride_rb,
-                    stride_rh, stride_rt, D: tl.constexpr, VECS: tl.constexpr, LANES: tl.constexpr,
-                    HAS_ROWS: tl.constexpr):
+def _append_vectors(x_ptr, sign_ptr, lv_ptr, bd_ptr, codes_ptr, scale_ptr, ring_ptr, pos_ptr, rows_ptr, tab_ptr,
+                    n_vecs, Hkv, cap, R, ring_from, stride_xr, stride_tab, stride_cb, stride_ch, stride_ct, stride_sb,
+                    stride_sh, stride_rb, stride_rh, stride_rt, D: tl.constexpr, VECS: tl.constexpr,
+                    LANES: tl.constexpr, HAS_ROWS: tl.constexpr, PAGED: tl.constexpr):
     """VECS of the new vectors (vector i: sequence i // Hkv, KV head i % Hkv) into slot positions[b] % cap of the
     codes and scales and slot positions[b] % R of the ring (positions from ring_from on), in cache row rows[b]
-    (HAS_ROWS) or b."""
+    (HAS_ROWS) or b; PAGED: the codes and scales in block table[row, positions[b] // cap] instead."""
     vec = tl.program_id(0) * VECS + tl.arange(0, VECS)
     ok = vec < n_vecs
     d = tl.arange(0, D)
@@ -75,10 +77,14 @@ def _append_vectors(x_ptr, sign_ptr, lv_ptr, bd_ptr, codes_ptr, scale_ptr, ring_
     else:
         cache_row = b.to(tl.int64)
     slot = p % cap
+    if PAGED:  # the codes' and scales' block; the ring stays the row's
+        where = tl.load(tab_ptr + cache_row * stride_tab + p // cap, mask=ok, other=0).to(tl.int64)
+    else:
+        where = cache_row
     c_off = (slot // LANES)[:, None] * stride_ct + dh[None, :] * LANES + (slot % LANES)[:, None]
-    tl.store(codes_ptr + cache_row[:, None] * stride_cb + hh[:, None] * stride_ch + c_off,
+    tl.store(codes_ptr + where[:, None] * stride_cb + hh[:, None] * stride_ch + c_off,
              (c_lo | (c_hi << 4)).to(tl.uint8), mask=ok[:, None])
-    tl.store(scale_ptr + cache_row * stride_sb + hh * stride_sh + slot, scale, mask=ok)
+    tl.store(scale_ptr + where * stride_sb + hh * stride_sh + slot, scale, mask=ok)
     ring = (ring_ptr + cache_row[:, None] * stride_rb + hh[:, None] * stride_rh + (p % R)[:, None] * stride_rt
             + dh[None, :])
     in_ring = (ok & (p >= ring_from))[:, None]
@@ -170,20 +176,28 @@ def _rotate_rows(x_ptr, y_ptr, sign_ptr, n_rows, stride_xr, D: tl.constexpr, INV
 
 
 @triton.jit
-def _dequant_kernel(codes_ptr, scale_ptr, lv_ptr, out_ptr, first, n, cap, Hkv, stride_cb, stride_ch, stride_ct,
-                    stride_sb, stride_sh, stride_ob, stride_oh, stride_ot, D: tl.constexpr, LANES: tl.constexpr,
-                    BLOCK: tl.constexpr, RNE_BF16: tl.constexpr):
+def _dequant_kernel(codes_ptr, scale_ptr, lv_ptr, out_ptr, tab_ptr, first, n, cap, Hkv, stride_cb, stride_ch,
+                    stride_ct, stride_sb, stride_sh, stride_ob, stride_oh, stride_ot, stride_tab, D: tl.constexpr,
+                    LANES: tl.constexpr, BLOCK: tl.constexpr, RNE_BF16: tl.constexpr, PAGED: tl.constexpr):
     """BLOCK of positions first .. first + n - 1 (slot p % cap) of row program_id(1) // Hkv, head % Hkv: each
-    coordinate scale * levels[code] (in fp32, as reference.dequantize_rotated), stored in out's dtype."""
+    coordinate scale * levels[code] (in fp32, as reference.dequantize_rotated), stored in out's dtype. PAGED: the
+    row's position p in block table[row, p // cap]."""
     i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     b = tl.program_id(1) // Hkv
     h = tl.program_id(1) % Hkv
     ok = i < n
     slot = (first + i) % cap
+    if PAGED:
+        blk = tl.load(tab_ptr + b * stride_tab + (first + i) // cap, mask=ok, other=0).to(tl.int64)
+        c_row = (blk * stride_cb)[:, None]
+        s_row = blk * stride_sb
+    else:
+        c_row = b * stride_cb
+        s_row = b * stride_sb
     dh = tl.arange(0, D // 2)
     c_off = (slot // LANES)[:, None] * stride_ct + dh[None, :] * LANES + (slot % LANES)[:, None]
-    byte = tl.load(codes_ptr + b * stride_cb + h * stride_ch + c_off, mask=ok[:, None], other=0).to(tl.int32)
-    s = tl.load(scale_ptr + b * stride_sb + h * stride_sh + slot, mask=ok, other=0.0)[:, None]
+    byte = tl.load(codes_ptr + c_row + h * stride_ch + c_off, mask=ok[:, None], other=0).to(tl.int32)
+    s = tl.load(scale_ptr + s_row + h * stride_sh + slot, mask=ok, other=0.0)[:, None]
     o = out_ptr + b * stride_ob + h * stride_oh + i[:, None] * stride_ot + dh[None, :]
     dt = out_ptr.dtype.element_ty
     tl.store(o, round_to(tl.load(lv_ptr + (byte & 15)) * s, dt, RNE_BF16).to(dt), mask=ok[:, None])
@@ -214,13 +228,18 @@ def rotate(x: torch.Tensor, inverse: bool = False, num_warps: int | None = None)
 
 
 def dequantize(codes: torch.Tensor, scales: torch.Tensor, first: int, n: int, dtype: torch.dtype,
-               out: torch.Tensor | None = None) -> torch.Tensor:
+               out: torch.Tensor | None = None, table: torch.Tensor | None = None) -> torch.Tensor:
     """Positions first .. first + n - 1 (slot p % capacity) of codes [B, Hkv, cap, D/2] (or interleaved as values
     are) and scales [B, Hkv, cap] fp32 -> [B, Hkv, n, D] in `dtype` (or into `out`, unit last stride):
-    reference.dequantize_rotated of them, in one launch."""
-    B, Hkv = codes.shape[:2]
+    reference.dequantize_rotated of them, in one launch. Paged (`table`, int32 [B, blocks] on the device: the B
+    rows' table rows): codes and scales are blocks [N, Hkv, page, ...], row b's position p in block
+    table[b, p // page] at slot p % page."""
+    Hkv = codes.shape[1]
+    B = codes.shape[0] if table is None else table.shape[0]
     D = 2 * codes.shape[3]
     (strides, lanes) = _code_layout(codes, D)
+    if table is not None and (table.dtype != torch.int32 or table.dim() != 2 or table.stride(-1) != 1):
+        raise ValueError("dequantize: a block table must be int32 [rows, blocks] with a unit last stride")
     if out is None:
         out = torch.empty((B, Hkv, n, D), dtype=dtype, device=codes.device)
     elif out.shape != (B, Hkv, n, D) or out.stride(-1) != 1:
@@ -228,47 +247,52 @@ def dequantize(codes: torch.Tensor, scales: torch.Tensor, first: int, n: int, dt
     if n:
         _, levels, _ = _tables(D, codes.device)
         _dequant_kernel[(triton.cdiv(n, 32), B * Hkv)](
-            codes, scales, levels, out, first, n, codes.shape[2] * lanes, Hkv, *strides, scales.stride(0),
-            scales.stride(1), out.stride(0), out.stride(1), out.stride(2), D=D, LANES=lanes, BLOCK=32,
-            RNE_BF16=INTERPRET, num_warps=4)
+            codes, scales, levels, out, scales if table is None else table, first, n, codes.shape[2] * lanes, Hkv,
+            *strides, scales.stride(0), scales.stride(1), out.stride(0), out.stride(1), out.stride(2),
+            0 if table is None else table.stride(0), D=D, LANES=lanes, BLOCK=32, RNE_BF16=INTERPRET,
+            PAGED=table is not None, num_warps=4)
     return out
 
 
 def quantize_append(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, ring: torch.Tensor,
-                    positions: torch.Tensor, rows: torch.Tensor | None = None) -> None:
+                    positions: torch.Tensor, rows: torch.Tensor | None = None,
+                    table: torch.Tensor | None = None) -> None:
     """x [B, Hkv, D] (the keys or values of sequence b's new position positions[b]; positions int32 or int64 [B]
     on the device) -> codes, scales and ring of the cache row rows[b] (int32 or int64 [B] on the device; row b
     without `rows`), a pool of P rows: its codes at slot s = positions[b] % cap (uint8 [P, Hkv, cap, D/2], or
     interleaved [P, Hkv, cap/4, D/2, 4] as values are: reference.interleave), its scale at scales[row, :, s] (fp32
-    [P, Hkv, cap]) and the rotated x at ring[row, :, positions[b] % R] ([P, Hkv, R, D]). Nothing is read on the
-    host: a CUDA graph captures the call."""
-    _launch_append(x, x, None, codes, codes, scales, scales, ring, ring, positions, rows, None, jobs=1)
+    [P, Hkv, cap]) and the rotated x at ring[row, :, positions[b] % R] ([P, Hkv, R, D]). Paged (`table`, int32
+    [P, blocks] on the device): codes and scales are blocks [N, Hkv, page, ...] (cap = page), written at block
+    table[row, positions[b] // page] instead of row; the ring stays the row's. Nothing is read on the host: a CUDA
+    graph captures the call."""
+    _launch_append(x, x, None, codes, codes, scales, scales, ring, ring, positions, rows, None, jobs=1, table=table)
 
 
 def decode_step_prep(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_codes, v_codes, k_scale, v_scale, k_ring,
                      v_ring, positions: torch.Tensor, rows: torch.Tensor | None = None,
-                     num_warps: int | None = None) -> torch.Tensor:
+                     num_warps: int | None = None, table: torch.Tensor | None = None) -> torch.Tensor:
     """One launch for a decode step's TurboQuant bookkeeping: append the new k and v [B, Hkv, D] at positions,
-    in rows (as quantize_append does; key codes row by row, value codes interleaved, the same capacity) and return
-    the rotated queries q [B, Hq, D] (fp32, as `rotate`)."""
+    in rows (as quantize_append does, through `table` when paged; key codes row by row, value codes interleaved, the
+    same capacity) and return the rotated queries q [B, Hq, D] (fp32, as `rotate`)."""
     qr = torch.empty(q.shape, dtype=torch.float32, device=q.device)
-    _launch_append(k, v, q, k_codes, v_codes, k_scale, v_scale, k_ring, v_ring, positions, rows, qr, 3, num_warps)
+    _launch_append(k, v, q, k_codes, v_codes, k_scale, v_scale, k_ring, v_ring, positions, rows, qr, 3, num_warps,
+                   table=table)
     return qr
 
 
 def append_chunk(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_codes, v_codes, k_scale, v_scale, k_ring,
-                 v_ring, row0: int, start: int) -> torch.Tensor:
+                 v_ring, row0: int, start: int, table: torch.Tensor | None = None) -> torch.Tensor:
     """A prefill chunk's bookkeeping in one launch: k, v [B, Hkv, T, D] of the sequences in cache rows row0 ..
     row0 + B - 1 at positions start .. start + T - 1, appended as `decode_step_prep` appends a decode step's (the
-    ring only from the chunk's last R positions on: earlier ones would race for its slots); returns q [B, Hq, T, D]
-    rotated (fp32)."""
+    ring only from the chunk's last R positions on: earlier ones would race for its slots; paged, the codes and
+    scales through `table`, the whole pool's); returns q [B, Hq, T, D] rotated (fp32)."""
     B, Hkv, T, D = k.shape
     flat = lambda x: x.transpose(1, 2).reshape(B * T, Hkv, D)  # noqa: E731 vector i: (sequence, position) i // Hkv
     positions = torch.arange(start, start + T, device=k.device).repeat(B)
     rows = torch.arange(row0, row0 + B, device=k.device).repeat_interleave(T)
     qr = torch.empty(q.shape, dtype=torch.float32, device=q.device)
     _launch_append(flat(k), flat(v), q, k_codes, v_codes, k_scale, v_scale, k_ring, v_ring, positions, rows, qr, 3,
-                   ring_from=start + T - k_ring.shape[2])
+                   ring_from=start + T - k_ring.shape[2], table=table)
     return qr
 
 
@@ -279,8 +303,9 @@ def _warps(D: int) -> int:
 
 
 def _launch_append(k, v, q, k_codes, v_codes, k_scale, v_scale, k_ring, v_ring, positions, rows, qr, jobs,
-                   num_warps=None, ring_from=0):
-    """`_append_kernel`'s jobs 0 .. jobs-1 (K, V, q); K and V scales and rings share their layouts."""
+                   num_warps=None, ring_from=0, table=None):
+    """`_append_kernel`'s jobs 0 .. jobs-1 (K, V, q); K and V scales and rings share their layouts; `table`: the
+    codes and scales are blocks read through it."""
     B, Hkv, D = k.shape
     if D & (D - 1) or D < 16 or D > 256:
         raise ValueError(f"quantize_append: D = {D} must be a power of two in 16..256")
@@ -297,8 +322,10 @@ def _launch_append(k, v, q, k_codes, v_codes, k_scale, v_scale, k_ring, v_ring, 
                                   or not index.is_contiguous()):
             raise ValueError(f"quantize_append: {name} must be contiguous int32 or int64 [B={B}], got {index.dtype} "
                              f"{tuple(index.shape)}")
-    if rows is None and k_codes.shape[0] < B:
-        raise ValueError(f"quantize_append: {B} sequences, {k_codes.shape[0]} cache rows and no `rows`")
+    if rows is None and k_ring.shape[0] < B:
+        raise ValueError(f"quantize_append: {B} sequences, {k_ring.shape[0]} cache rows and no `rows`")
+    if table is not None and (table.dtype != torch.int32 or table.dim() != 2 or table.stride(-1) != 1):
+        raise ValueError("quantize_append: a block table must be int32 [rows, blocks] with a unit last stride")
     kr, vr = k.reshape(-1, D).contiguous(), v.reshape(-1, D).contiguous()
     qrows = q.reshape(-1, D).contiguous() if q is not None else kr
     signs, levels, bounds = _tables(D, k.device)
@@ -308,10 +335,12 @@ def _launch_append(k, v, q, k_codes, v_codes, k_scale, v_scale, k_ring, v_ring, 
     grid = (triton.cdiv(max(kr.shape[0], qrows.shape[0]), vecs), jobs)
     _append_kernel[grid](
         kr, vr, qrows, qr if qr is not None else kr, signs, levels, bounds, k_codes, v_codes, k_scale,
-        v_scale, k_ring, v_ring, positions, positions if rows is None else rows, kr.shape[0], qrows.shape[0], Hkv,
-        cap, k_ring.shape[2], ring_from, kr.stride(0), qrows.stride(0), *k_strides, *v_strides, k_scale.stride(0),
-        k_scale.stride(1), k_ring.stride(0), k_ring.stride(1), k_ring.stride(2), D=D, VECS=vecs, K_LANES=k_lanes,
-        V_LANES=v_lanes, HAS_ROWS=rows is not None, num_warps=num_warps or _warps(D))
+        v_scale, k_ring, v_ring, positions, positions if rows is None else rows,
+        positions if table is None else table, kr.shape[0], qrows.shape[0], Hkv, cap, k_ring.shape[2], ring_from,
+        kr.stride(0), qrows.stride(0), 0 if table is None else table.stride(0), *k_strides, *v_strides,
+        k_scale.stride(0), k_scale.stride(1), k_ring.stride(0), k_ring.stride(1), k_ring.stride(2), D=D, VECS=vecs,
+        K_LANES=k_lanes, V_LANES=v_lanes, HAS_ROWS=rows is not None, PAGED=table is not None,
+        num_warps=num_warps or _warps(D))
 
 
 def _code_layout(codes: torch.Tensor, D: int) -> tuple[tuple[int, int, int], int]:
