@@ -192,6 +192,11 @@ def cmd_info(args) -> int:
     print(f"memory:       ~{_human(info['weight_bytes'] + kv * c['context_length'])} at full context")
     if info.get("placement"):
         print(f"placement:    {_placement_line(info['placement'])}")
+    plan = info["memory_plan"]
+    print(f"memory plan:  {model.engine_config.max_batch} sequences of up to {model.engine.max_length} positions "
+          f"(--max-batch, --max-seq-len of serve): " + (plan["error"] if "error" in plan else ""))
+    for line in plan.get("lines", ()):
+        print(f"  {line}")
     return 0
 
 

@@ -140,6 +140,10 @@ class KVCache:
         write in place; None where the cache is not laid out so."""
         return None
 
+    def nbytes(self) -> int:
+        """Bytes its tensors hold (exact on the "meta" device too)."""
+        return sum(t.nbytes for t in vars(self).values() if isinstance(t, torch.Tensor))
+
     def bytes_per_token(self) -> int:
         """Bytes one position of one sequence costs across all layers."""
         raise NotImplementedError

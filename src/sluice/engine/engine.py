@@ -141,6 +141,18 @@ class Engine:
         if self.runner.pool is None and not self.scheduler.running:
             self._build_pool(self.config.max_batch, self.max_length, spare=None)
 
+    def memory_plan(self) -> dict:
+        """How the engine's caches use the device (`engine/memory.py`): the pool's plan, or, before there is a pool,
+        the plan `reserve()` would make (`max_batch` rows of `max_length` positions); {"error": why} if that does not
+        fit."""
+        plan = self.runner.plan if self.runner.pool is not None else None
+        if plan is None:
+            try:
+                plan = self.runner.plan_pool(self.config.max_batch, self.max_length, spare=None)
+            except SluiceError as e:
+                return {"error": str(e)}
+        return {**plan.as_dict(), "lines": plan.lines()}
+
     @property
     def prefix_caching(self) -> bool:
         """Whether requests may start from a cached prefix (`EngineConfig.prefix_cache`; never deterministic: a hit
@@ -154,7 +166,11 @@ class Engine:
         if pool is None:
             return None
         if self._rows is None or self._rows.pool is not pool:
-            self._rows = PrefixCache(pool, self.prefix_caching, self.runner.batch)
+            plan = self.runner.plan
+            budgeted = plan is not None and plan.budget is not None
+            self._rows = PrefixCache(pool, self.prefix_caching, self.runner.batch, plan.free if budgeted else None)
+            if plan is not None:
+                plan.snapshot_bytes = self._rows.snapshot_bytes
         return self._rows
 
     def _build_pool(self, rows: int, capacity: int, spare: int | None = 0) -> None:

@@ -208,4 +208,5 @@ class Model:
                 "config": dict(vars(self.config)), "parameters": params, "weight_bytes": nbytes,
                 "weights_by_kind": kinds, "kv_cache": self.kv_cache, **self._kv_layout(),
                 "device": str(self.device), "dtype": str(self.dtype).removeprefix("torch."),
-                "placement": None if self.placement is None else self.placement.summary()}
+                "placement": None if self.placement is None else self.placement.summary(),
+                "memory_plan": self.engine.memory_plan()}

@@ -92,13 +92,14 @@ class PrefixCache:
     """The rows of one `CachePool` as the scheduler sees them (`allocate`, `release`, `free_rows`, `capacity`), with
     the cached prefixes kept in the rows no sequence holds. `enabled` False: a plain row allocator."""
 
-    def __init__(self, pool, enabled: bool = True, batch: int | None = None):
+    def __init__(self, pool, enabled: bool = True, batch: int | None = None, room: int | None = None):
         self.pool = pool
         self.batch = pool.rows if batch is None else batch  # sequences that may run at once; the other rows only
         # hold cached prefixes
         self.enabled = enabled and pool.resumable
         self.blocks = pool.blocks  # a paged KV cache's `BlockTable`, or None
         self.stateful = bool(pool.row_state())  # resumes only where the row state is known
+        self.snapshot_bytes = 0
         self.entries: list[_Entry] = []
         self.stats = PrefixStats()
         self._clock = itertools.count(1)
@@ -107,9 +108,12 @@ class PrefixCache:
             per = pool.state_bytes()
             kv = pool.nbytes() - per * (pool.rows + 1)
             n = max(2, min(pool.rows, int(SNAPSHOT_SHARE * kv / per)))
+            if room is not None:  # the bytes the memory plan leaves (`engine/memory.py`)
+                n = min(n, room // per)
             try:
-                self.snapshots = pool.state_slots(n)
+                self.snapshots = pool.state_slots(n) if n > 0 else None
                 self._free_slots = list(range(n - 1, -1, -1))
+                self.snapshot_bytes = max(0, n) * per
             except torch.OutOfMemoryError:
                 self.snapshots = None
 

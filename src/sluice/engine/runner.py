@@ -21,6 +21,7 @@ import torch
 
 from sluice.config import EngineConfig
 from sluice.engine.batch import FlatBatch, ForwardMeta, on_device
+from sluice.engine.memory import ACTIVATION_RESERVE, MemoryPlan
 from sluice.engine.piecewise import PiecewiseGraph, Staging, WholeGraph
 from sluice.errors import InvalidOptionError
 
@@ -59,6 +60,7 @@ class ModelRunner:
         self.module, self.config, self.device, self.dtype = module, config, device, dtype
         self.vocab_size = module.cfg.vocab_size
         self.pool = None
+        self.plan: MemoryPlan | None = None  # the pool's (`plan_pool`)
         self.batch = 0  # the most sequences a step holds (the pool's rows less its spare ones)
         self.seen = None  # bool [rows + 1, vocab]: the tokens each row has seen (repetition penalty)
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
@@ -75,21 +77,18 @@ class ModelRunner:
         return self.config.graphs and self.device.type == "cuda" and self._capturable
 
     # -- the cache pool -------------------------------------------------------------------------------------
-    def build_pool(self, rows: int, capacity: int, spare: int | None = 0) -> None:
-        """A new pool of `capacity` positions a row for `rows` sequences running at once, and `spare` rows more that
-        only hold cached prefixes (`engine/prefix.py`; None: on a GPU, as many as `SPARE_SHARE` of the memory left
-        after the pool holds, at most `SPARE_PER_ROW` per running row, unless the model has a memory budget
-        (`gpu_memory`) or streams experts; 0 elsewhere). The old pool, and its graphs, are dropped.
+    def plan_pool(self, rows: int, capacity: int, spare: int | None = 0) -> MemoryPlan:
+        """How the caches of `rows` sequences running at once, of `capacity` positions each, would use the device
+        (`engine/memory.py`), without making them: `spare` rows more that only hold cached prefixes
+        (`engine/prefix.py`; None: on a GPU, as many as `SPARE_SHARE` of the memory left after the pool holds, at
+        most `SPARE_PER_ROW` per running row, unless the model has a memory budget (`gpu_memory`) or streams
+        experts; 0 elsewhere). Under a budget the caches take what it leaves after the weights and
+        `ACTIVATION_RESERVE`.
 
         A paged KV cache (`EngineConfig.page`) holds `kv_blocks` blocks, or by default enough for `rows` sequences
         of `capacity` positions, fewer if memory is short (never fewer than one sequence of `capacity` needs), and
         with spare rows `SPARE_PER_ROW` times as many more for cached prefixes, within `SPARE_SHARE` of the memory
-        left."""
-        # (no torch.cuda.empty_cache(): it frees the cuBLAS workspaces that graphs captured anywhere in the process,
-        # this engine's or another's over the same weights, still write to)
-        self.pool = self.seen = None
-        self._graphs.clear()
-        self._flat_graphs.clear()
+        left. InvalidOptionError when even that does not fit."""
         kind = self.config.kv_cache
         page = self.config.page(self.device)
         per_seq = -(-capacity // page) if page else 0  # blocks a sequence of `capacity` positions takes
@@ -101,15 +100,21 @@ class ModelRunner:
 
         probe, need = size_of(rows)
         paged = probe.blocks is not None
-        free = available_memory(self.device)
-        budgeted = getattr(self.module, "memory_budget", None) is not None or self._streams_experts()
+        gpu = self.device.type == "cuda"
+        budget = getattr(self.module, "memory_budget", None)
+        weights = torch.cuda.memory_allocated(self.device) if gpu else None
+        reserve = ACTIVATION_RESERVE if gpu else 0
+        free = available_memory(self.device) - reserve
+        if budget is not None and gpu:
+            free = min(free, budget - weights - reserve)
+        budgeted = budget is not None or self._streams_experts()
         blocks = self.config.kv_blocks if paged else None
         if paged and blocks is None:
             per_block = size_of(rows, rows * per_seq + 1)[1] - need
             base = rows * per_seq
             if need > free:  # fewer blocks: short and long sequences share them
                 blocks = max(per_seq, base - -(-(need - free) // per_block))
-            elif spare is None and self.device.type == "cuda" and not budgeted:
+            elif spare is None and gpu and not budgeted:
                 blocks = base + min(SPARE_PER_ROW * base, int(SPARE_SHARE / 2 * (free - need)) // per_block)
             else:
                 blocks = base
@@ -117,24 +122,41 @@ class ModelRunner:
         if spare is None:  # not under a memory budget the user set, nor beside streamed experts
             per_row = size_of(rows + 1, blocks)[1] - need
             share = SPARE_SHARE / 2 if paged else SPARE_SHARE
-            spare = 0 if self.device.type != "cuda" or budgeted or need > free else \
+            spare = 0 if not gpu or budgeted or need > free else \
                 min(SPARE_PER_ROW * rows, int(share * (free - need)) // max(1, per_row))
-        self.batch = rows  # the most sequences a step holds
-        rows += spare
-        need = size_of(rows, blocks)[1]
+        pool, need = size_of(rows + spare, blocks)
         if need > free:  # sized before it is made: no giant allocation, no OOM killer
             raise InvalidOptionError(
-                f"the caches of {rows} sequence(s) of {capacity} positions need {need / 2**30:.2f} GiB ({kind} KV), "
-                f"but {self.device} has {free / 2**30:.2f} GiB free; lower max_batch or max_seq_len"
-                f"{' or use --kv-cache turboquant' if kind == 'dense' else ''}.")
+                f"the caches of {rows + spare} sequence(s) of {capacity} positions need {need / 2**30:.2f} GiB "
+                f"({kind} KV), but {self.device} has {max(0, free) / 2**30:.2f} GiB for them"
+                f"{' within the gpu_memory budget' if budget is not None and gpu else ' free'}; lower max_batch or "
+                f"max_seq_len{' or use --kv-cache turboquant' if kind == 'dense' else ''}.")
+        kv = pool.kv.nbytes() if pool.kv is not None else 0
+        free -= need
+        return MemoryPlan(str(self.device), budget, free, weights, reserve, rows, spare, capacity, kind,
+                          page if paged else None, blocks, (blocks * page) if paged else (rows + spare) * capacity,
+                          kv, need - kv)
+
+    def build_pool(self, rows: int, capacity: int, spare: int | None = 0) -> None:
+        """A new pool as `plan_pool` plans it (`self.plan`); the old pool, and its graphs, are dropped first."""
+        # (no torch.cuda.empty_cache(): it frees the cuBLAS workspaces that graphs captured anywhere in the process,
+        # this engine's or another's over the same weights, still write to)
+        self.pool = self.seen = None
+        self._graphs.clear()
+        self._flat_graphs.clear()
+        plan = self.plan_pool(rows, capacity, spare)
+        rows = plan.running + plan.spare
         try:
-            self.pool = self.module.new_cache(rows, capacity, self.dtype, self.device, kind, page=page, blocks=blocks)
+            self.pool = self.module.new_cache(rows, capacity, self.dtype, self.device, plan.kv_kind, page=plan.page,
+                                              blocks=plan.blocks)
             self.seen = torch.zeros(rows + 1, self.vocab_size, dtype=torch.bool, device=self.device)
         except torch.OutOfMemoryError as e:
             self.pool = self.seen = None
             raise InvalidOptionError(
                 f"the caches of {rows} sequences of {capacity} positions do not fit in {self.device} memory; "
                 "lower max_batch or max_seq_len.") from e
+        self.plan = plan
+        self.batch = plan.running  # the most sequences a step holds
         batch = self.batch
         size = max(batch, self.config.graph_size(batch) or batch)
         # a decode graph's inputs, one host-to-device copy a step: token ids, positions, cache rows
