@@ -67,6 +67,8 @@ class ModelRunner:
         self._flat_graphs: dict[tuple[int, bool], PiecewiseGraph | WholeGraph] = {}  # by (tokens, static)
         self._graph_memory = None
         self._capturable = None
+        self.last = ""  # what the last step ran (`step`): a slow step's diagnosis
+        self.captures = 0  # graphs captured so far
 
     @property
     def uses_graphs(self) -> bool:
@@ -187,6 +189,8 @@ class ModelRunner:
         graph = None
         if n_pad is not None and self.uses_graphs and not self._streams_experts():
             graph = self._flat_graph(n_pad, static)
+        self.last = (f"flat {n} tokens ({D} decodes, {len(chunks)} chunks) padded to {n_pad}, "
+                     f"{'eager' if graph is None else 'whole graph' if static else 'graph in pieces'}")
         on_host = D and not isinstance(tokens, torch.Tensor)
         ids, meta = batch.place(self._flat, list(tokens) if on_host else None)
         if D and not on_host:
@@ -208,6 +212,7 @@ class ModelRunner:
         n = len(rows)
         self.pool.sync()
         size = self._graph_size(n)
+        self.last = f"decode {n} tokens, {'eager' if size is None else f'graph of {size}'}"
         if size is None:
             meta = ForwardMeta.decode_host(rows, positions, self.pool.visible, self.device)
             ids = tokens if isinstance(tokens, torch.Tensor) else on_device(tokens, torch.long, self.device)
@@ -255,6 +260,7 @@ class ModelRunner:
                 graph = PiecewiseGraph(self.module, self.pool, batch, self._flat, self._staging, self.dtype,
                                        self._graph_memory)
             self._flat_graphs[n_pad, static] = graph
+            self.captures += 1
         return self._flat_graphs[n_pad, static]
 
     def _scratch_batch(self, n_pad: int, static: bool) -> FlatBatch:
@@ -312,6 +318,7 @@ class ModelRunner:
                 graph.capture_end()
             torch.cuda.current_stream(self.device).wait_stream(side)
             self._graphs[size] = (graph, logits)
+            self.captures += 1
         return self._graphs[size]
 
     @torch.inference_mode()

@@ -68,3 +68,24 @@ def pdl(device) -> bool:
     """Launch with programmatic dependent launch (`pdl_start`): Hopper or newer, not the interpreter."""
     device = torch.device(device)
     return USE_PDL and not INTERPRET and device.type == "cuda" and capability(device.index or 0)[0] >= 9
+
+
+COMPILED: list[str] = []  # names of the Triton kernels compiled since `watch_compiles` (a slow step's diagnosis)
+
+
+def watch_compiles() -> None:
+    """Record the name of every Triton kernel compiled from now on in `COMPILED` (a jit cache-miss hook, chained to
+    any hook already set; idempotent). A step that compiles mid-serving stalls every request in it: the server logs
+    which kernels did."""
+    runtime = getattr(getattr(triton, "knobs", None), "runtime", None)
+    if runtime is None or getattr(runtime.jit_cache_hook, "_sluice", False):
+        return
+    previous = runtime.jit_cache_hook
+
+    def hook(*args, **kwargs):
+        fn = kwargs.get("fn")
+        COMPILED.append(getattr(fn, "name", "?"))
+        return previous(*args, **kwargs) if previous else None
+
+    hook._sluice = True
+    runtime.jit_cache_hook = hook

@@ -75,6 +75,10 @@ class EngineLoop:
         if self.engine.config.max_seq_len is not None:
             seconds = self.engine.warmup()
             print(f"sluice: engine ready in {seconds:.1f} s (cache pool, graphs, kernels)", file=sys.stderr, flush=True)
+        if self.engine.runner.device.type == "cuda":  # from now on a compile is news: a slow step names it
+            from sluice.kernels.launch import watch_compiles
+
+            watch_compiles()
         self._publish()
         self._thread.start()
 
@@ -176,13 +180,17 @@ class EngineLoop:
 
     def _step(self) -> None:
         t0 = time.perf_counter()
+        runner = self.engine.runner
+        captures, compiled = runner.captures, len(_compiled())
         try:
             outputs: list[StepOutput] = self.engine.step()
             seconds = time.perf_counter() - t0
-            if seconds > SLOW_STEP_S:
+            if seconds > SLOW_STEP_S:  # what it ran, and what it compiled or captured on the way
                 sched = self.engine.scheduler
-                log.warning("a step took %.2f s (%d running, %d waiting)", seconds, len(sched.running),
-                            len(sched.waiting))
+                new = _compiled()[compiled:]
+                log.warning("a step took %.2f s (%d running, %d waiting): %s; %d graph(s) captured, %d kernel(s) "
+                            "compiled%s", seconds, len(sched.running), len(sched.waiting), runner.last,
+                            runner.captures - captures, len(new), f" ({', '.join(sorted(set(new)))})" if new else "")
         except Exception as e:
             log.error("engine step failed:\n%s", traceback.format_exc())
             self._fail_all(EngineFailure(f"the engine failed: {type(e).__name__}: {e}"))
@@ -237,3 +245,10 @@ class RequestStream:
 
     def abort(self) -> None:
         self.loop.abort(self.sub)
+
+
+def _compiled() -> list[str]:
+    """The Triton kernels compiled since the engine thread started watching (`kernels/launch.py`); [] without
+    Triton or off a GPU."""
+    launch = sys.modules.get("sluice.kernels.launch")
+    return [] if launch is None else launch.COMPILED
