@@ -54,6 +54,8 @@ register("long_prompt_join", "long_prompt_join:main", "gpu",
          "running decodes' step latency while a long prompt prefills beside them, per --decode-prefill-chunk")
 register("paged_kv", "paged_kv:main", "cpu|gpu",
          "issue #41: many sequences of mixed lengths in a pool of KV blocks too small for all at once")
+register("memory_budget", "memory_budget:main", "gpu",
+         "issue #41: a model under --gpu-memory keeps its peak device memory within it: the plan and the readings")
 register("agent_trace", "agent_trace:main", "cpu|gpu",
          "users in multi-turn chats behind one system prompt, with the prefix cache and without: hit rate, TTFT, "
          "whole time")

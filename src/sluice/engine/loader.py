@@ -118,7 +118,7 @@ ENGINE_OPTIONS = ("max_batch", "max_seq_len", "prefill_chunk", "decode_prefill_c
 
 
 def _read_checkpoint(path, load_format: str, dev: torch.device, dt: torch.dtype, gpu_memory, expert_slots,
-                     expert_store: str):
+                     expert_store: str, config: EngineConfig | None = None):
     """(source, module, tokenizer) of the checkpoint at `path`, its weights read onto `dev` (the routed experts
     into host memory when they stream: `experts.placement`)."""
     from sluice.formats.tokenizer import Tokenizer
@@ -141,8 +141,23 @@ def _read_checkpoint(path, load_format: str, dev: torch.device, dt: torch.dtype,
     finally:
         reader.close()
     disk = (src, reader.streamed_prefixes) if store == "disk" else None
-    module.placement = place(module, dev, gpu_memory, expert_slots, disk) if store else None
+    reserve = None if config is None or gpu_memory is None else _cache_reserve(module, config, dev, dt)
+    module.placement = place(module, dev, gpu_memory, expert_slots, disk, reserve) if store else None
     return src, module, tokenizer
+
+
+def _cache_reserve(module, config: EngineConfig, dev: torch.device, dt: torch.dtype) -> int:
+    """Bytes a device memory budget keeps beside the weights and expert slots (`engine/memory.py`): activations and
+    graphs, `max_batch` rows, and KV for each row's first 4,096 positions or one sequence at its longest, whichever
+    is more (a paged cache); whole rows of the longest length otherwise."""
+    from sluice.engine.memory import ACTIVATION_RESERVE
+
+    cfg = module.cfg
+    longest = min(cfg.context_length, config.max_seq_len or cfg.context_length)
+    page, rows = config.page(dev), config.max_batch
+    blocks = max(-(-longest // page), rows * -(-min(longest, 4096) // page)) if page else None
+    pool = module.new_cache(rows, longest, dt, "meta", config.kv_cache, page=page, blocks=blocks)
+    return ACTIVATION_RESERVE + pool.nbytes() + (rows + 1) * cfg.vocab_size
 
 
 def load(path=None, device=None, dtype=None, keep_quantized: bool = True, kv_cache: str = "dense",
@@ -183,7 +198,7 @@ def load(path=None, device=None, dtype=None, keep_quantized: bool = True, kv_cac
         raise InvalidOptionError("keep_quantized=False cannot be combined with streamed experts.")
     try:
         src, module, tokenizer = _read_checkpoint(path, load_format, dev, dt, gpu_memory, expert_slots,
-                                                  expert_store)
+                                                  expert_store, config)
     except ModelFileError as e:  # every load error names the file it is about
         if str(path) in str(e):
             raise

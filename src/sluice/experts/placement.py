@@ -150,10 +150,12 @@ class Placement:
 
 
 def place(module, device: torch.device, gpu_memory: int | None, expert_slots: int | None,
-          disk: tuple | None = None) -> Placement | None:
+          disk: tuple | None = None, cache_reserve: int | None = None) -> Placement | None:
     """Give every MoE layer of a model built with its routed experts off the device an `ExpertCache`: over its host
     tensors, or (disk = (checkpoint, the MoE layers' name prefixes in order), the experts built as meta tensors) over
-    the checkpoint's files. None (and the host experts moved to the device) when all of them fit after all."""
+    the checkpoint's files. None (and the host experts moved to the device) when all of them fit after all.
+    cache_reserve: the bytes of the budget kept for caches, activations and graphs (default `CACHE_RESERVE`; the
+    loader passes what the engine's settings need, `engine/loader.py` `_cache_reserve`)."""
     from sluice.experts.cache import ExpertCache, LayerStaging
     from sluice.experts.store import HostStore
     from sluice.layers.moe import SparseMoE
@@ -174,24 +176,25 @@ def place(module, device: torch.device, gpu_memory: int | None, expert_slots: in
     staging_bytes = 2 * E * expert_bytes if device.type == "cuda" else 0
     resident = torch.cuda.memory_allocated(device) if device.type == "cuda" else _resident_bytes(module, moes)
     smallest = min(MIN_SLOTS_PER_TOP_K * k, E)
+    reserve = CACHE_RESERVE if cache_reserve is None else cache_reserve
     if expert_slots is None:
         free = gpu_memory if gpu_memory is not None else (
             torch.cuda.mem_get_info(device)[0] + resident if device.type == "cuda" else None)
         if free is None:  # no budget off the GPU (a disk store asked for): a slot for every expert
             slots = E
         else:
-            room = free - resident - CACHE_RESERVE - staging_bytes
+            room = free - resident - reserve - staging_bytes
             slots = min(E, max(0, room // (L * expert_bytes)))
         if slots == E and disk is None:  # it all fits after all
             for m in moes:
                 m.gate_up, m.down = m.gate_up.to(device), m.down.to(device)
             return None
         if slots < smallest:
-            need = resident + CACHE_RESERVE + staging_bytes + L * smallest * expert_bytes
+            need = resident + reserve + staging_bytes + L * smallest * expert_bytes
             raise InvalidOptionError(
                 f"a device memory budget of {free / 2**30:.1f} GiB is too small for this model: it needs "
                 f"{resident / 2**30:.1f} GiB for the weights other than the routed experts, "
-                f"{CACHE_RESERVE / 2**30:.0f} GiB for caches, {staging_bytes / 2**30:.1f} GiB to stage a layer's "
+                f"{reserve / 2**30:.1f} GiB for caches, {staging_bytes / 2**30:.1f} GiB to stage a layer's "
                 f"experts and at least {smallest} expert slots a layer ({L * smallest * expert_bytes / 2**30:.1f} "
                 f"GiB; fewer make the cache useless). The smallest budget that works is "
                 f"{math.ceil(need / 2**30 * 10) / 10:.1f} GiB.")
