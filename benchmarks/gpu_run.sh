@@ -16,6 +16,7 @@
 #   bash benchmarks/gpu_run.sh hardening; bash benchmarks/gpu_run.sh hardening2   # issue #39, two GPUs, two calls
 #   bash benchmarks/gpu_run.sh prefix  # issue #41, two GPUs: the prefix cache's GPU tests, the agent trace
 #   bash benchmarks/gpu_run.sh paged   # issues #41 (paged KV) and #42 (MLA kernels), four GPUs, four lanes
+#   bash benchmarks/gpu_run.sh paged2  # issue #41 again: tests, decode/prefill beside the tree before, server, budget
 #
 # Every benchmark runs as `python -m benchmarks run NAME --json FILE ARGS` (benchmarks/registry.py); the JSON files
 # are the runner's records (figures under "figures"). Knobs: POLICIES, SCENARIOS, SERVING_S, PROFILE (serving);
@@ -226,12 +227,57 @@ paged)  # issue #41's paged KV and #42's GPU kernels on a machine of four GPUs, 
   tar czf "$OUT/logs.tgz" -C "$LOG" . 2>/dev/null
   cat "$S"
   ;;
+paged2)  # issue #41 again, four GPUs: 0: the GPU tests (verbose, so a run cut short still names each result);
+  # 1: engine_gpu (decode 1/16/64, prefill) of this tree, then of the tree before (.base/src); 2: sluice serve over
+  # HTTP (64, 16 clients; its slow steps), then TurboQuant decode; 3: memory_budget (80B under --gpu-memory 40GiB),
+  # then Moonlight's decode step anatomy
+  S="$OUT/summary_paged2.log"
+  (
+    CUDA_VISIBLE_DEVICES=0 timeout 420 python -m pytest -v --tb=short -p no:cacheprovider tests/test_gpu_engine.py \
+      tests/test_paged_kv.py tests/test_attention_triton.py tests/test_attention_cuda.py tests/test_rope_triton.py \
+      ${PAGED_TESTS:-} > "$LOG/tests_paged2.log" 2>&1
+  ) &
+  (
+    CUDA_VISIBLE_DEVICES=1 timeout 200 python -m benchmarks run engine_gpu --json "$OUT/engine_paged2.json" \
+      --config $CONFIG --batches 1,16,64 --kinds dense > "$LOG/engine_paged2.log" 2>&1
+    CUDA_VISIBLE_DEVICES=1 PYTHONPATH=/tmp/site:.base/src SLUICE_BENCH_COMMIT=base timeout 200 python -m benchmarks \
+      run engine_gpu --json /tmp/engine_base2.json --config $CONFIG --batches 1,16,64 --kinds dense \
+      > "$LOG/engine_base2.log" 2>&1
+  ) &
+  (
+    CUDA_VISIBLE_DEVICES=2 CLIENTS="64 16" TQ=0 OUT=/tmp/server_out2 bash "$0" server > /dev/null 2>&1
+    cp /tmp/server_out2/server_load_*.json "$OUT/" 2>/dev/null
+    cp /tmp/server_out2/summary_server.log "$LOG/summary_server2.log" 2>/dev/null
+    grep -h "a step took" /tmp/server_out2/*.server.log 2>/dev/null | head -12 > "$LOG/steps_took2.log"
+    CUDA_VISIBLE_DEVICES=2 timeout 120 python -m benchmarks run engine_gpu --json "$OUT/engine_tq.json" \
+      --config $CONFIG --batches 1,16 --kinds turboquant4 > "$LOG/engine_tq.log" 2>&1
+  ) &
+  (
+    CUDA_VISIBLE_DEVICES=3 timeout 300 python -m benchmarks run memory_budget --json "$OUT/memory_budget.json" \
+      --model $CONFIG --load-format dummy --gpu-memory 40GiB > "$LOG/memory_budget.log" 2>&1
+    CUDA_VISIBLE_DEVICES=3 timeout 200 python -m benchmarks run engine_gpu --json "$OUT/engine_moonlight.json" \
+      --config benchmarks/configs/moonlight-16b-a3b.json --batches 1,64 --kinds dense > "$LOG/engine_moonlight.log" 2>&1
+  ) &
+  wait
+  {
+    echo "== tests"; grep -E "(PASSED|FAILED|ERROR|SKIPPED)" "$LOG/tests_paged2.log" | grep -vE "PASSED|SKIPPED" | head -30
+    grep -cE " PASSED" "$LOG/tests_paged2.log"; tail -2 "$LOG/tests_paged2.log"
+    echo "== engine_gpu this tree"; grep -A12 "^KV " "$LOG/engine_paged2.log" | head -14
+    echo "== engine_gpu base"; grep -A12 "^KV " "$LOG/engine_base2.log" | head -14
+    echo "== server"; cat "$LOG/summary_server2.log" 2>/dev/null; cat "$LOG/steps_took2.log"
+    echo "== TurboQuant"; grep -A12 "^KV " "$LOG/engine_tq.log" | head -14; tail -3 "$LOG/engine_tq.log"
+    echo "== memory_budget"; tail -12 "$LOG/memory_budget.log"
+    echo "== moonlight"; grep -A14 "^KV " "$LOG/engine_moonlight.log" | head -30; tail -3 "$LOG/engine_moonlight.log"
+  } > "$S" 2>&1
+  tar czf "$OUT/logs.tgz" -C "$LOG" . 2>/dev/null
+  cat "$S"
+  ;;
 both)  # serving and server at once, one GPU each (a machine of two GPUs)
   CUDA_VISIBLE_DEVICES=0 bash "$0" serving & CUDA_VISIBLE_DEVICES=1 bash "$0" server; wait
   cat "$OUT"/summary_*.log
   ;;
 *)
-  echo "usage: bash benchmarks/gpu_run.sh tests|bench|join|serving|server|single|both|hardening|hardening2|prefix|paged" >&2
+  echo "usage: bash benchmarks/gpu_run.sh tests|bench|join|serving|server|single|both|hardening|hardening2|prefix|paged|paged2" >&2
   exit 2
   ;;
 esac
