@@ -39,11 +39,12 @@ def test_block_table_counts_shares_and_copies():
     assert t.ensure(0, 10) and t.owned[0] == [0, 1, 2] and t.free_blocks == 3
     assert t.host[0].tolist() == [0, 1, 2, 6] and t.needs(0, 13) == 1
     assert t.share(0, 1, 9, lambda a, b: copies.append((a, b)))  # two whole blocks shared, the third copied
-    assert t.owned[1] == [0, 1, 3] and copies == [(2, 3)] and t.refs[:4] == [2, 2, 1, 1]
+    refs = lambda: [t.refs.get(b, 0) for b in range(4)]  # noqa: E731
+    assert t.owned[1] == [0, 1, 3] and copies == [(2, 3)] and refs() == [2, 2, 1, 1]
     assert not t.ensure(2, 16)  # four blocks wanted, two free: none given
     assert t.owned[2] == [] and t.free_blocks == 2
     t.release(0)  # the shared blocks stay with row 1
-    assert t.refs[:4] == [1, 1, 0, 1] and t.free_blocks == 3 and t.host[0].tolist() == [6] * 4
+    assert refs() == [1, 1, 0, 1] and t.free_blocks == 3 and t.host[0].tolist() == [6] * 4
     assert t.share(1, 2, 8, None)  # whole blocks only: nothing copied
     assert t.truncate(2, 6, lambda a, b: copies.append((a, b)))  # it writes from 6 on: block 1 becomes its own
     assert t.owned[2] == [0, copies[-1][1]] and copies[-1][0] == 1 and t.refs[1] == 1
@@ -72,7 +73,7 @@ def test_paged_engine_gives_the_tokens_of_rows(arch, request):
     stats = paged.engine.rows.stats
     assert stats.hits >= len(prompts)
     if arch == "llama":  # prefixes resumed anywhere: whole blocks shared, not copied
-        assert any(r > 1 for r in table.refs)
+        assert any(r > 1 for r in table.refs.values())
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen"])
@@ -93,7 +94,7 @@ def test_blocks_running_out_preempt_and_every_request_finishes(arch, request, ca
     table = small.engine.runner.pool.blocks
     assert table.blocks == 12
     small.engine.rows.clear()
-    assert table.free_blocks == 12 and all(r == 0 for r in table.refs)
+    assert table.free_blocks == 12 and not table.refs
 
 
 def test_a_pool_short_of_memory_gets_fewer_blocks(llama_dir, monkeypatch):
@@ -108,3 +109,20 @@ def test_a_pool_short_of_memory_gets_fewer_blocks(llama_dir, monkeypatch):
     blocks = model.engine.runner.pool.blocks.blocks
     assert 16 <= blocks < 8 * 16
     assert outputs(model, [ids(200, 1, model.config.vocab_size)], max_tokens=40)
+
+
+def test_memory_plan_is_one_place(llama_dir):
+    """The engine's memory plan (`engine/memory.py`): before a pool, what `reserve()` would make; after, the pool's,
+    with its blocks and snapshot bytes; `sluice info` and `/health` show it."""
+    model = sluice.load(llama_dir, device="cpu", kv_page=16, max_batch=4, max_seq_len=128)
+    before = model.engine.memory_plan()
+    assert before["page"] == 16 and before["blocks"] == 4 * 8 and before["running"] == 4
+    model.engine.reserve()
+    plan = model.engine.memory_plan()
+    pool = model.engine.runner.pool
+    assert plan["blocks"] == pool.blocks.blocks and plan["kv_bytes"] == pool.kv.nbytes()
+    assert plan["total"] == plan["kv_bytes"] + plan["row_bytes"] + plan["snapshot_bytes"] + plan["reserve"]
+    assert any("32 blocks of 16 positions" in line for line in plan["lines"])
+    assert model.info()["memory_plan"]["blocks"] == 32
+    too_big = sluice.load(llama_dir, device="cpu", kv_page=16, kv_blocks=1 << 30, max_seq_len=128)
+    assert "error" in too_big.engine.memory_plan()

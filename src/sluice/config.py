@@ -93,6 +93,8 @@ class EngineConfig:
             positive("max_seq_len", self.max_seq_len)
         if self.kv_blocks is not None:
             positive("kv_blocks", self.kv_blocks)
+            if self.kv_blocks >= 1 << 31:  # block ids are int32 in the kernels' tables
+                raise InvalidOptionError(f"kv_blocks={self.kv_blocks}: use fewer than 2**31.")
         if self.kv_page is not None and (not isinstance(self.kv_page, int) or isinstance(self.kv_page, bool)
                                          or self.kv_page < 0 or self.kv_page % 16):
             raise InvalidOptionError(f"kv_page={self.kv_page!r}: use 0 (rows) or a multiple of 16 (of 128 on a "

@@ -28,13 +28,14 @@ class BlockTable:
         self.host = torch.full((rows, self.width), blocks, dtype=torch.int32)
         self.device = self.host.to(device)
         self.owned: list[list[int]] = [[] for _ in range(rows)]
-        self.refs = [0] * blocks
-        self._free = list(range(blocks - 1, -1, -1))  # a stack: the lowest block goes first
+        self.refs: dict[int, int] = {}  # holders of each block handed out
+        self._free: list[int] = []  # blocks given back (a stack)
+        self._fresh = 0  # blocks fresh..blocks-1 were never handed out (no per-block state for a pool's size)
         self._dirty = False
 
     @property
     def free_blocks(self) -> int:
-        return len(self._free)
+        return len(self._free) + self.blocks - self._fresh
 
     def blocks_for(self, n: int) -> int:
         """Blocks that hold n positions."""
@@ -49,7 +50,7 @@ class BlockTable:
         if n > self.max_positions:
             raise IndexError(f"KV cache rows hold {self.max_positions} positions, asked for {n}")
         want = self.needs(row, n)
-        if want > len(self._free):
+        if want > self.free_blocks:
             return False
         for _ in range(want):
             self._append(row, self._take())
@@ -60,7 +61,7 @@ class BlockTable:
         copied into a block of dst's own (`copy(src block, dst block)`). False (nothing done) if no block is free
         for that copy."""
         full, part = divmod(n, self.page)
-        if part and not self._free:
+        if part and not self.free_blocks:
             return False
         for blk in self.owned[src][:full]:
             self.refs[blk] += 1
@@ -78,7 +79,7 @@ class BlockTable:
         keep = self.blocks_for(n)
         owned = self.owned[row]
         inside = n % self.page and keep <= len(owned) and self.refs[owned[keep - 1]] > 1
-        if inside and not self._free:
+        if inside and not self.free_blocks:
             return False
         for blk in owned[keep:]:
             self._drop(blk)
@@ -118,13 +119,17 @@ class BlockTable:
 
     # -- inside ---------------------------------------------------------------------------------------------
     def _take(self) -> int:
-        blk = self._free.pop()
+        if self._free:
+            blk = self._free.pop()
+        else:
+            blk, self._fresh = self._fresh, self._fresh + 1
         self.refs[blk] = 1
         return blk
 
     def _drop(self, blk: int) -> None:
         self.refs[blk] -= 1
         if self.refs[blk] == 0:
+            del self.refs[blk]
             self._free.append(blk)
 
     def _append(self, row: int, blk: int) -> None:

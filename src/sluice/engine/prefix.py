@@ -192,7 +192,8 @@ class PrefixCache:
         if need <= self.blocks.free_blocks:
             return True
         refs, owned = self.blocks.refs, self.blocks.owned
-        evictable = sum(refs[b] == 1 for e in self.entries if hit is None or e is not hit[3] for b in owned[e.row])
+        evictable = sum(refs.get(b) == 1 for e in self.entries if hit is None or e is not hit[3]
+                        for b in owned[e.row])
         return need <= self.blocks.free_blocks + evictable
 
     def reserve(self, seq, positions: int) -> bool:
