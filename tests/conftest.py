@@ -20,7 +20,7 @@ def demo_gguf_path():
 # when there is no GPU (on a GPU they are quick and the point), the fuzz campaign, and the tests named below.
 INTERPRETED = {"test_attention_triton", "test_conv1d_triton", "test_gdn_triton", "test_group_route_triton",
                "test_kernel_rows", "test_mla_triton", "test_moe_kernels", "test_norm_triton", "test_qmatmul_triton",
-               "test_rope_triton", "test_fuzz"}
+               "test_rope_triton", "test_turboquant_paged", "test_fuzz"}
 SLOW = {"test_batch_equals_each_sequence_alone", "test_gdn_triton_kernels_in_the_layer",
         "test_gated_attention_layer_through_the_fused_kernels", "test_ctrl_c_with_a_stream_in_flight",
         "test_load_memory_benchmark_at_a_tiny_size", "test_pure_torch_path_matches_native_kernels"}

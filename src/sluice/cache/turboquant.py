@@ -8,6 +8,11 @@ query at position p reads key/value j exactly when p - j < RECENT, from the code
 perplexity and 88% top-1 agreement; with the 16 / 32 / 64 / 128 most recent positions exact, +1.3 / +1.0 / +0.5 /
 +0.3% and 94 / 96 / 97 / 97% (docs/ACCURACY.md). The rule depends on the query's position only, so prefill in
 chunks and token-by-token decode give the same result. The fixed cost: 64 positions in the model's dtype.
+
+Paged (`page`, `blocks`; `cache/blocks.py`): the codes and scales live in blocks of `page` positions, [layers,
+blocks + 1, Hkv, page, ...] (the last block scratch), a row's position p in block table[row, p // page] at slot
+p % page; the exact ring stays one per row. Kernels read and write the blocks in place through the device table; the
+torch paths gather a row's blocks through it (no host sync).
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from sluice.cache.blocks import BlockTable
 from sluice.cache.kv import KVCache
 from sluice.kernels.turboquant import reference as tq
 
@@ -23,9 +29,12 @@ SCORE_ELEMENTS = 1 << 26  # prefill attention off the flash kernel: fp32 scores 
 
 
 class TurboQuantKVCache(KVCache):
+    PAGEABLE = True
+
     def __init__(self, num_layers: int, rows: int, num_kv_heads: int, head_dim: int, capacity: int,
                  dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu", window: int | None = None,
-                 recent: int = RECENT, score_elements: int = SCORE_ELEMENTS):
+                 page: int | None = None, blocks: int | None = None, recent: int = RECENT,
+                 score_elements: int = SCORE_ELEMENTS):
         if head_dim < 2 or head_dim & (head_dim - 1):
             raise ValueError(f"the TurboQuant KV cache needs a power-of-two head dim, this model has {head_dim}")
         super().__init__(num_layers, rows, num_kv_heads, head_dim, capacity, window)
@@ -33,13 +42,26 @@ class TurboQuantKVCache(KVCache):
         # decode kernel (kernels/attention/cuda.py) reads blocks of 32
         self.recent = recent
         self.score_elements = score_elements  # prefill off the flash kernel: fp32 scores held at once
-        codes = (num_layers, rows, num_kv_heads, self.capacity, head_dim // 2)
-        scales = (num_layers, rows, num_kv_heads, self.capacity)
+        self.table = None
+        slots, n = self.capacity, rows  # per code array: its first dim (rows or blocks), its slots
+        if page is not None:
+            if window is not None:
+                raise ValueError("a sliding-window KV cache is not paged")
+            if page < 32 or page % 32:
+                raise ValueError(f"the TurboQuant KV cache's page must be a multiple of 32 positions, got {page}")
+            if blocks is None:
+                raise ValueError("a paged KV cache needs its number of blocks")
+            self.table = BlockTable(rows, blocks, page, capacity, device)
+            self.max_positions = self.capacity = self.table.max_positions
+            slots, n = page, blocks + 1
+        codes = (num_layers, n, num_kv_heads, slots, head_dim // 2)
+        scales = (num_layers, n, num_kv_heads, slots)
         ring = (num_layers, rows, num_kv_heads, recent, head_dim)
         z = lambda shape, dt: torch.zeros(shape, dtype=dt, device=device)  # noqa: E731
-        # per layer: keys [rows, Hkv, cap, D/2]; values [rows, Hkv, cap/4, D/2, 4] (reference.interleave)
+        # per layer: keys [rows, Hkv, cap, D/2]; values [rows, Hkv, cap/4, D/2, 4] (reference.interleave); paged,
+        # blocks and page instead of rows and cap
         self.k_codes = z(codes, torch.uint8)
-        self.v_codes = z((num_layers, rows, num_kv_heads, self.capacity // 4, head_dim // 2, 4), torch.uint8)
+        self.v_codes = z((num_layers, n, num_kv_heads, slots // 4, head_dim // 2, 4), torch.uint8)
         self.k_scale, self.v_scale = z(scales, torch.float32), z(scales, torch.float32)
         self.k_recent, self.v_recent = z(ring, dtype), z(ring, dtype)  # rotated, slot p % recent
 
@@ -49,11 +71,31 @@ class TurboQuantKVCache(KVCache):
 
     def copy_prefix(self, src, dst, n, into):
         """The codes and scales of positions 0..n-1 (the values' groups of four whole: the rest of the last group
-        is written again as the destination goes on); the exact ring is row state (`row_state`)."""
-        groups = -(-n // 4)
-        for a, b, m in ((self.k_codes, into.k_codes, n), (self.v_codes, into.v_codes, groups),
-                        (self.k_scale, into.k_scale, n), (self.v_scale, into.v_scale, n)):
-            b[:, dst, :, :m].copy_(a[:, src, :, :m])
+        is written again as the destination goes on); the exact ring is row state (`row_state`). Paged: within this
+        cache the whole blocks shared and a partial last one copied (`BlockTable.share`); into another, block by
+        block into blocks of its own."""
+        if self.table is None:
+            groups = -(-n // 4)
+            for a, b, m in ((self.k_codes, into.k_codes, n), (self.v_codes, into.v_codes, groups),
+                            (self.k_scale, into.k_scale, n), (self.v_scale, into.v_scale, n)):
+                b[:, dst, :, :m].copy_(a[:, src, :, :m])
+        elif into is self:
+            if not self.table.share(src, dst, n, self._copy_block):
+                raise RuntimeError("no free KV block for a prefix's last block")
+        else:
+            if not into.table.ensure(dst, n):
+                raise RuntimeError("no free KV blocks for a prefix")
+            for a, b in zip(self.table.owned[src][:self.table.blocks_for(n)], into.table.owned[dst]):
+                for x, y in zip(self._blocks(), into._blocks()):
+                    y[:, b].copy_(x[:, a])
+
+    def _blocks(self) -> tuple[torch.Tensor, ...]:
+        """What a paged cache keeps in blocks: the codes and scales, [layers, blocks + 1, ...]."""
+        return self.k_codes, self.v_codes, self.k_scale, self.v_scale
+
+    def _copy_block(self, src: int, dst: int) -> None:
+        for t in self._blocks():
+            t[:, dst].copy_(t[:, src])
 
     def row_state(self):
         return [self.k_recent, self.v_recent]
@@ -66,10 +108,14 @@ class TurboQuantKVCache(KVCache):
                 scale: float) -> torch.Tensor:
         if q.shape[2] == 1 and self._use_cpu_kernel(q):
             return self._decode_cpu(layer, row0, q, k, v, start, scale)
-        rows = slice(row0, row0 + q.shape[0])
+        B = q.shape[0]
+        rows = slice(row0, row0 + B)
         layers = [t[layer] for t in (self.k_codes, self.v_codes, self.k_scale, self.v_scale, self.k_recent,
                                      self.v_recent)]
-        k_codes, v_codes, k_scale, v_scale, k_recent, v_recent = (t[rows] for t in layers)
+        # the rows' codes and scales (paged: all the blocks, and the rows' table rows), their rings
+        table = None if self.table is None else self.table.device
+        k_codes, v_codes, k_scale, v_scale = (t[rows] if table is None else t for t in layers[:4])
+        k_recent, v_recent = (t[rows] for t in layers[4:])
         T = q.shape[2]
         end = start + T
         first = self.first_visible(start)
@@ -93,31 +139,40 @@ class TurboQuantKVCache(KVCache):
             from sluice.kernels.turboquant.triton import append_chunk
 
             self.slots(start, end)  # the capacity check
-            qr = append_chunk(q, k, v, *layers, row0, start)
+            qr = append_chunk(q, k, v, *layers, row0, start, table=table)
         else:
             (kc, ks), (vc, vs) = tq.quantize_rotated(yk), tq.quantize_rotated(yv)
             qr = _rotate(q)
         ke, ve = torch.cat([ke, yk], dim=2), torch.cat([ve, yv], dim=2)
         o, lse = _recent_attention(qr, ke, ve, scale, start, e0, min(self.recent, self.window or self.recent))
         if coded:
+            tab = None if table is None else table[rows]
             if stored_first:
-                kq = self._coded(k_codes, k_scale, first, last - first, dt)
-                vq = self._coded(v_codes, v_scale, first, last - first, dt)
+                kq = self._coded(k_codes, k_scale, first, last - first, dt, table=tab)
+                vq = self._coded(v_codes, v_scale, first, last - first, dt, table=tab)
             else:  # stored before the chunk, then the chunk's own
                 old, new = min(start, last) - first, max(0, last - start)
-                kq = self._coded(k_codes, k_scale, first, old, dt, (kc[:, :, :new], ks[:, :, :new]))
-                vq = self._coded(v_codes, v_scale, first, old, dt, (vc[:, :, :new], vs[:, :, :new]))
+                kq = self._coded(k_codes, k_scale, first, old, dt, (kc[:, :, :new], ks[:, :, :new]), tab)
+                vq = self._coded(v_codes, v_scale, first, old, dt, (vc[:, :, :new], vs[:, :, :new]), tab)
             oc, lc = _lagged_attention(qr.to(dt), kq, vq, scale, start, first, self.recent, self.window,
                                        self.score_elements, fused)
             total = torch.logaddexp(lse, lc)
             o = o * (lse - total).exp()[..., None] + oc * (lc - total).exp()[..., None]
         if not stored_first:  # codes of the chunk (its last `capacity` positions), exact copies of its last `recent`
-            slots = self.slots(end - min(T, self.capacity), end, q.device)
-            keep = len(slots)
-            k_codes.index_copy_(2, slots, kc[:, :, T - keep:])
-            v_codes[:, :, slots // 4, :, slots % 4] = vc[:, :, T - keep:].permute(2, 0, 1, 3)
-            k_scale.index_copy_(2, slots, ks[:, :, T - keep:])
-            v_scale.index_copy_(2, slots, vs[:, :, T - keep:])
+            if table is not None:  # at their (block, slot), from the device table
+                p = self.slots(start, end, q.device)
+                blk, slot = table[rows, p // self.table.page].long(), p % self.table.page  # [B, T], [T]
+                k_codes[blk, :, slot] = kc.transpose(1, 2)
+                v_codes[blk, :, slot // 4, :, slot % 4] = vc.transpose(1, 2)
+                k_scale[blk, :, slot] = ks.transpose(1, 2)
+                v_scale[blk, :, slot] = vs.transpose(1, 2)
+            else:
+                slots = self.slots(end - min(T, self.capacity), end, q.device)
+                keep = len(slots)
+                k_codes.index_copy_(2, slots, kc[:, :, T - keep:])
+                v_codes[:, :, slots // 4, :, slots % 4] = vc[:, :, T - keep:].permute(2, 0, 1, 3)
+                k_scale.index_copy_(2, slots, ks[:, :, T - keep:])
+                v_scale.index_copy_(2, slots, vs[:, :, T - keep:])
             r = min(T, self.recent)
             ring = torch.arange(end - r, end, device=q.device) % self.recent
             k_recent.index_copy_(2, ring, ke[:, :, -r:].to(k_recent.dtype))
@@ -125,13 +180,16 @@ class TurboQuantKVCache(KVCache):
         return _rotate(o, inverse=True).to(q.dtype)
 
     def _coded(self, codes: torch.Tensor, scales: torch.Tensor, first: int, n: int, dtype: torch.dtype,
-               chunk: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+               chunk: tuple[torch.Tensor, torch.Tensor] | None = None,
+               table: torch.Tensor | None = None) -> torch.Tensor:
         """The coded keys (or values) of positions first .. first + n - 1, stored (keys, or values interleaved),
         then those of `chunk` (its codes and scales, not stored yet), as vectors [B, Hkv, n + chunk's, D] in the
-        rotated domain. On CUDA the stored ones come from one Triton launch reading the slots in place, into a
-        buffer of whole 4,096s of positions: the allocator reuses it as a long prompt's chunks see more keys (a
-        new size each chunk made it allocate)."""
-        B, Hkv = codes.shape[:2]
+        rotated domain. Paged: codes and scales are the blocks, `table` the B rows' table rows (device). On CUDA
+        the stored ones come from one Triton launch reading the slots in place, into a buffer of whole 4,096s of
+        positions: the allocator reuses it as a long prompt's chunks see more keys (a new size each chunk made it
+        allocate)."""
+        B = codes.shape[0] if table is None else table.shape[0]
+        Hkv = codes.shape[1]
         D = 2 * codes.shape[3]
         new = 0 if chunk is None else chunk[0].shape[2]
         if codes.is_cuda:
@@ -139,9 +197,14 @@ class TurboQuantKVCache(KVCache):
 
             size = -(-(n + new) // 4096) * 4096
             out = torch.empty((B, Hkv, size, D), dtype=dtype, device=codes.device)[:, :, :n + new]
-            dequantize(codes, scales, first, n, dtype, out=out[:, :, :n])
+            dequantize(codes, scales, first, n, dtype, out=out[:, :, :n], table=table)
         else:
             slots = self.slots(first, first + n)
+            if table is not None:  # the blocks holding them, gathered as rows from the first one's start
+                lo, page = first // self.table.page, self.table.page
+                hi = self.table.blocks_for(first + n) if n else lo
+                codes, scales = _gather_blocks(codes, table, lo, hi), _gather_blocks(scales, table, lo, hi)
+                slots = slots - lo * page
             picked = codes.index_select(2, slots) if codes.dim() == 4 else _value_codes(codes, slots)
             out = torch.empty((B, Hkv, n + new, D), dtype=dtype, device=codes.device)
             out[:, :, :n] = tq.dequantize_rotated(picked, scales.index_select(2, slots))
@@ -158,20 +221,22 @@ class TurboQuantKVCache(KVCache):
         pos, rows = meta.last_positions, meta.rows
         caches = (self.k_codes[layer], self.v_codes[layer], self.k_scale[layer], self.v_scale[layer],
                   self.k_recent[layer], self.v_recent[layer])
-        qr = decode_step_prep(q[:, :, 0], k[:, :, 0], v[:, :, 0], *caches, pos, rows=rows)
+        table = None if self.table is None else self.table.device
+        qr = decode_step_prep(q[:, :, 0], k[:, :, 0], v[:, :, 0], *caches, pos, rows=rows, table=table)
         o = decode_attention(qr, caches[0], caches[1], pos, scale, min(meta.visible, self.capacity), self.window,
                              k_scale=caches[2], v_scale=caches[3], k_recent=caches[4], v_recent=caches[5],
                              unrotate=True, rows=rows, out_dtype=q.dtype,  # (qr is fp32)
-                             gate=None if gate is None else gate[:, :, 0])
+                             gate=None if gate is None else gate[:, :, 0], table=table)
         return o[:, :, None]
 
     def _use_cpu_kernel(self, q: torch.Tensor) -> bool:
         """One query per sequence on the CPU with an fp32 ring and the native kernels built: the C kernel reads
-        the codes in place (the torch path dequantizes the whole history at every step)."""
+        the codes in place (the torch path dequantizes the whole history at every step). It reads rows: a paged
+        cache takes the torch path."""
         from sluice.kernels.cpu import available
 
-        return (q.device.type == "cpu" and q.shape[2] == 1 and self.k_recent[0].dtype == torch.float32
-                and self.head_dim <= 512 and available())
+        return (self.table is None and q.device.type == "cpu" and q.shape[2] == 1
+                and self.k_recent[0].dtype == torch.float32 and self.head_dim <= 512 and available())
 
     def _decode_cpu(self, layer, row0, q, k, v, start, scale):
         """One C call for one position of the sequences in rows row0..: append the new K and V, attend, rotations
@@ -203,6 +268,14 @@ def _rotate(x: torch.Tensor, inverse: bool = False) -> torch.Tensor:
 
         return rotate(x, inverse)
     return tq.unrotate(x) if inverse else tq.rotate(x)
+
+
+def _gather_blocks(x: torch.Tensor, table: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
+    """Blocks x [N, Hkv, page, ...] (or the values' [N, Hkv, page/4, ...]) of table columns lo .. hi - 1 of the B
+    rows of `table` (device), laid out as rows: [B, Hkv, (hi - lo) page, ...], position lo * page first."""
+    idx = table[:, lo:hi].long()
+    picked = x.index_select(0, idx.flatten()).unflatten(0, tuple(idx.shape))  # [B, hi - lo, Hkv, page, ...]
+    return picked.transpose(1, 2).flatten(2, 3)
 
 
 def _value_codes(v_codes: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
