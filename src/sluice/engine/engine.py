@@ -88,6 +88,7 @@ class Engine:
         self._stepping: list[Sequence] = []  # the sequences of the step under way (`step`'s failure isolation)
         self._outputs: list[StepOutput] = []  # what the step under way has handed out so far
         self._rows: PrefixCache | None = None
+        self.timing: dict[str, float] = {}  # the last step's host seconds: plan (admit, schedule), launch, land
 
     @property
     def max_length(self) -> int:
@@ -273,7 +274,8 @@ class Engine:
         return []
 
     def _step(self) -> None:
-        """The step, its outputs into `_outputs` as they come."""
+        """The step, its outputs into `_outputs` as they come; `timing` says where its host time went."""
+        clock = time.perf_counter()
         self._outputs += [StepOutput(s, None, "", True) for s in self._finish_empty()]
         ahead, self._ahead = self._ahead, None
         self._fit_pool()
@@ -283,6 +285,7 @@ class Engine:
         if self.rows.blocks is not None:
             decodes, chunks, ahead, in_flight = self._reserve(decodes, chunks, ahead, in_flight)
         self._stepping = ([] if ahead is None else list(ahead.seqs)) + decodes + [seq for seq, _, _ in chunks]
+        timing = self.timing = {"plan": time.perf_counter() - clock}
         if decodes or chunks:
             for seq, first, _ in chunks:
                 if first == seq.cached:
@@ -291,6 +294,7 @@ class Engine:
             logits = self.runner.step([(s.row, p) for s, p in zip(decodes, positions)],
                                       self._decode_ids(decodes, ahead),
                                       [(seq.row, seq.prefill_ids[first:end], first) for seq, first, end in chunks])
+            timing["launch"] = time.perf_counter() - clock - timing["plan"]
             for seq, p in zip(decodes, positions):
                 seq.fed = p + 1
             done = []
@@ -306,6 +310,7 @@ class Engine:
                                [in_flight.get(s.id, 0) for s in decodes] + [0] * len(done))
         else:
             drawn = None
+        mark = time.perf_counter()
         if ahead is not None:  # read while the GPU runs the step just launched
             self._land(ahead)
         if drawn is not None:
@@ -313,6 +318,7 @@ class Engine:
                 self._ahead = drawn
             else:
                 self._land(drawn)
+        timing["land"] = time.perf_counter() - mark  # mostly waiting for the device
 
     def _reserve(self, decodes, chunks, ahead, in_flight):
         """A paged KV cache: give the step's sequences the blocks their new positions need, cached prefixes evicted

@@ -14,7 +14,9 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-ACTIVATION_RESERVE = 1 << 30  # bytes of a GPU budget kept for activations and CUDA graphs
+# bytes of a GPU budget kept for activations, CUDA graphs, cuBLAS workspaces and the dequantized weights of large
+# steps: with 1 GiB the 80B config under a 40 GiB budget peaked 2.26 GiB over it (docs/perf-log.md, 2026-11-28)
+ACTIVATION_RESERVE = 4 << 30
 
 
 @dataclass

@@ -68,6 +68,12 @@ class ModelRunner:
         self._graph_memory = None
         self._capturable = None
         self.last = ""  # what the last step ran (`step`): a slow step's diagnosis
+        if device.type == "cuda":
+            # prefill attention on SDPA's flash backend, never cuDNN's: cuDNN builds a plan on the host for every new
+            # (queries, keys) shape, and a wave of prompts of new lengths stalled a server's step for seconds
+            # (docs/perf-log.md, 2026-11-28 paged KV run 2). Process-wide: PyTorch has no per-call switch that costs
+            # less than a context manager on every chunk of every layer.
+            torch.backends.cuda.enable_cudnn_sdp(False)
         self.captures = 0  # graphs captured so far
 
     @property

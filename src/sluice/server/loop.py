@@ -189,8 +189,10 @@ class EngineLoop:
                 sched = self.engine.scheduler
                 new = _compiled()[compiled:]
                 log.warning("a step took %.2f s (%d running, %d waiting): %s; %d graph(s) captured, %d kernel(s) "
-                            "compiled%s", seconds, len(sched.running), len(sched.waiting), runner.last,
-                            runner.captures - captures, len(new), f" ({', '.join(sorted(set(new)))})" if new else "")
+                            "compiled%s; host seconds %s", seconds, len(sched.running), len(sched.waiting),
+                            runner.last, runner.captures - captures, len(new),
+                            f" ({', '.join(sorted(set(new)))})" if new else "",
+                            ", ".join(f"{k} {v:.3f}" for k, v in self.engine.timing.items()))
         except Exception as e:
             log.error("engine step failed:\n%s", traceback.format_exc())
             self._fail_all(EngineFailure(f"the engine failed: {type(e).__name__}: {e}"))
