@@ -55,8 +55,8 @@ class EngineConfig:
         caches without a sliding window.
     kv_page: positions a block of a paged KV cache holds (`cache/blocks.py`: sequences take blocks as they grow, from
         one pool, and share a cached prefix's blocks); None: 256 on a GPU, rows of `max_seq_len` positions on the CPU
-        (whose native attention kernel reads whole rows); 0: rows. On a GPU a multiple of 128. Dense KV caches
-        without a sliding window.
+        (whose native attention kernel reads whole rows); 0: rows; else a multiple of 32 (of 128 on a GPU). Dense and
+        TurboQuant KV caches without a sliding window.
     kv_blocks: the blocks of a paged KV cache; None: the memory plan decides (`engine/runner.py` `build_pool`:
         enough for `max_batch` sequences of the longest length, fewer where memory is short, more for cached
         prefixes where it is not).
@@ -96,9 +96,10 @@ class EngineConfig:
             if self.kv_blocks >= 1 << 31:  # block ids are int32 in the kernels' tables
                 raise InvalidOptionError(f"kv_blocks={self.kv_blocks}: use fewer than 2**31.")
         if self.kv_page is not None and (not isinstance(self.kv_page, int) or isinstance(self.kv_page, bool)
-                                         or self.kv_page < 0 or self.kv_page % 16):
-            raise InvalidOptionError(f"kv_page={self.kv_page!r}: use 0 (rows) or a multiple of 16 (of 128 on a "
-                                     "GPU: the attention kernels' tiles never straddle two blocks).")
+                                         or self.kv_page < 0 or self.kv_page % 32):
+            raise InvalidOptionError(f"kv_page={self.kv_page!r}: use 0 (rows) or a multiple of 32 (TurboQuant's "
+                                     "blocks of codes; of 128 on a GPU: the attention kernels' tiles never straddle "
+                                     "two blocks).")
         if not isinstance(self.whole_graph_tokens, int) or isinstance(self.whole_graph_tokens, bool) \
                 or self.whole_graph_tokens < 0:
             raise InvalidOptionError(f"whole_graph_tokens={self.whole_graph_tokens!r}: use an integer >= 0.")
