@@ -172,7 +172,8 @@ def test_turboquant_layouts_are_checked():
 def test_caches_decode_through_the_kernel(monkeypatch, kind, window):
     """The caches' decode path (the kernel, as on a GPU) equals their reference path, step by step: two sequences
     in rows 3 and 1 of a pool of 4, at different positions, `visible` the most positions a row holds."""
-    from sluice.cache.kv import KVCache, make_kv_cache
+    from sluice.cache.kv import KVCache
+    from sluice.cache.make import make_kv_cache
     from sluice.cache.turboquant import TurboQuantKVCache
     from sluice.engine.batch import ForwardMeta
 
@@ -364,7 +365,8 @@ def test_gated_attention_layer_through_the_fused_kernels(monkeypatch, dtype, kin
     """GatedAttention's decode steps through the fused kernels (q/k norm + RoPE with the cache append where the
     cache is dense, the gate in the attention merge) against its torch path: two sequences in cache rows 3 and
     1 of a pool of 4, prefilled to different lengths, then decoding together."""
-    from sluice.cache.kv import DenseKVCache, KVCache, make_kv_cache
+    from sluice.cache.kv import DenseKVCache, KVCache
+    from sluice.cache.make import make_kv_cache
     from sluice.engine.batch import ForwardMeta
     from sluice.kernels.rope import triton as rope_triton
     from sluice.kernels.rope.reference import rope_cos_sin, rope_inv_freq

@@ -5,7 +5,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from sluice.cache.kv import DenseKVCache, make_kv_cache
+from sluice.cache.kv import DenseKVCache
+from sluice.cache.make import make_kv_cache
 from sluice.cache.turboquant import TurboQuantKVCache
 from sluice.kernels.turboquant import reference as tq
 
@@ -252,7 +253,7 @@ def test_flat_step_attention_matches_each_sequence_alone(kind, static, monkeypat
     decode query; each sequence's output as it gets alone (one row at a time, the torch paths), the padding's zero
     (static: its keys in the pad row only), the caches the same."""
     pytest.importorskip("triton")
-    from sluice.cache.kv import make_kv_cache
+    from sluice.cache.make import make_kv_cache
     from sluice.engine.batch import FlatBatch
 
     g = torch.Generator().manual_seed(3)

@@ -146,7 +146,7 @@ def test_dequantize_through_the_table(D, interleaved, first, n):
 
 
 def test_paged_cache_is_checked():
-    from sluice.cache.kv import make_kv_cache
+    from sluice.cache.make import make_kv_cache
     from sluice.cache.turboquant import TurboQuantKVCache
 
     with pytest.raises(ValueError, match="sliding-window"):

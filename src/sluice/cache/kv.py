@@ -22,7 +22,6 @@ from dataclasses import replace
 import torch
 import torch.nn.functional as F
 
-from sluice.cache import KV_CACHE_KINDS
 from sluice.cache.blocks import BlockTable
 from sluice.engine.batch import on_device
 from sluice.kernels.attention.reference import attention
@@ -338,19 +337,3 @@ class DenseKVCache(KVCache):
 
     def bytes_per_token(self) -> int:
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.k.element_size()
-
-
-def make_kv_cache(kind: str, num_layers: int, rows: int, num_kv_heads: int, head_dim: int, capacity: int,
-                  dtype: torch.dtype, device, window: int | None = None, page: int | None = None,
-                  blocks: int | None = None) -> KVCache:
-    """A KV cache of kind `kind`: paged (`page` positions a block, `blocks` of them) where the kind pages
-    (`PAGEABLE`) and there is no window, else whole rows."""
-    if kind == "dense":
-        cls = DenseKVCache
-    elif kind == "turboquant4":
-        from sluice.cache.turboquant import TurboQuantKVCache as cls
-    else:
-        raise ValueError(f"unknown KV cache kind {kind!r}; use one of {', '.join(KV_CACHE_KINDS)}")
-    paged = {} if page is None or window is not None or not getattr(cls, "PAGEABLE", False) else \
-        {"page": page, "blocks": blocks}
-    return cls(num_layers, rows, num_kv_heads, head_dim, capacity, dtype, device, window, **paged)

@@ -136,8 +136,9 @@ class ModelRunner:
         if need > free:  # sized before it is made: no giant allocation, no OOM killer
             raise InvalidOptionError(
                 f"the caches of {rows + spare} sequence(s) of {capacity} positions need {need / 2**30:.2f} GiB "
-                f"({kind} KV), but {self.device} has {max(0, free) / 2**30:.2f} GiB for them"
-                f"{' within the gpu_memory budget' if budget is not None and gpu else ' free'}; lower max_batch or "
+                f"({kind} KV), but {self.device} has {max(0, free) / 2**30:.2f} GiB"
+                f"{' for them within the gpu_memory budget' if budget is not None and gpu else ' free'}; lower "
+                "max_batch or "
                 f"max_seq_len{' or use --kv-cache turboquant' if kind == 'dense' else ''}.")
         kv = pool.kv.nbytes() if pool.kv is not None else 0
         free -= need

@@ -8,7 +8,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from sluice.cache.kv import make_kv_cache
+from sluice.cache.make import make_kv_cache
 from sluice.cache.pool import CachePool
 from sluice.errors import ModelFileError, UnsupportedError
 from sluice.formats.validate import head_dim_default, parse_config

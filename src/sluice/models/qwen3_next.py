@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn as nn
 
-from sluice.cache.kv import make_kv_cache
+from sluice.cache.make import make_kv_cache
 from sluice.cache.pool import CachePool, RecurrentStates
 from sluice.errors import ModelFileError, UnsupportedError
 from sluice.formats.convert import stacked_experts
