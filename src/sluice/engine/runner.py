@@ -68,12 +68,6 @@ class ModelRunner:
         self._graph_memory = None
         self._capturable = None
         self.last = ""  # what the last step ran (`step`): a slow step's diagnosis
-        if device.type == "cuda":
-            # prefill attention on SDPA's flash backend, never cuDNN's: cuDNN builds a plan on the host for every new
-            # (queries, keys) shape, and a wave of prompts of new lengths stalled a server's step for seconds
-            # (docs/perf-log.md, 2026-11-28 paged KV run 2). Process-wide: PyTorch has no per-call switch that costs
-            # less than a context manager on every chunk of every layer.
-            torch.backends.cuda.enable_cudnn_sdp(False)
         self.captures = 0  # graphs captured so far
 
     @property
@@ -153,6 +147,9 @@ class ModelRunner:
         self.pool = self.seen = None
         self._graphs.clear()
         self._flat_graphs.clear()
+        # and a new graph memory pool: PyTorch refuses to capture into one whose every graph is gone (an internal
+        # assert in the caching allocator; a DeepSeek engine whose pool grew hit it on its next capture)
+        self._graph_memory = None
         plan = self.plan_pool(rows, capacity, spare)
         rows = plan.running + plan.spare
         try:

@@ -12,8 +12,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -
     flash backend runs as it is (`causal_lower_right`): a materialized mask would take cuDNN's backend on an H100,
     which builds a new plan on the host, a slow step, for every new key count (docs/perf-log.md, prefill). On the
     CPU the mask is materialized: `torch.nn.attention.bias` imports torch._dynamo, seconds the first time (a chat's
-    second turn resuming from the prefix cache waited for it). An engine on a GPU turns cuDNN's backend off
-    (`engine/runner.py`): it builds a plan for every new shape, causal or not.
+    second turn resuming from the prefix cache waited for it).
     """
     T, S = q.shape[2], k.shape[2]
     if T == 1:
