@@ -185,6 +185,24 @@ def cpu(f):
             f"({f['ratio']['decode']:.2f}×)")
 
 
+def paged(f):
+    if not isinstance(f, dict) or "blocks" not in f:
+        return None
+    return (f"**{f['finished']}/{f['sequences']} finished** in {f['wall_s']:.1f} s: prompts of {f['lengths'][0]}–"
+            f"{f['lengths'][1]} tokens ({f['prompt_tokens']} in all) + {f['max_tokens']} each in {f['blocks']} blocks "
+            f"of {f['page']} = {f['kv_gib']} GiB of KV (rows of {f['max_seq_len']}: {f['rows_layout_kv_gib']} GiB); "
+            f"{f['preemptions']} preemptions")
+
+
+def budget(f):
+    if not isinstance(f, dict) or "peak_bytes" not in f:
+        return None
+    g = lambda n: f"{n / 2**30:.2f} GiB"  # noqa: E731
+    return (f"peak **{g(f['peak_bytes'])}** under a {g(f['gpu_memory'])} budget ({'within' if f['within'] else 'over'}"
+            f"); after the load {g(f['loaded_bytes'])}, after the warm-up {g(f['warm_bytes'])}; "
+            f"{f['finished']}/{f['sequences']} finished")
+
+
 RESULTS = ROOT / "benchmarks" / "results"
 DENSE = {"date": "2026-11-28"}  # the session-2 serving files carry no date; PERF's section does
 SESSION5 = {"date": "2026-11-26", "gpu": "NVIDIA H100 80GB HBM3"}
@@ -216,6 +234,10 @@ ROWS = [
         agent("agent_trace_plain_h200.json"), None, {},
         floor="bar ≤ 0.3× the time, ≥ 90 % hits, TTFT ≤ 0.15 s at 32k, snapshots ≤ 10 %",
         match=lambda rec: bool(rec.get("gpu"))),
+    Row("paged KV: 64 sequences of 128–32k tokens in a quarter of the rows layout's KV", "paged_kv", paged, None, {},
+        floor="bar: every request finishes", match=lambda rec: bool(rec.get("gpu"))),
+    Row("one memory budget: Qwen3-Next-80B under `--gpu-memory 40GiB`", "memory_budget", budget, None, {},
+        floor="bar: peak within the budget", match=lambda rec: bool(rec.get("gpu"))),
     Row("expert streaming, Qwen3.5-122B-A10B (experts in host memory)", "stream_gpu", streaming,
         "stream_122b_h100.json", {"command": "python -m benchmarks run stream_gpu --config "
                                              "benchmarks/configs/qwen3.5-122b-a10b.json --gpu-memory 24GiB"},
