@@ -127,3 +127,15 @@ def test_memory_plan_is_one_place(llama_dir):
     assert model.info()["memory_plan"]["blocks"] == 16
     too_big = sluice.load(llama_dir, device="cpu", kv_page=32, kv_blocks=1 << 30, max_seq_len=128)
     assert "error" in too_big.engine.memory_plan()
+
+
+def test_the_profile_step_runs_beside_a_pool(llama_dir):
+    """The memory plan's profile step (`ModelRunner.profile_step`, measured on a GPU): a step of the most prompt
+    tokens on a one-row pool of its own, the engine's pool untouched."""
+    model = sluice.load(llama_dir, device="cpu", kv_page=32, max_batch=2, max_seq_len=64, prefill_chunk=64)
+    model.engine.reserve()
+    runner = model.engine.runner
+    pool = runner.pool
+    runner.profile_step()
+    assert runner.pool is pool and runner.activation_reserve() == 0  # nothing kept off a GPU
+

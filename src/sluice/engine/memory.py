@@ -4,7 +4,7 @@ one budget, and printed by `sluice info` and the server's `/health`.
 The budget is `gpu_memory` (`sluice.load(gpu_memory=)`, `--gpu-memory`) where given, else the memory free when the
 pool is planned. Out of it come, in order: the weights (resident ones and expert slots, decided at load by
 `experts/placement.py`, which leaves `placement.CACHE_RESERVE` for what follows), a reserve for activations and CUDA
-graphs (`ACTIVATION_RESERVE`), the cache rows (recurrent states and each row's seen-token mask), then the KV cache:
+graphs (measured by a profile step, `ModelRunner.activation_reserve`), the cache rows (recurrent states and each row's seen-token mask), then the KV cache:
 whole rows, or a paged cache's blocks (enough for every running row at its longest, fewer where the budget is short,
 more for cached prefixes where memory is plentiful), and the prefix cache's snapshot slots (a tenth of the KV bytes
 at most, `engine/prefix.py`).
@@ -14,8 +14,10 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-# bytes of a GPU budget kept for activations, CUDA graphs, cuBLAS workspaces and the dequantized weights of large
-# steps: with 1 GiB the 80B config under a 40 GiB budget peaked 2.26 GiB over it (docs/perf-log.md, 2026-11-28)
+# what a GPU keeps for activations and CUDA graphs is measured (`ModelRunner.activation_reserve`: a profile step's
+# peak, twice, and this margin for cuBLAS workspaces and the decode graphs); this, where the profile step fails. A fixed
+# 1 GiB let the 80B config under a 40 GiB budget peak 2.26 GiB over it (docs/perf-log.md, 2026-11-28).
+GRAPH_MARGIN = 512 << 20
 ACTIVATION_RESERVE = 4 << 30
 
 
@@ -50,7 +52,8 @@ class MemoryPlan:
               else f"{self.running + self.spare} rows of {self.capacity} positions")
         budget = g(self.budget) if self.budget is not None else "the free memory"
         parts = [("weights and expert slots", self.weights, ""),
-                 ("activations and graphs", self.reserve, " (reserve)"),
+                 ("activations and graphs", self.reserve, " (reserved: a profile step's peak, twice, + a margin)"
+                  if self.reserve else ""),
                  (f"KV cache ({self.kv_kind})", self.kv_bytes, f": {kv}"),
                  ("rows", self.row_bytes, f": {self.running} running + {self.spare} for cached prefixes, up to "
                   f"{self.capacity} positions each"),

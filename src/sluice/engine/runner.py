@@ -21,7 +21,7 @@ import torch
 
 from sluice.config import EngineConfig
 from sluice.engine.batch import FlatBatch, ForwardMeta, on_device
-from sluice.engine.memory import ACTIVATION_RESERVE, MemoryPlan
+from sluice.engine.memory import ACTIVATION_RESERVE, GRAPH_MARGIN, MemoryPlan
 from sluice.engine.piecewise import PiecewiseGraph, Staging, WholeGraph
 from sluice.errors import InvalidOptionError
 
@@ -68,6 +68,7 @@ class ModelRunner:
         self._graph_memory = None
         self._capturable = None
         self.last = ""  # what the last step ran (`step`): a slow step's diagnosis
+        self._reserve = None  # bytes of activations and graphs (`activation_reserve`), measured once
         self.captures = 0  # graphs captured so far
 
     @property
@@ -105,7 +106,7 @@ class ModelRunner:
         gpu = self.device.type == "cuda"
         budget = getattr(self.module, "memory_budget", None)
         weights = torch.cuda.memory_allocated(self.device) if gpu else None
-        reserve = ACTIVATION_RESERVE if gpu else 0
+        reserve = self.activation_reserve()
         free = available_memory(self.device) - reserve
         if budget is not None and gpu:
             free = min(free, budget - weights - reserve)
@@ -139,6 +140,41 @@ class ModelRunner:
         return MemoryPlan(str(self.device), budget, free, weights, reserve, rows, spare, capacity, kind,
                           page if paged else None, blocks, (blocks * page) if paged else (rows + spare) * capacity,
                           kv, need - kv)
+
+    def activation_reserve(self) -> int:
+        """Bytes a GPU keeps beside the weights and the caches for the steps' activations and CUDA graphs, measured
+        once (vLLM's profile run): `profile_step`'s peak allocation over what was allocated before, twice (the
+        piecewise graphs' private pool holds about as much again), plus `GRAPH_MARGIN`. 0 off a GPU;
+        `ACTIVATION_RESERVE` if the step cannot be made."""
+        if self.device.type != "cuda":
+            return 0
+        if self._reserve is None:
+            try:
+                torch.cuda.synchronize(self.device)
+                torch.cuda.reset_peak_memory_stats(self.device)
+                base = torch.cuda.memory_allocated(self.device)
+                self.profile_step()
+                torch.cuda.synchronize(self.device)
+                self._reserve = 2 * (torch.cuda.max_memory_allocated(self.device) - base) + GRAPH_MARGIN
+            except (torch.OutOfMemoryError, RuntimeError, ValueError):
+                self._reserve = ACTIVATION_RESERVE
+        return self._reserve
+
+    @torch.inference_mode()
+    def profile_step(self) -> None:
+        """One eager flat step of the most prompt tokens a step holds, on a pool of one row made for it and dropped
+        after (the pool in use, if any, left as it was)."""
+        tokens = self.config.prefill_tokens(self.device)
+        page = self.config.page(self.device)
+        capacity = -(-tokens // page) * page if page else tokens
+        pool = self.module.new_cache(1, capacity, self.dtype, self.device, self.config.kv_cache, page=page,
+                                     blocks=capacity // page if page else None)
+        row = pool.allocate()
+        pool.reserve(row, capacity)
+        pool.sync()
+        batch = FlatBatch([], [(row, [0] * tokens, 0)], pool.visible, tokens, 1, pad_row=pool.scratch_row)
+        ids, meta = batch.place(torch.zeros(FlatBatch.size(tokens, 1), dtype=torch.long, device=self.device))
+        self.module(ids, pool, meta, self.dtype, last_only=True)
 
     def build_pool(self, rows: int, capacity: int, spare: int | None = 0) -> None:
         """A new pool as `plan_pool` plans it (`self.plan`); the old pool, and its graphs, are dropped first."""
