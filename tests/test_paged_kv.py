@@ -139,3 +139,33 @@ def test_the_profile_step_runs_beside_a_pool(llama_dir):
     runner.profile_step()
     assert runner.pool is pool and runner.activation_reserve() == 0  # nothing kept off a GPU
 
+
+
+def test_server_with_few_blocks_answers_everyone(demo_gguf_path):
+    """`sluice serve` over a paged KV cache too small for its clients at once (the demo model, CPU): concurrent
+    requests all get the reply the model gives alone; `/health` shows the blocks and the preemptions."""
+    import concurrent.futures
+
+    import httpx
+
+    from sluice.server import Server, ServerConfig
+
+    alone = sluice.load(demo_gguf_path, device="cpu")
+    model = sluice.load(demo_gguf_path, device="cpu", max_seq_len=128, max_batch=4, kv_page=32, kv_blocks=5)
+    prompts = [f"Count from {i} to {i + 40}, one number a line." for i in range(4)]
+    want = [alone.generate(p, max_tokens=32, temperature=0.0) for p in prompts]
+    with Server(model, ServerConfig(port=0, log_level="warning")) as server:
+        name = httpx.get(server.url + "/v1/models").json()["data"][0]["id"]
+
+        def ask(p):
+            r = httpx.post(server.url + "/v1/completions", timeout=300,
+                           json={"model": name, "prompt": p, "max_tokens": 32, "temperature": 0})
+            r.raise_for_status()
+            return r.json()["choices"][0]["text"]
+
+        with concurrent.futures.ThreadPoolExecutor(4) as pool:
+            got = list(pool.map(ask, prompts))
+        health = httpx.get(server.url + "/health").json()
+    assert got == want
+    blocks = health["kv_blocks"]
+    assert blocks["page"] == 32 and blocks["blocks"] == 5 and 0 <= blocks["free"] <= 5

@@ -28,6 +28,11 @@ def _add_model_args(p: argparse.ArgumentParser):
     p.add_argument("--no-prefix-cache", action="store_true",
                    help="prefill every prompt whole (default: a prompt that begins with what an earlier request left "
                         "in the cache, such as a chat's history, starts from there)")
+    p.add_argument("--kv-page", type=int, default=None, metavar="N",
+                   help="positions a block of the paged KV cache holds, a multiple of 32 (default 256 on a GPU, "
+                        "whole rows on the CPU; 0: whole rows)")
+    p.add_argument("--kv-blocks", type=int, default=None, metavar="N",
+                   help="blocks of the paged KV cache (default: what the memory plan gives; `sluice info` prints it)")
     _add_placement_args(p)
 
 
@@ -81,6 +86,9 @@ def _load(args, **options):
 
     if args.no_prefix_cache:
         options["prefix_cache"] = False
+    for name in ("kv_page", "kv_blocks"):
+        if getattr(args, name, None) is not None:
+            options[name] = getattr(args, name)
     return sluice.load(args.model, device=args.device, dtype=args.dtype, keep_quantized=not args.dequantize,
                        kv_cache=args.kv_cache, gpu_memory=args.gpu_memory, expert_slots=args.expert_slots,
                        expert_store=args.expert_store, **options)

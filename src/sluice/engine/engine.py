@@ -89,6 +89,7 @@ class Engine:
         self._outputs: list[StepOutput] = []  # what the step under way has handed out so far
         self._rows: PrefixCache | None = None
         self.timing: dict[str, float] = {}  # the last step's host seconds: plan (admit, schedule), launch, land
+        self.preemptions = 0  # sequences preempted because KV blocks ran out (`_reserve`)
 
     @property
     def max_length(self) -> int:
@@ -338,6 +339,7 @@ class Engine:
                     raise RuntimeError("a sequence alone does not find the KV blocks its positions need")
                 victim = self.scheduler.running[-1]
                 log.info("KV blocks ran out: request %d preempted (it resumes later)", victim.id)
+                self.preemptions += 1
                 self.scheduler.preempt(victim, self.rows, isolate=False)
             decodes, chunks = self.scheduler.schedule(in_flight)
 

@@ -227,7 +227,10 @@ class EngineLoop:
             "cache_rows": rows.batch if rows is not None else 0,  # sequences that may run at once
             "cache_rows_free": min(rows.free_rows, rows.batch - len(sched.running)) if rows is not None else 0,
             "prefix_cache": None if rows is None or not rows.enabled else {
-                "cached_prefixes": len(rows.entries), "rows": rows.pool.rows, **rows.stats.as_dict()}}
+                "cached_prefixes": len(rows.entries), "rows": rows.pool.rows, **rows.stats.as_dict()},
+            "kv_blocks": None if rows is None or rows.blocks is None else {  # a paged KV cache
+                "page": rows.blocks.page, "blocks": rows.blocks.blocks, "free": rows.blocks.free_blocks,
+                "preemptions": self.engine.preemptions}}
 
 
 class RequestStream:
