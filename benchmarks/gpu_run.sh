@@ -17,6 +17,7 @@
 #   bash benchmarks/gpu_run.sh prefix  # issue #41, two GPUs: the prefix cache's GPU tests, the agent trace
 #   bash benchmarks/gpu_run.sh paged   # issues #41 (paged KV) and #42 (MLA kernels), four GPUs, four lanes
 #   bash benchmarks/gpu_run.sh paged2  # issue #41 again: tests, decode/prefill beside the tree before, server, budget
+#   bash benchmarks/gpu_run.sh paged3  # what session 4 left unmeasured: the stall's phases, preemption, the budget
 #
 # Every benchmark runs as `python -m benchmarks run NAME --json FILE ARGS` (benchmarks/registry.py); the JSON files
 # are the runner's records (figures under "figures"). Knobs: POLICIES, SCENARIOS, SERVING_S, PROFILE (serving);
@@ -272,12 +273,57 @@ paged2)  # issue #41 again, four GPUs: 0: the GPU tests (verbose, so a run cut s
   tar czf "$OUT/logs.tgz" -C "$LOG" . 2>/dev/null
   cat "$S"
   ;;
+paged3)  # what session 4 left unmeasured, four GPUs: 0: the GPU tests (two halves, verbose); 1: sluice serve over
+  # HTTP, 64 clients (the first wave's slow step now logs its host time by phase), then paged_kv with preemptions
+  # (long replies in a tenth of the rows layout's KV); 2: memory_budget (the profiled reserve under --gpu-memory
+  # 40GiB), then the agent trace with the cache; 3: Moonlight's engine_gpu (batch 64 hit the graph-pool assert)
+  S="$OUT/summary_paged3.log"
+  (
+    CUDA_VISIBLE_DEVICES=0 timeout 280 python -m pytest -v --tb=short -p no:cacheprovider tests/test_gpu_engine.py \
+      tests/test_paged_kv.py tests/test_turboquant_paged.py tests/test_attention_cuda.py tests/test_kv_cache.py \
+      -k "not demo_model" > "$LOG/tests_a.log" 2>&1
+    CUDA_VISIBLE_DEVICES=0 timeout 280 python -m pytest -v --tb=short -p no:cacheprovider tests/test_attention_triton.py \
+      tests/test_rope_triton.py tests/test_mla_triton.py > "$LOG/tests_b.log" 2>&1
+  ) &
+  (
+    CUDA_VISIBLE_DEVICES=1 CLIENTS=64 TQ=0 OUT=/tmp/server_out3 bash "$0" server > /dev/null 2>&1
+    cp /tmp/server_out3/server_load_64.json "$OUT/" 2>/dev/null
+    grep -h "a step took" /tmp/server_out3/*.server.log 2>/dev/null | head -12 > "$LOG/steps_took3.log"
+    grep -h "HTTP" /tmp/server_out3/summary_server.log > "$LOG/summary_server3.log" 2>/dev/null
+    CUDA_VISIBLE_DEVICES=1 timeout 300 python -m benchmarks run paged_kv --json "$OUT/paged_kv_preempt.json" \
+      --model $CONFIG --load-format dummy --lengths 1024,16384 --max-tokens 1024 --blocks-share 0.1 \
+      > "$LOG/paged_kv.log" 2>&1
+  ) &
+  (
+    CUDA_VISIBLE_DEVICES=2 timeout 300 python -m benchmarks run memory_budget --json "$OUT/memory_budget.json" \
+      --model $CONFIG --load-format dummy --gpu-memory 40GiB > "$LOG/memory_budget.log" 2>&1
+    CUDA_VISIBLE_DEVICES=2 timeout 240 python -m benchmarks run agent_trace --json "$OUT/agent_trace.json" \
+      --model $CONFIG --load-format dummy --only cached > "$LOG/agent_trace.log" 2>&1
+  ) &
+  (
+    CUDA_VISIBLE_DEVICES=3 timeout 300 python -m benchmarks run engine_gpu --json "$OUT/engine_moonlight.json" \
+      --config benchmarks/configs/moonlight-16b-a3b.json --batches 1,16,64 --kinds dense \
+      > "$LOG/engine_moonlight.log" 2>&1
+  ) &
+  wait
+  {
+    echo "== tests"; cat "$LOG"/tests_[ab].log | grep -E "FAILED|ERROR" | head -30
+    cat "$LOG"/tests_[ab].log | grep -cE " PASSED"; tail -1 "$LOG/tests_a.log"; tail -1 "$LOG/tests_b.log"
+    echo "== server"; cat "$LOG/summary_server3.log" "$LOG/steps_took3.log" 2>/dev/null
+    echo "== paged_kv (preemptions)"; tail -2 "$LOG/paged_kv.log"
+    echo "== memory_budget"; tail -10 "$LOG/memory_budget.log"
+    echo "== agent trace"; grep -E "^cached" "$LOG/agent_trace.log"
+    echo "== moonlight"; grep -A14 "^KV " "$LOG/engine_moonlight.log" | head -24; tail -3 "$LOG/engine_moonlight.log"
+  } > "$S" 2>&1
+  tar czf "$OUT/logs.tgz" -C "$LOG" . 2>/dev/null
+  cat "$S"
+  ;;
 both)  # serving and server at once, one GPU each (a machine of two GPUs)
   CUDA_VISIBLE_DEVICES=0 bash "$0" serving & CUDA_VISIBLE_DEVICES=1 bash "$0" server; wait
   cat "$OUT"/summary_*.log
   ;;
 *)
-  echo "usage: bash benchmarks/gpu_run.sh tests|bench|join|serving|server|single|both|hardening|hardening2|prefix|paged|paged2" >&2
+  echo "usage: bash benchmarks/gpu_run.sh tests|bench|join|serving|server|single|both|hardening|hardening2|prefix|paged|paged2|paged3" >&2
   exit 2
   ;;
 esac
