@@ -62,6 +62,28 @@ def test_kernel_equals_fp64_attention_over_the_latents(case, dtype):
     assert rel(o, latent_reference(q_lat, q_pe, cache, rows, positions, scale)) < TOL[dtype]
 
 
+@pytest.mark.parametrize("splits", [1, 3, None])
+def test_kernel_reads_a_paged_cache(splits):
+    """A paged latent cache (`cache/blocks.py`): each row's positions in blocks of 16 scattered through the pool by
+    its table row; the result of the same positions laid out in rows."""
+    B, H, R, P, pool, cap = 3, 4, 32, 16, 4, 64
+    q_lat, q_pe, cache = data(B, H, R, P, pool, cap, torch.float32, seed=splits or 0)
+    rows, positions = torch.tensor([3, 0, 2], dtype=torch.int32), torch.tensor([63, 5, 40])
+    page, blocks = 16, 17
+    paged = torch.randn(blocks + 1, page, R + P, generator=torch.Generator().manual_seed(9))
+    table = torch.full((pool, cap // page), blocks, dtype=torch.int32)  # unused entries: the scratch block
+    order = torch.randperm(blocks, generator=torch.Generator().manual_seed(1)).tolist()
+    for r, p in zip(rows.tolist(), positions.tolist()):
+        for i in range(p // page + 1):
+            blk = table[r, i] = order.pop()
+            paged[blk] = cache[r, i * page:(i + 1) * page]
+    scale = 2 / (R + P) ** 0.5
+    d = lambda x: x.to(DEVICE)  # noqa: E731
+    o = mt.mla_decode(d(q_lat), d(q_pe), d(paged), d(rows), d(positions), cap, scale, splits=splits, block_n=16,
+                      min_per_split=16, table=d(table)).cpu()
+    assert rel(o, latent_reference(q_lat, q_pe, cache, rows, positions, scale)) < TOL[torch.float32]
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_absorbed_decode_equals_the_torch_reference(dtype):
     """The folded decode (W_UK into q, the kernel, W_UV on its output) against `absorbed_attention` with its
@@ -106,9 +128,11 @@ def test_a_query_that_sees_nothing_is_zero():
     assert rel(o[1:], latent_reference(q_lat[1:], q_pe[1:], cache, [1], [19], 0.1)) < TOL[torch.float32]
 
 
-def test_the_latent_cache_decodes_through_the_kernel(monkeypatch):
+@pytest.mark.parametrize("page", [None, 16])
+def test_the_latent_cache_decodes_through_the_kernel(monkeypatch, page):
     """`LatentCache.attend`'s batched decode (device rows and positions, a loose `visible`) through the kernel,
-    step by step, equals its per-row reference path: two sequences in rows 3 and 1 of a pool of 4."""
+    step by step, equals its per-row reference path: two sequences in rows 3 and 1 of a pool of 4; whole rows, or
+    paged (blocks of 16 handed to the two rows in turn)."""
     from sluice.cache.latent import LatentCache
     from sluice.engine.batch import ForwardMeta
 
@@ -123,7 +147,12 @@ def test_the_latent_cache_decodes_through_the_kernel(monkeypatch):
     for kernel in (False, True):
         monkeypatch.setattr(LatentCache, "use_decode_kernel", lambda self, x, on=kernel: on)
         monkeypatch.setenv("SLUICE_DEEPSEEK_KERNELS", "1")
-        cache = LatentCache(1, 4, R, P, T, torch.float32, DEVICE)
+        cache = LatentCache(1, 4, R, P, T, torch.float32, DEVICE, page=page, blocks=None if page is None else 6)
+        if page is not None:
+            for n in range(page, 2 * page + 1, page):
+                for r in rows:
+                    assert cache.table.ensure(r, n)
+            cache.table.sync()
         for b, (r, n) in enumerate(zip(rows, prompts)):
             cut = lambda x: d(x[b:b + 1, :n])  # noqa: E731
             cache.attend(0, cut(q_nope), cut(q_pe), cut(c), cut(k_pe), ForwardMeta.prefill(r, 1, 0, n, DEVICE), 0.3,

@@ -22,6 +22,13 @@ def qwen_dir(tmp_path_factory):
     return save(qwen3_next(seed=5), tmp_path_factory.mktemp("qwen"))
 
 
+@pytest.fixture(scope="module")
+def deepseek_dir(tmp_path_factory):
+    from test_deepseek import save, v3
+
+    return save(v3(seed=5, num_hidden_layers=2), tmp_path_factory.mktemp("deepseek") / "m")
+
+
 def ids(n, seed, vocab):
     return torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
@@ -54,12 +61,12 @@ def test_block_table_counts_shares_and_copies():
         t.ensure(3, 17)
 
 
-@pytest.mark.parametrize("kind", ["dense", "turboquant4"])
-@pytest.mark.parametrize("arch", ["llama", "qwen"])
+@pytest.mark.parametrize("arch,kind", [("llama", "dense"), ("llama", "turboquant4"), ("qwen", "dense"),
+                                       ("qwen", "turboquant4"), ("deepseek", "dense")])
 def test_paged_engine_gives_the_tokens_of_rows(arch, kind, request):
     """Prompts of mixed lengths in blocks of 32 positions, chunked prefill beside decodes, greedy and sampled, then
     the same prompts and more, resuming from the cached prefixes (their blocks shared; Qwen3-Next from the snapshots
-    where the first prompts ended): the tokens of the rows layout."""
+    where the first prompts ended): the tokens of the rows layout. DeepSeek's latent cache pages alike."""
     path = request.getfixturevalue(f"{arch}_dir")
     rows = sluice.load(path, device="cpu", prefill_chunk=32, kv_page=0, prefix_cache=False, kv_cache=kind)
     paged = sluice.load(path, device="cpu", prefill_chunk=32, kv_page=32, kv_cache=kind)
@@ -73,7 +80,7 @@ def test_paged_engine_gives_the_tokens_of_rows(arch, kind, request):
     assert table is not None and table.page == 32
     stats = paged.engine.rows.stats
     assert stats.hits >= (len(prompts) if kind == "dense" else 1)  # TurboQuant's rings: a few snapshot slots
-    if arch == "llama" and kind == "dense":  # prefixes resumed anywhere: whole blocks shared, not copied
+    if arch != "qwen" and kind == "dense":  # prefixes resumed anywhere: whole blocks shared, not copied
         assert any(r > 1 for r in table.refs.values())
 
 

@@ -20,17 +20,48 @@ from __future__ import annotations
 
 import torch
 
+from sluice.cache.blocks import BlockTable
 from sluice.cache.kv import KVCache
 from sluice.kernels.mla import kernels as mla_kernels
 from sluice.kernels.mla.reference import absorbed_attention, decompressed_attention
 
 
 class LatentCache(KVCache):
+    PAGEABLE = True
+
     def __init__(self, num_layers: int, rows: int, kv_lora_rank: int, rope_dim: int, capacity: int,
-                 dtype: torch.dtype, device: torch.device | str = "cpu"):
+                 dtype: torch.dtype, device: torch.device | str = "cpu", page: int | None = None,
+                 blocks: int | None = None):
         super().__init__(num_layers, rows, 1, kv_lora_rank + rope_dim, capacity)
         self.kv_lora_rank, self.rope_dim = kv_lora_rank, rope_dim
-        self.latent = torch.zeros(num_layers, rows, capacity, kv_lora_rank + rope_dim, dtype=dtype, device=device)
+        C = kv_lora_rank + rope_dim
+        if page is not None:  # paged: [layers, blocks + 1, page, C], the last block scratch (`cache/blocks.py`)
+            self.table = BlockTable(rows, blocks, page, capacity, device)
+            self.max_positions = self.capacity = self.table.max_positions
+            self.latent = torch.zeros(num_layers, blocks + 1, page, C, dtype=dtype, device=device)
+        else:
+            self.latent = torch.zeros(num_layers, rows, capacity, C, dtype=dtype, device=device)
+
+    def _row(self, layer: int, row: int, end: int) -> torch.Tensor:
+        """Positions 0..end-1 of a row, [end, C]: a view of its row, or its blocks gathered (paged)."""
+        if self.table is None:
+            return self.latent[layer][row, :end]
+        blocks = self.table.device[row, :self.table.blocks_for(end)].long()
+        return self.latent[layer].index_select(0, blocks).flatten(0, 1)[:end]
+
+    def _store(self, layer: int, rows: torch.Tensor, positions: torch.Tensor, new: torch.Tensor, meta=None) -> None:
+        """new [N, C] at cache rows `rows`, positions `positions` (device tensors [N]); paged, their blocks and slots
+        derived once a forward where `meta` is given (`meta.once`)."""
+        if self.table is None:
+            self.latent[layer][rows, positions] = new
+            return
+        page, table = self.table.page, self.table.device
+
+        def where():
+            return table[rows.long(), (positions // page).long()].long(), positions % page
+
+        blocks, slots = where() if meta is None else meta.once("latent_store", where)
+        self.latent[layer][blocks, slots] = new
 
     def bytes_per_token(self) -> int:
         return self.num_layers * self.head_dim * self.latent.element_size()
@@ -41,8 +72,21 @@ class LatentCache(KVCache):
         return True
 
     def copy_prefix(self, src: int, dst: int, n: int, into: LatentCache) -> None:
-        """Positions 0..n-1 of row src into row dst of `into` (this cache or another of the same layout)."""
-        into.latent[:, dst, :n].copy_(self.latent[:, src, :n])
+        """Positions 0..n-1 of row src into row dst of `into` (this cache or another of the same layout); paged,
+        within one cache, whole blocks shared and a partial last one copied."""
+        if self.table is None:
+            into.latent[:, dst, :n].copy_(self.latent[:, src, :n])
+        elif into is self:
+            if not self.table.share(src, dst, n, self._copy_block):
+                raise RuntimeError("no free KV block for a prefix's last block")
+        else:
+            if not into.table.ensure(dst, n):
+                raise RuntimeError("no free KV blocks for a prefix")
+            for a, b in zip(self.table.owned[src][:self.table.blocks_for(n)], into.table.owned[dst]):
+                into.latent[:, b].copy_(self.latent[:, a])
+
+    def _copy_block(self, src: int, dst: int) -> None:
+        self.latent[:, dst].copy_(self.latent[:, src])
 
     def attend(self, layer: int, q_nope, q_pe, c, k_pe, meta, scale: float, w_uk, w_uv) -> torch.Tensor:
         """Store the new tokens' latents c [B, T, R] and roped keys k_pe [B, T, rope] at meta's rows and positions
@@ -56,29 +100,41 @@ class LatentCache(KVCache):
             B, T = c.shape[:2]
             end = meta.start + T
             self.slots(meta.start, end)  # the capacity check
-            rows = cache[meta.row0:meta.row0 + B]
-            rows[:, meta.start:end] = new
             R = self.kv_lora_rank
+            if self.table is None:
+                rows = cache[meta.row0:meta.row0 + B]
+                rows[:, meta.start:end] = new
+            else:  # paged: each row's chunk stored through its table, its positions gathered
+                p = torch.arange(meta.start, end, device=c.device)
+                for b in range(B):
+                    self._store(layer, torch.full_like(p, meta.row0 + b), p, new[b])
+                rows = torch.stack([self._row(layer, meta.row0 + b, end) for b in range(B)])
             return decompressed_attention(q_nope, q_pe, rows[:, :end, :R], rows[:, :end, R:], w_uk, w_uv, scale)
         if meta.rows_host is not None and not cache.is_cuda:  # one row at a time, exactly its positions
             out = []
             for i, (row, pos) in enumerate(zip(meta.rows_host, meta.positions_host)):
                 if pos >= self.max_positions:
                     raise IndexError(f"KV cache holds {self.max_positions} positions, asked to write {pos}")
-                cache[row, pos] = new[i, 0]
-                out.append(absorbed_attention(q_nope[i:i + 1], q_pe[i:i + 1], cache[row:row + 1, :pos + 1], w_uk,
-                                              w_uv, scale))
+                self._store(layer, torch.tensor([row]), torch.tensor([pos]), new[i])
+                out.append(absorbed_attention(q_nope[i:i + 1], q_pe[i:i + 1], self._row(layer, row, pos + 1)[None],
+                                              w_uk, w_uv, scale))
             return torch.cat(out)
         # on a GPU (captured or not, the same path): all rows over the visible positions, masked
         rows, pos = meta.rows.long(), meta.last_positions.long()
-        cache[rows, pos] = new[:, 0]
+        self._store(layer, rows, pos, new[:, 0], meta)
         visible = min(meta.visible, self.capacity)
+        table = None if self.table is None else self.table.device
         if self.use_decode_kernel(q_nope) and mla_kernels():  # the split-K Triton kernel over the stored latents
             from sluice.kernels.mla.triton import absorbed_decode
 
             return absorbed_decode(q_nope[:, 0], q_pe[:, 0], cache, meta.rows, meta.last_positions.contiguous(),
-                                   visible, w_uk, w_uv, scale)[:, None]
-        return absorbed_attention(q_nope, q_pe, cache[rows, :visible], w_uk, w_uv, scale, meta.positions)
+                                   visible, w_uk, w_uv, scale, table=table)[:, None]
+        if table is None:
+            seen = cache[rows, :visible]
+        else:  # each row's blocks gathered
+            nb = self.table.blocks_for(visible)
+            seen = cache[table[rows, :nb].long()].flatten(1, 2)[:, :visible]
+        return absorbed_attention(q_nope, q_pe, seen, w_uk, w_uv, scale, meta.positions)
 
     def _attend_flat(self, layer, q_nope, q_pe, c, k_pe, meta, scale, w_uk, w_uv):
         """A flat forward (B = 1): the decode tokens as one decode step, each prompt chunk as its own prefill; the
@@ -97,10 +153,10 @@ class LatentCache(KVCache):
 
 
 def make_latent_cache(kind: str, num_layers: int, rows: int, kv_lora_rank: int, rope_dim: int, capacity: int,
-                      dtype: torch.dtype, device) -> LatentCache:
+                      dtype: torch.dtype, device, page: int | None = None, blocks: int | None = None) -> LatentCache:
     """The cache of an MLA model for KV cache kind `kind`: "dense" (the default kind) is the latent cache in the
     model's dtype; other kinds (TurboQuant codes of per-head K/V) do not apply to latents: ValueError."""
     if kind != "dense":
         raise ValueError(f"multi-head latent attention keeps a latent cache; the {kind!r} KV cache does not apply "
                          "to it")
-    return LatentCache(num_layers, rows, kv_lora_rank, rope_dim, capacity, dtype, device)
+    return LatentCache(num_layers, rows, kv_lora_rank, rope_dim, capacity, dtype, device, page, blocks)

@@ -197,11 +197,11 @@ class DeepseekModel(nn.Module):
 
     def new_cache(self, rows: int, capacity: int, dtype: torch.dtype, device, kind: str = "dense",
                   page: int | None = None, blocks: int | None = None) -> CachePool:
-        """Caches for `rows` sequences of up to `capacity` positions (and the pool's scratch row): the latent cache
-        (whole rows: not paged yet, `page` and `blocks` are ignored)."""
+        """Caches for `rows` sequences of up to `capacity` positions (and the pool's scratch row): the latent cache,
+        in `blocks` blocks of `page` positions when `page` is given (`cache/blocks.py`)."""
         c = self.cfg
         kv = make_latent_cache(kind, c.num_layers, rows + 1, c.kv_lora_rank, c.qk_rope_head_dim, capacity, dtype,
-                               device)
+                               device, page, blocks)
         return CachePool(kv, None, rows)
 
     def check_cache_kind(self, kind: str) -> None:

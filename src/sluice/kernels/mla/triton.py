@@ -55,10 +55,11 @@ LOG2E = 1.4426950408889634
 
 
 @triton.jit
-def _mla_split_kernel(ql_ptr, qp_ptr, kv_ptr, pos_ptr, rows_ptr, op_ptr, ml_ptr, scale_log2, H, n_hb, per_split, cap,
+def _mla_split_kernel(ql_ptr, qp_ptr, kv_ptr, pos_ptr, rows_ptr, tab_ptr, op_ptr, ml_ptr, scale_log2, H, n_hb,
+                      per_split, cap, page, stride_tab,
                       stride_lb, stride_lh, stride_pb, stride_ph, stride_kr, stride_kt,
                       R: tl.constexpr, P: tl.constexpr, BR: tl.constexpr, BP: tl.constexpr, BH: tl.constexpr,
-                      BLOCK_N: tl.constexpr, TC: tl.constexpr, PDL: tl.constexpr):
+                      BLOCK_N: tl.constexpr, TC: tl.constexpr, PAGED: tl.constexpr, PDL: tl.constexpr):
     pdl_start(PDL)  # q and the cache come from the kernels before
     bh = tl.program_id(0)  # head blocks fastest: the programs of one (sequence, split) run side by side (L2)
     split = tl.program_id(1)
@@ -85,7 +86,11 @@ def _mla_split_kernel(ql_ptr, qp_ptr, kv_ptr, pos_ptr, rows_ptr, op_ptr, ml_ptr,
     for n0 in range(start, stop, BLOCK_N):
         j = n0 + tl.arange(0, BLOCK_N)
         valid = j < stop
-        tile = base + j[:, None].to(tl.int64) * stride_kt
+        if PAGED:  # the block of this tile's positions (a tile never straddles two: page % BLOCK_N == 0)
+            blk = tl.load(tab_ptr + row * stride_tab + n0 // page).to(tl.int64)
+            tile = kv_ptr + blk * stride_kr + (j % page)[:, None].to(tl.int64) * stride_kt
+        else:
+            tile = base + j[:, None].to(tl.int64) * stride_kt
         c = tl.load(tile + r[None, :], mask=_cols(valid, r, R, BR), other=0.0)  # [BLOCK_N, R]: K and V
         kp = tl.load(tile + R + e[None, :], mask=_cols(valid, e, P, BP), other=0.0)  # [BLOCK_N, P]
         s = _dot(q_lat, tl.trans(c), TC) + _dot(q_pe, tl.trans(kp), TC)
@@ -176,7 +181,7 @@ def mla_decode(q_lat: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor, row
                positions: torch.Tensor, visible: int, scale: float, *, splits: int | None = None,
                block_n: int = 32, block_h: int | None = None, num_warps: int | None = None, num_stages: int = 2,
                min_per_split: int = 128, merge_elems: int = MERGE_ELEMS, out_dtype: torch.dtype | None = None,
-               pdl: bool = False) -> torch.Tensor:
+               pdl: bool = False, table: torch.Tensor | None = None) -> torch.Tensor:
     """Absorbed MLA decode attention. q_lat [B, H, R] (W_UK folded in), q_pe [B, H, P] (roped), unit last strides;
     cache [rows, capacity, R + P] (one layer of `LatentCache.latent`: [latent | roped key] per position, unit last
     stride); rows, positions: contiguous int32/int64 [B] on the device (query b reads cache row rows[b], positions
@@ -184,7 +189,10 @@ def mla_decode(q_lat: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor, row
     positions any query sees (sizes the splits; clamped to the capacity). Returns o_lat = softmax((q_lat . c +
     q_pe . k_pe) * scale) . c, [B, H, R] in out_dtype (default q_lat's). The rest (splits, block_n positions a
     step, block_h heads a program, warps, stages, the shortest split, the merge's load size, programmatic
-    dependent launch where the GPU has it) default to the sizes the module docstring reasons out."""
+    dependent launch where the GPU has it) default to the sizes the module docstring reasons out. Paged (`table`,
+    int32 [rows, max blocks] on the device, `cache/blocks.py`): cache is blocks [N, page, R + P], and query b's
+    position j sits in block table[rows[b], j // page] at slot j % page (the tiles' block_n a divisor of the
+    page)."""
     if q_lat.dim() != 3 or q_pe.dim() != 3 or q_pe.shape[:2] != q_lat.shape[:2]:
         raise ValueError(f"mla decode: q_lat [B, H, R] and q_pe [B, H, P] must share B and H, got "
                          f"{tuple(q_lat.shape)} and {tuple(q_pe.shape)}")
@@ -214,7 +222,15 @@ def mla_decode(q_lat: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor, row
         raise ValueError(f"mla decode: splits must be >= 1, got {splits}")
     if block_n < 16 or block_n & (block_n - 1) or (block_h is not None and (block_h < 16 or block_h & (block_h - 1))):
         raise ValueError(f"mla decode: block_n and block_h must be powers of two >= 16, got {block_n}, {block_h}")
-    visible = min(visible, cache.shape[1])
+    if table is not None:  # a tile within one block: block_n divides the page
+        block_n = math.gcd(block_n, cache.shape[1])
+        if (table.dim() != 2 or table.dtype != torch.int32 or table.stride(-1) != 1 or table.device != cache.device
+                or block_n < 16):
+            raise ValueError(f"mla decode: a block table must be int32 [rows, blocks] with a unit last stride on the "
+                             f"cache's device, the page ({cache.shape[1]}) a multiple of 16")
+    page = cache.shape[1]
+    capacity = page if table is None else page * table.shape[1]  # positions a row holds
+    visible = min(visible, capacity)
     BR, BP = max(16, triton.next_power_of_2(R)), max(16, triton.next_power_of_2(P))
     BH = block_h or (16 if H <= 16 else 32)
     n_hb = triton.cdiv(H, BH)
@@ -230,9 +246,11 @@ def mla_decode(q_lat: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor, row
     ml = torch.empty((B * n_hb, ns, 2, BH), dtype=torch.float32, device=device)
     use_pdl = pdl and pdl_available(device)
     _mla_split_kernel[(B * n_hb, ns)](
-        q_lat, q_pe, cache, positions, rows, op, ml, scale * LOG2E, H, n_hb, per_split, cache.shape[1],
+        q_lat, q_pe, cache, positions, rows, positions if table is None else table, op, ml, scale * LOG2E, H, n_hb,
+        per_split, capacity, page, 0 if table is None else table.stride(0),
         q_lat.stride(0), q_lat.stride(1), q_pe.stride(0), q_pe.stride(1), cache.stride(0), cache.stride(1),
-        R=R, P=P, BR=BR, BP=BP, BH=BH, BLOCK_N=block_n, TC=not INTERPRET, PDL=use_pdl, launch_pdl=use_pdl,
+        R=R, P=P, BR=BR, BP=BP, BH=BH, BLOCK_N=block_n, TC=not INTERPRET, PAGED=table is not None, PDL=use_pdl,
+        launch_pdl=use_pdl,
         num_warps=warps, num_stages=num_stages)
     o = torch.empty((B, H, R), dtype=out_dtype or q_lat.dtype, device=device)
     # the merge: coordinate blocks small enough that one load holds every split's partials (<= 64 KB a program),
@@ -255,11 +273,12 @@ def applies(cache: torch.Tensor) -> bool:
 
 def absorbed_decode(q_nope: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor, rows: torch.Tensor,
                     positions: torch.Tensor, visible: int, w_uk: torch.Tensor, w_uv: torch.Tensor,
-                    scale: float) -> torch.Tensor:
+                    scale: float, table: torch.Tensor | None = None) -> torch.Tensor:
     """The whole folded decode of `reference.absorbed_attention` through the kernel: q_nope [B, H, nope], q_pe
-    [B, H, P] (one query per sequence), cache [rows, capacity, R + P], w_uk [H, nope, R], w_uv [H, v, R]; the
+    [B, H, P] (one query per sequence), cache [rows, capacity, R + P] (or paged: blocks through `table`), w_uk
+    [H, nope, R], w_uv [H, v, R]; the
     products in the cache's dtype, as the reference takes them. Returns [B, H, v] in q_nope's dtype."""
     dt = cache.dtype
     q_lat = torch.einsum("bhn,hnr->bhr", q_nope.to(dt), w_uk.to(dt))  # q' = W_UK^T q_nope, per head
-    o_lat = mla_decode(q_lat, q_pe.to(dt).contiguous(), cache, rows, positions, visible, scale)
+    o_lat = mla_decode(q_lat, q_pe.to(dt).contiguous(), cache, rows, positions, visible, scale, table=table)
     return torch.einsum("bhr,hvr->bhv", o_lat, w_uv.to(dt)).to(q_nope.dtype)
