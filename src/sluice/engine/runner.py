@@ -15,6 +15,7 @@ waits on the host; the host reads the sampled ids only.
 
 from __future__ import annotations
 
+import logging
 import os
 
 import torch
@@ -24,6 +25,8 @@ from sluice.engine.batch import FlatBatch, ForwardMeta, on_device
 from sluice.engine.memory import ACTIVATION_RESERVE, GRAPH_MARGIN, MemoryPlan
 from sluice.engine.piecewise import PiecewiseGraph, Staging, WholeGraph
 from sluice.errors import InvalidOptionError
+
+log = logging.getLogger("sluice.engine")
 
 
 def available_memory(device: torch.device) -> int:
@@ -145,9 +148,12 @@ class ModelRunner:
         """Bytes a GPU keeps beside the weights and the caches for the steps' activations and CUDA graphs, measured
         once (vLLM's profile run): `profile_step`'s peak allocation over what was allocated before, twice (the
         piecewise graphs' private pool holds about as much again), plus `GRAPH_MARGIN`. 0 off a GPU;
-        `ACTIVATION_RESERVE` if the step cannot be made."""
+        `ACTIVATION_RESERVE` with streamed experts (a step of that many tokens stages whole layers of them, from disk
+        perhaps) or if the step fails (logged)."""
         if self.device.type != "cuda":
             return 0
+        if self._reserve is None and self._streams_experts():
+            self._reserve = ACTIVATION_RESERVE
         if self._reserve is None:
             try:
                 torch.cuda.synchronize(self.device)
@@ -156,7 +162,9 @@ class ModelRunner:
                 self.profile_step()
                 torch.cuda.synchronize(self.device)
                 self._reserve = 2 * (torch.cuda.max_memory_allocated(self.device) - base) + GRAPH_MARGIN
-            except (torch.OutOfMemoryError, RuntimeError, ValueError):
+            except Exception as error:  # the plan goes on with the fixed reserve; a broken device fails later anyway
+                log.warning("the memory plan's profile step failed (%s: %s); reserving %.1f GiB for activations",
+                            type(error).__name__, error, ACTIVATION_RESERVE / 2**30)
                 self._reserve = ACTIVATION_RESERVE
         return self._reserve
 
