@@ -176,3 +176,32 @@ def test_server_with_few_blocks_answers_everyone(demo_gguf_path):
     assert got == want
     blocks = health["kv_blocks"]
     assert blocks["page"] == 32 and blocks["blocks"] == 5 and 0 <= blocks["free"] <= 5
+
+
+def test_no_request_waits_forever_for_blocks(llama_dir):
+    """Cached prefixes whose blocks are shared (a prompt and its longer twin) hold every block: an unrelated request
+    is still admitted, the prefixes evicted for it; a request that resumes from the only prefix in a pool with no
+    free block takes what it can."""
+    model = sluice.load(llama_dir, device="cpu", prefill_chunk=64, kv_page=32, kv_blocks=8, max_batch=4,
+                        max_seq_len=256)
+    engine, vocab = model.engine, model.config.vocab_size
+    a = ids(200, 1, vocab)
+    outputs(model, [a], max_tokens=1)
+    outputs(model, [a + ids(18, 2, vocab)], max_tokens=2)
+    assert engine.rows.blocks.free_blocks == 0
+    assert outputs(model, [ids(100, 3, vocab)], max_tokens=4)  # evicts what it needs
+    assert outputs(model, [a + ids(40, 4, vocab)], max_tokens=4)
+    assert not engine.has_work()
+
+
+def test_bad_block_counts_and_an_empty_step(llama_dir):
+    """kv_blocks below one longest sequence is refused; a step before any pool (a request for no tokens) works."""
+    from sluice.errors import InvalidOptionError
+
+    few = sluice.load(llama_dir, device="cpu", kv_page=32, kv_blocks=2, max_seq_len=128)
+    with pytest.raises(InvalidOptionError, match="kv_blocks=2"):
+        few.engine.reserve()
+    model = sluice.load(llama_dir, device="cpu", kv_page=32)
+    seq = model.engine.add_request([1, 2, 3], max_tokens=0)
+    out = model.engine.step()
+    assert seq.finished and [o.seq for o in out] == [seq]

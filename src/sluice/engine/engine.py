@@ -143,11 +143,14 @@ class Engine:
         if self.runner.pool is None and not self.scheduler.running:
             self._build_pool(self.config.max_batch, self.max_length, spare=None)
 
-    def memory_plan(self) -> dict:
+    def memory_plan(self, make: bool = True) -> dict:
         """How the engine's caches use the device (`engine/memory.py`): the pool's plan, or, before there is a pool,
-        the plan `reserve()` would make (`max_batch` rows of `max_length` positions); {"error": why} if that does not
+        the plan `reserve()` would make (`max_batch` rows of `max_length` positions; {} with make=False: planning may
+        run a profile step on the device, which only the engine's own thread may do); {"error": why} if that does not
         fit."""
         plan = self.runner.plan if self.runner.pool is not None else None
+        if plan is None and not make:
+            return {}
         if plan is None:
             try:
                 plan = self.runner.plan_pool(self.config.max_batch, self.max_length, spare=None)
@@ -181,8 +184,8 @@ class Engine:
         at once)."""
         old = self._rows
         spare = spare if self.prefix_caching else 0
-        try:
-            self.runner.build_pool(rows, capacity, spare)
+        try:  # planned as if the old pool were gone (it is once its entries are carried over)
+            self.runner.build_pool(rows, capacity, spare, reclaim=0 if old is None else old.pool.nbytes())
         except InvalidOptionError:
             if old is None or not old.entries:
                 raise
@@ -283,7 +286,7 @@ class Engine:
         self.scheduler.admit(self.rows)
         in_flight = {} if ahead is None else {s.id: 1 for s in ahead.seqs if not s.finished}
         decodes, chunks = self.scheduler.schedule(in_flight)
-        if self.rows.blocks is not None:
+        if self.rows is not None and self.rows.blocks is not None:
             decodes, chunks, ahead, in_flight = self._reserve(decodes, chunks, ahead, in_flight)
         self._stepping = ([] if ahead is None else list(ahead.seqs)) + decodes + [seq for seq, _, _ in chunks]
         timing = self.timing = {"plan": time.perf_counter() - clock}
@@ -337,7 +340,8 @@ class Engine:
             else:
                 if len(self.scheduler.running) < 2:
                     raise RuntimeError("a sequence alone does not find the KV blocks its positions need")
-                victim = self.scheduler.running[-1]
+                running = self.scheduler.running
+                victim = next((s for s in reversed(running) if not s.isolated), running[-1])
                 log.info("KV blocks ran out: request %d preempted (it resumes later)", victim.id)
                 self.preemptions += 1
                 self.scheduler.preempt(victim, self.rows, isolate=False)

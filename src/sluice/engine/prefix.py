@@ -136,11 +136,16 @@ class PrefixCache:
         if self.enabled and not seq.isolated:
             self.stats.requests += 1
             self.stats.prompt_tokens += len(ids)
+        if hit is not None and self.blocks is not None and hit[1] % self.blocks.page and \
+                not self.make_room(1, keep=hit[3]):  # no block for the partial last block's copy
+            if self.stateful:  # the row state is known at r only
+                hit = None
+            else:  # whole blocks only: the rest is prefilled again
+                r = hit[1] - hit[1] % self.blocks.page
+                hit = (*hit[:1], r, *hit[2:]) if r else None
         if hit is not None and (self.pool.free_rows or hit[3] is None):  # copied into a row of its own
             src, r, slot, entry = hit
             row = self.pool.allocate() if self.pool.free_rows else self._evict_lru(keep=entry)
-            if self.blocks is not None and r % self.blocks.page:
-                self.make_room(1, keep=entry)  # the partial last block is copied
             self.pool.copy_prefix(src, row, r)
             self._restore_states(src, slot, row)
             if entry is not None:
@@ -151,8 +156,7 @@ class PrefixCache:
             row = entry.row
             self._restore_states(src, slot, row)
             if self.blocks is not None:  # its positions from r on are written again: blocks of its own there
-                self.make_room(1)
-                if not self.blocks.truncate(row, r, self.pool.kv._copy_block):
+                if not self.blocks.truncate(row, r, self.pool.kv._copy_block):  # (a block was made free above)
                     raise RuntimeError("no free KV block to take a cached prefix's row over")
             # the row's first r positions stay: snapshots within them still hold, and go with the sequence
             seq.snapshots = [(p, s) for p, s in entry.snapshots if p <= r]
@@ -183,18 +187,21 @@ class PrefixCache:
 
     def fits(self, seq, running=()) -> bool:
         """Whether a waiting sequence's prompt finds the KV blocks it needs (past a cached prefix it would resume
-        from), free or held only by cached prefixes; always with an unpaged cache."""
-        if self.blocks is None:
+        from), free or held by cached prefixes alone (their every holder an entry); always with an unpaged cache, and
+        when nothing runs (every entry can then give way: a pool holds at least one longest sequence)."""
+        if self.blocks is None or not running:
             return True
         ids = seq.prefill_ids
         hit = self._match(ids, running) if self.enabled and not seq.isolated else None
         need = self.blocks.blocks_for(len(ids)) - (0 if hit is None else hit[1] // self.blocks.page)
         if need <= self.blocks.free_blocks:
             return True
-        refs, owned = self.blocks.refs, self.blocks.owned
-        evictable = sum(refs.get(b) == 1 for e in self.entries if hit is None or e is not hit[3]
-                        for b in owned[e.row])
-        return need <= self.blocks.free_blocks + evictable
+        holders: dict[int, int] = {}
+        for e in self.entries:
+            for b in self.blocks.owned[e.row]:
+                holders[b] = holders.get(b, 0) + 1
+        freeable = sum(n == self.blocks.refs.get(b) for b, n in holders.items())
+        return need <= self.blocks.free_blocks + freeable
 
     def reserve(self, seq, positions: int) -> bool:
         """Give seq's row the KV blocks for its positions 0..positions-1 (a paged cache), cached prefixes evicted

@@ -83,7 +83,7 @@ class ModelRunner:
         return self.config.graphs and self.device.type == "cuda" and self._capturable
 
     # -- the cache pool -------------------------------------------------------------------------------------
-    def plan_pool(self, rows: int, capacity: int, spare: int | None = 0) -> MemoryPlan:
+    def plan_pool(self, rows: int, capacity: int, spare: int | None = 0, reclaim: int = 0) -> MemoryPlan:
         """How the caches of `rows` sequences running at once, of `capacity` positions each, would use the device
         (`engine/memory.py`), without making them: `spare` rows more that only hold cached prefixes
         (`engine/prefix.py`; None: on a GPU, as many as `SPARE_SHARE` of the memory left after the pool holds, at
@@ -94,7 +94,11 @@ class ModelRunner:
         A paged KV cache (`EngineConfig.page`) holds `kv_blocks` blocks, or by default enough for `rows` sequences
         of `capacity` positions, fewer if memory is short (never fewer than one sequence of `capacity` needs), and
         with spare rows `SPARE_PER_ROW` times as many more for cached prefixes, within `SPARE_SHARE` of the memory
-        left. InvalidOptionError when even that does not fit."""
+        left. InvalidOptionError when even that does not fit, or when `kv_blocks` holds fewer positions than one
+        sequence of `capacity`. `reclaim`: bytes of a pool about to be dropped, counted as free.
+
+        On a GPU the reserve for activations and graphs (`activation_reserve`) also takes one row's keys and values
+        of one layer at `capacity` positions: a paged prefill chunk that resumes late gathers its row's blocks."""
         kind = self.config.kv_cache
         page = self.config.page(self.device)
         per_seq = -(-capacity // page) if page else 0  # blocks a sequence of `capacity` positions takes
@@ -108,13 +112,19 @@ class ModelRunner:
         paged = probe.blocks is not None
         gpu = self.device.type == "cuda"
         budget = getattr(self.module, "memory_budget", None)
-        weights = torch.cuda.memory_allocated(self.device) if gpu else None
+        reclaim = reclaim if gpu else 0  # (on the CPU both pools would be touched at once: no OOM error, the killer)
+        weights = torch.cuda.memory_allocated(self.device) - reclaim if gpu else None
         reserve = self.activation_reserve()
-        free = available_memory(self.device) - reserve
+        if paged and gpu:
+            reserve += probe.kv.bytes_per_token() // max(1, probe.kv.num_layers) * capacity
+        free = available_memory(self.device) + reclaim - reserve
         if budget is not None and gpu:
             free = min(free, budget - weights - reserve)
         budgeted = budget is not None or self._streams_experts()
         blocks = self.config.kv_blocks if paged else None
+        if blocks is not None and blocks < per_seq:
+            raise InvalidOptionError(f"kv_blocks={blocks} holds {blocks * page} positions, fewer than one sequence of "
+                                     f"{capacity} may need; give at least {per_seq} or a smaller max_seq_len.")
         if paged and blocks is None:
             per_block = size_of(rows, rows * per_seq + 1)[1] - need
             base = rows * per_seq
@@ -124,6 +134,7 @@ class ModelRunner:
                 blocks = base + min(SPARE_PER_ROW * base, int(SPARE_SHARE / 2 * (free - need)) // per_block)
             else:
                 blocks = base
+        if paged:
             need = size_of(rows, blocks)[1]
         if spare is None:  # not under a memory budget the user set, nor beside streamed experts
             per_row = size_of(rows + 1, blocks)[1] - need
@@ -184,7 +195,7 @@ class ModelRunner:
         ids, meta = batch.place(torch.zeros(FlatBatch.size(tokens, 1), dtype=torch.long, device=self.device))
         self.module(ids, pool, meta, self.dtype, last_only=True)
 
-    def build_pool(self, rows: int, capacity: int, spare: int | None = 0) -> None:
+    def build_pool(self, rows: int, capacity: int, spare: int | None = 0, reclaim: int = 0) -> None:
         """A new pool as `plan_pool` plans it (`self.plan`); the old pool, and its graphs, are dropped first."""
         # (no torch.cuda.empty_cache(): it frees the cuBLAS workspaces that graphs captured anywhere in the process,
         # this engine's or another's over the same weights, still write to)
@@ -194,7 +205,7 @@ class ModelRunner:
         # and a new graph memory pool: PyTorch refuses to capture into one whose every graph is gone (an internal
         # assert in the caching allocator; a DeepSeek engine whose pool grew hit it on its next capture)
         self._graph_memory = None
-        plan = self.plan_pool(rows, capacity, spare)
+        plan = self.plan_pool(rows, capacity, spare, reclaim)
         rows = plan.running + plan.spare
         try:
             self.pool = self.module.new_cache(rows, capacity, self.dtype, self.device, plan.kv_kind, page=plan.page,

@@ -50,7 +50,7 @@ def create_app(model, config: ServerConfig) -> FastAPI:
 
     @app.get("/health")
     async def health():
-        out = {"status": "ok", "model": gen.name, **loop.stats(), "memory": model.engine.memory_plan()}
+        out = {"status": "ok", "model": gen.name, **loop.stats(), "memory": model.engine.memory_plan(make=False)}
         if model.placement is not None:  # streamed experts: where they are, the hit rate so far (read off-loop)
             out["experts"] = await asyncio.to_thread(model.placement.summary)
         return out

@@ -507,8 +507,10 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, position
         num_stages = num_stages or (3 if triton.cdiv(visible, ns) >= 2048 else 2)
     else:
         block_n = block_n or (64 if D <= 128 else 32)
-        if table is not None and cap % block_n:
-            raise ValueError(f"decode attention: the page ({cap} positions) must be a multiple of {block_n}")
+        if table is not None:  # a tile within one block: the tile divides the page
+            block_n = math.gcd(block_n, cap)
+            if block_n < 16:
+                raise ValueError(f"decode attention: the page ({cap} positions) must be a multiple of 16")
         ns = splits or num_splits(Bp * Hkv, visible, q.device, block_n)
         num_stages = num_stages or 2
     # int8 tensor cores take 32 values along the summed dim: the scores need D / 2 >= 32, P V block_n >= 32
