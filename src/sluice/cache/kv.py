@@ -200,7 +200,7 @@ class DenseKVCache(KVCache):
     def _attend_flat(self, layer, q, k, v, meta, scale, gate):
         """Paged, a flat step in pieces: the decode tokens as the base class takes them; the prompt chunks stored in
         one go, then each attended over its row: a chunk that starts a row over its own keys, a later one over its
-        row's keys gathered (one gather for all of them). The blocks and slots are planned once a forward."""
+        row's keys gathered (a chunk at a time). The blocks and slots are planned once a forward."""
         if self.table is None or meta.static or not meta.parts:
             return super()._attend_flat(layer, q, k, v, meta, scale, gate)
         chunks = meta.parts
@@ -212,22 +212,21 @@ class DenseKVCache(KVCache):
         new_k, new_v = k[0, :, t0:t1].to(kl.dtype), v[0, :, t0:t1].to(vl.dtype)
         kl[where, :, slots] = new_k.transpose(0, 1)
         vl[where, :, slots] = new_v.transpose(0, 1)
-        if history is not None:
-            hk, hv = kl.index_select(0, history), vl.index_select(0, history)
         for (c0, c1, part), span in zip(chunks, spans):
             if span is None:  # the row's first positions: its own keys
                 keys, values = new_k[None, :, c0 - t0:c1 - t0], new_v[None, :, c0 - t0:c1 - t0]
-            else:
+            else:  # gathered a chunk at a time: one row's keys at once (the memory plan reserves that much)
                 b0, b1, end = span
-                keys, values = (x[b0:b1].transpose(0, 1).flatten(1, 2)[None, :, :end] for x in (hk, hv))
+                keys, values = (x.index_select(0, history[b0:b1]).transpose(0, 1).flatten(1, 2)[None, :, :end]
+                                for x in (kl, vl))
             oc = attention(q[:, :, c0:c1], keys, values, scale)
             o[:, :, c0:c1] = oc if gate is None else oc * torch.sigmoid(gate[:, :, c0:c1])
         return o
 
     def _chunk_plan(self, chunks, device):
         """Where a flat step's prompt chunks go in a paged cache and what they read: (block, slot) of every chunk
-        token, the blocks of the rows of chunks that start past position 0 (one gather), and per chunk None (it
-        starts its row) or (first, end of its blocks in that gather, its end position)."""
+        token, the blocks of the rows of chunks that start past position 0 (one list), and per chunk None (it starts
+        its row) or (first, end of its blocks in that list, its end position)."""
         table, page = self.table, self.table.page
         where, slots, history, spans = [], [], [], []
         for c0, c1, part in chunks:
