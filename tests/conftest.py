@@ -26,6 +26,28 @@ SLOW = {"test_batch_equals_each_sequence_alone", "test_gdn_triton_kernels_in_the
         "test_load_memory_benchmark_at_a_tiny_size", "test_pure_torch_path_matches_native_kernels"}
 
 
+# tiny checkpoints of the three architectures (seeded), for the engine tests that compare paths
+@pytest.fixture(scope="session")
+def llama_dir(tmp_path_factory):
+    from helpers import save_hf_dir, tiny_llama
+
+    return save_hf_dir(tiny_llama(seed=3), tmp_path_factory.mktemp("llama"))
+
+
+@pytest.fixture(scope="session")
+def qwen_dir(tmp_path_factory):
+    from test_qwen3_next import qwen3_next, save
+
+    return save(qwen3_next(seed=5), tmp_path_factory.mktemp("qwen"))
+
+
+@pytest.fixture(scope="session")
+def deepseek_dir(tmp_path_factory):
+    from test_deepseek import save, v3
+
+    return save(v3(seed=5, num_hidden_layers=2), tmp_path_factory.mktemp("deepseek") / "m")
+
+
 def pytest_configure(config):
     config.addinivalue_line("markers", "slow: left out by the quick subset, pytest -m 'not slow'")
 

@@ -10,25 +10,6 @@ import sluice
 from helpers import save_hf_dir, tiny_llama
 
 
-@pytest.fixture(scope="module")
-def llama_dir(tmp_path_factory):
-    return save_hf_dir(tiny_llama(seed=3), tmp_path_factory.mktemp("llama"))
-
-
-@pytest.fixture(scope="module")
-def qwen_dir(tmp_path_factory):
-    from test_qwen3_next import qwen3_next, save
-
-    return save(qwen3_next(seed=5), tmp_path_factory.mktemp("qwen"))
-
-
-@pytest.fixture(scope="module")
-def deepseek_dir(tmp_path_factory):
-    from test_deepseek import save, v3
-
-    return save(v3(seed=5, num_hidden_layers=2), tmp_path_factory.mktemp("deepseek") / "m")
-
-
 def load(path, **options):
     return sluice.load(path, device="cpu", prefill_chunk=32, **options)
 
