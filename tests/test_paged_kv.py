@@ -175,8 +175,14 @@ def test_no_request_waits_forever_for_blocks(llama_dir):
 
 
 def test_bad_block_counts_and_an_empty_step(llama_dir):
-    """kv_blocks below one longest sequence is refused; a step before any pool (a request for no tokens) works."""
+    """Pages not in 32s, block counts past int32 or below one longest sequence are refused, saying what to give; a
+    step before any pool (a request for no tokens) works."""
     from sluice.errors import InvalidOptionError
+
+    for options, match in (({"kv_page": 48}, "multiple of 32"), ({"kv_page": -32}, "multiple of 32"),
+                           ({"kv_blocks": 1 << 31}, "fewer than 2"), ({"kv_blocks": 0}, "integer >= 1")):
+        with pytest.raises(InvalidOptionError, match=match):
+            sluice.load(llama_dir, device="cpu", **options)
 
     few = sluice.load(llama_dir, device="cpu", kv_page=32, kv_blocks=2, max_seq_len=128)
     with pytest.raises(InvalidOptionError, match="kv_blocks=2"):

@@ -94,8 +94,33 @@ class KVCache:
         return False
 
     def copy_prefix(self, src: int, dst: int, n: int, into: "KVCache") -> None:
-        """Positions 0..n-1 of row src into row dst of `into` (this cache or another of the same layout)."""
+        """Positions 0..n-1 of row src into row dst of `into` (this cache or another of the same layout). Paged:
+        within this cache the whole blocks shared and a partial last one copied (`BlockTable.share`); into another,
+        block by block into blocks of its own. Whole rows: `copy_rows`."""
+        if self.table is None:
+            self.copy_rows(src, dst, n, into)
+        elif into is self:
+            if not self.table.share(src, dst, n, self.copy_block):
+                raise RuntimeError("no free KV block for a prefix's last block")
+        else:
+            if not into.table.ensure(dst, n):
+                raise RuntimeError("no free KV blocks for a prefix")
+            for a, b in zip(self.table.owned[src][:self.table.blocks_for(n)], into.table.owned[dst]):
+                for x, y in zip(self.block_tensors(), into.block_tensors()):
+                    y[:, b].copy_(x[:, a])
+
+    def copy_rows(self, src: int, dst: int, n: int, into: "KVCache") -> None:
+        """`copy_prefix` in the whole-rows layout."""
         raise NotImplementedError
+
+    def block_tensors(self) -> tuple[torch.Tensor, ...]:
+        """Paged: the tensors that hold the blocks, [layers, blocks + 1, ...]."""
+        return ()
+
+    def copy_block(self, src: int, dst: int) -> None:
+        """Paged: block src's contents into block dst (`BlockTable.share`, `truncate`)."""
+        for t in self.block_tensors():
+            t[:, dst].copy_(t[:, src])
 
     def row_state(self) -> list[torch.Tensor]:
         """Tensors [layers, rows, ...] a row holds that are not its positions' (a TurboQuant ring): copied whole
@@ -296,23 +321,12 @@ class DenseKVCache(KVCache):
     def supports_prefix(self) -> bool:
         return self.window is None
 
-    def copy_prefix(self, src, dst, n, into):
-        if self.table is None:
-            into.k[:, dst, :, :n].copy_(self.k[:, src, :, :n])
-            into.v[:, dst, :, :n].copy_(self.v[:, src, :, :n])
-        elif into is self:  # whole blocks shared, a partial last one copied
-            if not self.table.share(src, dst, n, self._copy_block):
-                raise RuntimeError("no free KV block for a prefix's last block")
-        else:  # another pool: block by block into blocks of its own
-            if not into.table.ensure(dst, n):
-                raise RuntimeError("no free KV blocks for a prefix")
-            for a, b in zip(self.table.owned[src][:self.table.blocks_for(n)], into.table.owned[dst]):
-                into.k[:, b].copy_(self.k[:, a])
-                into.v[:, b].copy_(self.v[:, a])
+    def copy_rows(self, src, dst, n, into):
+        into.k[:, dst, :, :n].copy_(self.k[:, src, :, :n])
+        into.v[:, dst, :, :n].copy_(self.v[:, src, :, :n])
 
-    def _copy_block(self, src: int, dst: int) -> None:
-        self.k[:, dst].copy_(self.k[:, src])
-        self.v[:, dst].copy_(self.v[:, src])
+    def block_tensors(self):
+        return (self.k, self.v) if self.table is not None else ()
 
     def static_flat(self, layer, q, k, v, meta, scale, gate=None):
         from sluice.kernels.attention.triton import decode_attention

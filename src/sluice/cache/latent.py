@@ -71,22 +71,11 @@ class LatentCache(KVCache):
         """A row's first positions can be copied into another row to go on from there (a prefix cache)."""
         return True
 
-    def copy_prefix(self, src: int, dst: int, n: int, into: LatentCache) -> None:
-        """Positions 0..n-1 of row src into row dst of `into` (this cache or another of the same layout); paged,
-        within one cache, whole blocks shared and a partial last one copied."""
-        if self.table is None:
-            into.latent[:, dst, :n].copy_(self.latent[:, src, :n])
-        elif into is self:
-            if not self.table.share(src, dst, n, self._copy_block):
-                raise RuntimeError("no free KV block for a prefix's last block")
-        else:
-            if not into.table.ensure(dst, n):
-                raise RuntimeError("no free KV blocks for a prefix")
-            for a, b in zip(self.table.owned[src][:self.table.blocks_for(n)], into.table.owned[dst]):
-                into.latent[:, b].copy_(self.latent[:, a])
+    def copy_rows(self, src: int, dst: int, n: int, into: LatentCache) -> None:
+        into.latent[:, dst, :n].copy_(self.latent[:, src, :n])
 
-    def _copy_block(self, src: int, dst: int) -> None:
-        self.latent[:, dst].copy_(self.latent[:, src])
+    def block_tensors(self):
+        return (self.latent,) if self.table is not None else ()
 
     def attend(self, layer: int, q_nope, q_pe, c, k_pe, meta, scale: float, w_uk, w_uv) -> torch.Tensor:
         """Store the new tokens' latents c [B, T, R] and roped keys k_pe [B, T, rope] at meta's rows and positions

@@ -69,33 +69,17 @@ class TurboQuantKVCache(KVCache):
     def supports_prefix(self) -> bool:
         return self.window is None
 
-    def copy_prefix(self, src, dst, n, into):
+    def copy_rows(self, src, dst, n, into):
         """The codes and scales of positions 0..n-1 (the values' groups of four whole: the rest of the last group
-        is written again as the destination goes on); the exact ring is row state (`row_state`). Paged: within this
-        cache the whole blocks shared and a partial last one copied (`BlockTable.share`); into another, block by
-        block into blocks of its own."""
-        if self.table is None:
-            groups = -(-n // 4)
-            for a, b, m in ((self.k_codes, into.k_codes, n), (self.v_codes, into.v_codes, groups),
-                            (self.k_scale, into.k_scale, n), (self.v_scale, into.v_scale, n)):
-                b[:, dst, :, :m].copy_(a[:, src, :, :m])
-        elif into is self:
-            if not self.table.share(src, dst, n, self._copy_block):
-                raise RuntimeError("no free KV block for a prefix's last block")
-        else:
-            if not into.table.ensure(dst, n):
-                raise RuntimeError("no free KV blocks for a prefix")
-            for a, b in zip(self.table.owned[src][:self.table.blocks_for(n)], into.table.owned[dst]):
-                for x, y in zip(self._blocks(), into._blocks()):
-                    y[:, b].copy_(x[:, a])
+        is written again as the destination goes on); the exact ring is row state (`row_state`)."""
+        groups = -(-n // 4)
+        for a, b, m in ((self.k_codes, into.k_codes, n), (self.v_codes, into.v_codes, groups),
+                        (self.k_scale, into.k_scale, n), (self.v_scale, into.v_scale, n)):
+            b[:, dst, :, :m].copy_(a[:, src, :, :m])
 
-    def _blocks(self) -> tuple[torch.Tensor, ...]:
-        """What a paged cache keeps in blocks: the codes and scales, [layers, blocks + 1, ...]."""
-        return self.k_codes, self.v_codes, self.k_scale, self.v_scale
-
-    def _copy_block(self, src: int, dst: int) -> None:
-        for t in self._blocks():
-            t[:, dst].copy_(t[:, src])
+    def block_tensors(self):
+        """The codes and scales (the exact ring stays per row)."""
+        return (self.k_codes, self.v_codes, self.k_scale, self.v_scale) if self.table is not None else ()
 
     def row_state(self):
         return [self.k_recent, self.v_recent]

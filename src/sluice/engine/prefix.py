@@ -156,7 +156,7 @@ class PrefixCache:
             row = entry.row
             self._restore_states(src, slot, row)
             if self.blocks is not None:  # its positions from r on are written again: blocks of its own there
-                if not self.blocks.truncate(row, r, self.pool.kv._copy_block):  # (a block was made free above)
+                if not self.blocks.truncate(row, r, self.pool.kv.copy_block):  # (a block was made free above)
                     raise RuntimeError("no free KV block to take a cached prefix's row over")
             # the row's first r positions stay: snapshots within them still hold, and go with the sequence
             seq.snapshots = [(p, s) for p, s in entry.snapshots if p <= r]
