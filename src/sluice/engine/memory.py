@@ -15,8 +15,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 # what a GPU keeps for activations and CUDA graphs is measured (`ModelRunner.activation_reserve`: a profile step's
-# peak, twice, and this margin for cuBLAS workspaces and the decode graphs); this, where the profile step fails. A fixed
-# 1 GiB let the 80B config under a 40 GiB budget peak 2.26 GiB over it (docs/perf-log.md, 2026-11-28).
+# peak, twice, and this margin for cuBLAS workspaces and the decode graphs); this, where the profile step fails (a fixed
+# 1 GiB proved too small: docs/perf-log.md, 2026-11-28 paged KV runs 2 and 3).
 GRAPH_MARGIN = 512 << 20
 ACTIVATION_RESERVE = 4 << 30
 

@@ -70,7 +70,7 @@ class ModelRunner:
         self._flat_graphs: dict[tuple[int, bool], PiecewiseGraph | WholeGraph] = {}  # by (tokens, static)
         self._graph_memory = None
         self._capturable = None
-        self.last = ""  # what the last step ran (`step`): a slow step's diagnosis
+        self.last: tuple = ()  # what the last step ran (`step`), for a slow step's diagnosis (`describe_last`)
         self._reserve = None  # bytes of activations and graphs (`activation_reserve`), measured once
         self.captures = 0  # graphs captured so far
 
@@ -248,8 +248,8 @@ class ModelRunner:
         graph = None
         if n_pad is not None and self.uses_graphs and not self._streams_experts():
             graph = self._flat_graph(n_pad, static)
-        self.last = (f"flat {n} tokens ({D} decodes, {len(chunks)} chunks) padded to {n_pad}, "
-                     f"{'eager' if graph is None else 'whole graph' if static else 'graph in pieces'}")
+        self.last = ("flat", n, D, len(chunks), n_pad, "eager" if graph is None else "whole graph" if static
+                     else "graph in pieces")
         on_host = D and not isinstance(tokens, torch.Tensor)
         ids, meta = batch.place(self._flat, list(tokens) if on_host else None)
         if D and not on_host:
@@ -271,7 +271,7 @@ class ModelRunner:
         n = len(rows)
         self.pool.sync()
         size = self._graph_size(n)
-        self.last = f"decode {n} tokens, {'eager' if size is None else f'graph of {size}'}"
+        self.last = ("decode", n, size)
         if size is None:
             meta = ForwardMeta.decode_host(rows, positions, self.pool.visible, self.device)
             ids = tokens if isinstance(tokens, torch.Tensor) else on_device(tokens, torch.long, self.device)
@@ -285,6 +285,16 @@ class ModelRunner:
             self._inputs[0, :n].copy_(tokens)
         graph.replay()
         return logits[:n]
+
+    def describe_last(self) -> str:
+        """What the last step ran, in words."""
+        if not self.last:
+            return "nothing yet"
+        if self.last[0] == "decode":
+            _, n, size = self.last
+            return f"decode {n} tokens, {'eager' if size is None else f'graph of {size}'}"
+        _, n, D, S, n_pad, path = self.last
+        return f"flat {n} tokens ({D} decodes, {S} chunks) padded to {n_pad}, {path}"
 
     def _streams_experts(self) -> bool:
         return getattr(self.module, "placement", None) is not None

@@ -190,7 +190,7 @@ class EngineLoop:
                 new = _compiled()[compiled:]
                 log.warning("a step took %.2f s (%d running, %d waiting): %s; %d graph(s) captured, %d kernel(s) "
                             "compiled%s; host seconds %s", seconds, len(sched.running), len(sched.waiting),
-                            runner.last, runner.captures - captures, len(new),
+                            runner.describe_last(), runner.captures - captures, len(new),
                             f" ({', '.join(sorted(set(new)))})" if new else "",
                             ", ".join(f"{k} {v:.3f}" for k, v in self.engine.timing.items()))
         except Exception as e:

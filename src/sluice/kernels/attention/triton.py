@@ -167,16 +167,11 @@ def _decode_split_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, kr_ptr, vr_ptr, lv
         d = tl.arange(0, D)
         q = tl.load(q_row + d[None, :], mask=g[:, None] < G, other=0.0)
         acc = tl.zeros((BG, D), dtype=tl.float32)
-        tab_row = tab_ptr + cache_row * stride_tab
-        if PAGED:  # the block of the first tile; each tile loads the next one's (a tile never straddles two blocks:
-            # cap % BLOCK_N == 0), so the table's latency overlaps a tile's work
-            blk_next = tl.load(tab_row + start // cap, mask=start < stop, other=0).to(tl.int64)
         for n0 in range(start, stop, BLOCK_N):
             j = n0 + tl.arange(0, BLOCK_N)
             valid = j < stop
-            if PAGED:
-                blk = blk_next
-                blk_next = tl.load(tab_row + tl.minimum(n0 + BLOCK_N, stop - 1) // cap).to(tl.int64)
+            if PAGED:  # the block holding this tile's positions (a tile never straddles two: cap % BLOCK_N == 0)
+                blk = tl.load(tab_ptr + cache_row * stride_tab + n0 // cap).to(tl.int64)
                 kv_base = blk * stride_kb + h * stride_kh
                 v_base = blk * stride_vb + h * stride_vh
                 slot = j % cap
