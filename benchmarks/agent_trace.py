@@ -12,7 +12,8 @@ weights, any vocabulary.
 
 Each request names the system prompt's end as a snapshot point, as `sluice serve` does for a chat's system message.
 The same trace runs twice over the same weights, with the prefix cache and without (`prefix_cache=False`), each
-engine warmed up first. Printed and returned: the prompt tokens the cache held (hit rate), time to first token of
+engine warmed up first. Printed and returned: the prompt tokens the cache held (hit rate; beside it the share any
+cache could hold: each prompt's longest common prefix with what was fed before, less its last token), time to first token of
 every turn (p50, p99, and of the turns whose history is over --long-history tokens), the whole trace's time, the
 ratio of the two runs' times, and the snapshot slots' bytes beside the KV cache's.
 """
@@ -24,6 +25,7 @@ import random
 import sys
 import time
 
+import numpy as np
 import torch
 
 import sluice
@@ -52,11 +54,25 @@ def run(model, args, users, system: list[int]) -> dict:
     live, turns = {}, []
     t0 = time.perf_counter()
 
+    fed = []  # every request's ids whose KV was computed (its prompt, then its prompt + output but the last)
+
+    def seen(ids) -> int:
+        """The prompt tokens any cache could hold: the longest common prefix with anything fed before, less the
+        last prompt token (whose logits must be computed)."""
+        a, best = np.asarray(ids), 0
+        for b in fed:
+            n = min(len(a), len(b))
+            diff = np.flatnonzero(a[:n] != b[:n])
+            best = max(best, int(diff[0]) if len(diff) else n)
+        return min(best, len(a) - 1)
+
     def send(u):
         histories[u] += users[u][turn[u]]
+        possible = seen(histories[u])
         seq = engine.add_request(histories[u], max_tokens=args.max_tokens, stop_ids=(), temperature=1.0,
                                  seed=1000 * u + turn[u], snapshot_at=(len(system),))  # as `sluice serve` does
-        live[seq.id] = (u, seq, time.perf_counter(), None)
+        fed.append(np.asarray(histories[u]))
+        live[seq.id] = (u, seq, time.perf_counter(), None, possible)
 
     for u in range(len(users)):
         send(u)
@@ -64,14 +80,15 @@ def run(model, args, users, system: list[int]) -> dict:
         for out in engine.step():
             if out.seq.id not in live:
                 continue
-            u, seq, start, first = live[out.seq.id]
+            u, seq, start, first, possible = live[out.seq.id]
             if first is None and out.token is not None:
                 first = time.perf_counter() - start
-                live[seq.id] = (u, seq, start, first)
+                live[seq.id] = (u, seq, start, first, possible)
             if out.finished:
                 del live[seq.id]
                 turns.append({"user": u, "turn": turn[u], "prompt_tokens": len(seq.prompt), "cached": seq.cached,
-                              "ttft_s": first})
+                              "possible": possible, "ttft_s": first})
+                fed.append(np.asarray(list(seq.prompt) + list(seq.output[:-1])))
                 histories[u] += seq.output
                 turn[u] += 1
                 if turn[u] < args.turns:
@@ -97,9 +114,12 @@ def summary(result: dict, long_history: int) -> dict:
     long = [t["ttft_s"] for t in turns if t["prompt_tokens"] >= long_history and t["ttft_s"] is not None]
     prompt = sum(t["prompt_tokens"] for t in turns)
     cached = sum(t["cached"] for t in turns)
+    possible = sum(t["possible"] for t in turns)
     pick = lambda xs, q: xs[min(len(xs) - 1, int(q * len(xs)))] if xs else None  # noqa: E731
     return {"turns": len(turns), "wall_s": round(result["wall_s"], 3), "prompt_tokens": prompt,
             "cached_tokens": cached, "hit_rate": round(cached / prompt, 4) if prompt else 0.0,
+            "possible_hit_rate": round(possible / prompt, 4) if prompt else 0.0,
+            "hits_of_possible": round(cached / possible, 4) if possible else 1.0,
             "ttft_p50_s": pick(ttft, 0.5), "ttft_p99_s": pick(ttft, 0.99),
             "long_turns": len(long), "long_ttft_p50_s": pick(sorted(long), 0.5),
             "long_ttft_max_s": max(long) if long else None,
@@ -166,7 +186,8 @@ def main(argv=None) -> dict:
         if args.only and name.split("/")[0] != args.only:
             continue
         runs[name] = r = one_run(base.with_engine(**options), args, users, system)
-        print(f"{name}: {r['turns']} turns in {r['wall_s']:.2f} s, hit rate {r['hit_rate']:.1%}, TTFT p50 "
+        print(f"{name}: {r['turns']} turns in {r['wall_s']:.2f} s, hit rate {r['hit_rate']:.1%} (of "
+              f"the {r['possible_hit_rate']:.1%} any cache could hold: {r['hits_of_possible']:.1%}), TTFT p50 "
               f"{r['ttft_p50_s']:.3f} s, p99 {r['ttft_p99_s']:.3f} s; turns over {args.long_history} tokens: "
               f"{r['long_turns']}, TTFT p50 {r['long_ttft_p50_s']} s, max {r['long_ttft_max_s']} s; one more turn "
               f"alone: {r['alone']['prompt_tokens']} tokens ({r['alone']['cached']} cached), TTFT "

@@ -283,7 +283,8 @@ paged3)  # what session 4 left unmeasured, four GPUs: 0: the GPU tests (two halv
       tests/test_paged_kv.py tests/test_turboquant_paged.py tests/test_attention_cuda.py tests/test_kv_cache.py \
       -k "not demo_model" > "$LOG/tests_a.log" 2>&1
     CUDA_VISIBLE_DEVICES=0 timeout 280 python -m pytest -v --tb=short -p no:cacheprovider tests/test_attention_triton.py \
-      tests/test_rope_triton.py tests/test_mla_triton.py > "$LOG/tests_b.log" 2>&1
+      tests/test_rope_triton.py tests/test_mla_triton.py tests/test_group_route_triton.py tests/test_deepseek.py \
+      -k "gpu or triton or cuda or mla or route" > "$LOG/tests_b.log" 2>&1
   ) &
   (
     CUDA_VISIBLE_DEVICES=1 CLIENTS=64 TQ=0 OUT=/tmp/server_out3 bash "$0" server > /dev/null 2>&1

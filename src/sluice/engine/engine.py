@@ -27,8 +27,12 @@ launch.
 
 from __future__ import annotations
 
+import cProfile
+import io
 import itertools
 import logging
+import os
+import pstats
 import time
 from dataclasses import dataclass
 
@@ -45,6 +49,7 @@ from sluice.engine.sequence import DECODING, Sequence, TokenConstraint, stop_tex
 from sluice.errors import ContextLengthError, InvalidOptionError, SluiceError
 
 POOL_POSITIONS = 256  # a growing pool's capacity is a multiple of this
+PROFILE_SLOW_S = float(os.environ.get("SLUICE_PROFILE_SLOW") or 0)  # > 0: every step profiled, a slower one logged
 log = logging.getLogger("sluice.engine")
 
 
@@ -252,8 +257,12 @@ class Engine:
         device itself (a CUDA error leaves it unusable), or one raised before any request was in the step (a cache
         pool that does not fit), is raised."""
         self._stepping, self._outputs = [], []
+        profile = cProfile.Profile() if PROFILE_SLOW_S > 0 else None
         try:
-            self._step()
+            if profile is None:
+                self._step()
+            else:
+                self._profiled(profile)
         except Exception as error:
             if _device_error(error) or not any(not s.finished for s in self._stepping):
                 raise  # the device's, or before any request was in the step
@@ -263,6 +272,23 @@ class Engine:
                 out.seq.isolated = False
         outputs, self._outputs = self._outputs, []
         return outputs
+
+    def _profiled(self, profile: cProfile.Profile) -> None:
+        """`_step` under cProfile (`SLUICE_PROFILE_SLOW=seconds`): a step slower than that logs where its host time
+        went (a host wait for the device shows as the call that waited)."""
+        clock = time.perf_counter()
+        profile.enable()
+        try:
+            self._step()
+        finally:
+            profile.disable()
+            seconds = time.perf_counter() - clock
+            if seconds > PROFILE_SLOW_S:
+                text = io.StringIO()
+                stats = pstats.Stats(profile, stream=text)
+                stats.sort_stats("tottime").print_stats(25)
+                stats.sort_stats("cumulative").print_stats(40)
+                log.warning("a step took %.2f s; its profile:\n%s", seconds, text.getvalue())
 
     def _isolate(self, error: Exception) -> list[StepOutput]:
         suspects = list({id(s): s for s in self._stepping if not s.finished}.values())
