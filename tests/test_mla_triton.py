@@ -44,6 +44,9 @@ CASES = [  # B, H, R, P, pool rows, capacity, rows, positions, splits, block_h
     (1, 20, 32, 16, 2, 48, [1], [47], 2, 16),  # two head blocks, the second part padding
     (4, 2, 48, 8, 6, 33, [5, 3, 0, 2], [32, 16, 1, 31], 1, None),  # R, P not powers of two (padded)
     (5, 3, 32, 16, 8, 64, [7, 6, 2, 0, 4], [63, 31, 32, 0, 17], 7, None),  # splits of 16 past most positions
+    (2, 128, 32, 16, 3, 80, [2, 0], [79, 33], None, None),  # DeepSeek-V3's heads: two blocks of 64, planned splits
+    (3, 72, 32, 16, 4, 50, [1, 3, 0], [49, 0, 20], 3, None),  # 64 + 8 heads: the second block mostly padding
+    (2, 128, 32, 16, 3, 48, [0, 2], [47, 12], 2, 32),  # 128 heads in four blocks of 32
 ]
 
 
@@ -62,11 +65,11 @@ def test_kernel_equals_fp64_attention_over_the_latents(case, dtype):
     assert rel(o, latent_reference(q_lat, q_pe, cache, rows, positions, scale)) < TOL[dtype]
 
 
-@pytest.mark.parametrize("splits", [1, 3, None])
-def test_kernel_reads_a_paged_cache(splits):
+@pytest.mark.parametrize("splits,H", [(1, 4), (3, 4), (None, 4), (3, 128), (None, 128)])
+def test_kernel_reads_a_paged_cache(splits, H):
     """A paged latent cache (`cache/blocks.py`): each row's positions in blocks of 16 scattered through the pool by
-    its table row; the result of the same positions laid out in rows."""
-    B, H, R, P, pool, cap = 3, 4, 32, 16, 4, 64
+    its table row; the result of the same positions laid out in rows (few heads, and V3's 128 in blocks of 64)."""
+    B, R, P, pool, cap = 3, 32, 16, 4, 64
     q_lat, q_pe, cache = data(B, H, R, P, pool, cap, torch.float32, seed=splits or 0)
     rows, positions = torch.tensor([3, 0, 2], dtype=torch.int32), torch.tensor([63, 5, 40])
     page, blocks = 16, 17
@@ -104,6 +107,45 @@ def test_absorbed_decode_equals_the_torch_reference(dtype):
     # path run)
     low = absorbed_attention(q_nope[:, None], q_pe[:, None], cache[rows], w_uk, w_uv, 0.2, positions[:, None])[:, 0]
     assert rel(o, low) < 2 * TOL[dtype]
+
+
+@pytest.mark.parametrize("H,paged", [(128, False), (128, True), (16, False)])
+def test_real_latent_sizes(H, paged):
+    """R = 512, P = 64 (DeepSeek-V3 / Kimi-K2 / Moonlight), bf16, at a tiny context: the default sizes (64 heads a
+    program for 128 heads, 16 for 16) and planned splits; paged in blocks of 16 (tiles of 16)."""
+    B, R, P, pool, cap = 2, 512, 64, 3, 32
+    q_lat, q_pe, cache = data(B, H, R, P, pool, cap, torch.bfloat16, seed=H)
+    rows, positions = torch.tensor([2, 0], dtype=torch.int32), torch.tensor([31, 20])
+    scale = 1 / (128 + P) ** 0.5  # V3's softmax scale (qk_nope 128 + rope 64)
+    table, kv = None, cache
+    if paged:
+        page = 16
+        kv = torch.zeros(pool * cap // page + 1, page, R + P, dtype=torch.bfloat16)
+        table = torch.arange(pool * cap // page, dtype=torch.int32).flip(0).reshape(pool, cap // page).contiguous()
+        for r in range(pool):
+            for i in range(cap // page):
+                kv[table[r, i]] = cache[r, i * page:(i + 1) * page]
+    d = lambda x: None if x is None else x.to(DEVICE)  # noqa: E731
+    o = mt.mla_decode(d(q_lat), d(q_pe), d(kv), d(rows), d(positions), cap, scale, table=d(table)).cpu()
+    assert o.dtype == torch.bfloat16 and o.shape == (B, H, R)
+    assert rel(o, latent_reference(q_lat, q_pe, cache, rows, positions, scale)) < TOL[torch.bfloat16]
+
+
+def test_split_plan():
+    """`plan_splits`: programs in whole waves of the resident slots, as few splits as keep them as full, none
+    shorter than the shortest split; sizes by head count."""
+    for units, visible, slots in ((2, 32768, 132), (32, 32768, 132), (16, 32768, 528), (64, 4096, 528),
+                                  (1, 32768, 528), (200, 32768, 132), (4, 100, 132)):
+        ns = mt.plan_splits(units, visible, slots, 128)
+        assert 1 <= ns and (ns == 1 or visible // ns >= 128)
+        n = units * ns
+        filled = n / (-(-n // slots) * slots)
+        most = max(1, visible // 128)
+        assert filled >= 0.95 * max(units * k / (-(-units * k // slots) * slots) for k in range(1, most + 1))
+    assert mt.plan_splits(128, 32768, 132, 128) == 1  # V3 at batch 64: one program per (sequence, head block)
+    assert mt.plan_splits(32, 32768, 132, 128) == 4  # batch 16: 128 programs of 132 slots
+    assert mt.plan_splits(16, 32768, 528, 128) == 32  # 16 heads at batch 16, four programs an SM
+    assert mt.default_sizes(16, 512)[0] == 16 and mt.default_sizes(128, 512)[:3] == (64, 32, 8)
 
 
 def test_a_row_does_not_depend_on_its_batch():

@@ -15,22 +15,41 @@ it writes its unnormalised partial output [BLOCK_H, R] and (max, sum) per head; 
 (a split that saw no key, max = -inf, weighs 0; a query that saw no key at all gets 0, not NaN), as
 `kernels/attention/triton.py` does for the dense cache.
 
-Sizes (H100/H200: 228 KB shared memory and 64K 32-bit registers per SM), R = 512, P = 64 in bf16:
-* the accumulator [BLOCK_H, R] fp32 lives in registers: 16 x 512 x 4 B = 32 KB, over 4 warps 64 registers a thread;
-  q_lat [16, 512] bf16 as a dot operand another 32; with the score/probability fragments ~130-160 registers a
-  thread, 2-3 programs an SM. 32 heads (H > 16) double both: 8 warps keep a thread at the same count. 64 heads
-  (FlashMLA's tile, two warpgroups splitting R) would need 128 accumulator registers a thread at 8 warps: Triton
-  spills, so more than 32 heads take several head blocks.
-* a latent tile of BLOCK_N = 32 positions is 32 x 576 x 2 B = 36 KB; two pipeline stages 72 KB: three programs fit
-  an SM's shared memory, the loads of the next tile in flight while the current one is multiplied.
-* the partials are fp32 [heads, R] a split: 32 KB for 16 heads, about a quarter of a 128-position split's latent
-  bytes; they are written and read back at once (in L2), so splits shorter than 128 positions are not made.
-What ptxas makes of it for sm_90 (Triton 3.9, bf16, R = 512, P = 64; compiled without a GPU, not timed): 16 heads,
-BLOCK_N 32, 4 warps, 2 stages: 128 registers, 56 KB shared, no spills, cp.async pipelined, mma.sync (four programs
-fit an SM by both); 3 stages 93 KB; 32 heads at 8 warps 161 registers (one program an SM by registers), at 4 warps
-255; 64 heads at 8 warps takes wgmma but spills (255 registers + 88 B stack). So 16 heads a program up to 16
-heads, 32 (8 warps) above. These defaults are reasoned, not timed: a GPU sweep should set them (every one is an
-argument).
+Sizes (H100/H200: 228 KB shared memory and 64K 32-bit registers per SM), R = 512, P = 64 in bf16. Per position
+and head the products cost 2 (R + P) + 2 R = 2,176 FLOP against 1,152 bytes of latent shared by all heads: 30
+FLOP/byte at 16 heads (bandwidth-bound: the tile loads matter), 242 at 128 (at an H200's ridge: the tensor cores
+matter, and bandwidth alone would put batch 16 at 32k in ~130 us, its 146 GFLOP ~150-250 us).
+* up to 16 heads, 16 a program (`default_sizes`): the accumulator [16, R] fp32 is 64 registers a thread over 4
+  warps; M = 16 is below wgmma's 64, so mma.sync; 128 registers, 56 KB shared (2 stages of 32-position tiles,
+  36 KB each, and q): four programs an SM by both.
+* 17-32 heads: 32 a program at 8 warps (128 registers, mma.sync).
+* more (DeepSeek-V3's 128, Kimi-K2's 64): 64 heads a program at 8 warps, FlashMLA's tile. M = 64 takes wgmma;
+  Triton lays the 8 warps out as two warpgroups splitting N, so each holds half the accumulator ([64, 256] fp32:
+  128 registers a thread) and computes the scores of half the tile's positions; q [64, 576] stays in shared
+  memory (72 KB) with the tiles. Each latent tile is read by H / 64 programs (neighbours in the grid: the second
+  read is an L2 hit) instead of H / 16-32 mma.sync programs that each spent ~1/8 of the tensor rate (measured
+  before this change: 128 heads at 0.07-0.10 of the read ceiling, ~75-115 TFLOP/s). One program an SM (all
+  registers), latency hidden by the 2-stage cp.async pipeline and wgmma's asynchrony.
+* the partials are fp32 [block heads, R] a program (32 KB at 16 heads, 128 KB at 64) written once and read back
+  by the merge (L2); the split plan keeps them few (below).
+What ptxas makes of it for sm_90 (compiled without a GPU by `triton.compile(ASTSource(...), target=GPUTarget("cuda",
+90, 32))`, not timed; bf16, R = 512, P = 64; registers / spill stack / shared memory):
+  Triton 3.6 (the H200's): 16 heads: BLOCK_N 32, 4 warps, 2 stages 128 / 0 / 55 KB (mma.sync); 3 stages 127 / 0 /
+  91 KB; BLOCK_N 16 127 / 0 / 36 KB; BLOCK_N 64 130 / 0 / 92 KB. 32 heads at 8 warps 128 / 0 / 74 KB; at 4 warps
+  252. 64 heads (wgmma: m64n16k16 scores and m64n256k16 products at BLOCK_N 32): 8 warps, BLOCK_N 32, 2 stages
+  255 / 0 / 144 KB (paged the same); 3 stages 254 / 0 / 180 KB; BLOCK_N 16 228 / 0 / 128 KB; BLOCK_N 64 255
+  / 0 / 216 KB (m64n32k16 scores: half the shared-memory reads of q a FLOP); 16 warps, BLOCK_N 32: 128 / 0 / 144
+  KB, BLOCK_N 64: 128 / 40 B. 128 heads a program at 16 warps does not compile (ptxas: needs >= 158 registers).
+  Triton 3.9 spills the 64-head tile (255 + 184-192 B of stack); 16 heads as above.
+  So: 64 heads, BLOCK_N 32, 8 warps, 2 stages by default above 32 heads (BLOCK_N 64 reads q half as often but
+  leaves 11 KB of shared memory; the sweep decides). Every size is an argument; `benchmarks/mla_gpu.py --sweep`
+  times the alternatives.
+Splits (`plan_splits`): the grid is (sequence x head block, split); the programs one SM holds (`resident_programs`,
+read from the compiled kernel: 4 at 16 heads, 1 at 64) times the SMs are the slots, and the split count is the
+smallest that fills the programs' last wave (within 5 % of the best): 16 heads at batch 16 take 32 splits (512
+programs of 528 slots; before, 17 splits gave 272 programs, some SMs three and most two), 128 heads at batch 64 one
+split (128 programs on 132 SMs: partials 1/256 of the latent bytes), batch 16 four, batch 1 ~64 (splits of 512
+positions: the 128 KB of partials a program ~5 % of its tensor time). Splits keep >= `min_per_split` positions.
 
 Compile-time sizes do not depend on the batch: the launch is planned for the batch rounded up to a power of two
 (splits, the merge's load sizes), so serving does not compile per batch size. No host reads of device values:
@@ -40,6 +59,7 @@ query's keys weigh 0), so a decode step can be captured in a CUDA graph.
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 
@@ -170,29 +190,78 @@ def _split_weight(m, M):
     return tl.where(m == float("-inf"), 0.0, tl.exp2(m - M))
 
 
-def num_splits(programs: int, visible: int, device, min_per_split: int, per_sm: int = 2) -> int:
-    """Enough splits for about `per_sm` programs per multiprocessor over `programs` (sequences x head blocks),
-    each with >= `min_per_split` positions."""
-    want = triton.cdiv(per_sm * num_sms(device), programs)
-    return max(1, min(want, triton.cdiv(visible, min_per_split)))
+@functools.lru_cache(maxsize=4096)
+def plan_splits(units: int, visible: int, slots: int, min_per_split: int) -> int:
+    """Splits of the context for `units` programs a split index (sequences, rounded up to a power of two, x head
+    blocks) on `slots` resident programs (multiprocessors x programs one holds): the fewest that keep the slots
+    busiest. Programs run in waves of `slots`; a split count whose programs fill their last wave to within 95 % of
+    the best is taken, the smallest such (fewer splits: fewer partials to write and merge). Splits keep >=
+    `min_per_split` positions, so a short context or a large batch takes fewer (down to 1)."""
+    most = max(1, min(visible // max(1, min_per_split), 4 * slots))
+
+    def filled(ns):
+        n = units * ns
+        return n / (-(-n // slots) * slots)
+    best = max(filled(ns) for ns in range(1, most + 1))
+    return next(ns for ns in range(1, most + 1) if filled(ns) >= 0.95 * best)
+
+
+def default_sizes(H: int, R: int) -> tuple[int, int, int, int]:
+    """(block_h, block_n, num_warps, num_stages) for H heads of latent width R: the module docstring's reasoning
+    (up to 16 heads: 16 a program, mma.sync, four programs an SM; 17-32: 32 at 8 warps; more: 64 heads a program
+    at 8 warps, wgmma, one program an SM, each latent tile read by H / 64 programs)."""
+    if H <= 16:
+        return 16, 32, 4, 2
+    if H <= 32:
+        return 32, 32, 8, 2
+    return 64, 32, 8, 2
+
+
+_RESIDENT: dict = {}  # compiled variant -> programs a multiprocessor holds
+
+
+def resident_programs(kernel, make_args, kwargs, key, device) -> int:
+    """Programs of this compiled split kernel one multiprocessor holds at once (registers, shared memory, threads),
+    read from the compiled kernel (compiled here by `warmup` on `make_args()`, arguments of the launch's types and
+    alignments, if it was not yet: the same specialisation the launch takes), once a variant; 2 under the
+    interpreter or where Triton does not say."""
+    if INTERPRET or not torch.cuda.is_available():
+        return 2
+    if key not in _RESIDENT:
+        try:
+            k = kernel.warmup(*make_args(), grid=(1,), **kwargs)
+            k._init_handles()
+            warps = kwargs["num_warps"]
+            props = torch.cuda.get_device_properties(device)
+            regs_sm = getattr(props, "regs_per_multiprocessor", 65536)
+            smem_sm = getattr(props, "shared_memory_per_multiprocessor", 233472)
+            threads_sm = getattr(props, "max_threads_per_multi_processor", 2048)
+            per_warp = -(-max(1, k.n_regs) * 32 // 256) * 256  # allocated in 256-register units a warp
+            _RESIDENT[key] = max(1, min(regs_sm // per_warp // warps, smem_sm // (k.metadata.shared + 1024),
+                                        threads_sm // (32 * warps), 32))
+        except Exception:  # noqa: BLE001 (an older/newer Triton without these attributes: the usual count)
+            _RESIDENT[key] = 2
+    return _RESIDENT[key]
 
 
 def mla_decode(q_lat: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor, rows: torch.Tensor,
                positions: torch.Tensor, visible: int, scale: float, *, splits: int | None = None,
-               block_n: int = 32, block_h: int | None = None, num_warps: int | None = None, num_stages: int = 2,
-               min_per_split: int = 128, merge_elems: int = MERGE_ELEMS, out_dtype: torch.dtype | None = None,
-               pdl: bool = False, table: torch.Tensor | None = None) -> torch.Tensor:
+               block_n: int | None = None, block_h: int | None = None, num_warps: int | None = None,
+               num_stages: int | None = None, min_per_split: int = 128, programs_per_sm: int | None = None,
+               merge_elems: int = MERGE_ELEMS, out_dtype: torch.dtype | None = None, pdl: bool = False,
+               table: torch.Tensor | None = None) -> torch.Tensor:
     """Absorbed MLA decode attention. q_lat [B, H, R] (W_UK folded in), q_pe [B, H, P] (roped), unit last strides;
     cache [rows, capacity, R + P] (one layer of `LatentCache.latent`: [latent | roped key] per position, unit last
     stride); rows, positions: contiguous int32/int64 [B] on the device (query b reads cache row rows[b], positions
     0..positions[b]; neither checked on the host: nothing is read back). `visible`: a host int bound on the
     positions any query sees (sizes the splits; clamped to the capacity). Returns o_lat = softmax((q_lat . c +
-    q_pe . k_pe) * scale) . c, [B, H, R] in out_dtype (default q_lat's). The rest (splits, block_n positions a
-    step, block_h heads a program, warps, stages, the shortest split, the merge's load size, programmatic
-    dependent launch where the GPU has it) default to the sizes the module docstring reasons out. Paged (`table`,
-    int32 [rows, max blocks] on the device, `cache/blocks.py`): cache is blocks [N, page, R + P], and query b's
-    position j sits in block table[rows[b], j // page] at slot j % page (the tiles' block_n a divisor of the
-    page)."""
+    q_pe . k_pe) * scale) . c, [B, H, R] in out_dtype (default q_lat's). The rest default to the sizes the module
+    docstring reasons out (`default_sizes`, `plan_splits`): splits (else planned), block_n positions a step,
+    block_h heads a program, warps, stages, the shortest split, programs_per_sm (the programs one multiprocessor
+    holds at once, for the plan; else read from the compiled kernel), the merge's load size, programmatic
+    dependent launch where the GPU has it. Paged (`table`, int32 [rows, max blocks] on the device,
+    `cache/blocks.py`): cache is blocks [N, page, R + P], and query b's position j sits in block
+    table[rows[b], j // page] at slot j % page (the tiles' block_n a divisor of the page)."""
     if q_lat.dim() != 3 or q_pe.dim() != 3 or q_pe.shape[:2] != q_lat.shape[:2]:
         raise ValueError(f"mla decode: q_lat [B, H, R] and q_pe [B, H, P] must share B and H, got "
                          f"{tuple(q_lat.shape)} and {tuple(q_pe.shape)}")
@@ -220,7 +289,9 @@ def mla_decode(q_lat: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor, row
         raise ValueError(f"mla decode: scale must be finite, got {scale}")
     if splits is not None and splits < 1:
         raise ValueError(f"mla decode: splits must be >= 1, got {splits}")
-    if block_n < 16 or block_n & (block_n - 1) or (block_h is not None and (block_h < 16 or block_h & (block_h - 1))):
+    d_bh, d_bn, d_warps, d_stages = default_sizes(H, R)
+    BH, block_n = block_h or d_bh, block_n or d_bn
+    if block_n < 16 or block_n & (block_n - 1) or BH < 16 or BH & (BH - 1):
         raise ValueError(f"mla decode: block_n and block_h must be powers of two >= 16, got {block_n}, {block_h}")
     if table is not None:  # a tile within one block: block_n divides the page
         block_n = math.gcd(block_n, cache.shape[1])
@@ -232,26 +303,36 @@ def mla_decode(q_lat: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor, row
     capacity = page if table is None else page * table.shape[1]  # positions a row holds
     visible = min(visible, capacity)
     BR, BP = max(16, triton.next_power_of_2(R)), max(16, triton.next_power_of_2(P))
-    BH = block_h or (16 if H <= 16 else 32)
     n_hb = triton.cdiv(H, BH)
-    warps = num_warps or (4 if BH * BR <= 16 * 512 else 8)
+    warps = num_warps or (d_warps if BH == d_bh else (4 if BH <= 16 else 8))
+    stages = num_stages or d_stages
+    device = cache.device
+    use_pdl = pdl and pdl_available(device)
+    kernel_kw = dict(R=R, P=P, BR=BR, BP=BP, BH=BH, BLOCK_N=block_n, TC=not INTERPRET, PAGED=table is not None,
+                     PDL=use_pdl, launch_pdl=use_pdl, num_warps=warps, num_stages=stages)
+
+    def kernel_args(op, ml, per_split):
+        return (q_lat, q_pe, cache, positions, rows, positions if table is None else table, op, ml, scale * LOG2E,
+                H, n_hb, per_split, capacity, page, 0 if table is None else table.stride(0), q_lat.stride(0),
+                q_lat.stride(1), q_pe.stride(0), q_pe.stride(1), cache.stride(0), cache.stride(1))
+
     # the launch is planned for the batch rounded up to a power of two: the compile-time sizes then take a few
-    # values whatever the batch (a decode step's tokens come in any number)
+    # values whatever the batch (a decode step's tokens come in any number), and a row's splits do not depend on
+    # its batch
     Bp = triton.next_power_of_2(B)
-    ns = splits or num_splits(Bp * n_hb, visible, cache.device, max(min_per_split, block_n))
+    ns = splits
+    if ns is None:
+        per_sm = programs_per_sm or resident_programs(
+            _mla_split_kernel, lambda: kernel_args(*[torch.empty(16, dtype=torch.float32, device=device)] * 2, block_n),
+            kernel_kw,
+            (device.index, cache.dtype, q_lat.dtype, R, P, BH, block_n, warps, stages, table is not None, use_pdl),
+            device)
+        ns = plan_splits(Bp * n_hb, visible, per_sm * num_sms(device), max(min_per_split, block_n))
     per_split = triton.cdiv(triton.cdiv(visible, ns), block_n) * block_n
     ns = triton.cdiv(visible, per_split)
-    device = cache.device
     op = torch.empty((B * n_hb, ns, BH, BR), dtype=torch.float32, device=device)
     ml = torch.empty((B * n_hb, ns, 2, BH), dtype=torch.float32, device=device)
-    use_pdl = pdl and pdl_available(device)
-    _mla_split_kernel[(B * n_hb, ns)](
-        q_lat, q_pe, cache, positions, rows, positions if table is None else table, op, ml, scale * LOG2E, H, n_hb,
-        per_split, capacity, page, 0 if table is None else table.stride(0),
-        q_lat.stride(0), q_lat.stride(1), q_pe.stride(0), q_pe.stride(1), cache.stride(0), cache.stride(1),
-        R=R, P=P, BR=BR, BP=BP, BH=BH, BLOCK_N=block_n, TC=not INTERPRET, PAGED=table is not None, PDL=use_pdl,
-        launch_pdl=use_pdl,
-        num_warps=warps, num_stages=num_stages)
+    _mla_split_kernel[(B * n_hb, ns)](*kernel_args(op, ml, per_split), **kernel_kw)
     o = torch.empty((B, H, R), dtype=out_dtype or q_lat.dtype, device=device)
     # the merge: coordinate blocks small enough that one load holds every split's partials (<= 64 KB a program),
     # narrower when there are few (sequence, head) programs (batch 1) to spread the round trip over more SMs
