@@ -18,6 +18,8 @@
 #   bash benchmarks/gpu_run.sh paged   # issues #41 (paged KV) and #42 (MLA kernels), four GPUs, four lanes
 #   bash benchmarks/gpu_run.sh paged2  # issue #41 again: tests, decode/prefill beside the tree before, server, budget
 #   bash benchmarks/gpu_run.sh paged3  # what session 4 left unmeasured: the stall's phases, preemption, the budget
+#   bash benchmarks/gpu_run.sh backends  # the attention backends on the GPU, slow steps profiled, the MLA sweep
+#   bash benchmarks/gpu_run.sh final     # the GPU tests, HTTP and the agent trace after the stall's fix
 #
 # Every benchmark runs as `python -m benchmarks run NAME --json FILE ARGS` (benchmarks/registry.py); the JSON files
 # are the runner's records (figures under "figures"). Knobs: POLICIES, SCENARIOS, SERVING_S, PROFILE (serving);
@@ -319,12 +321,98 @@ paged3)  # what session 4 left unmeasured, four GPUs: 0: the GPU tests (two halv
   tar czf "$OUT/logs.tgz" -C "$LOG" . 2>/dev/null
   cat "$S"
   ;;
+backends)  # the attention backends refactor and what the profile of a slow step says, four GPUs: 0: the GPU tests;
+  # 1: sluice serve over HTTP, 64 clients, every step profiled (a slow one logs its cProfile), then engine_gpu;
+  # 2: the MLA decode sweep (heads 16 and 128), mla_gpu at the new defaults, Moonlight's engine_gpu; 3: the agent trace
+  # at decode_prefill_chunk 512 and 2048, profiled
+  S="$OUT/summary_backends.log"
+  (
+    CUDA_VISIBLE_DEVICES=0 OMP_NUM_THREADS=4 timeout 330 python -m pytest -q --tb=short -p no:cacheprovider \
+      tests/test_gpu_engine.py tests/test_gpu_models.py tests/test_paged_kv.py tests/test_turboquant_paged.py \
+      tests/test_attention_cuda.py tests/test_kv_cache.py tests/test_attention_triton.py tests/test_mla_triton.py \
+      tests/test_deepseek.py -k "not demo_model and (gpu or cuda or triton or kernel or paged or graph or flat)" \
+      > "$LOG/tests.log" 2>&1
+  ) &
+  (
+    CUDA_VISIBLE_DEVICES=1 SLUICE_PROFILE_SLOW=1 CLIENTS=64 TQ=0 OUT=/tmp/server_out4 bash "$0" server > /dev/null 2>&1
+    cp /tmp/server_out4/server_load_64.json "$OUT/" 2>/dev/null
+    cp /tmp/server_out4/server_load_64.server.log "$LOG/" 2>/dev/null
+    grep -h "HTTP" /tmp/server_out4/summary_server.log > "$LOG/summary_server4.log" 2>/dev/null
+    CUDA_VISIBLE_DEVICES=1 timeout 150 python -m benchmarks run engine_gpu --json "$OUT/engine_dense.json" \
+      --config $CONFIG --batches 1,16,64 --kinds dense,turboquant4 > "$LOG/engine_dense.log" 2>&1
+  ) &
+  (
+    CUDA_VISIBLE_DEVICES=2 timeout 260 python -m benchmarks run mla_gpu --sweep --json "$OUT/mla_sweep.json" \
+      > "$LOG/mla_sweep.log" 2>&1
+    CUDA_VISIBLE_DEVICES=2 timeout 100 python -m benchmarks run mla_gpu --json "$OUT/mla_gpu.json" > "$LOG/mla_gpu.log" 2>&1
+    CUDA_VISIBLE_DEVICES=2 timeout 150 python -m benchmarks run engine_gpu --json "$OUT/engine_moonlight.json" \
+      --config benchmarks/configs/moonlight-16b-a3b.json --batches 1,64 --kinds dense > "$LOG/engine_moonlight.log" 2>&1
+  ) &
+  (
+    CUDA_VISIBLE_DEVICES=3 SLUICE_PROFILE_SLOW=1 timeout 400 python -m benchmarks run agent_trace \
+      --json "$OUT/agent_trace.json" --model $CONFIG --load-format dummy --only cached --decode-prefill-chunk 512 2048 \
+      > "$LOG/agent_trace.log" 2>&1
+  ) &
+  wait
+  {
+    echo "== tests"; grep -E "FAILED|ERROR|passed|failed" "$LOG/tests.log" | tail -25
+    echo "== server"; cat "$LOG/summary_server4.log" 2>/dev/null
+    grep -h "a step took" "$LOG/server_load_64.server.log" 2>/dev/null | head -6
+    echo "== engine"; grep -A8 "^KV " "$LOG/engine_dense.log"
+    echo "== mla sweep"; tail -40 "$LOG/mla_sweep.log"; echo "== mla_gpu"; tail -14 "$LOG/mla_gpu.log"
+    echo "== moonlight"; grep -A4 "^KV " "$LOG/engine_moonlight.log"; tail -2 "$LOG/engine_moonlight.log"
+    echo "== agent trace"; grep -E "^cached" "$LOG/agent_trace.log"; grep -c "its profile" "$LOG/agent_trace.log"
+  } > "$S" 2>&1
+  tar czf "$OUT/logs.tgz" -C "$LOG" . 2>/dev/null
+  cat "$S"
+  ;;
+final)  # after the backends run: the GPU tests (pytest-timeout, verbose), HTTP 64 clients with the stall's cause
+  # fixed, the agent trace profiled (what compiles mid-run), mla_gpu at the swept defaults, Moonlight
+  S="$OUT/summary_final.log"
+  T="timeout 330 python -m pytest -v --timeout 150 --tb=short -p no:cacheprovider"
+  (
+    CUDA_VISIBLE_DEVICES=0 OMP_NUM_THREADS=4 $T tests/test_gpu_engine.py tests/test_gpu_models.py \
+      "tests/test_kv_cache.py::test_turboquant_prefill_on_the_gpu_matches_its_definition" \
+      tests/test_kv_cache.py::test_flat_step_attention_matches_each_sequence_alone \
+      tests/test_turboquant_paged.py::test_paged_cache_gives_the_outputs_of_rows -k "not demo_model" \
+      > "$LOG/tests_a.log" 2>&1
+  ) &
+  (
+    CUDA_VISIBLE_DEVICES=1 CLIENTS=64 TQ=0 OUT=/tmp/server_out5 bash "$0" server > /dev/null 2>&1
+    cp /tmp/server_out5/server_load_64.json "$OUT/" 2>/dev/null
+    cp /tmp/server_out5/server_load_64.server.log "$LOG/" 2>/dev/null
+    grep -h "HTTP" /tmp/server_out5/summary_server.log > "$LOG/summary_server5.log" 2>/dev/null
+  ) &
+  (
+    CUDA_VISIBLE_DEVICES=2 SLUICE_PROFILE_SLOW=1 timeout 400 python -m benchmarks run agent_trace \
+      --json "$OUT/agent_trace.json" --model $CONFIG --load-format dummy --only cached --decode-prefill-chunk 512 2048 \
+      > "$LOG/agent_trace.log" 2>&1
+  ) &
+  (
+    CUDA_VISIBLE_DEVICES=3 OMP_NUM_THREADS=4 $T tests/test_attention_triton.py tests/test_attention_cuda.py \
+      tests/test_mla_triton.py tests/test_deepseek.py::test_on_a_gpu > "$LOG/tests_b.log" 2>&1
+    CUDA_VISIBLE_DEVICES=3 timeout 100 python -m benchmarks run mla_gpu --json "$OUT/mla_gpu.json" > "$LOG/mla_gpu.log" 2>&1
+    CUDA_VISIBLE_DEVICES=3 timeout 150 python -m benchmarks run engine_gpu --json "$OUT/engine_moonlight.json" \
+      --config benchmarks/configs/moonlight-16b-a3b.json --batches 1,16,64 --kinds dense > "$LOG/engine_moonlight.log" 2>&1
+  ) &
+  wait
+  {
+    echo "== tests"; grep -hE "FAILED|ERROR|Timeout|passed|failed" "$LOG"/tests_[ab].log | tail -25
+    echo "== server"; cat "$LOG/summary_server5.log" 2>/dev/null
+    grep -h "a step took" "$LOG/server_load_64.server.log" 2>/dev/null | head -6
+    echo "== agent trace"; grep -E "^cached|a step took" "$LOG/agent_trace.log"
+    echo "== mla_gpu"; grep -B1 -A13 "^shape" "$LOG/mla_gpu.log"
+    echo "== moonlight"; grep -A4 "^KV " "$LOG/engine_moonlight.log"; tail -2 "$LOG/engine_moonlight.log"
+  } > "$S" 2>&1
+  tar czf "$OUT/logs.tgz" -C "$LOG" . 2>/dev/null
+  cat "$S"
+  ;;
 both)  # serving and server at once, one GPU each (a machine of two GPUs)
   CUDA_VISIBLE_DEVICES=0 bash "$0" serving & CUDA_VISIBLE_DEVICES=1 bash "$0" server; wait
   cat "$OUT"/summary_*.log
   ;;
 *)
-  echo "usage: bash benchmarks/gpu_run.sh tests|bench|join|serving|server|single|both|hardening|hardening2|prefix|paged|paged2|paged3" >&2
+  echo "usage: bash benchmarks/gpu_run.sh tests|bench|join|serving|server|single|both|hardening|hardening2|prefix|paged|paged2|paged3|backends|final" >&2
   exit 2
   ;;
 esac

@@ -119,7 +119,7 @@ def sweep(res, batches, contexts, g, scale):
 
 
 def torch_path(q_lat, q_pe, cache, rows, pos, S, scale):
-    """What `LatentCache.attend` ran before the kernel: the rows gathered, scores, mask, softmax, the product."""
+    """What `MLAAttention.forward` ran before the kernel: the rows gathered, scores, mask, softmax, the product."""
     kv = cache[rows.long(), :S]
     c, k_pe = kv[..., :R], kv[..., R:]
     s = (torch.einsum("bhr,bsr->bhs", q_lat, c) + torch.einsum("bhp,bsp->bhs", q_pe, k_pe)).float() * scale

@@ -169,11 +169,11 @@ def test_turboquant_layouts_are_checked():
 
 @pytest.mark.parametrize("kind,window", [("dense", None), ("dense", 6), ("turboquant4", None), ("turboquant4", 20),
                                          ("turboquant4", 22)])
-def test_caches_decode_through_the_kernel(monkeypatch, kind, window):
+def test_caches_decode_through_the_kernel(kind, window):
     """The caches' decode path (the kernel, as on a GPU) equals their reference path, step by step: two sequences
     in rows 3 and 1 of a pool of 4, at different positions, `visible` the most positions a row holds."""
-    from sluice.cache.kv import KVCache
-    from sluice.cache.make import make_kv_cache
+    from sluice.attention import make_attention
+    from sluice.attention.turboquant import TurboQuantAttention
     from sluice.cache.turboquant import TurboQuantKVCache
     from sluice.engine.batch import ForwardMeta
 
@@ -184,16 +184,17 @@ def test_caches_decode_through_the_kernel(monkeypatch, kind, window):
     d = lambda x: x.to(DEVICE)  # noqa: E731
     outs = {}
     for kernel in (False, True):
-        monkeypatch.setattr(KVCache, "use_decode_kernel", lambda self, x, on=kernel: on)
-        cache = (make_kv_cache("dense", 1, 4, Hkv, D, T, torch.float32, DEVICE, window=window) if kind == "dense"
-                 else TurboQuantKVCache(1, 4, Hkv, D, T, torch.float32, DEVICE, window=window, recent=8))
-        o = [cache.attend(0, d(q[b:b + 1, :, :n]), d(k[b:b + 1, :, :n]), d(v[b:b + 1, :, :n]),
+        cache = (make_attention("dense", 1, 4, Hkv, D, T, torch.float32, DEVICE, window=window) if kind == "dense"
+                 else TurboQuantAttention(TurboQuantKVCache(1, 4, Hkv, D, T, torch.float32, DEVICE, window=window,
+                                                            recent=8)))
+        cache.decode_kernel = kernel
+        o = [cache.forward(0, d(q[b:b + 1, :, :n]), d(k[b:b + 1, :, :n]), d(v[b:b + 1, :, :n]),
                           ForwardMeta.prefill(r, 1, 0, n, DEVICE), 0.125)[0].cpu()
              for b, (r, n) in enumerate(zip(rows, prompts))]
         for step in range(T - max(prompts)):
             pos = [n + step for n in prompts]
             new = [d(torch.stack([x[b, :, p] for b, p in enumerate(pos)])[:, :, None]) for x in (q, k, v)]
-            out = cache.attend(0, *new, ForwardMeta.decode_host(rows, pos, T, DEVICE), 0.125).cpu()
+            out = cache.forward(0, *new, ForwardMeta.decode_host(rows, pos, T, DEVICE), 0.125).cpu()
             o = [torch.cat([o[b], out[b]], 1) for b in range(B)]
         outs[kernel] = torch.cat(o, 1)
     assert rel(outs[True], outs[False]) < (TOL if kind == "dense" else TOL_INT8)
@@ -365,8 +366,9 @@ def test_gated_attention_layer_through_the_fused_kernels(monkeypatch, dtype, kin
     """GatedAttention's decode steps through the fused kernels (q/k norm + RoPE with the cache append where the
     cache is dense, the gate in the attention merge) against its torch path: two sequences in cache rows 3 and
     1 of a pool of 4, prefilled to different lengths, then decoding together."""
-    from sluice.cache.kv import DenseKVCache, KVCache
-    from sluice.cache.make import make_kv_cache
+    from sluice.attention import make_attention
+    from sluice.cache.kv import DenseKVCache
+    from sluice.cache.pool import CachePool
     from sluice.engine.batch import ForwardMeta
     from sluice.kernels.rope import triton as rope_triton
     from sluice.kernels.rope.reference import rope_cos_sin, rope_inv_freq
@@ -389,12 +391,12 @@ def test_gated_attention_layer_through_the_fused_kernels(monkeypatch, dtype, kin
 
     outs, fused = {}, []
     for kernels in (False, True):
-        monkeypatch.setattr(KVCache, "use_decode_kernel", lambda self, x, on=kernels: on)
         if kernels and DEVICE == "cpu":  # the Triton kernels, under the interpreter
             monkeypatch.setattr(layers, "qk_norm_rope", rope_triton.qk_norm_rope)
-        cache = make_kv_cache(kind, 1, 4, Hkv, D, T, dtype, DEVICE, window=window)
-        decode = cache.decode
-        cache.decode = lambda layer, q, k, v, meta, scale, gate=None: (  # records what it is handed
+        attention = make_attention(kind, 1, 4, Hkv, D, T, dtype, DEVICE, window=window)
+        attention.decode_kernel = kernels
+        decode, cache = attention.decode, CachePool(attention, None, 3)
+        attention.decode = lambda layer, q, k, v, meta, scale, gate=None: (  # records what it is handed
             fused.append((k is None, gate is not None)), decode(layer, q, k, v, meta, scale, gate))[1]
         o = [forward(x[b:b + 1, :n], cache, ForwardMeta.prefill(row, 1, 0, n, DEVICE))
              for b, (row, n) in enumerate(zip(rows, prompts))]
@@ -409,4 +411,4 @@ def test_gated_attention_layer_through_the_fused_kernels(monkeypatch, dtype, kin
     print("REL", kind, window, dtype, rel(outs[True], outs[False]), (outs[True] == outs[False]).float().mean())
     tol = (TOL if kind == "dense" else TOL_INT8) if dtype == torch.float32 else 1e-2 if DEVICE == "cpu" else 2e-2
     assert rel(outs[True], outs[False]) < tol
-    assert isinstance(cache, DenseKVCache) == (kind == "dense")
+    assert isinstance(cache.kv, DenseKVCache) == (kind == "dense")

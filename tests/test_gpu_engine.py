@@ -153,15 +153,13 @@ def test_prompts_joining_decodes_with_and_without_graphs(checkpoints, name, kind
 def test_decode_attention_returns_the_activations_dtype(kind):
     """A bf16 model's decode attention hands bf16 to its output projection (an fp32 output sent the o-projection
     down fp32 tensor-core paths: batch-8 TurboQuant steps took twice as long)."""
-    from sluice.cache.kv import DenseKVCache
-    from sluice.cache.turboquant import TurboQuantKVCache
+    from sluice.attention import make_attention
     from sluice.engine.batch import ForwardMeta
 
-    make = DenseKVCache if kind == "dense" else TurboQuantKVCache
-    cache = make(1, 2, 2, 64, 128, dtype=torch.bfloat16, device="cuda")
+    cache = make_attention(kind, 1, 2, 2, 64, 128, torch.bfloat16, "cuda")
     q = torch.randn(2, 4, 1, 64, device="cuda", dtype=torch.bfloat16)
     k, v = (torch.randn(2, 2, 1, 64, device="cuda", dtype=torch.bfloat16) for _ in range(2))
-    out = cache.attend(0, q, k, v, ForwardMeta.decode_host([0, 1], [0, 0], 1, "cuda"), 0.125)
+    out = cache.forward(0, q, k, v, ForwardMeta.decode_host([0, 1], [0, 0], 1, "cuda"), 0.125)
     assert out.dtype == torch.bfloat16 and out.shape == q.shape and torch.isfinite(out.float()).all()
 
 

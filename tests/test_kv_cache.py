@@ -5,8 +5,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from sluice.attention import make_attention
+from sluice.attention.dense import DenseAttention
+from sluice.attention.turboquant import TurboQuantAttention
 from sluice.cache.kv import DenseKVCache
-from sluice.cache.make import make_kv_cache
 from sluice.cache.turboquant import TurboQuantKVCache
 from sluice.kernels.turboquant import reference as tq
 
@@ -73,11 +75,11 @@ def explicit_attention(q, k, v, qpos, kpos, scale, window=None):
     return torch.softmax(s.masked_fill(~vis, float("-inf")), -1) @ v
 
 
-def run_chunks(cache, q, k, v, chunks, scale):
-    """Feed positions in chunks of the given sizes; the outputs concatenated."""
+def run_chunks(attention, q, k, v, chunks, scale):
+    """Feed positions in chunks of the given sizes to a backend; the outputs concatenated."""
     outs, s = [], 0
     for n in chunks:
-        outs.append(cache.prefill(0, 0, q[:, :, s:s + n], k[:, :, s:s + n], v[:, :, s:s + n], s, scale))
+        outs.append(attention.prefill(0, 0, q[:, :, s:s + n], k[:, :, s:s + n], v[:, :, s:s + n], s, scale))
         s += n
     return torch.cat(outs, 2)
 
@@ -96,7 +98,7 @@ def test_dense_cache_whole_and_ring(window):
     for chunks in ([T], [5, 11, 1, 1, 22], [1] * T):
         cache = DenseKVCache(1, 2, 2, 64, T, torch.float32, window=window)
         assert cache.capacity == (T if window is None else window)
-        assert rel(run_chunks(cache, q, k, v, chunks, scale), ref) < 1e-6
+        assert rel(run_chunks(DenseAttention(cache), q, k, v, chunks, scale), ref) < 1e-6
 
 
 def turboquant_reference(q, k, v, scale, recent, window=None):
@@ -121,22 +123,22 @@ def test_turboquant_cache_matches_its_definition_in_any_chunking(window, recent)
     ref = turboquant_reference(q, k, v, scale, recent, window)
     for chunks in ([30], [7, 1, 13, 9], [1] * 30):
         cache = TurboQuantKVCache(1, 2, 2, 64, 30, window=window, recent=recent)
-        assert rel(run_chunks(cache, q, k, v, chunks, scale), ref) < 1e-5
+        assert rel(run_chunks(TurboQuantAttention(cache), q, k, v, chunks, scale), ref) < 1e-5
 
 
 def test_turboquant_cache_bytes_and_kinds():
-    c = make_kv_cache("turboquant4", 3, 1, 2, 128, 100, torch.bfloat16, "cpu")
+    c = make_attention("turboquant4", 3, 1, 2, 128, 100, torch.bfloat16, "cpu").cache
     assert c.bytes_per_token() == 2 * 3 * 2 * (64 + 4)
-    d = make_kv_cache("dense", 3, 1, 2, 128, 100, torch.bfloat16, "cpu")
+    d = make_attention("dense", 3, 1, 2, 128, 100, torch.bfloat16, "cpu").cache
     assert d.bytes_per_token() / c.bytes_per_token() == pytest.approx(512 / 136)
     assert c.capacity == 128  # slots in blocks of 32 (the CUDA decode kernel reads 32 positions at a time)
     assert c.k_codes[0].numel() + 4 * c.k_scale[0].numel() == c.capacity * 2 * 68  # the layout holds what it says
     with pytest.raises(ValueError, match="unknown KV cache"):
-        make_kv_cache("fp8", 1, 1, 1, 64, 4, torch.float32, "cpu")
+        make_attention("fp8", 1, 1, 1, 64, 4, torch.float32, "cpu")
 
 
 def test_cache_overflow_is_an_error():
-    c = TurboQuantKVCache(1, 1, 1, 64, 4)
+    c = TurboQuantAttention(TurboQuantKVCache(1, 1, 1, 64, 4))
     q, k, v = qkv(B=1, Hq=1, Hkv=1, T=5)
     with pytest.raises(IndexError, match="holds 4"):
         c.prefill(0, 0, q, k, v, 0, 0.1)
@@ -203,8 +205,9 @@ def test_turboquant_prefill_in_query_blocks():
     """A small score budget splits the chunk's queries into blocks: the same result."""
     q, k, v = qkv(T=30, seed=4)
     ref = turboquant_reference(q, k, v, 0.125, 8)
-    cache = TurboQuantKVCache(1, 2, 2, 64, 30, recent=8, score_elements=2 * 4 * 30 * 7)  # 7 queries per block
-    out = run_chunks(cache, q, k, v, [30], 0.125)
+    cache = TurboQuantKVCache(1, 2, 2, 64, 30, recent=8)
+    out = run_chunks(TurboQuantAttention(cache, score_elements=2 * 4 * 30 * 7), q, k, v, [30], 0.125)  # 7 queries
+
     assert rel(out, ref) < 1e-5
 
 
@@ -215,7 +218,7 @@ def test_turboquant_prefill_on_the_gpu_matches_its_definition():
     q, k, v = qkv(B=1, Hq=16, Hkv=2, T=700, D=256, seed=5)
     ref = turboquant_reference(q, k, v, 0.0625, 64)
     for chunks in ([700], [40, 300, 1, 359]):
-        cache = TurboQuantKVCache(1, 1, 2, 256, 700, torch.bfloat16, "cuda")
+        cache = TurboQuantAttention(TurboQuantKVCache(1, 1, 2, 256, 700, torch.bfloat16, "cuda"))
         c = lambda x: x.to("cuda", torch.bfloat16)  # noqa: E731
         out = run_chunks(cache, c(q), c(k), c(v), chunks, 0.0625).float().cpu()
         assert rel(out, ref) < 2e-2
@@ -224,7 +227,6 @@ def test_turboquant_prefill_on_the_gpu_matches_its_definition():
 @pytest.mark.parametrize("window", [None, 20, 22])
 def test_turboquant_cpu_decode_kernel_equals_the_torch_path(window):
     """One-token steps on the CPU go through the C kernel (codes read in place); the torch path gives the same."""
-    from sluice.cache.turboquant import TurboQuantKVCache
     from sluice.kernels.cpu import available
 
     if not available():
@@ -234,11 +236,10 @@ def test_turboquant_cpu_decode_kernel_equals_the_torch_path(window):
     q, k, v = (torch.randn(B, h, T, D, generator=g) for h in (Hq, Hkv, Hkv))
     outs = {}
     for native in (False, True):
-        cache = TurboQuantKVCache(1, B, Hkv, D, T, torch.float32, "cpu", window=window, recent=8)
-        if not native:
-            cache._use_cpu_kernel = lambda q: False
-        else:
-            assert cache._use_cpu_kernel(q[:, :, :1])
+        cache = TurboQuantAttention(TurboQuantKVCache(1, B, Hkv, D, T, torch.float32, "cpu", window=window,
+                                                      recent=8))
+        assert cache.cpu_kernel
+        cache.cpu_kernel = native
         o = [cache.prefill(0, 0, q[:, :, :10], k[:, :, :10], v[:, :, :10], 0, 0.125)]
         for t in range(10, T):
             o.append(cache.prefill(0, 0, q[:, :, t:t + 1], k[:, :, t:t + 1], v[:, :, t:t + 1], t, 0.125))
@@ -247,13 +248,12 @@ def test_turboquant_cpu_decode_kernel_equals_the_torch_path(window):
 
 
 @pytest.mark.parametrize("kind,static", [("dense", False), ("turboquant4", False), ("dense", True)])
-def test_flat_step_attention_matches_each_sequence_alone(kind, static, monkeypatch):
+def test_flat_step_attention_matches_each_sequence_alone(kind, static):
     """A flat step (`engine/batch.py`): the decode tokens through the split-K decode kernel (the GPU's path, here
     under the Triton interpreter), each prompt chunk as a prefill, or (static) every token stored and then taken as a
     decode query; each sequence's output as it gets alone (one row at a time, the torch paths), the padding's zero
     (static: its keys in the pad row only), the caches the same."""
     pytest.importorskip("triton")
-    from sluice.cache.make import make_kv_cache
     from sluice.engine.batch import FlatBatch
 
     dev = "cuda" if torch.cuda.is_available() else "cpu"  # the kernels: on a GPU, else the interpreter
@@ -265,16 +265,17 @@ def test_flat_step_attention_matches_each_sequence_alone(kind, static, monkeypat
     k, v = torch.randn(1, Hkv, 24, D, generator=g).to(dev), torch.randn(1, Hkv, 24, D, generator=g).to(dev)
     out = {}
     for kernel in (True, False):
-        cache = make_kv_cache(kind, 1, 5, Hkv, D, 64, torch.float32, dev)
+        attention = make_attention(kind, 1, 5, Hkv, D, 64, torch.float32, dev)
+        cache = attention.cache
         for name, t in vars(cache).items():  # the same history in every row
             if isinstance(t, torch.Tensor) and t.is_floating_point():
                 t.copy_(torch.randn(t.shape, generator=torch.Generator().manual_seed(4)).to(dev))
-        monkeypatch.setattr(type(cache), "use_decode_kernel", lambda self, x, kernel=kernel: kernel)
+        attention.decode_kernel = kernel
         if kind == "turboquant4":  # the C decode kernel stands in for the torch path on the CPU: keep to torch
-            monkeypatch.setattr(type(cache), "_use_cpu_kernel", lambda self, q: False)
+            attention.cpu_kernel = False
         batch.static = static and kernel
         _, meta = batch.place(torch.zeros(FlatBatch.size(24, 6), dtype=torch.long, device=dev))
-        out[kernel] = cache.attend(0, q, k, v, meta, D ** -0.5, gate), cache
+        out[kernel] = attention.forward(0, q, k, v, meta, D ** -0.5, gate), cache
     (o, cache), (ref, ref_cache) = out[True], out[False]
     assert static or not o[:, :, batch.n:].any()
     tol = dict(atol=2e-3, rtol=1e-3) if dev == "cpu" else dict(atol=3e-2, rtol=3e-2)  # a GPU: bf16 tensor cores

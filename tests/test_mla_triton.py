@@ -145,7 +145,7 @@ def test_split_plan():
     assert mt.plan_splits(128, 32768, 132, 128) == 1  # V3 at batch 64: one program per (sequence, head block)
     assert mt.plan_splits(32, 32768, 132, 128) == 4  # batch 16: 128 programs of 132 slots
     assert mt.plan_splits(16, 32768, 528, 128) == 32  # 16 heads at batch 16, four programs an SM
-    assert mt.default_sizes(16, 512)[0] == 16 and mt.default_sizes(128, 512)[:3] == (64, 32, 8)
+    assert mt.default_sizes(16, 512)[0] == 16 and mt.default_sizes(128, 512)[:3] == (64, 64, 8)
 
 
 def test_a_row_does_not_depend_on_its_batch():
@@ -171,10 +171,11 @@ def test_a_query_that_sees_nothing_is_zero():
 
 
 @pytest.mark.parametrize("page", [None, 16])
-def test_the_latent_cache_decodes_through_the_kernel(monkeypatch, page):
-    """`LatentCache.attend`'s batched decode (device rows and positions, a loose `visible`) through the kernel,
+def test_the_latent_cache_decodes_through_the_kernel(page):
+    """`MLAAttention.forward`'s batched decode (device rows and positions, a loose `visible`) through the kernel,
     step by step, equals its per-row reference path: two sequences in rows 3 and 1 of a pool of 4; whole rows, or
     paged (blocks of 16 handed to the two rows in turn)."""
+    from sluice.attention.mla import MLAAttention
     from sluice.cache.latent import LatentCache
     from sluice.engine.batch import ForwardMeta
 
@@ -187,9 +188,9 @@ def test_the_latent_cache_decodes_through_the_kernel(monkeypatch, page):
     d = lambda x: x.to(DEVICE)  # noqa: E731
     outs = {}
     for kernel in (False, True):
-        monkeypatch.setattr(LatentCache, "use_decode_kernel", lambda self, x, on=kernel: on)
-        monkeypatch.setenv("SLUICE_DEEPSEEK_KERNELS", "1")
         cache = LatentCache(1, 4, R, P, T, torch.float32, DEVICE, page=page, blocks=None if page is None else 6)
+        attention = MLAAttention(cache)
+        attention.decode_kernel = kernel
         if page is not None:
             for n in range(page, 2 * page + 1, page):
                 for r in rows:
@@ -197,8 +198,8 @@ def test_the_latent_cache_decodes_through_the_kernel(monkeypatch, page):
             cache.table.sync()
         for b, (r, n) in enumerate(zip(rows, prompts)):
             cut = lambda x: d(x[b:b + 1, :n])  # noqa: E731
-            cache.attend(0, cut(q_nope), cut(q_pe), cut(c), cut(k_pe), ForwardMeta.prefill(r, 1, 0, n, DEVICE), 0.3,
-                         d(w_uk), d(w_uv))
+            attention.forward(0, cut(q_nope), cut(q_pe), cut(c), cut(k_pe), ForwardMeta.prefill(r, 1, 0, n, DEVICE),
+                              0.3, d(w_uk), d(w_uv))
         steps = []
         for step in range(T - max(prompts)):
             pos = [n + step for n in prompts]
@@ -206,7 +207,7 @@ def test_the_latent_cache_decodes_through_the_kernel(monkeypatch, page):
             meta = ForwardMeta.decode_host(rows, pos, T, DEVICE)
             if kernel:  # as a captured graph runs it: no host rows
                 meta.rows_host = meta.positions_host = None
-            steps.append(cache.attend(0, *new, meta, 0.3, d(w_uk), d(w_uv)).cpu())
+            steps.append(attention.forward(0, *new, meta, 0.3, d(w_uk), d(w_uv)).cpu())
         outs[kernel] = torch.cat(steps, 1)
     assert outs[True].shape == (2, T - max(prompts), H, v)
     assert rel(outs[True], outs[False]) < TOL[torch.float32]

@@ -146,15 +146,15 @@ def test_dequantize_through_the_table(D, interleaved, first, n):
 
 
 def test_paged_cache_is_checked():
-    from sluice.cache.make import make_kv_cache
+    from sluice.attention import make_attention
     from sluice.cache.turboquant import TurboQuantKVCache
 
     with pytest.raises(ValueError, match="sliding-window"):
         TurboQuantKVCache(1, 2, 2, 64, 128, window=16, page=32, blocks=8)
     with pytest.raises(ValueError, match="multiple of 32"):
         TurboQuantKVCache(1, 2, 2, 64, 128, page=48, blocks=8)
-    paged = make_kv_cache("turboquant4", 2, 3, 2, 64, 100, torch.float32, "cpu", page=32, blocks=10)
-    rows = make_kv_cache("turboquant4", 2, 3, 2, 64, 100, torch.float32, "cpu")
+    paged = make_attention("turboquant4", 2, 3, 2, 64, 100, torch.float32, "cpu", page=32, blocks=10).cache
+    rows = make_attention("turboquant4", 2, 3, 2, 64, 100, torch.float32, "cpu").cache
     assert paged.table is not None and rows.table is None
     assert paged.k_codes.shape == (2, 11, 2, 32, 32) and paged.v_codes.shape == (2, 11, 2, 8, 32, 4)
     assert paged.k_recent.shape == rows.k_recent.shape  # the ring: one per row
@@ -163,27 +163,28 @@ def test_paged_cache_is_checked():
 
 
 @pytest.mark.parametrize("kernel,page", [(False, 32), (True, 32), (True, 64)])
-def test_paged_cache_gives_the_outputs_of_rows(monkeypatch, kernel, page):
+def test_paged_cache_gives_the_outputs_of_rows(kernel, page):
     """Rows 0, 1, 2 prefilled in chunks taken in turns (their blocks interleave), row 0's first 50 positions then
     copied as row 3's prefix (`copy_prefix`: whole blocks shared, the partial one copied; the ring as row state), rows
     0 and 3 going on apart, then decode steps of all four (blocks handed out in alternating orders): every output of
-    the paged cache equals the rows layout's, through `attend` with the caches' metas, decode steps through the split
-    kernel (`kernel`) or row by row through prefill; and the codes read back as rows are the same. A prefix copied
+    the paged cache equals the rows layout's, through the backend's `forward` with the caches' metas, decode steps
+    through the split kernel (`kernel`) or row by row through prefill; and the codes read back as rows are the same. A prefix copied
     into another paged cache lands in blocks of its own, the same codes. (The Triton split kernel's tiles stay within
     a block: in blocks of 32 they hold 32 positions, not the rows layout's 64, and its int8 products quantize the
     probabilities per tile: close, not equal.)"""
-    from sluice.cache.kv import KVCache
+    from sluice.attention.turboquant import TurboQuantAttention
     from sluice.cache.turboquant import TurboQuantKVCache
     from sluice.engine.batch import ForwardMeta
 
-    monkeypatch.setattr(KVCache, "use_decode_kernel", lambda self, x: kernel)
-    monkeypatch.setattr(TurboQuantKVCache, "_use_cpu_kernel", lambda self, q: False)  # the C kernel reads rows
     g = torch.Generator().manual_seed(11)
     Hq, Hkv, D, cap, blocks, steps = 4, 2, 64, 160, 14, 10
     data = {r: [torch.randn(1, h, cap, D, generator=g) for h in (Hq, Hkv, Hkv)] for r in range(4)}
     data[3] = [torch.cat([a[:, :, :50], b[:, :, 50:]], 2) for a, b in zip(data[0], data[3])]  # row 0's prefix
     make = lambda **kw: TurboQuantKVCache(1, 5, Hkv, D, cap, torch.float32, DEVICE, recent=8, **kw)  # noqa: E731
     rows, paged = make(), make(page=page, blocks=blocks)
+    backends = [TurboQuantAttention(c) for c in (rows, paged)]
+    for a in backends:
+        a.decode_kernel, a.cpu_kernel = kernel, False  # (the C kernel reads rows)
     tol = 3e-4 if kernel and page == 32 and DEVICE == "cpu" else 1e-6 if DEVICE == "cpu" else 1e-5
     d = lambda x: x.to(DEVICE)  # noqa: E731
 
@@ -191,8 +192,8 @@ def test_paged_cache_gives_the_outputs_of_rows(monkeypatch, kernel, page):
         assert paged.table.ensure(row, t1)
         paged.table.sync()
         q, k, v = (d(x[:, :, t0:t1]) for x in data[row])
-        o = [c.attend(0, q, k, v, ForwardMeta.prefill(row, 1, t0, t1 - t0, DEVICE), 0.125).cpu()
-             for c in (rows, paged)]
+        o = [a.forward(0, q, k, v, ForwardMeta.prefill(row, 1, t0, t1 - t0, DEVICE), 0.125).cpu()
+             for a in backends]
         assert rel(o[1], o[0]) < tol, (row, t0)
 
     for chunks in ([(0, 0, 20), (1, 0, 45), (2, 0, 5)], [(0, 20, 50), (1, 45, 85), (2, 5, 6)]):
@@ -218,7 +219,7 @@ def test_paged_cache_gives_the_outputs_of_rows(monkeypatch, kernel, page):
         paged.table.sync()
         pos = [ends[r] for r in order]
         new = [d(torch.stack([data[r][i][0, :, ends[r]] for r in order])[:, :, None]) for i in range(3)]
-        o = [c.attend(0, *new, ForwardMeta.decode_host(order, pos, cap, DEVICE), 0.125).cpu() for c in (rows, paged)]
+        o = [a.forward(0, *new, ForwardMeta.decode_host(order, pos, cap, DEVICE), 0.125).cpu() for a in backends]
         assert rel(o[1], o[0]) < tol, step
         for r in order:
             ends[r] += 1

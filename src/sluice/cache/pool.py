@@ -16,7 +16,7 @@ import heapq
 
 import torch
 
-from sluice.cache.kv import KVCache
+from sluice.attention import AttentionBackend
 
 
 class RecurrentStates:
@@ -34,8 +34,12 @@ class RecurrentStates:
 
 
 class CachePool:
-    def __init__(self, kv: KVCache | None, states: RecurrentStates | None, rows: int):
-        self.kv, self.states, self.rows = kv, states, rows
+    """The caches of `rows` sequences: the attention layers' backend (`sluice/attention/`, chosen once here for all
+    of them) with its KV cache (`kv`), and Gated DeltaNet's states."""
+
+    def __init__(self, attention: AttentionBackend | None, states: RecurrentStates | None, rows: int):
+        self.attention, self.states, self.rows = attention, states, rows
+        self.kv = None if attention is None else attention.cache
         self.scratch_row = rows  # the caches hold rows + 1
         self._free = list(range(rows))  # a heap: the lowest free row goes first
 
@@ -52,7 +56,7 @@ class CachePool:
     @property
     def static_flat(self) -> bool:
         """Whether flat forwards over this pool may take the static path (`engine/batch.py`): one CUDA graph each."""
-        return self.kv is None or self.kv.supports_static_flat
+        return self.attention is None or self.attention.static_flat
 
     @property
     def free_rows(self) -> int:
@@ -138,14 +142,12 @@ class CachePool:
         return fn(meta, *args)
 
     def attend(self, layer: int, q, k, v, meta, scale: float, gate=None):
-        kv = self.kv
-        return self.mix(lambda m, q, k, v, g: kv.attend(layer, q, k, v, m, scale, g), meta, q, k, v, gate)
+        """The attention backend's `forward` for attention layer `layer`, as a sequence mixer."""
+        forward = self.attention.forward
+        return self.mix(lambda m, q, k, v, g: forward(layer, q, k, v, m, scale, g), meta, q, k, v, gate)
 
-    def append_buffers(self, layer: int, meta, x):
-        return self.kv.append_buffers(layer, meta, x)
-
-    def dense_buffers(self, layer: int):
-        return self.kv.dense_buffers(layer)
+    def append_buffers(self, layer: int, meta):
+        return self.attention.append_buffers(layer, meta)
 
     def conv(self, layer: int) -> torch.Tensor:
         return self.states.conv[layer]

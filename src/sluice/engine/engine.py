@@ -287,7 +287,7 @@ class Engine:
                 text = io.StringIO()
                 stats = pstats.Stats(profile, stream=text)
                 stats.sort_stats("tottime").print_stats(25)
-                stats.sort_stats("cumulative").print_stats(40)
+                stats.sort_stats("cumulative").print_stats("sluice", 40)  # which of our calls it went under
                 log.warning("a step took %.2f s; its profile:\n%s", seconds, text.getvalue())
 
     def _isolate(self, error: Exception) -> list[StepOutput]:

@@ -5,8 +5,6 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from sluice.kernels import cpu as native
-from sluice.kernels.attention import cpu as attention_cpu
 from sluice.kernels.rope import qk_norm_rope
 from sluice.kernels.rope.reference import apply_rope
 from sluice.layers.linear import Linear, fuse_linears
@@ -25,14 +23,8 @@ class Attention(nn.Module):
         B, T, _ = x.shape
         H, Hkv, D = self.num_heads, self.num_kv_heads, self.head_dim
         qkv = self.qkv(x)
-        buffers = cache.dense_buffers(self.layer_index)
-        if (meta.decode and buffers is not None and qkv.dtype == torch.float32 and not qkv.is_cuda
-                and native.available()):  # one C call per sequence: RoPE, cache write, attention
-            k_cache, v_cache = buffers
-            qkv = qkv.view(B, H + 2 * Hkv, D)
-            o = torch.stack([attention_cpu.decode_step(qkv[i], cos[i, 0], sin[i, 0], k_cache[row], v_cache[row], pos,
-                                                       self.scale)
-                             for i, (row, pos) in enumerate(zip(meta.rows_host, meta.positions_host))])
+        if meta.decode and cache.attention.native_decode:  # one C call per sequence: RoPE,
+            o = cache.attention.rope_decode(self.layer_index, qkv, cos, sin, meta, self.scale, H)  # cache, attention
             return self.o(o.view(B, 1, H * D))
         # RoPE on the q and k heads together: one rotation instead of two.
         qk = apply_rope(qkv[..., :(H + Hkv) * D].view(B, T, H + Hkv, D), cos[:, :, None],
@@ -66,7 +58,7 @@ class GatedAttention(nn.Module):
         q, gate = qg.view(B, T, H, 2 * D).chunk(2, dim=-1)
         k, v = k.view(B, T, Hkv, D), v.view(B, T, Hkv, D)
         # q and k norm + RoPE in one launch on CUDA; in a decode step over a dense cache it also stores k and v
-        stores = cache.append_buffers(self.cache_index, meta, qkv)
+        stores = cache.append_buffers(self.cache_index, meta)
         if stores is None:
             q, k = qk_norm_rope(q, k, self.q_norm, self.k_norm, cos, sin, self.eps)
             k, v = k.transpose(1, 2), v.transpose(1, 2)

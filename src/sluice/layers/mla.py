@@ -23,7 +23,7 @@ LORA_NORM_EPS = 1e-6  # q_a_layernorm and kv_a_layernorm: HF's and mlx-lm's defa
 
 class MLA(nn.Module):
     # On a GPU a decode step without host rows (a captured graph) takes the batched, masked path of
-    # `LatentCache.attend`: device tensors only, so it can be captured.
+    # `MLAAttention.forward`: device tensors only, so it can be captured.
     capturable = True
 
     def __init__(self, proj_a: nn.Module, q_a_norm: torch.Tensor | None, q_b: Linear | None, kv_a_norm: torch.Tensor,
@@ -57,8 +57,8 @@ class MLA(nn.Module):
         q_pe = apply_rope(q_pe, cos[:, :, None], sin[:, :, None])
         k_pe = apply_rope(kv[..., R:], cos, sin)
         w_uk, w_uv = self.per_head()
-        kv_cache, index, scale = cache.kv, self.layer_index, self.scale
-        o = cache.mix(lambda m, qn, qp, lat, kp: kv_cache.attend(index, qn, qp, lat, kp, m, scale, w_uk, w_uv),
+        forward, index, scale = cache.attention.forward, self.layer_index, self.scale
+        o = cache.mix(lambda m, qn, qp, lat, kp: forward(index, qn, qp, lat, kp, m, scale, w_uk, w_uv),
                       meta, q_nope.contiguous(), q_pe.contiguous(), c, k_pe.contiguous())
         return self.o(o.reshape(B, T, H * self.v_head_dim))
 

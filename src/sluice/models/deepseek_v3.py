@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
-from sluice.cache.latent import make_latent_cache
+from sluice.attention.mla import make_mla_attention
 from sluice.cache.pool import CachePool
 from sluice.errors import ModelFileError, UnsupportedError
 from sluice.formats.convert import stacked_experts
@@ -200,9 +200,9 @@ class DeepseekModel(nn.Module):
         """Caches for `rows` sequences of up to `capacity` positions (and the pool's scratch row): the latent cache,
         in `blocks` blocks of `page` positions when `page` is given (`cache/blocks.py`)."""
         c = self.cfg
-        kv = make_latent_cache(kind, c.num_layers, rows + 1, c.kv_lora_rank, c.qk_rope_head_dim, capacity, dtype,
-                               device, page, blocks)
-        return CachePool(kv, None, rows)
+        attention = make_mla_attention(kind, c.num_layers, rows + 1, c.kv_lora_rank, c.qk_rope_head_dim, capacity,
+                                       dtype, device, page, blocks)
+        return CachePool(attention, None, rows)
 
     def check_cache_kind(self, kind: str) -> None:
         """ValueError when this model cannot use a KV cache of this kind."""

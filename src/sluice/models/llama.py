@@ -8,7 +8,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from sluice.cache.make import make_kv_cache
+from sluice.attention import make_attention
 from sluice.cache.pool import CachePool
 from sluice.errors import ModelFileError, UnsupportedError
 from sluice.formats.validate import head_dim_default, parse_config
@@ -164,9 +164,9 @@ class LlamaModel(nn.Module):
         """Caches for `rows` sequences of up to `capacity` positions (and the pool's scratch row); with `page`, KV in
         `blocks` blocks of `page` positions where the cache kind pages (`cache/blocks.py`)."""
         c = self.cfg
-        kv = make_kv_cache(kind, c.num_layers, rows + 1, c.num_kv_heads, c.head_dim, capacity, dtype, device,
-                           window=c.sliding_window, page=page, blocks=blocks)
-        return CachePool(kv, None, rows)
+        attention = make_attention(kind, c.num_layers, rows + 1, c.num_kv_heads, c.head_dim, capacity, dtype,
+                                   device, window=c.sliding_window, page=page, blocks=blocks)
+        return CachePool(attention, None, rows)
 
     def check_cache_kind(self, kind: str) -> None:
         """ValueError when this model cannot use a KV cache of this kind."""

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn as nn
 
-from sluice.cache.make import make_kv_cache
+from sluice.attention import make_attention
 from sluice.cache.pool import CachePool, RecurrentStates
 from sluice.errors import ModelFileError, UnsupportedError
 from sluice.formats.convert import stacked_experts
@@ -167,13 +167,13 @@ class Qwen3NextModel(nn.Module):
         """Caches for `rows` sequences of up to `capacity` positions (and the pool's scratch row); with `page`, KV in
         `blocks` blocks of `page` positions where the cache kind pages (`cache/blocks.py`)."""
         c = self.cfg
-        kv = make_kv_cache(kind, c.num_kv_layers, rows + 1, c.num_kv_heads, c.head_dim, capacity, dtype, device,
-                           page=page, blocks=blocks)
+        attention = make_attention(kind, c.num_kv_layers, rows + 1, c.num_kv_heads, c.head_dim, capacity, dtype,
+                                   device, page=page, blocks=blocks)
         nk, nv, dk, dv = (c.linear_num_key_heads, c.linear_num_value_heads, c.linear_key_head_dim,
                           c.linear_value_head_dim)
         states = RecurrentStates(c.layer_types.count("linear_attention"), rows + 1, 2 * nk * dk + nv * dv,
                                  c.conv_kernel, nv, dk, dv, dtype, device)
-        return CachePool(kv, states, rows)
+        return CachePool(attention, states, rows)
 
     def check_cache_kind(self, kind: str) -> None:
         """ValueError when this model cannot use a KV cache of this kind."""

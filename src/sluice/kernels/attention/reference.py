@@ -10,15 +10,22 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -
     Query t (absolute position S - T + t) sees keys 0 .. S - T + t. Hq must be a multiple of Hkv; query head h
     reads kv head h // (Hq / Hkv). A later chunk (T < S) is causal aligned to the bottom right, which on a GPU the
     flash backend runs as it is (`causal_lower_right`): a materialized mask would take cuDNN's backend on an H100,
-    which builds a new plan on the host, a slow step, for every new key count (docs/perf-log.md, prefill). On the
-    CPU the mask is materialized: `torch.nn.attention.bias` imports torch._dynamo, seconds the first time (a chat's
-    second turn resuming from the prefix cache waited for it).
+    which builds a new plan on the host, a slow step, for every new key count (docs/perf-log.md, prefill). In half
+    precision the flash kernel is called directly where q, k and v share a head dim (not MLA's decompressed K/V,
+    whose backend imports `torch.nn.attention.bias` when it is made). On the CPU the mask is materialized:
+    `torch.nn.attention.bias` imports torch._dynamo, seconds the first time (a chat's second turn resuming from the
+    prefix cache waited for it).
     """
     T, S = q.shape[2], k.shape[2]
     if T == 1:
         mask, causal = None, False
     elif T == S:
         mask, causal = None, True
+    elif q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and q.shape[-1] == v.shape[-1] <= 256:
+        # the flash kernel, causal to the bottom right as it is: what `causal_lower_right` runs, without importing
+        # `torch.nn.attention.bias`, which pulls in torch._dynamo (4.6 s: the first serving step that resumed a
+        # prompt from the prefix cache waited for it)
+        return torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, True, False, scale=scale)[0]
     elif not q.is_cuda:
         mask, causal = torch.ones(T, S, dtype=torch.bool, device=q.device).tril(S - T), False
     else:

@@ -208,13 +208,15 @@ def plan_splits(units: int, visible: int, slots: int, min_per_split: int) -> int
 
 def default_sizes(H: int, R: int) -> tuple[int, int, int, int]:
     """(block_h, block_n, num_warps, num_stages) for H heads of latent width R: the module docstring's reasoning
-    (up to 16 heads: 16 a program, mma.sync, four programs an SM; 17-32: 32 at 8 warps; more: 64 heads a program
-    at 8 warps, wgmma, one program an SM, each latent tile read by H / 64 programs)."""
+    (up to 16 heads: 16 a program, mma.sync; 17-32: 32 at 8 warps; more: 64 heads a program at 8 warps, wgmma, one
+    program an SM, each latent tile read by H / 64 programs), then the H200 sweep (`benchmarks/mla_gpu.py --sweep`,
+    docs/perf-log.md): three stages at 16 heads (0.94x the time of two, geo-mean of six shapes), tiles of 64
+    positions at 64 heads (0.77x those of 32; 255 registers, no spills, 216 KB of shared memory)."""
     if H <= 16:
-        return 16, 32, 4, 2
+        return 16, 32, 4, 3
     if H <= 32:
         return 32, 32, 8, 2
-    return 64, 32, 8, 2
+    return 64, 64, 8, 2
 
 
 _RESIDENT: dict = {}  # compiled variant -> programs a multiprocessor holds
