@@ -176,7 +176,7 @@ def test_decode_prefill_chunk_defaults_and_bounds():
 
     gpu = torch.device("cuda", 0)
     assert EngineConfig().prefill_tokens("cpu", decoding=True) == 512
-    assert EngineConfig().prefill_tokens(gpu, decoding=True) == 512  # a bigger chunk stalls the decodes longer
+    assert EngineConfig().prefill_tokens(gpu, decoding=True) == 2048  # first tokens sooner, decodes stalled longer
     assert EngineConfig(decode_prefill_chunk=512).prefill_tokens(gpu, decoding=True) == 512
     assert EngineConfig(decode_prefill_chunk=512).prefill_tokens(gpu) == 4096  # nothing decodes: the full budget
     assert EngineConfig(prefill_chunk=128).prefill_tokens("cpu", decoding=True) == 128  # never more than a step's

@@ -16,7 +16,9 @@ GRAPH_TOKEN_SIZES = (16, 32, 48, 64, 80, 96, 128, 160, 192, 256, 320, 384, 512, 
 # every chunk reads all the experts: bigger chunks prefill faster (docs/perf-log.md, 2026-11-25 "prefill chunks")
 GPU_PREFILL_CHUNK = 4096
 CPU_PREFILL_CHUNK = 512
-GPU_DECODE_PREFILL_CHUNK = CPU_DECODE_PREFILL_CHUNK = 512
+# beside decodes: on a GPU 2,048 (a burst of prompts and a long prompt's first token in half the time of 512, decodes
+# stalled 100 ms a step instead of 55 meanwhile: docs/perf-log.md, 2026-11-28 "step budget"); the CPU's whole step
+GPU_DECODE_PREFILL_CHUNK, CPU_DECODE_PREFILL_CHUNK = 2048, 512
 WHOLE_GRAPH_TOKENS = 256  # flat steps up to this many tokens: one whole graph each (`EngineConfig.whole_graph_tokens`)
 GPU_KV_PAGE = 256  # positions a block of a paged KV cache holds on a GPU (`EngineConfig.kv_page`)
 
@@ -32,8 +34,9 @@ class EngineConfig:
         512 on the CPU. A step's tokens (decodes and prompt chunks) never exceed it.
     decode_prefill_chunk: prompt tokens a step prefills at most while sequences decode in it: each step is one
         forward, so every decoding sequence waits for the whole of it (a long prompt joining then takes many short
-        steps, not a few that stall every decode for a whole big chunk); at most prefill_chunk; None: 512.
-        Measuring the trade-off on a GPU (a burst of prompts against a long prompt joining decodes) is open work.
+        steps, not a few that stall every decode for a whole big chunk); at most prefill_chunk; None: 2048 on a GPU
+        (measured against 512: first tokens of a burst and of a long prompt twice as soon, decode steps twice as long
+        while a prompt joins), 512 on the CPU.
     graphs: on CUDA, replay each step from a CUDA graph: a decode step's captured per batch size, a step that
         prefills captured in pieces per padded token count (`engine/piecewise.py`) (False: eager, to compare).
     graph_batch_sizes: the batch sizes decode graphs are captured for; a batch runs in the smallest that holds it.
