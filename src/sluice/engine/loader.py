@@ -123,9 +123,14 @@ def _read_checkpoint(path, load_format: str, dev: torch.device, dt: torch.dtype,
     into host memory when they stream: `experts.placement`)."""
     from sluice.formats.tokenizer import Tokenizer
     from sluice.models import architecture_module
+    from sluice.parallel import launch
 
     src = open_source(path, load_format)
+    src.tp = launch.CURRENT  # this rank's part of a tensor-parallel model (None: the whole model): the builders split
     store = streams(src, dev, gpu_memory, expert_slots, expert_store)
+    name = src.architecture if src.format == "gguf" else src.config.get("model_type", "<missing model_type>")
+    if src.tp is not None and not getattr(architecture_module(name), "TENSOR_PARALLEL", False):
+        raise UnsupportedError(f"tensor_parallel is not supported for {name!r} models yet.")
     if src.format == "gguf":
         arch = architecture_module(src.architecture)
         tokenizer = Tokenizer.from_gguf(src.fields)
@@ -162,7 +167,7 @@ def _cache_reserve(module, config: EngineConfig, dev: torch.device, dt: torch.dt
 
 def load(path=None, device=None, dtype=None, keep_quantized: bool = True, kv_cache: str = "dense",
          load_format: str = "auto", gpu_memory=None, expert_slots: int | None = None, expert_store: str = "auto",
-         **options) -> Model:
+         tensor_parallel: int = 1, **options) -> Model:
     """Load a GGUF file or an HF/MLX directory (None: the demo model) onto `device`, tensor by tensor. Quantized
     weights stay packed unless keep_quantized=False, which dequantizes them once to `dtype` (more memory; dense
     matmuls). kv_cache: "dense" (K/V in `dtype`) or "turboquant4" (4-bit codes of the rotated vectors + a scale
@@ -175,7 +180,17 @@ def load(path=None, device=None, dtype=None, keep_quantized: bool = True, kv_cac
     (host memory when they fit there, else the checkpoint's files), "host" or "disk". Engine options
     (`sluice.config.EngineConfig`): max_batch, max_seq_len, prefill_chunk, decode_prefill_chunk, graphs,
     graph_batch_sizes, graph_token_sizes, whole_graph_tokens, overlap, deterministic, prefix_cache, kv_page,
-    kv_blocks."""
+    kv_blocks. tensor_parallel: split the weights across that many ranks, one process each (one GPU each on
+    CUDA; gloo ranks on the CPU: `sluice.parallel`); `Model.close()` stops them."""
+    from sluice.parallel import launch
+
+    if tensor_parallel != 1 and launch.CURRENT is None:  # this process becomes rank 0 and starts the others
+        if gpu_memory is not None or expert_slots is not None or expert_store not in ("auto", None):
+            raise InvalidOptionError("tensor_parallel cannot be combined with streamed experts (gpu_memory, "
+                                     "expert_slots, expert_store) yet.")
+        return launch.start(tensor_parallel, dict(
+            path=path, device=device, dtype=dtype, keep_quantized=keep_quantized, kv_cache=kv_cache,
+            load_format=load_format, tensor_parallel=tensor_parallel, **options))
     unknown = sorted(set(options) - set(ENGINE_OPTIONS))
     if unknown:
         raise InvalidOptionError(f"unknown load option(s): {', '.join(unknown)}.")

@@ -24,6 +24,7 @@ class Model:
         self.engine_config = config
         self.device, self.dtype = device, dtype
         self._engine = None
+        self.mirror, self.key = None, 0  # tensor-parallel: the workers (`sluice/parallel/mirror.py`), this engine's key
 
     @property
     def placement(self):
@@ -42,8 +43,26 @@ class Model:
     def engine(self) -> Engine:
         """The batching engine (made on first use; one per model, its cache pool and graphs kept between calls)."""
         if self._engine is None:
-            self._engine = Engine(self.module, self.tokenizer, self.engine_config, self.device, self.dtype)
+            args = (self.module, self.tokenizer, self.engine_config, self.device, self.dtype)
+            if self.mirror is None:
+                self._engine = Engine(*args)
+            else:
+                from sluice.parallel.mirror import MirroredEngine
+
+                self._engine = MirroredEngine(*args, mirror=self.mirror, key=self.key)
         return self._engine
+
+    @property
+    def tensor_parallel(self) -> int:
+        """Ranks the weights are split across (`sluice.load(..., tensor_parallel=N)`)."""
+        tp = getattr(self.module, "tp", None)
+        return 1 if tp is None else tp.size
+
+    def close(self) -> None:
+        """Stop a tensor-parallel model's worker processes (nothing to do for one process)."""
+        if self.mirror is not None and self.key == 0:
+            self.mirror.close()
+            self.mirror = None
 
     def with_engine(self, **options) -> "Model":
         """The same weights (shared, not copied) with other engine settings (`sluice.config.EngineConfig`: kv_cache,
@@ -55,8 +74,12 @@ class Model:
         unknown = sorted(set(options) - {f.name for f in fields(EngineConfig)})
         if unknown:
             raise InvalidOptionError(f"unknown engine option(s): {', '.join(unknown)}.")
-        return Model(self.module, self.tokenizer, self.path, self.format, self.device, self.dtype,
-                     replace(self.engine_config, **options))
+        model = Model(self.module, self.tokenizer, self.path, self.format, self.device, self.dtype,
+                      replace(self.engine_config, **options))
+        if self.mirror is not None:  # the workers make the same engine over their shards
+            model.mirror, model.key = self.mirror, self.mirror.new_key()
+            self.mirror.send("with_engine", self.key, model.key, options)
+        return model
 
     def new_cache(self, capacity: int, rows: int = 1):
         """Empty caches for `rows` sequences of up to `capacity` positions (the architecture decides the kinds)."""
@@ -83,6 +106,8 @@ class Model:
             ids = ids[None]
         for row in ids.tolist():
             check_prompt(row, self.config.vocab_size, self.context_length)
+        if self.mirror is not None:
+            self.mirror.send("logits", self.key, ids.tolist())  # plain lists: no tensors over the connection
         cache = self.new_cache(ids.shape[1], rows=ids.shape[0])
         step = self.engine_config.prefill_tokens(self.device)
         return torch.cat([self.forward(ids[:, s:s + step], cache, s).cpu() for s in range(0, ids.shape[1], step)],

@@ -16,6 +16,10 @@ from sluice.kernels.rope import rope_cos_sin
 from sluice.kernels.rope.reference import rope_inv_freq
 from sluice.layers.attention import Attention
 from sluice.layers.linear import Embedding, Linear, RMSNorm, fuse_linears
+from sluice.parallel import RowParallel, TensorParallel, VocabEmbedding, VocabHead
+
+
+TENSOR_PARALLEL = True  # the builders split the weights for `sluice.parallel` when the reader carries a rank
 
 
 @dataclass
@@ -128,19 +132,28 @@ def _unpermute_rows(w, n_heads: int):
 
 
 class LlamaBlock(nn.Module):
-    def __init__(self, cfg: LlamaConfig, get, i: int):
+    def __init__(self, cfg: LlamaConfig, get, i: int, tp: TensorParallel | None = None):
+        """With `tp`, this rank's heads and MLP slice (`sluice/parallel`): q, k, v, gate and up column-parallel,
+        o and down row-parallel."""
         super().__init__()
         p = f"model.layers.{i}."
+        col = (lambda w, what, unit=1: w) if tp is None else tp.col  # noqa: E731
+        row = (lambda w: w) if tp is None else tp.row  # noqa: E731
+        kv = (lambda w: w) if tp is None else lambda w: tp.kv(w, cfg.num_kv_heads, cfg.head_dim)  # noqa: E731
+        size = 1 if tp is None else tp.size
         self.attn_norm = RMSNorm(get(p + "input_layernorm.weight"), cfg.rms_norm_eps)
         self.mlp_norm = RMSNorm(get(p + "post_attention_layernorm.weight"), cfg.rms_norm_eps)
-        q, k, v = (Linear(get(p + f"self_attn.{n}_proj.weight")) for n in "qkv")
+        q = Linear(col(get(p + "self_attn.q_proj.weight"), "attention heads", cfg.head_dim))
+        k, v = (Linear(kv(get(p + f"self_attn.{n}_proj.weight"))) for n in "kv")
         qkv = fuse_linears([q, k, v])
-        self.attn = Attention(qkv, Linear(get(p + "self_attn.o_proj.weight")), cfg.num_heads, cfg.num_kv_heads,
-                              cfg.head_dim, i)
-        gate, up = Linear(get(p + "mlp.gate_proj.weight")), Linear(get(p + "mlp.up_proj.weight"))
+        o = Linear(row(get(p + "self_attn.o_proj.weight")))
+        self.attn = Attention(qkv, o if tp is None else RowParallel(o, tp), cfg.num_heads // size,
+                              cfg.num_kv_heads if tp is None else tp.kv_heads(cfg.num_kv_heads), cfg.head_dim, i)
+        gate, up = (Linear(col(get(p + f"mlp.{n}_proj.weight"), "the MLP's intermediate size")) for n in ("gate", "up"))
         self.gate_up = fuse_linears([gate, up])
-        self.down = Linear(get(p + "mlp.down_proj.weight"))
-        self.intermediate_size = cfg.intermediate_size
+        down = Linear(row(get(p + "mlp.down_proj.weight")))
+        self.down = down if tp is None else RowParallel(down, tp)
+        self.intermediate_size = cfg.intermediate_size // size
 
     def forward(self, h, cos, sin, cache, meta):
         h = h + self.attn(self.attn_norm(h), cos, sin, cache, meta)
@@ -150,13 +163,21 @@ class LlamaBlock(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, cfg: LlamaConfig, get):
+    def __init__(self, cfg: LlamaConfig, get, tp: TensorParallel | None = None):
         super().__init__()
-        self.cfg = cfg
-        self.embed = Embedding(get("model.embed_tokens.weight"))
-        self.layers = nn.ModuleList(LlamaBlock(cfg, get, i) for i in range(cfg.num_layers))
+        self.cfg, self.tp = cfg, tp
+        embed = get("model.embed_tokens.weight")
+        self.embed = Embedding(embed if tp is None else tp.vocab(embed))
+        self.layers = nn.ModuleList(LlamaBlock(cfg, get, i, tp) for i in range(cfg.num_layers))
         self.norm = RMSNorm(get("model.norm.weight"), cfg.rms_norm_eps)
-        self.lm_head = self.embed.as_linear() if cfg.tie_word_embeddings else Linear(get("lm_head.weight"))
+        if cfg.tie_word_embeddings:
+            self.lm_head = self.embed.as_linear()
+        else:
+            head = get("lm_head.weight")
+            self.lm_head = Linear(head if tp is None else tp.vocab(head))
+        if tp is not None:  # vocabulary-parallel: lookups summed, logits gathered
+            self.embed = VocabEmbedding(self.embed, tp, cfg.vocab_size)
+            self.lm_head = VocabHead(self.lm_head, tp, cfg.vocab_size)
         self.register_buffer("inv_freq", rope_inv_freq(cfg.head_dim, cfg.rope_theta), persistent=False)
 
     def new_cache(self, rows: int, capacity: int, dtype: torch.dtype, device, kind: str = "dense",
@@ -164,7 +185,8 @@ class LlamaModel(nn.Module):
         """Caches for `rows` sequences of up to `capacity` positions (and the pool's scratch row); with `page`, KV in
         `blocks` blocks of `page` positions where the cache kind pages (`cache/blocks.py`)."""
         c = self.cfg
-        attention = make_attention(kind, c.num_layers, rows + 1, c.num_kv_heads, c.head_dim, capacity, dtype,
+        kv_heads = c.num_kv_heads if self.tp is None else self.tp.kv_heads(c.num_kv_heads)  # this rank's
+        attention = make_attention(kind, c.num_layers, rows + 1, kv_heads, c.head_dim, capacity, dtype,
                                    device, window=c.sliding_window, page=page, blocks=blocks)
         return CachePool(attention, None, rows)
 
@@ -224,9 +246,9 @@ def build_from_gguf(g, dtype: torch.dtype) -> LlamaModel:
             t = _unpermute_rows(t, cfg.num_kv_heads)
         return t
 
-    return LlamaModel(cfg, get)
+    return LlamaModel(cfg, get, getattr(g, "tp", None))
 
 
 def build_from_hf(d, dtype: torch.dtype) -> LlamaModel:
     cfg = LlamaConfig.from_hf(d.config, f"{d.path}/config.json")
-    return LlamaModel(cfg, checked(cfg, lambda name: _prepare(d.tensor(name), dtype), d.path))
+    return LlamaModel(cfg, checked(cfg, lambda name: _prepare(d.tensor(name), dtype), d.path), getattr(d, "tp", None))

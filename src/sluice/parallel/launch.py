@@ -1,0 +1,128 @@
+"""Starting a tensor-parallel model: `start(size, load_args)` (what `sluice.load(..., tensor_parallel=N)` calls) makes
+this process rank 0 and starts ranks 1..N-1 as worker processes (fresh interpreters, so CUDA is initialized per
+rank, with this process's environment: NCCL settings included), all joined in one torch.distributed group over TCP
+on this host (gloo on the CPU, NCCL on GPUs, rank r on cuda:r). Each rank loads its own shard; a worker then serves
+rank 0's commands (`mirror.serve`) over an authenticated local connection until rank 0 stops it or goes away (the
+connection closes).
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import socket
+import traceback
+
+import torch
+
+from sluice.errors import InvalidOptionError, SluiceError
+from sluice.parallel import TensorParallel
+
+CURRENT: TensorParallel | None = None  # this process's rank while a tensor-parallel model loads and runs
+TIMEOUT = datetime.timedelta(seconds=int(os.environ.get("SLUICE_TP_TIMEOUT", "300")))
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _device(device, rank: int):
+    """Rank r's device: cuda:r for a GPU, the CPU as it is."""
+    if device is None:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        if torch.cuda.device_count() <= rank:
+            raise InvalidOptionError(f"tensor_parallel needs a GPU per rank; rank {rank} has none "
+                                     f"({torch.cuda.device_count()} visible).")
+        return torch.device("cuda", rank)
+    return dev
+
+
+def _join(rank: int, size: int, port: int, dev: torch.device) -> TensorParallel:
+    import torch.distributed as dist
+
+    backend = "nccl" if dev.type == "cuda" else "gloo"
+    if dev.type == "cuda":
+        torch.cuda.set_device(dev)
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=size,
+                            timeout=TIMEOUT)
+    return TensorParallel(rank, size, dist.group.WORLD)
+
+
+def _worker() -> None:
+    """A worker rank (`python -m sluice.parallel.launch ADDRESS`, the authentication key on standard input): connects
+    to rank 0, takes its rank and the load arguments, joins the group, loads its shard, serves."""
+    global CURRENT
+    import sys
+    from multiprocessing.connection import Client
+
+    from sluice.engine.loader import load
+    from sluice.parallel.mirror import serve
+
+    host, port = sys.argv[1].rsplit(":", 1)
+    conn = Client((host, int(port)), authkey=bytes.fromhex(sys.stdin.readline().strip()))
+    rank, size, group_port, load_args = conn.recv()
+    try:
+        dev = _device(load_args.get("device"), rank)
+        CURRENT = _join(rank, size, group_port, dev)
+        model = load(**{**load_args, "device": dev})
+    except BaseException as e:  # noqa: BLE001  said to rank 0, which raises it
+        conn.send(("error", f"rank {rank}: {type(e).__name__}: {e}\n{traceback.format_exc()}"))
+        return
+    conn.send(("loaded", None))
+    serve(conn, model)
+
+
+def start(size: int, load_args: dict):
+    """A Model on rank 0 whose engine runs with `size - 1` worker processes in lockstep (`parallel/mirror.py`).
+    Workers are plain `python -m` processes (not multiprocessing's spawn, which imports the caller's script again:
+    a script calling `sluice.load` at its top level would start itself over)."""
+    global CURRENT
+    import secrets
+    import subprocess
+    import sys
+    from multiprocessing.connection import Listener
+
+    from sluice.engine.loader import load
+    from sluice.parallel.mirror import Mirror
+
+    if not isinstance(size, int) or isinstance(size, bool) or size < 1:
+        raise InvalidOptionError(f"tensor_parallel={size!r}: use a positive integer.")
+    dev = _device(load_args.get("device"), 0)
+    _device(load_args.get("device"), size - 1)  # every rank has its GPU, said before anything starts
+    key = secrets.token_bytes(32)
+    listener = Listener(("127.0.0.1", 0), authkey=key)
+    host, port = listener.address
+    group_port, conns, procs = _free_port(), [], []
+    mirror = Mirror(conns, procs)
+    try:
+        for rank in range(1, size):
+            p = subprocess.Popen([sys.executable, "-m", "sluice.parallel.launch", f"{host}:{port}"],
+                                 stdin=subprocess.PIPE, text=True)
+            p.stdin.write(key.hex() + "\n")
+            p.stdin.close()
+            procs.append(p)
+            conn = listener.accept()
+            conn.send((rank, size, group_port, load_args))
+            conns.append(conn)
+        listener.close()
+        CURRENT = _join(0, size, group_port, dev)
+        model = load(**{**load_args, "device": dev})
+        for conn in conns:
+            kind, why = conn.recv()
+            if kind != "loaded":
+                raise SluiceError(f"tensor_parallel: {why.splitlines()[0]}")
+    except BaseException:
+        mirror.close()
+        raise
+    model.mirror = mirror
+    return model
+
+
+if __name__ == "__main__":  # run as a script, this file is `__main__`: the worker must set the importable module's rank
+    from sluice.parallel import launch
+
+    launch._worker()

@@ -1,0 +1,140 @@
+"""Lockstep engines across tensor-parallel ranks.
+
+Every rank runs a whole `Engine` over its shard of the model; the forwards' collectives (`sluice/parallel`) meet
+because every rank runs the same steps with the same requests. Rank 0 is the one callers talk to: its
+`MirroredEngine` records each request added and aborted (the seed drawn for it included, so every rank samples the
+same tokens) and, before each step, sends them to the workers with the step (`Mirror.send`); a worker (`serve`) adds
+and aborts the same and steps. The logits every rank samples from are the same (gathered from the vocabulary
+shards), so every rank's scheduler, prefix cache and sampler decide alike, and nothing else needs sending.
+
+Commands go over local connections (a worker whose rank 0 has gone away sees its connection close and exits); tensors
+go over torch.distributed. What a worker runs: a step, a warm-up, the pool reserved, a full forward (`Model.logits`),
+another engine over the same weights (`Model.with_engine`), stop.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+from sluice.engine.engine import Engine
+from sluice.errors import UnsupportedError
+
+
+class Mirror:
+    """Rank 0's ends of the workers' connections, and the workers' processes."""
+
+    def __init__(self, conns, procs):
+        self.conns, self.procs = conns, procs
+        self._keys = 0
+
+    def send(self, *message) -> None:
+        for conn in self.conns:
+            conn.send(message)
+
+    def new_key(self) -> int:
+        self._keys += 1
+        return self._keys
+
+    def close(self) -> None:
+        """Stop the workers (they leave their loop and exit) and the process group."""
+        for conn in self.conns:
+            with contextlib.suppress(OSError, ValueError):
+                conn.send(("stop",))
+        for p in self.procs:
+            try:
+                p.wait(timeout=30)
+            except Exception:  # noqa: BLE001  a worker that does not stop is killed
+                p.kill()
+        self.conns, self.procs = [], []
+        import torch.distributed as dist
+
+        from sluice.parallel import launch
+
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        launch.CURRENT = None
+
+
+class MirroredEngine(Engine):
+    """Rank 0's engine: an `Engine` that sends what its steps need to the workers' engines (engine `key`)."""
+
+    def __init__(self, *args, mirror: Mirror, key: int):
+        super().__init__(*args)
+        self.mirror, self.key = mirror, key
+        self._pending: list[tuple] = []  # requests added and aborted since the last step
+        self._inside = 0  # >0 while a warm-up or a reserve runs: its own steps are the workers' too
+
+    def add_request(self, prompt, max_tokens: int = 256, **kwargs):
+        if kwargs.get("constraint") is not None:
+            raise UnsupportedError("a constrained request (a grammar, a forced tool call) is not supported with "
+                                   "tensor_parallel yet.")
+        seq = super().add_request(prompt, max_tokens, **kwargs)
+        if not self._inside:
+            self._pending.append(("add", seq.id, seq.prompt, max_tokens, {**kwargs, "seed": seq.seed}))
+        return seq
+
+    def abort(self, seq) -> None:
+        super().abort(seq)
+        if not self._inside:
+            self._pending.append(("abort", seq.id))
+
+    def step(self):
+        if not self._inside:
+            pending, self._pending = self._pending, []
+            self.mirror.send("step", self.key, pending)
+        return super().step()
+
+    @contextlib.contextmanager
+    def _together(self, what: str):
+        """`what` run on every rank at once (its steps inside it not sent one by one)."""
+        self.mirror.send(what, self.key)
+        self._inside += 1
+        try:
+            yield
+        finally:
+            self._inside -= 1
+
+    def warmup(self) -> float:
+        with self._together("warmup"):
+            return super().warmup()
+
+    def reserve(self) -> None:
+        with self._together("reserve"):
+            super().reserve()
+
+
+def serve(conn, model) -> None:
+    """A worker's loop: rank 0's commands on `model` (engine key 0) and the engines made from it, until "stop" or
+    the connection closes."""
+    models, seqs = {0: model}, {}
+    while True:
+        try:
+            message = conn.recv()
+        except (EOFError, OSError):
+            return
+        kind, args = message[0], message[1:]
+        if kind == "stop":
+            return
+        if kind == "with_engine":
+            parent, key, options = args
+            models[key] = models[parent].with_engine(**options)
+        elif kind == "drop":
+            models.pop(args[0], None)
+        elif kind == "logits":
+            models[args[0]].logits(args[1])
+        elif kind in ("warmup", "reserve"):
+            getattr(models[args[0]].engine, kind)()
+        elif kind == "step":
+            key, pending = args
+            engine = models[key].engine
+            for op in pending:
+                if op[0] == "add":
+                    _, rid, prompt, max_tokens, kwargs = op
+                    seqs[key, rid] = engine.add_request(prompt, max_tokens, **kwargs)
+                else:
+                    seq = seqs.pop((key, op[1]), None)
+                    if seq is not None:
+                        engine.abort(seq)
+            engine.step()
+            for k in [k for k, s in seqs.items() if s.finished]:
+                del seqs[k]
