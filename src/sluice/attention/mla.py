@@ -81,6 +81,32 @@ class MLAAttention(AttentionBackend):
             seen = cache[table[rows, :nb].long()].flatten(1, 2)[:, :visible]
         return absorbed_attention(q_nope, q_pe, seen, w_uk, w_uv, scale, meta.positions)
 
+    def fuses_decode(self, x: torch.Tensor) -> bool:
+        """Whether a decode step (not flat) takes `fused_decode`: the split-K kernel is on and the cache is where x
+        is (a GPU; the interpreter tests' CPU)."""
+        return bool(self.decode_kernel) and self.cache.latent.device == x.device
+
+    def fused_decode(self, layer: int, q, kv, cos, sin, norm_weight, eps: float, meta, scale: float, w_uk, w_uv,
+                     dtype: torch.dtype) -> torch.Tensor:
+        """A decode step from the projections as they come out of their GEMVs (`kernels/mla/fused.py`): q [S, B,
+        H * (nope + rope)] and kv [S, B, R + rope] (split-K partials, or S = 1 and the outputs), cos, sin [B, rope]:
+        the latent normed (norm_weight, eps) and the key roped and stored, q roped and folded through W_UK (one
+        launch), the split kernel and its merge over the stored latents, W_UV (one launch). Returns o_proj's
+        input [B, H * v] in dtype. What `forward` computes from the pieces, with fewer roundings moved: none."""
+        from sluice.kernels.mla import fused
+        from sluice.kernels.mla.triton import mla_decode
+
+        lc = self.cache
+        cache = lc.latent[layer]
+        table = None if lc.table is None else lc.table.device
+        positions = meta.last_positions
+        positions = positions if positions.is_contiguous() else positions.contiguous()
+        q_lat, q_pe = fused.mla_prep(q, kv, cos, sin, norm_weight, eps, w_uk, cache, meta.rows, positions, table,
+                                     dtype)
+        visible = min(meta.visible, lc.capacity)
+        o_lat = mla_decode(q_lat, q_pe, cache, meta.rows, positions, visible, scale, table=table)
+        return fused.uv_out(o_lat, w_uv, dtype)
+
     def flat(self, layer, q_nope, q_pe, c, k_pe, meta, scale, w_uk, w_uv):
         """A flat forward (B = 1): the decode tokens as one decode step, each prompt chunk as its own prefill; the
         padding tokens' output is zero."""

@@ -22,7 +22,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from sluice.kernels.mla import kernels as mla_kernels
+from sluice.kernels.mla import chain, kernels as mla_kernels
+from sluice.kernels.moe import ExpertOutputs
 from sluice.kernels.moe import triton_for
 from sluice.layers.linear import Linear
 from sluice.layers.moe import SparseMoE, SwiGLU
@@ -74,11 +75,17 @@ class DeepseekMoE(SparseMoE):
         super().__init__(router, gate_up, down, top_k, routing.norm_topk_prob, shared, None)
         self.routing = routing
         self.register_buffer("correction_bias", None if bias is None else bias.float())
+        # the shared experts' "gate logit" where their output rides in `ExpertOutputs`: sigmoid(+inf) = 1 exactly
+        self.register_buffer("shared_gate", torch.full((1,), float("inf")), persistent=False)
 
-    def route(self, x2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(ids, weights) of tokens x2 [T, H]; the router's logits in fp32 (as HF keeps the gate)."""
+    def route(self, x2: torch.Tensor, x32: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(ids, weights) of tokens x2 [T, H]; the router's logits in fp32 (as HF keeps the gate). x32: x2 in fp32
+        where the norm before gave it (one cast fewer)."""
         g = self.gates
-        logits = F.linear(x2.float(), g.weight.float()) if not g.quantized else g(x2).float()
+        if not g.quantized:
+            logits = F.linear(x2.float() if x32 is None else x32.reshape(x2.shape), g.weight.float())
+        else:
+            logits = g(x2).float()
         r = self.routing
         if logits.is_cuda and mla_kernels():  # the same routing in one Triton launch, where its sizes fit
             from sluice.kernels.moe import group_route
@@ -89,24 +96,45 @@ class DeepseekMoE(SparseMoE):
         return route(logits, self.correction_bias, self.top_k, r)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.unsummed(x)
+        return out.combine().view(x.shape) if isinstance(out, ExpertOutputs) else out
+
+    def unsummed(self, x: torch.Tensor, x32: torch.Tensor | None = None):
+        """The block's output for x [..., H]: on the Triton path the experts' outputs before their weighted sum
+        (`ExpertOutputs`, the shared experts' output riding in it with weight 1), which the next residual add +
+        norm sums (`kernels.mla.fused.add_rms_norm`); elsewhere the output tensor, x's shape."""
         x2 = x.reshape(-1, x.shape[-1])
-        ids, weights = self.route(x2)
+        ids, weights = self.route(x2, x32)
         kernels = moe_kernels(self, x)
         if kernels is None:
             out = self._experts_reference(x2, ids, weights)
-        else:
-            shared_expert = self._shared_as_expert(kernels) if x2.shape[0] <= kernels.DECODE_MAX_TOKENS else None
-            if shared_expert is not None:  # decode: the shared experts are slot k of every token, weight 1
-                T = x2.shape[0]
+            if self.shared is not None:
+                out = out + self.shared(x2)
+            return out.view(x.shape)
+        T = x2.shape[0]
+        shared_expert = self._shared_as_expert(kernels) if T <= kernels.DECODE_MAX_TOKENS else None
+        if shared_expert is not None:  # decode: the shared experts are slot k of every token, weight 1
+            if chain.applies(x2):
+                from sluice.kernels.mla import fused
+
+                ids, weights = fused.append_slot(ids, weights, self.num_experts)
+            else:
                 ids = torch.cat([ids, ids.new_full((T, 1), self.num_experts)], dim=1)
                 weights = torch.cat([weights, weights.new_ones(T, 1)], dim=1)
-                gate_up, down, ids = self._experts_for(ids)
-                return kernels.moe_decode(x2, ids, weights, gate_up, down, shared_expert=shared_expert).view(x.shape)
             gate_up, down, ids = self._experts_for(ids)
-            out = kernels.moe(x2, ids, weights, gate_up, down)
+            return kernels.moe_decode(x2, ids, weights, gate_up, down, shared_expert=shared_expert, summed=False)
+        shared_out = gate = None
         if self.shared is not None:
-            out = out + self.shared(x2)
-        return out.view(x.shape)
+            shared_out = self._shared_out(x2)
+            gate = self.shared_gate.expand(T)
+        gate_up, down, ids = self._experts_for(ids)
+        return kernels.moe(x2, ids, weights, gate_up, down, shared_out, gate, summed=False)
 
-    def unsummed(self, x: torch.Tensor) -> torch.Tensor:
-        return self.forward(x)
+    def _shared_out(self, x2: torch.Tensor) -> torch.Tensor:
+        """The shared experts' output [T, H]: in two GEMV launches where they run (`chain.swiglu_gemv`: a decode
+        step of a few tokens), else the SwiGLU module."""
+        if chain.applies(x2):
+            y = chain.swiglu_gemv(self.shared, x2, split=False)
+            if y is not None:
+                return y[0]
+        return self.shared(x2)

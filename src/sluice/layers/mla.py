@@ -15,6 +15,7 @@ import math
 import torch
 import torch.nn as nn
 
+from sluice.kernels.mla import chain
 from sluice.kernels.rope.reference import apply_rope
 from sluice.layers.linear import Linear, RMSNorm
 
@@ -42,10 +43,15 @@ class MLA(nn.Module):
         w = self.kv_b.weight.view(self.num_heads, self.nope + self.v_head_dim, self.kv_lora_rank)
         return w[:, :self.nope], w[:, self.nope:]
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache, meta) -> torch.Tensor:
-        """x [B, T, hidden] at meta's rows and positions; cos, sin [B, T, rope]."""
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache, meta, unsummed: bool = False):
+        """x [B, T, hidden] at meta's rows and positions; cos, sin [B, T, rope]. unsummed: o_proj's output may come
+        as its GEMV's split-K partials (`kernels.mla.chain.Partials`, for a residual add that sums them)."""
         B, T, _ = x.shape
         H, R = self.num_heads, self.kv_lora_rank
+        attention = cache.attention
+        if T == 1 and meta.decode and not meta.flat and getattr(attention, "fuses_decode", None) is not None \
+                and attention.fuses_decode(x) and chain.applies(x):
+            return self._fused_decode(x, cos, sin, cache, meta, unsummed)
         a = self.proj_a(x)
         if self.q_b is not None:
             q_a, kv = a.split([self.q_lora_rank, R + self.rope], dim=-1)
@@ -61,6 +67,37 @@ class MLA(nn.Module):
         o = cache.mix(lambda m, qn, qp, lat, kp: forward(index, qn, qp, lat, kp, m, scale, w_uk, w_uv),
                       meta, q_nope.contiguous(), q_pe.contiguous(), c, k_pe.contiguous())
         return self.o(o.reshape(B, T, H * self.v_head_dim))
+
+    def _fused_decode(self, x, cos, sin, cache, meta, unsummed):
+        """A decode step (one token a sequence) on the GPU: the projections' split-K partials go to
+        `fused.mla_prep` (latent norm, RoPE, cache store, W_UK fold: one launch), then the split kernel and its
+        merge, then `fused.uv_out` (W_UV, o_proj's layout) and o_proj: about 7 launches instead of ~40."""
+        B = x.shape[0]
+        qn = self.num_heads * (self.nope + self.rope)
+        x2 = x.reshape(B, -1)
+        if self.q_b is not None:  # q_a normed (a launch of its own: q_b's GEMV needs it whole), then q_b
+            a = self.proj_a(x2)
+            q = chain.gemv_partials(self.q_b, _llama_norm(a[:, :self.q_lora_rank], self.q_a_norm))
+            kv = a[None, :, self.q_lora_rank:]
+        else:
+            a = chain.gemv_partials(self.proj_a, x2)
+            q, kv = a[..., :qn], a[..., qn:]
+        w_uk, w_uv = self.per_head()
+        index, scale, dtype = self.layer_index, self.scale, x.dtype
+        decode, norm = cache.attention.fused_decode, self.kv_a_norm
+
+        def mixer(m, q, kv, cos, sin):
+            return decode(index, q, kv, cos, sin, norm.weight, norm.eps, m, scale, w_uk, w_uv, dtype)
+
+        o = cache.mix(mixer, meta, q, kv, cos.reshape(B, -1), sin.reshape(B, -1))
+        y = chain.gemv_partials(self.o, o)
+        out = chain.Partials(y, dtype)
+        return out if unsummed else out.sum().view(B, 1, -1)
+
+
+def _llama_norm(x: torch.Tensor, norm: RMSNorm) -> torch.Tensor:
+    """`norm(x)` (Llama's rounding), one launch on the fused path (x a view of rows, read in place)."""
+    return chain.add_rms_norm(x, None, norm)[1]
 
 
 # -- YaRN (HF `_compute_yarn_parameters` and DeepSeek's softmax mscale) ------------------------------------------

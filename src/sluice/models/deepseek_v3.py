@@ -24,6 +24,8 @@ from sluice.cache.pool import CachePool
 from sluice.errors import ModelFileError, UnsupportedError
 from sluice.formats.convert import stacked_experts
 from sluice.formats.validate import parse_config
+from sluice.kernels.mla import chain
+from sluice.kernels.moe import ExpertOutputs
 from sluice.kernels.rope import rope_cos_sin
 from sluice.kernels.rope.reference import rope_inv_freq
 from sluice.layers.deepseek_moe import DeepseekMoE, Routing
@@ -173,9 +175,23 @@ class DeepseekBlock(nn.Module):
         self.attn = w.mla(cfg, p + "self_attn.", i)
         self.mlp = w.moe(cfg, p + "mlp.") if cfg.is_moe(i) else w.mlp(p + "mlp.", cfg.intermediate_size, H)
 
-    def forward(self, h, cos, sin, cache, meta):
-        h = h + self.attn(self.attn_norm(h), cos, sin, cache, meta)
-        return h + self.mlp(self.mlp_norm(h))
+    def forward(self, h, delta, cos, sin, cache, meta):
+        """(h, delta) -> (h', delta'): the residual stream and the last sublayer's output not yet added to it (None
+        at the first layer), so that on the GPU every residual add runs in one launch with the norm after it
+        (`kernels/mla/chain.py`), and delta may be what the kernels before left unsummed: o_proj's and the dense
+        MLP's split-K partials, the MoE experts' outputs (`ExpertOutputs`). On the CPU the same ops as before."""
+        h, x, _ = chain.add_rms_norm(h, delta, self.attn_norm)
+        fused = chain.applies(h)
+        mixed = self.attn(x, cos, sin, cache, meta, unsummed=fused)
+        moe = isinstance(self.mlp, DeepseekMoE)
+        h, x, x32 = chain.add_rms_norm(h, mixed, self.mlp_norm, out32=moe and fused)
+        if moe:
+            return h, self.mlp.unsummed(x, x32)
+        if fused:
+            y = chain.swiglu_gemv(self.mlp, x.reshape(-1, x.shape[-1]))
+            if y is not None:
+                return h, chain.Partials(y, x.dtype)
+        return h, self.mlp(x)
 
 
 class DeepseekModel(nn.Module):
@@ -215,11 +231,17 @@ class DeepseekModel(nn.Module):
         if self.cfg.rope_attention_factor != 1.0:  # YaRN: HF scales the fp32 tables, then casts
             af = self.cfg.rope_attention_factor
             cos, sin = ((t.float() * af).to(dtype) for t in (cos, sin))
+        delta = None
         for layer in self.layers:
-            h = layer(h, cos, sin, cache, meta)
-        if last_only:
-            h = h[:, meta.last_tokens]
-        return self.lm_head(self.norm(h)).float()
+            h, delta = layer(h, delta, cos, sin, cache, meta)
+        last = meta.last_tokens
+        if last_only and not (h.shape[1] == 1 and isinstance(last, slice)):  # (a decode step's one token: as is)
+            if isinstance(delta, ExpertOutputs):
+                delta = delta.combine().view(h.shape)
+            elif isinstance(delta, chain.Partials):
+                delta = delta.sum().view(h.shape)
+            h, delta = h[:, last], (None if delta is None else delta[:, last])
+        return self.lm_head(chain.add_rms_norm(h, delta, self.norm)[1]).float()
 
 
 class _Weights:
