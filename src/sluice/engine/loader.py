@@ -126,7 +126,7 @@ def _read_checkpoint(path, load_format: str, dev: torch.device, dt: torch.dtype,
     from sluice.parallel import launch
 
     src = open_source(path, load_format)
-    src.tp = launch.CURRENT  # this rank's part of a tensor-parallel model (None: the whole model): the builders split
+    src.tp = launch.LOADING  # this rank's part of a tensor-parallel model (None: the whole model): the builders split
     store = streams(src, dev, gpu_memory, expert_slots, expert_store)
     name = src.architecture if src.format == "gguf" else src.config.get("model_type", "<missing model_type>")
     if src.tp is not None and not getattr(architecture_module(name), "TENSOR_PARALLEL", False):
@@ -184,7 +184,7 @@ def load(path=None, device=None, dtype=None, keep_quantized: bool = True, kv_cac
     CUDA; gloo ranks on the CPU: `sluice.parallel`); `Model.close()` stops them."""
     from sluice.parallel import launch
 
-    if tensor_parallel != 1 and launch.CURRENT is None:  # this process becomes rank 0 and starts the others
+    if tensor_parallel != 1 and launch.LOADING is None:  # this process becomes rank 0 and starts the others
         if gpu_memory is not None or expert_slots is not None or expert_store not in ("auto", None):
             raise InvalidOptionError("tensor_parallel cannot be combined with streamed experts (gpu_memory, "
                                      "expert_slots, expert_store) yet.")

@@ -18,7 +18,7 @@ import torch
 from sluice.errors import InvalidOptionError, SluiceError
 from sluice.parallel import TensorParallel
 
-CURRENT: TensorParallel | None = None  # this process's rank while a tensor-parallel model loads and runs
+LOADING: TensorParallel | None = None  # this process's rank while its shard of a tensor-parallel model loads
 TIMEOUT = datetime.timedelta(seconds=int(os.environ.get("SLUICE_TP_TIMEOUT", "300")))
 
 
@@ -55,7 +55,7 @@ def _join(rank: int, size: int, port: int, dev: torch.device) -> TensorParallel:
 def _worker() -> None:
     """A worker rank (`python -m sluice.parallel.launch ADDRESS`, the authentication key on standard input): connects
     to rank 0, takes its rank and the load arguments, joins the group, loads its shard, serves."""
-    global CURRENT
+    global LOADING
     import sys
     from multiprocessing.connection import Client
 
@@ -67,8 +67,9 @@ def _worker() -> None:
     rank, size, group_port, load_args = conn.recv()
     try:
         dev = _device(load_args.get("device"), rank)
-        CURRENT = _join(rank, size, group_port, dev)
+        LOADING = _join(rank, size, group_port, dev)
         model = load(**{**load_args, "device": dev})
+        LOADING = None
     except BaseException as e:  # noqa: BLE001  said to rank 0, which raises it
         conn.send(("error", f"rank {rank}: {type(e).__name__}: {e}\n{traceback.format_exc()}"))
         return
@@ -80,8 +81,9 @@ def start(size: int, load_args: dict):
     """A Model on rank 0 whose engine runs with `size - 1` worker processes in lockstep (`parallel/mirror.py`).
     Workers are plain `python -m` processes (not multiprocessing's spawn, which imports the caller's script again:
     a script calling `sluice.load` at its top level would start itself over)."""
-    global CURRENT
+    global LOADING
     import secrets
+    import torch.distributed as dist
     import subprocess
     import sys
     from multiprocessing.connection import Listener
@@ -91,6 +93,9 @@ def start(size: int, load_args: dict):
 
     if not isinstance(size, int) or isinstance(size, bool) or size < 1:
         raise InvalidOptionError(f"tensor_parallel={size!r}: use a positive integer.")
+    if dist.is_initialized():
+        raise InvalidOptionError("a tensor-parallel model (or another torch.distributed group) is already running in "
+                                 "this process; close() it first.")
     dev = _device(load_args.get("device"), 0)
     _device(load_args.get("device"), size - 1)  # every rank has its GPU, said before anything starts
     key = secrets.token_bytes(32)
@@ -109,8 +114,11 @@ def start(size: int, load_args: dict):
             conn.send((rank, size, group_port, load_args))
             conns.append(conn)
         listener.close()
-        CURRENT = _join(0, size, group_port, dev)
-        model = load(**{**load_args, "device": dev})
+        LOADING = _join(0, size, group_port, dev)
+        try:
+            model = load(**{**load_args, "device": dev})
+        finally:
+            LOADING = None
         for conn in conns:
             kind, why = conn.recv()
             if kind != "loaded":
@@ -122,7 +130,7 @@ def start(size: int, load_args: dict):
     return model
 
 
-if __name__ == "__main__":  # run as a script, this file is `__main__`: the worker must set the importable module's rank
+if __name__ == "__main__":  # run as a script, this file is `__main__`: the worker sets the importable module's rank
     from sluice.parallel import launch
 
     launch._worker()

@@ -48,11 +48,8 @@ class Mirror:
         self.conns, self.procs = [], []
         import torch.distributed as dist
 
-        from sluice.parallel import launch
-
         if dist.is_initialized():
             dist.destroy_process_group()
-        launch.CURRENT = None
 
 
 class MirroredEngine(Engine):

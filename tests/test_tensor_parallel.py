@@ -1,0 +1,70 @@
+"""Tensor parallelism on the CPU (gloo ranks, `sluice.parallel`): a model split across 2 and 4 processes gives the
+logits of one process within fp32 tolerance and the same tokens, greedy and sampled, batched through the engine in
+lockstep; quantized weights split on their groups; what cannot split is a clear error."""
+
+import pytest
+import torch
+
+import sluice
+from helpers import rel, save_llama_gguf, tiny_llama
+
+PROMPTS = [[1, 5, 9, 200, 17, 3, 44, 120], [7, 7, 8], [250, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12]]
+
+
+def tokens(model, **sampling):
+    """Each prompt's 10 tokens, the three batched in one engine."""
+    engine = model.engine
+    seqs = [engine.add_request(p, max_tokens=10, stop_ids=(), **sampling) for p in PROMPTS]
+    engine.run(seqs)
+    return [s.output for s in seqs]
+
+
+@pytest.fixture(scope="module")
+def one(llama_dir):
+    return sluice.load(llama_dir, device="cpu")
+
+
+@pytest.mark.parametrize("size", [2, 4])
+def test_llama_split_gives_the_logits_and_tokens_of_one_process(llama_dir, one, size):
+    """4 query heads and 2 KV heads: at 2 ranks each holds 2 and 1, at 4 ranks one query head each and the KV
+    heads replicated (ranks 0-1 read KV head 0, ranks 2-3 head 1); the MLP and the vocabulary split."""
+    tp = sluice.load(llama_dir, device="cpu", tensor_parallel=size)
+    try:
+        assert tp.tensor_parallel == size and tp.module.layers[0].attn.num_heads == 4 // size
+        ids = torch.tensor([PROMPTS[0]])
+        assert rel(tp.logits(ids), one.logits(ids)) < 1e-5
+        assert tokens(tp, temperature=0.0) == tokens(one, temperature=0.0)
+        assert tokens(tp, temperature=1.0, seed=3) == tokens(one, temperature=1.0, seed=3)
+        other = tp.with_engine(max_batch=2, prefix_cache=False)  # another engine over the same shards
+        assert tokens(other, temperature=0.0) == tokens(one, temperature=0.0)
+        seq = tp.engine.add_request(PROMPTS[1], max_tokens=50, stop_ids=())  # an abort reaches every rank
+        tp.engine.step()
+        tp.engine.abort(seq)
+        assert tokens(tp, temperature=0.0) == tokens(one, temperature=0.0)
+    finally:
+        tp.close()
+
+
+def test_quantized_weights_split_on_their_groups(tmp_path):
+    """A 4-bit GGUF (Q4_0: groups of 32, Q/K rows permuted the llama.cpp way): output rows and input groups split;
+    the logits of one process."""
+    import gguf
+
+    path = save_llama_gguf(tiny_llama(seed=4, hidden_size=128, intermediate_size=256, num_attention_heads=4,
+                                      num_key_value_heads=2), tmp_path / "q4.gguf", qtype=gguf.GGMLQuantizationType.Q4_0)
+    ids = torch.tensor([PROMPTS[2]])
+    tp = sluice.load(path, device="cpu", tensor_parallel=2)
+    try:
+        assert tp.module.layers[0].down.linear.quantized
+        assert rel(tp.logits(ids), sluice.load(path, device="cpu").logits(ids)) < 1e-5
+    finally:
+        tp.close()
+
+
+def test_what_cannot_split_is_a_clear_error(llama_dir, qwen_dir):
+    with pytest.raises(sluice.SluiceError, match="3 equal parts"):  # 4 heads
+        sluice.load(llama_dir, device="cpu", tensor_parallel=3)
+    with pytest.raises(sluice.SluiceError, match="not supported for 'qwen3_next'"):
+        sluice.load(qwen_dir, device="cpu", tensor_parallel=2)
+    with pytest.raises(sluice.SluiceError, match="positive integer"):
+        sluice.load(llama_dir, device="cpu", tensor_parallel=0)
