@@ -33,6 +33,9 @@ def _add_model_args(p: argparse.ArgumentParser):
                         "whole rows on the CPU; 0: whole rows)")
     p.add_argument("--kv-blocks", type=int, default=None, metavar="N",
                    help="blocks of the paged KV cache (default: what the memory plan gives; `sluice info` prints it)")
+    p.add_argument("--tensor-parallel", type=int, default=1, metavar="N",
+                   help="split the weights across N processes, one GPU each (gloo ranks on the CPU); Llama models "
+                        "for now (default 1)")
     _add_placement_args(p)
 
 
@@ -53,7 +56,8 @@ def _add_prefill_args(p: argparse.ArgumentParser):
                         "(default 4096 on a GPU, 512 on the CPU)")
     p.add_argument("--decode-prefill-chunk", type=int, default=None, metavar="N",
                    help="prompt tokens a step takes beside decoding sequences, which all wait for its forward: a "
-                        "long prompt joining stalls them less (default 512; at most --prefill-chunk)")
+                        "long prompt joining stalls them less (default 2048 on a GPU, 512 on the CPU; at most "
+                        "--prefill-chunk)")
 
 
 def _prefill_options(args) -> dict:
@@ -89,6 +93,8 @@ def _load(args, **options):
     for name in ("kv_page", "kv_blocks"):
         if getattr(args, name, None) is not None:
             options[name] = getattr(args, name)
+    if getattr(args, "tensor_parallel", 1) != 1:
+        options["tensor_parallel"] = args.tensor_parallel
     return sluice.load(args.model, device=args.device, dtype=args.dtype, keep_quantized=not args.dequantize,
                        kv_cache=args.kv_cache, gpu_memory=args.gpu_memory, expert_slots=args.expert_slots,
                        expert_store=args.expert_store, **options)

@@ -126,6 +126,9 @@ def start(size: int, load_args: dict):
     except BaseException:
         mirror.close()
         raise
+    import atexit
+
+    atexit.register(mirror.close)  # the workers stop with this process (they would also see its connection close)
     model.mirror = mirror
     return model
 
