@@ -1,6 +1,6 @@
-"""Tensor parallelism on the CPU (gloo ranks, `sluice.parallel`): a model split across 2 and 4 processes gives the
-logits of one process within fp32 tolerance and the same tokens, greedy and sampled, batched through the engine in
-lockstep; quantized weights split on their groups; what cannot split is a clear error."""
+"""Tensor parallelism on the CPU (gloo ranks, `sluice.parallel`): Llama and Qwen3-Next split across 2 and 4 processes
+give the logits of one process within fp32 tolerance and the same tokens, greedy and sampled, batched through the
+engine in lockstep; quantized weights split on their groups; what cannot split is a clear error."""
 
 import pytest
 import torch
@@ -61,10 +61,37 @@ def test_quantized_weights_split_on_their_groups(tmp_path):
         tp.close()
 
 
-def test_what_cannot_split_is_a_clear_error(llama_dir, qwen_dir):
+@pytest.fixture(scope="module")
+def qwen4(tmp_path_factory):
+    """A tiny Qwen3-Next whose linear-attention heads split four ways (4 key heads, 8 value heads), 2 KV heads."""
+    from test_qwen3_next import qwen3_next, save
+
+    return save(qwen3_next(seed=6, linear_num_key_heads=4, linear_num_value_heads=8), tmp_path_factory.mktemp("q4"))
+
+
+@pytest.mark.parametrize("size", [2, 4])
+def test_qwen3_next_split_gives_the_logits_and_tokens_of_one_process(qwen4, size):
+    """Gated DeltaNet by key heads (with their value heads, conv channels, A and dt), the gated attention by heads
+    (KV replicated at 4), every expert's intermediate size and the shared expert's split, the MoE's partial sums
+    summed once; the recurrent states and the KV cache per rank."""
+    one = sluice.load(qwen4, device="cpu")
+    tp = sluice.load(qwen4, device="cpu", tensor_parallel=size)
+    try:
+        ids = torch.tensor([PROMPTS[2]])
+        assert rel(tp.logits(ids), one.logits(ids)) < 1e-5
+        assert tokens(tp, temperature=0.0) == tokens(one, temperature=0.0)
+        assert tokens(tp, temperature=1.0, seed=5) == tokens(one, temperature=1.0, seed=5)
+        assert tokens(tp, temperature=0.0) == tokens(one, temperature=0.0)  # again: from the prefix cache
+    finally:
+        tp.close()
+
+
+def test_what_cannot_split_is_a_clear_error(llama_dir, qwen_dir, deepseek_dir):
     with pytest.raises(sluice.SluiceError, match="3 equal parts"):  # 4 heads
         sluice.load(llama_dir, device="cpu", tensor_parallel=3)
-    with pytest.raises(sluice.SluiceError, match="not supported for 'qwen3_next'"):
-        sluice.load(qwen_dir, device="cpu", tensor_parallel=2)
+    with pytest.raises(sluice.SluiceError, match="4 equal parts"):  # 2 linear-attention key heads
+        sluice.load(qwen_dir, device="cpu", tensor_parallel=4)
+    with pytest.raises(sluice.SluiceError, match="not supported for 'deepseek_v3'"):
+        sluice.load(deepseek_dir, device="cpu", tensor_parallel=2)
     with pytest.raises(sluice.SluiceError, match="positive integer"):
         sluice.load(llama_dir, device="cpu", tensor_parallel=0)

@@ -26,7 +26,11 @@ from sluice.layers.attention import GatedAttention
 from sluice.layers.gated_deltanet import GatedDeltaNet, ba_rows, qkvz_rows
 from sluice.layers.linear import Embedding, Linear, fuse_linears
 from sluice.layers.moe import SparseMoE, SwiGLU
+from sluice.parallel import RowParallel, VocabEmbedding, VocabHead
 from sluice.quant.affine import QuantizedTensor
+
+
+TENSOR_PARALLEL = True  # the builders split the weights for `sluice.parallel` when the reader carries a rank
 
 
 @dataclass
@@ -124,15 +128,20 @@ class Qwen3NextBlock(nn.Module):
         self.eps = eps
         if cfg.layer_types[i] == "full_attention":
             a = p + "self_attn."
-            qd, kd = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+            qd, kd, D = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.head_dim
             shapes = {"q": (2 * qd, H), "k": (kd, H), "v": (kd, H), "o": (H, qd)}
-            self.mixer = GatedAttention(*(Linear(w.get(a + f"{n}_proj.weight", shapes[n])) for n in "qkvo"),
-                                        w.norm(a + "q_norm.weight", cfg.head_dim),
-                                        w.norm(a + "k_norm.weight", cfg.head_dim), cfg.num_heads,
-                                        cfg.num_kv_heads, cfg.head_dim, eps, kv_index)
+            q, k, v, o = (w.get(a + f"{n}_proj.weight", shapes[n]) for n in "qkvo")
+            if w.tp is not None:  # this rank's heads ([query | gate] rows a head), o row-parallel
+                q, o = w.tp.col(q, "attention heads", 2 * D), w.tp.row(o)
+                k, v = (w.tp.kv(x, cfg.num_kv_heads, D) for x in (k, v))
+            o = Linear(o) if w.tp is None else RowParallel(Linear(o), w.tp)
+            self.mixer = GatedAttention(Linear(q), Linear(k), Linear(v), o, w.norm(a + "q_norm.weight", D),
+                                        w.norm(a + "k_norm.weight", D), cfg.num_heads // w.size,
+                                        w.kv_heads(cfg.num_kv_heads), D, eps, kv_index)
         else:
             self.mixer = w.gated_deltanet(cfg, p + "linear_attn.", gdn_index)
         self.mlp = w.moe(cfg, p + "mlp.") if cfg.is_moe(i) else w.mlp(p + "mlp.", cfg.intermediate_size, H)
+        self.tp = w.tp  # tensor-parallel: the MLP's (or MoE's) partial sums are summed over the ranks
 
     def forward(self, h, delta, cos, sin, cache, meta):
         """(h, delta) -> (h', delta'): the residual stream and the last sublayer's output not yet added to it
@@ -144,32 +153,43 @@ class Qwen3NextBlock(nn.Module):
         else:
             mixed = self.mixer(x, cache, meta)
         h, x = add_rms_norm_fp32_scale(h, mixed, self.post_norm, self.eps)
+        if self.tp is not None:
+            return h, self.tp.all_reduce(self.mlp(x))
         return h, (self.mlp.unsummed(x) if isinstance(self.mlp, SparseMoE) else self.mlp(x))
 
 
 class Qwen3NextModel(nn.Module):
     def __init__(self, cfg: Qwen3NextConfig, w: _Weights):
         super().__init__()
-        self.cfg = cfg
-        self.embed = Embedding(w.get(w.prefix + "embed_tokens.weight", (cfg.vocab_size, cfg.hidden_size)))
+        self.cfg, self.tp = cfg, w.tp
+        embed = w.get(w.prefix + "embed_tokens.weight", (cfg.vocab_size, cfg.hidden_size))
+        self.embed = Embedding(embed if w.tp is None else w.tp.vocab(embed))
         blocks, kv, gdn = [], 0, 0
         for i, kind in enumerate(cfg.layer_types):
             blocks.append(Qwen3NextBlock(cfg, w, i, kv, gdn))
             kv, gdn = kv + (kind == "full_attention"), gdn + (kind == "linear_attention")
         self.layers = nn.ModuleList(blocks)
         self.register_buffer("norm", w.norm(w.prefix + "norm.weight", cfg.hidden_size))
-        self.lm_head = self.embed.as_linear() if cfg.tie_word_embeddings else \
-            Linear(w.get(w.head_name, (cfg.vocab_size, cfg.hidden_size)))
+        if cfg.tie_word_embeddings:
+            self.lm_head = self.embed.as_linear()
+        else:
+            head = w.get(w.head_name, (cfg.vocab_size, cfg.hidden_size))
+            self.lm_head = Linear(head if w.tp is None else w.tp.vocab(head))
+        if w.tp is not None:  # vocabulary-parallel: lookups summed, logits gathered
+            self.embed = VocabEmbedding(self.embed, w.tp, cfg.vocab_size)
+            self.lm_head = VocabHead(self.lm_head, w.tp, cfg.vocab_size)
         self.register_buffer("inv_freq", rope_inv_freq(cfg.rotary_dim, cfg.rope_theta), persistent=False)
 
     def new_cache(self, rows: int, capacity: int, dtype: torch.dtype, device, kind: str = "dense",
                   page: int | None = None, blocks: int | None = None) -> CachePool:
         """Caches for `rows` sequences of up to `capacity` positions (and the pool's scratch row); with `page`, KV in
         `blocks` blocks of `page` positions where the cache kind pages (`cache/blocks.py`)."""
-        c = self.cfg
-        attention = make_attention(kind, c.num_kv_layers, rows + 1, c.num_kv_heads, c.head_dim, capacity, dtype,
+        c, tp = self.cfg, self.tp
+        size = 1 if tp is None else tp.size  # a rank holds its heads' caches
+        kv_heads = c.num_kv_heads if tp is None else tp.kv_heads(c.num_kv_heads)
+        attention = make_attention(kind, c.num_kv_layers, rows + 1, kv_heads, c.head_dim, capacity, dtype,
                                    device, page=page, blocks=blocks)
-        nk, nv, dk, dv = (c.linear_num_key_heads, c.linear_num_value_heads, c.linear_key_head_dim,
+        nk, nv, dk, dv = (c.linear_num_key_heads // size, c.linear_num_value_heads // size, c.linear_key_head_dim,
                           c.linear_value_head_dim)
         states = RecurrentStates(c.layer_types.count("linear_attention"), rows + 1, 2 * nk * dk + nv * dv,
                                  c.conv_kernel, nv, dk, dv, dtype, device)
@@ -204,6 +224,11 @@ class _Weights:
         self.head_name = "language_model.lm_head.weight" if src.has("language_model.lm_head.weight") else "lm_head.weight"
         # HF stores zero-centred norm weights (scale = 1 + w); MLX checkpoints store the scale itself.
         self.norm_offset = 0.0 if getattr(src, "is_mlx", False) else 1.0
+        self.tp = getattr(src, "tp", None)  # this rank's part of a tensor-parallel model (`sluice.parallel`)
+        self.size = 1 if self.tp is None else self.tp.size
+
+    def kv_heads(self, n: int) -> int:
+        return n if self.tp is None else self.tp.kv_heads(n)
 
     def layer_prefix(self, i: int) -> str:
         return f"{self.prefix}layers.{i}."
@@ -221,10 +246,14 @@ class _Weights:
         return self.get(name, (size,), keep_dtype=True).float() + self.norm_offset
 
     def mlp(self, p: str, intermediate: int, hidden: int) -> SwiGLU:
-        gate = Linear(self.get(p + "gate_proj.weight", (intermediate, hidden)))
-        up = Linear(self.get(p + "up_proj.weight", (intermediate, hidden)))
-        return SwiGLU(fuse_linears([gate, up]), Linear(self.get(p + "down_proj.weight", (hidden, intermediate))),
-                      intermediate)
+        """A SwiGLU MLP; tensor-parallel, this rank's slice of the intermediate size (gate and up column-parallel,
+        down row-parallel: its output a partial sum the block sums over the ranks)."""
+        gate, up = (self.get(p + f"{n}_proj.weight", (intermediate, hidden)) for n in ("gate", "up"))
+        down = self.get(p + "down_proj.weight", (hidden, intermediate))
+        if self.tp is not None:
+            what = "the MLP's intermediate size"
+            gate, up, down = self.tp.col(gate, what), self.tp.col(up, what), self.tp.row(down, what)
+        return SwiGLU(fuse_linears([Linear(gate), Linear(up)]), Linear(down), intermediate // self.size)
 
     def moe(self, cfg: Qwen3NextConfig, p: str) -> SparseMoE:
         H = cfg.hidden_size
@@ -243,6 +272,10 @@ class _Weights:
             got = tuple(t.shape) if isinstance(t, torch.Tensor) else t.shape
             if got != shape:
                 raise ModelFileError(f"{p}experts {name}: shape {got}, config.json implies {shape}.")
+        if self.tp is not None:  # every expert's intermediate size split: gate and up rows, down columns
+            a, b = self.tp.split(I, "the experts' intermediate size")
+            gate_up = _cat_rows([_rows3(gate_up, a, b), _rows3(gate_up, I + a, I + b)])
+            down = self.tp.row(down, "the experts' intermediate size")
         shared = shared_gate = None
         if cfg.shared_expert_intermediate_size:
             shared = self.mlp(p + "shared_expert.", cfg.shared_expert_intermediate_size, H)
@@ -254,22 +287,39 @@ class _Weights:
         nk, nv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
         dk, dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
         H, kd, vd = cfg.hidden_size, nk * dk, nv * dv
+        seg = lambda start, a, b, d: torch.arange(start + a * d, start + b * d)  # noqa: E731  rows of heads a..b-1
+        (k0, k1), (v0, v1) = (0, nk), (0, nv)
+        if self.tp is not None:  # this rank's key heads and the value heads that read them
+            (k0, k1), (v0, v1) = self.tp.split(nk, "linear-attention key heads"), self.tp.split(nv, "value heads")
+        # rows of [q | k | v] (and the conv's channels), of z, and of b or a: this rank's (all of them alone)
+        qkv = torch.cat([seg(0, k0, k1, dk), seg(kd, k0, k1, dk), seg(2 * kd, v0, v1, dv)])
+        z, ba = seg(0, v0, v1, dv), torch.arange(v0, v1)
         if self.src.has(p + "in_proj_qkvz.weight"):  # Qwen3-Next: interleaved per k-group
             qkvz = self.get(p + "in_proj_qkvz.weight", (2 * kd + 2 * vd, H))
-            ba = self.get(p + "in_proj_ba.weight", (2 * nv, H))
-            parts = [Linear(_take_rows(qkvz, qkvz_rows(nk, dk, nv, dv))), Linear(_take_rows(ba, ba_rows(nk, nv)))]
+            w_ba = self.get(p + "in_proj_ba.weight", (2 * nv, H))
+            parts = [_take_rows(qkvz, qkvz_rows(nk, dk, nv, dv)[torch.cat([qkv, 2 * kd + vd + z])]),
+                     _take_rows(w_ba, ba_rows(nk, nv)[torch.cat([ba, nv + ba])])]
         else:  # Qwen3.5: already separate
             shapes = {"qkv": (2 * kd + vd, H), "z": (vd, H), "b": (nv, H), "a": (nv, H)}
-            parts = [Linear(self.get(p + f"in_proj_{n}.weight", shapes[n])) for n in ("qkv", "z", "b", "a")]
+            take = _take_rows if self.tp is not None else lambda w, rows: w  # noqa: E731  (all rows: as they are)
+            parts = [take(self.get(p + f"in_proj_{n}.weight", shapes[n]), rows)
+                     for n, rows in (("qkv", qkv), ("z", z), ("b", ba), ("a", ba))]
         conv = self.src.tensor(p + "conv1d.weight")
         C = 2 * nk * dk + nv * dv
         if conv.numel() != C * cfg.conv_kernel:
             raise ModelFileError(f"{p}conv1d.weight: shape {tuple(conv.shape)}, expected [{C}, 1, {cfg.conv_kernel}].")
         conv = conv.reshape(C, cfg.conv_kernel)  # HF [C, 1, W]; MLX [C, W, 1]
-        return GatedDeltaNet(fuse_linears(parts), conv.to(self.dtype), self.get(p + "A_log", (nv,), True).float(),
-                             self.get(p + "dt_bias", (nv,), True).float(), self.get(p + "norm.weight", (dv,)),
-                             Linear(self.get(p + "out_proj.weight", (H, vd))), nk, nv, dk, dv, cfg.rms_norm_eps,
-                             index)
+        if self.tp is not None:
+            conv = conv[qkv.to(conv.device)]
+        A_log, dt_bias = (self.get(p + n, (nv,), True).float()[v0:v1] for n in ("A_log", "dt_bias"))
+        out = self.get(p + "out_proj.weight", (H, vd))
+        if self.tp is not None:  # out_proj row-parallel: this rank's value heads' columns, a partial sum summed
+            out = RowParallel(Linear(self.tp.row(out, "value heads")), self.tp)
+        else:
+            out = Linear(out)
+        return GatedDeltaNet(fuse_linears([Linear(w) for w in parts]), conv.to(self.dtype), A_log, dt_bias,
+                             self.get(p + "norm.weight", (dv,)), out, (k1 - k0), (v1 - v0), dk, dv,
+                             cfg.rms_norm_eps, index)
 
 
 def _cat_rows(ws):
@@ -281,6 +331,13 @@ def _cat_rows(ws):
         return QuantizedTensor(*(torch.cat([getattr(w, f) for w in ws], dim=-2) for f in ("weight", "scales", "biases")),
                                ws[0].bits, ws[0].group_size)
     return torch.cat(ws, dim=-2)
+
+
+def _rows3(w, a: int, b: int):
+    """Rows a..b-1 of stacked experts [E, rows, in] (dense or quantized)."""
+    if isinstance(w, QuantizedTensor):
+        return QuantizedTensor(*(getattr(w, f)[:, a:b] for f in ("weight", "scales", "biases")), w.bits, w.group_size)
+    return w[:, a:b]
 
 
 def _take_rows(w, rows: torch.Tensor):
