@@ -50,7 +50,7 @@ class MLA(nn.Module):
         H, R = self.num_heads, self.kv_lora_rank
         attention = cache.attention
         if T == 1 and meta.decode and not meta.flat and getattr(attention, "fuses_decode", None) is not None \
-                and attention.fuses_decode(x) and chain.applies(x):
+                and attention.fuses_decode(x) and chain.applies(x) and isinstance(self.o, Linear):  # (not split)
             return self._fused_decode(x, cos, sin, cache, meta, unsummed)
         a = self.proj_a(x)
         if self.q_b is not None:

@@ -32,10 +32,14 @@ from sluice.layers.deepseek_moe import DeepseekMoE, Routing
 from sluice.layers.linear import Embedding, Linear, RMSNorm, fuse_linears
 from sluice.layers.mla import MLA, yarn_inv_freq, yarn_mscale
 from sluice.layers.moe import SwiGLU
+from sluice.parallel import RowParallel, VocabEmbedding, VocabHead
 from sluice.quant.affine import QuantizedTensor
 
 TOPK_METHODS = ("noaux_tc", "group_limited_greedy", "greedy")
 SCORING_FUNCS = ("sigmoid", "softmax")
+
+
+TENSOR_PARALLEL = True  # the builders split the weights for `sluice.parallel` when the reader carries a rank
 
 
 @dataclass
@@ -174,6 +178,7 @@ class DeepseekBlock(nn.Module):
         self.mlp_norm = RMSNorm(w.get(p + "post_attention_layernorm.weight", (H,)), cfg.rms_norm_eps)
         self.attn = w.mla(cfg, p + "self_attn.", i)
         self.mlp = w.moe(cfg, p + "mlp.") if cfg.is_moe(i) else w.mlp(p + "mlp.", cfg.intermediate_size, H)
+        self.tp = w.tp  # tensor-parallel: the MLP's (or MoE's) partial sums are summed over the ranks
 
     def forward(self, h, delta, cos, sin, cache, meta):
         """(h, delta) -> (h', delta'): the residual stream and the last sublayer's output not yet added to it (None
@@ -181,6 +186,9 @@ class DeepseekBlock(nn.Module):
         (`kernels/mla/chain.py`), and delta may be what the kernels before left unsummed: o_proj's and the dense
         MLP's split-K partials, the MoE experts' outputs (`ExpertOutputs`). On the CPU the same ops as before."""
         h, x, _ = chain.add_rms_norm(h, delta, self.attn_norm)
+        if self.tp is not None:  # the plain path: o_proj's output and the MLP's summed over the ranks
+            h, x, _ = chain.add_rms_norm(h, self.attn(x, cos, sin, cache, meta), self.mlp_norm)
+            return h, self.tp.all_reduce(self.mlp(x))
         fused = chain.applies(h)
         mixed = self.attn(x, cos, sin, cache, meta, unsummed=fused)
         moe = isinstance(self.mlp, DeepseekMoE)
@@ -197,12 +205,19 @@ class DeepseekBlock(nn.Module):
 class DeepseekModel(nn.Module):
     def __init__(self, cfg: DeepseekConfig, w: _Weights):
         super().__init__()
-        self.cfg = cfg
-        self.embed = Embedding(w.get("model.embed_tokens.weight", (cfg.vocab_size, cfg.hidden_size)))
+        self.cfg, self.tp = cfg, w.tp
+        embed = w.get("model.embed_tokens.weight", (cfg.vocab_size, cfg.hidden_size))
+        self.embed = Embedding(embed if w.tp is None else w.tp.vocab(embed))
         self.layers = nn.ModuleList(DeepseekBlock(cfg, w, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(w.get("model.norm.weight", (cfg.hidden_size,)), cfg.rms_norm_eps)
-        self.lm_head = self.embed.as_linear() if cfg.tie_word_embeddings else \
-            Linear(w.get("lm_head.weight", (cfg.vocab_size, cfg.hidden_size)))
+        if cfg.tie_word_embeddings:
+            self.lm_head = self.embed.as_linear()
+        else:
+            head = w.get("lm_head.weight", (cfg.vocab_size, cfg.hidden_size))
+            self.lm_head = Linear(head if w.tp is None else w.tp.vocab(head))
+        if w.tp is not None:  # vocabulary-parallel: lookups summed, logits gathered
+            self.embed = VocabEmbedding(self.embed, w.tp, cfg.vocab_size)
+            self.lm_head = VocabHead(self.lm_head, w.tp, cfg.vocab_size)
         c = cfg
         if c.rope_type == "yarn":
             inv_freq = yarn_inv_freq(c.qk_rope_head_dim, c.rope_theta, c.rope_factor, c.rope_original_max_positions,
@@ -249,6 +264,8 @@ class _Weights:
 
     def __init__(self, src, cfg: DeepseekConfig, dtype: torch.dtype):
         self.src, self.cfg, self.dtype = src, cfg, dtype
+        self.tp = getattr(src, "tp", None)  # this rank's part of a tensor-parallel model (`sluice.parallel`)
+        self.size = 1 if self.tp is None else self.tp.size
 
     def get(self, name: str, shape: tuple | None = None, keep_dtype: bool = False):
         """A tensor (model dtype) or QuantizedTensor; `shape` (logical, as config.json implies) is checked."""
@@ -267,10 +284,14 @@ class _Weights:
         return t.dequantize(self.dtype) if isinstance(t, QuantizedTensor) else t
 
     def mlp(self, p: str, intermediate: int, hidden: int) -> SwiGLU:
-        gate = Linear(self.get(p + "gate_proj.weight", (intermediate, hidden)))
-        up = Linear(self.get(p + "up_proj.weight", (intermediate, hidden)))
-        return SwiGLU(fuse_linears([gate, up]), Linear(self.get(p + "down_proj.weight", (hidden, intermediate))),
-                      intermediate)
+        """A SwiGLU MLP; tensor-parallel, this rank's slice of the intermediate size (its output a partial sum the
+        block sums over the ranks)."""
+        gate, up = (self.get(p + f"{n}_proj.weight", (intermediate, hidden)) for n in ("gate", "up"))
+        down = self.get(p + "down_proj.weight", (hidden, intermediate))
+        if self.tp is not None:
+            what = "the MLP's intermediate size"
+            gate, up, down = self.tp.col(gate, what), self.tp.col(up, what), self.tp.row(down, what)
+        return SwiGLU(fuse_linears([Linear(gate), Linear(up)]), Linear(down), intermediate // self.size)
 
     def mla(self, cfg: DeepseekConfig, p: str, index: int) -> MLA:
         H, Hn, R = cfg.hidden_size, cfg.num_heads, cfg.kv_lora_rank
@@ -279,15 +300,19 @@ class _Weights:
         # the rope rows of every q head and of kv_a: interleaved pairs -> rotate-half halves
         q_perm = _rope_rows(Hn, nope, rope) if cfg.rope_interleave else None
         kv_perm = _rope_rows(1, R, rope) if cfg.rope_interleave else None
+        # tensor-parallel: this rank's heads of q and of kv_b, o_proj row-parallel; the latent (kv_a, its norm, the
+        # latent cache) whole on every rank
+        heads = (lambda w, unit: w) if self.tp is None else lambda w, unit: self.tp.col(w, "attention heads", unit)  # noqa: E731
         kv_a = Linear(_take_rows(self.get(p + "kv_a_proj_with_mqa.weight", (R + rope, H)), kv_perm))
         q_a_norm = q_b = None
         if qlr:
             q_a = Linear(self.get(p + "q_a_proj.weight", (qlr, H)))
             q_a_norm = self.get(p + "q_a_layernorm.weight", (qlr,))
-            q_b = Linear(_take_rows(self.get(p + "q_b_proj.weight", (q_rows, qlr)), q_perm))
+            q_b = Linear(heads(_take_rows(self.get(p + "q_b_proj.weight", (q_rows, qlr)), q_perm), nope + rope))
             proj_a = fuse_linears([q_a, kv_a])
         else:
-            proj_a = fuse_linears([Linear(_take_rows(self.get(p + "q_proj.weight", (q_rows, H)), q_perm)), kv_a])
+            q = heads(_take_rows(self.get(p + "q_proj.weight", (q_rows, H)), q_perm), nope + rope)
+            proj_a = fuse_linears([Linear(q), kv_a])
         if self.src.has(p + "kv_b_proj.weight"):
             kv_b = self.dense(p + "kv_b_proj.weight", (Hn * (nope + v), R))
         elif self.src.has(p + "embed_q.weight"):  # mlx-lm: W_UK^T [H, R, nope] and W_UV [H, v, R]
@@ -296,9 +321,11 @@ class _Weights:
             kv_b = torch.cat([w_uk, w_uv], dim=1).reshape(Hn * (nope + v), R)
         else:
             raise ModelFileError(f"{self.src.path}: tensor '{p}kv_b_proj.weight' is missing from the checkpoint.")
-        return MLA(proj_a, q_a_norm, q_b, self.get(p + "kv_a_layernorm.weight", (R,)), Linear(kv_b.contiguous()),
-                   Linear(self.get(p + "o_proj.weight", (H, Hn * v))), Hn, qlr, R, nope, rope, v, cfg.softmax_scale,
-                   index)
+        o = self.get(p + "o_proj.weight", (H, Hn * v))
+        o = Linear(o) if self.tp is None else RowParallel(Linear(self.tp.row(o, "attention heads")), self.tp)
+        return MLA(proj_a, q_a_norm, q_b, self.get(p + "kv_a_layernorm.weight", (R,)),
+                   Linear(heads(kv_b, nope + v).contiguous()), o, Hn // self.size, qlr, R, nope, rope, v,
+                   cfg.softmax_scale, index)
 
     def moe(self, cfg: DeepseekConfig, p: str) -> DeepseekMoE:
         H, E, I = cfg.hidden_size, cfg.num_experts, cfg.moe_intermediate_size
@@ -313,6 +340,8 @@ class _Weights:
             gate_up = _stack([_cat_rows([self.get(p + f"experts.{e}.{n}_proj.weight", (I, H)) for n in ("gate", "up")])
                               for e in range(E)])
             down = _stack([self.get(p + f"experts.{e}.down_proj.weight", (H, I)) for e in range(E)])
+        if self.tp is not None:  # every expert's intermediate size split: gate and up rows, down columns
+            gate_up, down = self.tp.experts(gate_up, down, I)
         router = self.get(p + "gate.weight", (E, H), keep_dtype=True)
         router = Linear(router.float() if isinstance(router, torch.Tensor) else router)  # HF keeps the gate fp32
         bias = None

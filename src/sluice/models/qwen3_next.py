@@ -273,9 +273,7 @@ class _Weights:
             if got != shape:
                 raise ModelFileError(f"{p}experts {name}: shape {got}, config.json implies {shape}.")
         if self.tp is not None:  # every expert's intermediate size split: gate and up rows, down columns
-            a, b = self.tp.split(I, "the experts' intermediate size")
-            gate_up = _cat_rows([_rows3(gate_up, a, b), _rows3(gate_up, I + a, I + b)])
-            down = self.tp.row(down, "the experts' intermediate size")
+            gate_up, down = self.tp.experts(gate_up, down, I)
         shared = shared_gate = None
         if cfg.shared_expert_intermediate_size:
             shared = self.mlp(p + "shared_expert.", cfg.shared_expert_intermediate_size, H)
@@ -331,13 +329,6 @@ def _cat_rows(ws):
         return QuantizedTensor(*(torch.cat([getattr(w, f) for w in ws], dim=-2) for f in ("weight", "scales", "biases")),
                                ws[0].bits, ws[0].group_size)
     return torch.cat(ws, dim=-2)
-
-
-def _rows3(w, a: int, b: int):
-    """Rows a..b-1 of stacked experts [E, rows, in] (dense or quantized)."""
-    if isinstance(w, QuantizedTensor):
-        return QuantizedTensor(*(getattr(w, f)[:, a:b] for f in ("weight", "scales", "biases")), w.bits, w.group_size)
-    return w[:, a:b]
 
 
 def _take_rows(w, rows: torch.Tensor):

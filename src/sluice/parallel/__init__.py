@@ -83,6 +83,19 @@ class TensorParallel:
         a, b = self.split(w.shape[-1], what)
         return w[..., a:b].contiguous()
 
+    def experts(self, gate_up, down, intermediate: int):
+        """This rank's slice of stacked experts' intermediate size: gate_up [E, 2I, K] ([gate | up] rows) keeps
+        rows a..b of each half, down [E, H, I] columns a..b (its output a partial sum)."""
+        a, b = self.split(intermediate, "the experts' intermediate size")
+        I = intermediate  # noqa: E741
+        if isinstance(gate_up, QuantizedTensor):
+            rows = lambda t: torch.cat([t[:, a:b], t[:, I + a:I + b]], dim=1).contiguous()  # noqa: E731
+            gate_up = QuantizedTensor(rows(gate_up.weight), rows(gate_up.scales), rows(gate_up.biases),
+                                      gate_up.bits, gate_up.group_size)
+        else:
+            gate_up = torch.cat([gate_up[:, a:b], gate_up[:, I + a:I + b]], dim=1).contiguous()
+        return gate_up, self.row(down, "the experts' intermediate size")
+
     def vocab(self, w):
         """This rank's rows of an embedding or output head [V, H], V padded up to a multiple of the size (the
         padding rows zero: logits there are cut off after the gather, ids never reach them)."""
