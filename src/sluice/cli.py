@@ -34,8 +34,7 @@ def _add_model_args(p: argparse.ArgumentParser):
     p.add_argument("--kv-blocks", type=int, default=None, metavar="N",
                    help="blocks of the paged KV cache (default: what the memory plan gives; `sluice info` prints it)")
     p.add_argument("--tensor-parallel", type=int, default=1, metavar="N",
-                   help="split the weights across N processes, one GPU each (gloo ranks on the CPU); Llama and "
-                        "Qwen3-Next models for now (default 1)")
+                   help="split the weights across N processes, one GPU each (gloo ranks on the CPU; default 1)")
     _add_placement_args(p)
 
 

@@ -117,7 +117,7 @@ class ModelRunner:
         reserve = self.activation_reserve()
         if paged and gpu:
             reserve += probe.kv.bytes_per_token() // max(1, probe.kv.num_layers) * capacity
-        free = available_memory(self.device) + reclaim - reserve
+        free = self._agreed(available_memory(self.device), min) + reclaim - reserve
         if budget is not None and gpu:
             free = min(free, budget - weights - reserve)
         budgeted = budget is not None or self._streams_experts()
@@ -155,6 +155,18 @@ class ModelRunner:
                           page if paged else None, blocks, (blocks * page) if paged else (rows + spare) * capacity,
                           kv, need - kv)
 
+    def _agreed(self, value: int, op) -> int:
+        """value as every rank of a tensor-parallel model takes it (op: min or max over the ranks), so that their
+        pools, and with them every scheduling choice, come out the same; value itself in one process."""
+        tp = getattr(self.module, "tp", None)
+        if tp is None:
+            return value
+        import torch.distributed as dist
+
+        t = torch.tensor([value], dtype=torch.int64, device=self.device if self.device.type == "cuda" else "cpu")
+        dist.all_reduce(t, op=dist.ReduceOp.MIN if op is min else dist.ReduceOp.MAX, group=tp.group)
+        return int(t.item())
+
     def activation_reserve(self) -> int:
         """Bytes a GPU keeps beside the weights and the caches for the steps' activations and CUDA graphs, measured
         once (vLLM's profile run): `profile_step`'s peak allocation over what was allocated before, twice (the
@@ -172,7 +184,8 @@ class ModelRunner:
                 base = torch.cuda.memory_allocated(self.device)
                 self.profile_step()
                 torch.cuda.synchronize(self.device)
-                self._reserve = 2 * (torch.cuda.max_memory_allocated(self.device) - base) + GRAPH_MARGIN
+                self._reserve = self._agreed(2 * (torch.cuda.max_memory_allocated(self.device) - base) + GRAPH_MARGIN,
+                                             max)
             except Exception as error:  # the plan goes on with the fixed reserve; a broken device fails later anyway
                 log.warning("the memory plan's profile step failed (%s: %s); reserving %.1f GiB for activations",
                             type(error).__name__, error, ACTIVATION_RESERVE / 2**30)

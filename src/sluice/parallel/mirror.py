@@ -99,6 +99,12 @@ class MirroredEngine(Engine):
         with self._together("reserve"):
             super().reserve()
 
+    def memory_plan(self, make: bool = True) -> dict:
+        if self.runner.pool is not None or not make:  # the pool's plan, or nothing: no device work
+            return super().memory_plan(make)
+        with self._together("memory_plan"):  # planning may run a profile step: every rank plans
+            return super().memory_plan(make)
+
 
 def serve(conn, model) -> None:
     """A worker's loop: rank 0's commands on `model` (engine key 0) and the engines made from it, until "stop" or
@@ -119,7 +125,7 @@ def serve(conn, model) -> None:
             models.pop(args[0], None)
         elif kind == "logits":
             models[args[0]].logits(args[1])
-        elif kind in ("warmup", "reserve"):
+        elif kind in ("warmup", "reserve", "memory_plan"):
             getattr(models[args[0]].engine, kind)()
         elif kind == "step":
             key, pending = args
