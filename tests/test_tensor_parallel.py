@@ -107,3 +107,28 @@ def test_what_cannot_split_is_a_clear_error(llama_dir, qwen_dir):
         sluice.load(qwen_dir, device="cpu", tensor_parallel=2, gpu_memory="1GiB")
     with pytest.raises(sluice.SluiceError, match="positive integer"):
         sluice.load(llama_dir, device="cpu", tensor_parallel=0)
+
+
+def test_the_server_answers_from_a_split_model(llama_dir, one):
+    """`sluice serve` over a model split across 2 ranks (its engine thread steps them all), through the real `openai`
+    client: concurrent greedy replies are each one's alone."""
+    openai = pytest.importorskip("openai")
+    from concurrent.futures import ThreadPoolExecutor
+
+    from sluice.server import Server, ServerConfig
+
+    tp = sluice.load(llama_dir, device="cpu", tensor_parallel=2, max_seq_len=256, max_batch=4)
+    try:
+        with Server(tp, ServerConfig(port=0, log_level="warning")) as s:
+            client = openai.OpenAI(base_url=s.url + "/v1", api_key="none", max_retries=0)
+            name = client.models.list().data[0].id
+
+            def complete(prompt):
+                return client.completions.create(model=name, prompt=prompt, max_tokens=8, temperature=0).choices[0].text
+
+            prompts = ["hello", "the river", "a b c d e f"]
+            with ThreadPoolExecutor(3) as pool:
+                got = list(pool.map(complete, prompts))
+            assert got == [one.generate(p, max_tokens=8, temperature=0) for p in prompts]
+    finally:
+        tp.close()
