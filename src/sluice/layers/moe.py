@@ -33,6 +33,16 @@ class SwiGLU(nn.Module):
         return self.down(F.silu(g) * u)
 
 
+def swiglu(gate, up, down, tp=None) -> SwiGLU:
+    """A SwiGLU MLP of gate, up [I, H] and down [H, I] weights (dense or quantized); with `tp` (`sluice.parallel`)
+    this rank's slice of I: gate and up column-parallel, down row-parallel (its output a partial sum the caller
+    sums over the ranks)."""
+    if tp is not None:
+        what = "the MLP's intermediate size"
+        gate, up, down = tp.col(gate, what), tp.col(up, what), tp.row(down, what)
+    return SwiGLU(fuse_linears([Linear(gate), Linear(up)]), Linear(down), gate.shape[0])
+
+
 class SparseMoE(nn.Module):
     def __init__(self, router: Linear, gate_up, down, top_k: int, norm_topk_prob: bool,
                  shared: SwiGLU | None, shared_gate: Linear | None):

@@ -31,7 +31,7 @@ from sluice.kernels.rope.reference import rope_inv_freq
 from sluice.layers.deepseek_moe import DeepseekMoE, Routing
 from sluice.layers.linear import Embedding, Linear, RMSNorm, fuse_linears
 from sluice.layers.mla import MLA, yarn_inv_freq, yarn_mscale
-from sluice.layers.moe import SwiGLU
+from sluice.layers.moe import SwiGLU, swiglu
 from sluice.parallel import RowParallel, VocabEmbedding, VocabHead
 from sluice.quant.affine import QuantizedTensor
 
@@ -284,14 +284,9 @@ class _Weights:
         return t.dequantize(self.dtype) if isinstance(t, QuantizedTensor) else t
 
     def mlp(self, p: str, intermediate: int, hidden: int) -> SwiGLU:
-        """A SwiGLU MLP; tensor-parallel, this rank's slice of the intermediate size (its output a partial sum the
-        block sums over the ranks)."""
+        """A SwiGLU MLP (tensor-parallel: this rank's slice, `layers.moe.swiglu`)."""
         gate, up = (self.get(p + f"{n}_proj.weight", (intermediate, hidden)) for n in ("gate", "up"))
-        down = self.get(p + "down_proj.weight", (hidden, intermediate))
-        if self.tp is not None:
-            what = "the MLP's intermediate size"
-            gate, up, down = self.tp.col(gate, what), self.tp.col(up, what), self.tp.row(down, what)
-        return SwiGLU(fuse_linears([Linear(gate), Linear(up)]), Linear(down), intermediate // self.size)
+        return swiglu(gate, up, self.get(p + "down_proj.weight", (hidden, intermediate)), self.tp)
 
     def mla(self, cfg: DeepseekConfig, p: str, index: int) -> MLA:
         H, Hn, R = cfg.hidden_size, cfg.num_heads, cfg.kv_lora_rank

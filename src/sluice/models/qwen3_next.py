@@ -25,7 +25,7 @@ from sluice.kernels.rope.reference import rope_inv_freq
 from sluice.layers.attention import GatedAttention
 from sluice.layers.gated_deltanet import GatedDeltaNet, ba_rows, qkvz_rows
 from sluice.layers.linear import Embedding, Linear, fuse_linears
-from sluice.layers.moe import SparseMoE, SwiGLU
+from sluice.layers.moe import SparseMoE, SwiGLU, swiglu
 from sluice.parallel import RowParallel, VocabEmbedding, VocabHead
 from sluice.quant.affine import QuantizedTensor
 
@@ -246,14 +246,9 @@ class _Weights:
         return self.get(name, (size,), keep_dtype=True).float() + self.norm_offset
 
     def mlp(self, p: str, intermediate: int, hidden: int) -> SwiGLU:
-        """A SwiGLU MLP; tensor-parallel, this rank's slice of the intermediate size (gate and up column-parallel,
-        down row-parallel: its output a partial sum the block sums over the ranks)."""
+        """A SwiGLU MLP (tensor-parallel: this rank's slice, `layers.moe.swiglu`)."""
         gate, up = (self.get(p + f"{n}_proj.weight", (intermediate, hidden)) for n in ("gate", "up"))
-        down = self.get(p + "down_proj.weight", (hidden, intermediate))
-        if self.tp is not None:
-            what = "the MLP's intermediate size"
-            gate, up, down = self.tp.col(gate, what), self.tp.col(up, what), self.tp.row(down, what)
-        return SwiGLU(fuse_linears([Linear(gate), Linear(up)]), Linear(down), intermediate // self.size)
+        return swiglu(gate, up, self.get(p + "down_proj.weight", (hidden, intermediate)), self.tp)
 
     def moe(self, cfg: Qwen3NextConfig, p: str) -> SparseMoE:
         H = cfg.hidden_size
