@@ -59,8 +59,7 @@ def _run(engine, prompts, gen_tokens: int, temperature: float) -> dict:
     last, over the tokens those steps computed (with overlap, a step launched before the window and read back in it
     is not counted); with one steady step only, that one; with none (a sequence ended first), no decode rate."""
     sync = torch.cuda.synchronize if engine.runner.device.type == "cuda" else (lambda: None)
-    if engine.rows is not None:
-        engine.rows.clear()  # every pass prefills its prompts whole: the passes repeat them
+    engine.clear_prefixes()  # every pass prefills its prompts whole: the passes repeat them
     sync()
     t0 = time.perf_counter()
     # the steps the last prompts take to prefill while the first ones decode, at the least a step prefills beside
@@ -126,6 +125,7 @@ def step_bytes(model, batch: int, context: int) -> int:
 
     total = model.info()["weight_bytes"]
     embed = model.module.embed
+    embed = getattr(embed, "embedding", embed)  # tensor-parallel: this rank's shard inside its wrapper
     if not model.config.tie_word_embeddings:  # the embedding is a lookup of `batch` rows
         total -= sum(t.nbytes for t in (embed.qweight, embed.scales, embed.biases, embed.weight) if t is not None)
     for moe in (m for m in model.module.modules() if isinstance(m, SparseMoE)):

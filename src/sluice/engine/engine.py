@@ -95,6 +95,9 @@ class Engine:
         self._rows: PrefixCache | None = None
         self.timing: dict[str, float] = {}  # the last step's host seconds: plan (admit, schedule), launch, land
         self.preemptions = 0  # sequences preempted because KV blocks ran out (`_reserve`)
+        # a rank of a tensor-parallel model (`sluice.parallel`): a step that fails is not retried per sequence (the
+        # other ranks' collectives would no longer meet); it fails the model
+        self.lockstep = getattr(module, "tp", None) is not None
 
     @property
     def max_length(self) -> int:
@@ -234,6 +237,11 @@ class Engine:
             placement.reset_stats()  # the hit rate counts requests, not the warm-up
         return time.perf_counter() - t0
 
+    def clear_prefixes(self) -> None:
+        """Drop every cached prefix (the next requests prefill their prompts whole)."""
+        if self.rows is not None:
+            self.rows.clear()
+
     def has_work(self) -> bool:
         return self.scheduler.has_work() or self.in_flight > 0
 
@@ -264,8 +272,8 @@ class Engine:
             else:
                 self._profiled(profile)
         except Exception as error:
-            if _device_error(error) or not any(not s.finished for s in self._stepping):
-                raise  # the device's, or before any request was in the step
+            if _device_error(error) or not any(not s.finished for s in self._stepping) or self.lockstep:
+                raise  # the device's, before any request was in the step, or in a tensor-parallel group's lockstep
             self._outputs += self._isolate(error)
         else:
             for out in self._outputs:  # a sequence is cleared once its tokens reached the host

@@ -225,7 +225,10 @@ def load(path=None, device=None, dtype=None, keep_quantized: bool = True, kv_cac
             if hasattr(mod, "dequantize_"):
                 mod.dequantize_(dt)
         if module.cfg.tie_word_embeddings:  # share the one dense copy again
-            module.lm_head = module.embed.as_linear()
+            if getattr(module, "tp", None) is None:
+                module.lm_head = module.embed.as_linear()
+            else:  # a rank's vocabulary shard, inside its wrappers
+                module.lm_head.head = module.embed.embedding.as_linear()
     if tokenizer.vocab_size > module.cfg.vocab_size:  # ids past the embedding would be read out of bounds
         raise ModelFileError(f"{path}: the tokenizer has {tokenizer.vocab_size} tokens but the model's embedding "
                              f"only {module.cfg.vocab_size} rows; the tokenizer and the weights do not belong "

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import weakref
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -11,7 +12,7 @@ import torch
 from sluice.config import EngineConfig
 from sluice.engine.batch import ForwardMeta
 from sluice.engine.engine import Engine, GenerationError, check_prompt
-from sluice.errors import InvalidOptionError
+from sluice.errors import InvalidOptionError, UnsupportedError
 from sluice.layers.linear import RMSNorm, _WeightHolder
 from sluice.quant.affine import QuantizedTensor
 
@@ -59,10 +60,10 @@ class Model:
         return 1 if tp is None else tp.size
 
     def close(self) -> None:
-        """Stop a tensor-parallel model's worker processes (nothing to do for one process)."""
-        if self.mirror is not None and self.key == 0:
+        """Stop a tensor-parallel model's worker processes, for it and every model `with_engine` made from it
+        (nothing to do for one process); a closed tensor-parallel model raises on use."""
+        if self.mirror is not None:
             self.mirror.close()
-            self.mirror = None
 
     def with_engine(self, **options) -> "Model":
         """The same weights (shared, not copied) with other engine settings (`sluice.config.EngineConfig`: kv_cache,
@@ -76,9 +77,10 @@ class Model:
             raise InvalidOptionError(f"unknown engine option(s): {', '.join(unknown)}.")
         model = Model(self.module, self.tokenizer, self.path, self.format, self.device, self.dtype,
                       replace(self.engine_config, **options))
-        if self.mirror is not None:  # the workers make the same engine over their shards
+        if self.mirror is not None:  # the workers make the same engine over their shards, dropped with this one
             model.mirror, model.key = self.mirror, self.mirror.new_key()
             self.mirror.send("with_engine", self.key, model.key, options)
+            weakref.finalize(model, self.mirror.drop, model.key)
         return model
 
     def new_cache(self, capacity: int, rows: int = 1):
@@ -90,6 +92,13 @@ class Model:
         """Logits (float32) of ids [B, T] at positions start.. of the sequences in cache rows 0..B-1, whose earlier
         positions are in `cache`; one token each (T = 1) is a decode step. One eager forward, for tests and tools:
         generation runs through `engine`."""
+        if self.mirror is not None:
+            raise UnsupportedError("Model.forward over caches of your own is not supported with tensor_parallel (the "
+                                   "other ranks hold no such caches); use logits() or the engine.")
+        return self._forward(ids, cache, start, last_only)
+
+    @torch.inference_mode()
+    def _forward(self, ids, cache, start: int, last_only: bool = False) -> torch.Tensor:
         ids = torch.as_tensor(ids, dtype=torch.long).to(self.device)
         B, T = ids.shape
         if T == 1:
@@ -106,11 +115,11 @@ class Model:
             ids = ids[None]
         for row in ids.tolist():
             check_prompt(row, self.config.vocab_size, self.context_length)
+        cache = self.new_cache(ids.shape[1], rows=ids.shape[0])
         if self.mirror is not None:
             self.mirror.send("logits", self.key, ids.tolist())  # plain lists: no tensors over the connection
-        cache = self.new_cache(ids.shape[1], rows=ids.shape[0])
         step = self.engine_config.prefill_tokens(self.device)
-        return torch.cat([self.forward(ids[:, s:s + step], cache, s).cpu() for s in range(0, ids.shape[1], step)],
+        return torch.cat([self._forward(ids[:, s:s + step], cache, s).cpu() for s in range(0, ids.shape[1], step)],
                          dim=1)
 
     def encode_prompt(self, prompt, chat: bool = False, system: str | None = None) -> list[int]:
@@ -226,12 +235,14 @@ class Model:
                 n, kind, nb = mod.weight.numel(), str(mod.weight.dtype).removeprefix("torch."), mod.weight.nbytes
             else:
                 continue
-            if mod is getattr(self.module, "lm_head", None) and self.config.tie_word_embeddings:
-                continue
+            head = getattr(self.module, "lm_head", None)
+            if self.config.tie_word_embeddings and (mod is head or mod is getattr(head, "head", None)):
+                continue  # (tensor-parallel: the head inside its wrapper)
             count(n, kind, nb)
         return {"path": str(self.path), "format": self.format, "architecture": self.config.architecture,
                 "config": dict(vars(self.config)), "parameters": params, "weight_bytes": nbytes,
                 "weights_by_kind": kinds, "kv_cache": self.kv_cache, **self._kv_layout(),
                 "device": str(self.device), "dtype": str(self.dtype).removeprefix("torch."),
+                "tensor_parallel": self.tensor_parallel,  # >1: parameters and bytes are rank 0's shard
                 "placement": None if self.placement is None else self.placement.summary(),
                 "memory_plan": self.engine.memory_plan()}

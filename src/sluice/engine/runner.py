@@ -184,12 +184,14 @@ class ModelRunner:
                 base = torch.cuda.memory_allocated(self.device)
                 self.profile_step()
                 torch.cuda.synchronize(self.device)
-                self._reserve = self._agreed(2 * (torch.cuda.max_memory_allocated(self.device) - base) + GRAPH_MARGIN,
-                                             max)
+                reserve = 2 * (torch.cuda.max_memory_allocated(self.device) - base) + GRAPH_MARGIN
             except Exception as error:  # the plan goes on with the fixed reserve; a broken device fails later anyway
+                if getattr(self.module, "tp", None) is not None:
+                    raise  # a rank whose collectives stopped midway cannot go on with the others
                 log.warning("the memory plan's profile step failed (%s: %s); reserving %.1f GiB for activations",
                             type(error).__name__, error, ACTIVATION_RESERVE / 2**30)
-                self._reserve = ACTIVATION_RESERVE
+                reserve = ACTIVATION_RESERVE
+            self._reserve = self._agreed(reserve, max)  # (tensor-parallel: every rank's pool the same)
         return self._reserve
 
     @torch.inference_mode()

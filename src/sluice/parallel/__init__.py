@@ -77,11 +77,10 @@ class TensorParallel:
             groups = w.scales.shape[-1]
             a, b = self.split(groups, f"{what}' quantization groups")
             words = w.weight.shape[-1] // groups
-            return QuantizedTensor(w.weight[..., a * words:b * words].contiguous(),
-                                   w.scales[..., a:b].contiguous(), w.biases[..., a:b].contiguous(), w.bits,
-                                   w.group_size)
+            return QuantizedTensor(w.weight[..., a * words:b * words].clone(), w.scales[..., a:b].clone(),
+                                   w.biases[..., a:b].clone(), w.bits, w.group_size)
         a, b = self.split(w.shape[-1], what)
-        return w[..., a:b].contiguous()
+        return w[..., a:b].clone()
 
     def experts(self, gate_up, down, intermediate: int):
         """This rank's slice of stacked experts' intermediate size: gate_up [E, 2I, K] ([gate | up] rows) keeps
@@ -93,7 +92,7 @@ class TensorParallel:
             gate_up = QuantizedTensor(rows(gate_up.weight), rows(gate_up.scales), rows(gate_up.biases),
                                       gate_up.bits, gate_up.group_size)
         else:
-            gate_up = torch.cat([gate_up[:, a:b], gate_up[:, I + a:I + b]], dim=1).contiguous()
+            gate_up = torch.cat([gate_up[:, a:b], gate_up[:, I + a:I + b]], dim=1)
         return gate_up, self.row(down, "the experts' intermediate size")
 
     def vocab(self, w):
@@ -127,8 +126,8 @@ def _rows(w, a: int, b: int, pad_to: int | None = None):
         return QuantizedTensor(*parts, w.bits, w.group_size)
     out = w[a:b]
     if pad_to is not None and b - a < pad_to:
-        out = torch.cat([out, out.new_zeros(pad_to - (b - a), *out.shape[1:])])
-    return out.contiguous()
+        return torch.cat([out, out.new_zeros(pad_to - (b - a), *out.shape[1:])])
+    return out.clone()  # its own storage: a view would keep the whole weight alive on every rank
 
 
 class RowParallel(nn.Module):

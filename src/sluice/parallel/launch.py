@@ -2,12 +2,13 @@
 this process rank 0 and starts ranks 1..N-1 as worker processes (fresh interpreters, so CUDA is initialized per
 rank, with this process's environment: NCCL settings included), all joined in one torch.distributed group over TCP
 on this host (gloo on the CPU, NCCL on GPUs, rank r on cuda:r). Each rank loads its own shard; a worker then serves
-rank 0's commands (`mirror.serve`) over an authenticated local connection until rank 0 stops it or goes away (the
-connection closes).
+rank 0's commands (`mirror.serve`) over a socket pair until rank 0 stops it or goes away (the connection closes;
+on Linux the worker also gets SIGTERM when rank 0's process ends).
 """
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
 import socket
@@ -53,20 +54,20 @@ def _join(rank: int, size: int, port: int, dev: torch.device) -> TensorParallel:
 
 
 def _worker() -> None:
-    """A worker rank (`python -m sluice.parallel.launch ADDRESS`, the authentication key on standard input): connects
-    to rank 0, takes its rank and the load arguments, joins the group, loads its shard, serves."""
+    """A worker rank (`python -m sluice.parallel.launch FD`: FD its end of a socket pair with rank 0): takes its rank
+    and the load arguments, says it is about to join (or why it cannot), joins the group, loads its shard, serves."""
     global LOADING
     import sys
-    from multiprocessing.connection import Client
+    from multiprocessing.connection import Connection
 
     from sluice.engine.loader import load
     from sluice.parallel.mirror import serve
 
-    host, port = sys.argv[1].rsplit(":", 1)
-    conn = Client((host, int(port)), authkey=bytes.fromhex(sys.stdin.readline().strip()))
+    conn = Connection(int(sys.argv[1]))
     rank, size, group_port, load_args = conn.recv()
     try:
         dev = _device(load_args.get("device"), rank)
+        conn.send(("joining", None))
         LOADING = _join(rank, size, group_port, dev)
         model = load(**{**load_args, "device": dev})
         LOADING = None
@@ -77,16 +78,39 @@ def _worker() -> None:
     serve(conn, model)
 
 
+def _die_with_parent() -> None:
+    """In a worker before it runs (Linux): SIGTERM when rank 0's process ends, however it ends."""
+    import ctypes
+    import signal
+
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
+def _expect(conn, proc, want: str, rank: int):
+    """The next message of worker `rank`, which must be `want`; its error (or its end) as a SluiceError."""
+    try:
+        kind, why = conn.recv()
+    except (EOFError, OSError):
+        raise SluiceError(f"tensor_parallel: rank {rank} ended before it {want} (exit status {proc.wait()}); its "
+                          "error is above.") from None
+    if kind != want:
+        raise SluiceError(f"tensor_parallel: {why.splitlines()[0]}")
+
+
 def start(size: int, load_args: dict):
     """A Model on rank 0 whose engine runs with `size - 1` worker processes in lockstep (`parallel/mirror.py`).
     Workers are plain `python -m` processes (not multiprocessing's spawn, which imports the caller's script again:
-    a script calling `sluice.load` at its top level would start itself over)."""
+    a script calling `sluice.load` at its top level would start itself over), in a session of their own (a Ctrl-C
+    at the terminal reaches rank 0 alone), ended with rank 0's process."""
     global LOADING
-    import secrets
-    import torch.distributed as dist
+    import atexit
+    import socket
     import subprocess
     import sys
-    from multiprocessing.connection import Listener
+    from multiprocessing.connection import Connection
+
+    import torch.distributed as dist
 
     from sluice.engine.loader import load
     from sluice.parallel.mirror import Mirror
@@ -98,37 +122,31 @@ def start(size: int, load_args: dict):
                                  "this process; close() it first.")
     dev = _device(load_args.get("device"), 0)
     _device(load_args.get("device"), size - 1)  # every rank has its GPU, said before anything starts
-    key = secrets.token_bytes(32)
-    listener = Listener(("127.0.0.1", 0), authkey=key)
-    host, port = listener.address
     group_port, conns, procs = _free_port(), [], []
     mirror = Mirror(conns, procs)
     try:
         for rank in range(1, size):
-            p = subprocess.Popen([sys.executable, "-m", "sluice.parallel.launch", f"{host}:{port}"],
-                                 stdin=subprocess.PIPE, text=True)
-            p.stdin.write(key.hex() + "\n")
-            p.stdin.close()
+            mine, theirs = socket.socketpair()
+            p = subprocess.Popen([sys.executable, "-m", "sluice.parallel.launch", str(theirs.fileno())],
+                                 pass_fds=(theirs.fileno(),), start_new_session=True, preexec_fn=_die_with_parent)
+            theirs.close()
             procs.append(p)
-            conn = listener.accept()
+            conn = Connection(mine.detach())
             conn.send((rank, size, group_port, load_args))
             conns.append(conn)
-        listener.close()
+        for rank, (conn, p) in enumerate(zip(conns, procs), 1):
+            _expect(conn, p, "joining", rank)
         LOADING = _join(0, size, group_port, dev)
         try:
             model = load(**{**load_args, "device": dev})
         finally:
             LOADING = None
-        for conn in conns:
-            kind, why = conn.recv()
-            if kind != "loaded":
-                raise SluiceError(f"tensor_parallel: {why.splitlines()[0]}")
+        for rank, (conn, p) in enumerate(zip(conns, procs), 1):
+            _expect(conn, p, "loaded", rank)
     except BaseException:
         mirror.close()
         raise
-    import atexit
-
-    atexit.register(mirror.close)  # the workers stop with this process (they would also see its connection close)
+    atexit.register(mirror.close)  # the workers stop with this process
     model.mirror = mirror
     return model
 

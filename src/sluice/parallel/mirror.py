@@ -15,9 +15,12 @@ another engine over the same weights (`Model.with_engine`), stop.
 from __future__ import annotations
 
 import contextlib
+import pickle
+import subprocess
+import time
 
 from sluice.engine.engine import Engine
-from sluice.errors import UnsupportedError
+from sluice.errors import SluiceError, UnsupportedError
 
 
 class Mirror:
@@ -26,25 +29,43 @@ class Mirror:
     def __init__(self, conns, procs):
         self.conns, self.procs = conns, procs
         self._keys = 0
+        self._dropped: list[int] = []  # engines of models gone, dropped on the workers with the next message
+        self.closed = False
 
     def send(self, *message) -> None:
+        if self.closed:
+            raise SluiceError("this tensor-parallel model was closed; load it again.")
+        messages = [("drop", key) for key in self._dropped] + [message]
+        self._dropped = []
+        data = [pickle.dumps(m) for m in messages]  # pickled once for every worker
         for conn in self.conns:
-            conn.send(message)
+            for d in data:
+                conn.send_bytes(d)
+
+    def drop(self, key: int) -> None:
+        """A model made by `with_engine` is gone: its engine on the workers goes too (with the next message)."""
+        self._dropped.append(key)
 
     def new_key(self) -> int:
         self._keys += 1
         return self._keys
 
     def close(self) -> None:
-        """Stop the workers (they leave their loop and exit) and the process group."""
+        """Stop the workers (they leave their loop and exit; those that do not within 30 s are killed) and the
+        process group. Idempotent."""
+        if self.closed:
+            return
+        self.closed = True
         for conn in self.conns:
             with contextlib.suppress(OSError, ValueError):
                 conn.send(("stop",))
+        deadline = time.monotonic() + 30
         for p in self.procs:
             try:
-                p.wait(timeout=30)
-            except Exception:  # noqa: BLE001  a worker that does not stop is killed
+                p.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
                 p.kill()
+                p.wait()
         self.conns, self.procs = [], []
         import torch.distributed as dist
 
@@ -75,16 +96,21 @@ class MirroredEngine(Engine):
         if not self._inside:
             self._pending.append(("abort", seq.id))
 
+    def _send(self, what: str) -> None:
+        """`what` for the workers' engine, after the requests added and aborted since the last message."""
+        pending, self._pending = self._pending, []
+        self.mirror.send(what, self.key, pending)
+
     def step(self):
         if not self._inside:
-            pending, self._pending = self._pending, []
-            self.mirror.send("step", self.key, pending)
+            self._send("step")
         return super().step()
 
     @contextlib.contextmanager
     def _together(self, what: str):
-        """`what` run on every rank at once (its steps inside it not sent one by one)."""
-        self.mirror.send(what, self.key)
+        """`what` run on every rank at once (its steps inside it not sent one by one, nor what it runs in turn)."""
+        if not self._inside:
+            self._send(what)
         self._inside += 1
         try:
             yield
@@ -98,6 +124,10 @@ class MirroredEngine(Engine):
     def reserve(self) -> None:
         with self._together("reserve"):
             super().reserve()
+
+    def clear_prefixes(self) -> None:
+        with self._together("clear_prefixes"):
+            super().clear_prefixes()
 
     def memory_plan(self, make: bool = True) -> dict:
         if self.runner.pool is not None or not make:  # the pool's plan, or nothing: no device work
@@ -124,13 +154,11 @@ def serve(conn, model) -> None:
         elif kind == "drop":
             models.pop(args[0], None)
         elif kind == "logits":
-            models[args[0]].logits(args[1])
-        elif kind in ("warmup", "reserve", "memory_plan"):
-            getattr(models[args[0]].engine, kind)()
-        elif kind == "step":
+            models[args[0]].logits(args[1])  # (checked on rank 0 before it was sent)
+        elif kind in ("step", "warmup", "reserve", "memory_plan", "clear_prefixes"):
             key, pending = args
             engine = models[key].engine
-            for op in pending:
+            for op in pending:  # first what rank 0 did to the requests since its last message
                 if op[0] == "add":
                     _, rid, prompt, max_tokens, kwargs = op
                     seqs[key, rid] = engine.add_request(prompt, max_tokens, **kwargs)
@@ -138,6 +166,9 @@ def serve(conn, model) -> None:
                     seq = seqs.pop((key, op[1]), None)
                     if seq is not None:
                         engine.abort(seq)
-            engine.step()
+            try:
+                getattr(engine, kind)()
+            except SluiceError:  # the same state fails alike on rank 0, which raises it there: the worker goes on
+                pass
             for k in [k for k, s in seqs.items() if s.finished]:
                 del seqs[k]
