@@ -41,8 +41,15 @@ def test_llama_split_gives_the_logits_and_tokens_of_one_process(llama_dir, one, 
         tp.engine.step()
         tp.engine.abort(seq)
         assert tokens(tp, temperature=0.0) == tokens(one, temperature=0.0)
+        if size == 2:  # bench passes clear the prefix cache on every rank; a forward over caches of one's own is
+            tp.bench(prompt_tokens=20, gen_tokens=3, batch=2, repeats=2, temperature=0.0)  # refused
+            assert tokens(tp, temperature=0.0) == tokens(one, temperature=0.0)
+            with pytest.raises(sluice.SluiceError, match="tensor_parallel"):
+                tp.forward([[1, 2]], tp.new_cache(8), 0)
     finally:
         tp.close()
+    with pytest.raises(sluice.SluiceError, match="closed"):
+        tp.generate("hi", max_tokens=2)
 
 
 def test_quantized_weights_split_on_their_groups(tmp_path):
