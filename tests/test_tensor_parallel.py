@@ -76,33 +76,22 @@ def qwen4(tmp_path_factory):
     return save(qwen3_next(seed=6, linear_num_key_heads=4, linear_num_value_heads=8), tmp_path_factory.mktemp("q4"))
 
 
+@pytest.mark.parametrize("arch", ["qwen3_next", "deepseek_v3"])
 @pytest.mark.parametrize("size", [2, 4])
-def test_qwen3_next_split_gives_the_logits_and_tokens_of_one_process(qwen4, size):
-    """Gated DeltaNet by key heads (with their value heads, conv channels, A and dt), the gated attention by heads
-    (KV replicated at 4), every expert's intermediate size and the shared expert's split, the MoE's partial sums
-    summed once; the recurrent states and the KV cache per rank."""
-    one = sluice.load(qwen4, device="cpu")
-    tp = sluice.load(qwen4, device="cpu", tensor_parallel=size)
+def test_hybrid_and_mla_splits_give_the_logits_and_tokens_of_one_process(qwen4, deepseek_dir, arch, size):
+    """Qwen3-Next: Gated DeltaNet by key heads (with their value heads, conv channels, A and dt), the gated attention
+    by heads (KV replicated at 4), the recurrent states per rank. DeepSeek-V3: MLA by heads (q or q_b, kv_b, o_proj),
+    the latent and its cache whole on every rank, the dense first layer. Both: every routed and shared expert's
+    intermediate size split, the router whole, the MoE's partial sums summed once."""
+    path = qwen4 if arch == "qwen3_next" else deepseek_dir
+    one = sluice.load(path, device="cpu")
+    tp = sluice.load(path, device="cpu", tensor_parallel=size)
     try:
         ids = torch.tensor([PROMPTS[2]])
         assert rel(tp.logits(ids), one.logits(ids)) < 1e-5
         assert tokens(tp, temperature=0.0) == tokens(one, temperature=0.0)
         assert tokens(tp, temperature=1.0, seed=5) == tokens(one, temperature=1.0, seed=5)
         assert tokens(tp, temperature=0.0) == tokens(one, temperature=0.0)  # again: from the prefix cache
-    finally:
-        tp.close()
-
-
-@pytest.mark.parametrize("size", [2, 4])
-def test_deepseek_v3_split_gives_the_logits_and_tokens_of_one_process(deepseek_dir, size):
-    """MLA by heads (q or q_b, kv_b, o_proj), the latent and its cache whole on every rank; the dense first layer,
-    the routed and shared experts split by their intermediate size, the router whole."""
-    one = sluice.load(deepseek_dir, device="cpu")
-    tp = sluice.load(deepseek_dir, device="cpu", tensor_parallel=size)
-    try:
-        ids = torch.tensor([PROMPTS[0]])
-        assert rel(tp.logits(ids), one.logits(ids)) < 1e-5
-        assert tokens(tp, temperature=0.0) == tokens(one, temperature=0.0)
     finally:
         tp.close()
 
