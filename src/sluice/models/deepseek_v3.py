@@ -29,10 +29,10 @@ from sluice.kernels.moe import ExpertOutputs
 from sluice.kernels.rope import rope_cos_sin
 from sluice.kernels.rope.reference import rope_inv_freq
 from sluice.layers.deepseek_moe import DeepseekMoE, Routing
-from sluice.layers.linear import Embedding, Linear, RMSNorm, fuse_linears
+from sluice.layers.linear import Linear, RMSNorm, fuse_linears
 from sluice.layers.mla import MLA, yarn_inv_freq, yarn_mscale
 from sluice.layers.moe import SwiGLU, swiglu
-from sluice.parallel import RowParallel, VocabEmbedding, VocabHead
+from sluice.parallel import RowParallel, vocab_layers
 from sluice.quant.affine import QuantizedTensor
 
 TOPK_METHODS = ("noaux_tc", "group_limited_greedy", "greedy")
@@ -206,18 +206,12 @@ class DeepseekModel(nn.Module):
     def __init__(self, cfg: DeepseekConfig, w: _Weights):
         super().__init__()
         self.cfg, self.tp = cfg, w.tp
-        embed = w.get("model.embed_tokens.weight", (cfg.vocab_size, cfg.hidden_size))
-        self.embed = Embedding(embed if w.tp is None else w.tp.vocab(embed))
+        shape = (cfg.vocab_size, cfg.hidden_size)
+        head = None if cfg.tie_word_embeddings else w.get("lm_head.weight", shape)
+        self.embed, self.lm_head = vocab_layers(w.get("model.embed_tokens.weight", shape), head,
+                                                cfg.tie_word_embeddings, cfg.vocab_size, w.tp)
         self.layers = nn.ModuleList(DeepseekBlock(cfg, w, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(w.get("model.norm.weight", (cfg.hidden_size,)), cfg.rms_norm_eps)
-        if cfg.tie_word_embeddings:
-            self.lm_head = self.embed.as_linear()
-        else:
-            head = w.get("lm_head.weight", (cfg.vocab_size, cfg.hidden_size))
-            self.lm_head = Linear(head if w.tp is None else w.tp.vocab(head))
-        if w.tp is not None:  # vocabulary-parallel: lookups summed, logits gathered
-            self.embed = VocabEmbedding(self.embed, w.tp, cfg.vocab_size)
-            self.lm_head = VocabHead(self.lm_head, w.tp, cfg.vocab_size)
         c = cfg
         if c.rope_type == "yarn":
             inv_freq = yarn_inv_freq(c.qk_rope_head_dim, c.rope_theta, c.rope_factor, c.rope_original_max_positions,

@@ -15,8 +15,8 @@ from sluice.formats.validate import head_dim_default, parse_config
 from sluice.kernels.rope import rope_cos_sin
 from sluice.kernels.rope.reference import rope_inv_freq
 from sluice.layers.attention import Attention
-from sluice.layers.linear import Embedding, Linear, RMSNorm, fuse_linears
-from sluice.parallel import RowParallel, TensorParallel, VocabEmbedding, VocabHead
+from sluice.layers.linear import Linear, RMSNorm, fuse_linears
+from sluice.parallel import RowParallel, TensorParallel, vocab_layers
 
 
 TENSOR_PARALLEL = True  # the builders split the weights for `sluice.parallel` when the reader carries a rank
@@ -166,18 +166,11 @@ class LlamaModel(nn.Module):
     def __init__(self, cfg: LlamaConfig, get, tp: TensorParallel | None = None):
         super().__init__()
         self.cfg, self.tp = cfg, tp
-        embed = get("model.embed_tokens.weight")
-        self.embed = Embedding(embed if tp is None else tp.vocab(embed))
+        head = None if cfg.tie_word_embeddings else get("lm_head.weight")
+        self.embed, self.lm_head = vocab_layers(get("model.embed_tokens.weight"), head, cfg.tie_word_embeddings,
+                                                cfg.vocab_size, tp)
         self.layers = nn.ModuleList(LlamaBlock(cfg, get, i, tp) for i in range(cfg.num_layers))
         self.norm = RMSNorm(get("model.norm.weight"), cfg.rms_norm_eps)
-        if cfg.tie_word_embeddings:
-            self.lm_head = self.embed.as_linear()
-        else:
-            head = get("lm_head.weight")
-            self.lm_head = Linear(head if tp is None else tp.vocab(head))
-        if tp is not None:  # vocabulary-parallel: lookups summed, logits gathered
-            self.embed = VocabEmbedding(self.embed, tp, cfg.vocab_size)
-            self.lm_head = VocabHead(self.lm_head, tp, cfg.vocab_size)
         self.register_buffer("inv_freq", rope_inv_freq(cfg.head_dim, cfg.rope_theta), persistent=False)
 
     def new_cache(self, rows: int, capacity: int, dtype: torch.dtype, device, kind: str = "dense",

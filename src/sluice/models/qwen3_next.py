@@ -24,9 +24,9 @@ from sluice.kernels.rope import rope_cos_sin
 from sluice.kernels.rope.reference import rope_inv_freq
 from sluice.layers.attention import GatedAttention
 from sluice.layers.gated_deltanet import GatedDeltaNet, ba_rows, qkvz_rows
-from sluice.layers.linear import Embedding, Linear, fuse_linears
+from sluice.layers.linear import Linear, fuse_linears
 from sluice.layers.moe import SparseMoE, SwiGLU, swiglu
-from sluice.parallel import RowParallel, VocabEmbedding, VocabHead
+from sluice.parallel import RowParallel, vocab_layers
 from sluice.quant.affine import QuantizedTensor
 
 
@@ -162,22 +162,16 @@ class Qwen3NextModel(nn.Module):
     def __init__(self, cfg: Qwen3NextConfig, w: _Weights):
         super().__init__()
         self.cfg, self.tp = cfg, w.tp
-        embed = w.get(w.prefix + "embed_tokens.weight", (cfg.vocab_size, cfg.hidden_size))
-        self.embed = Embedding(embed if w.tp is None else w.tp.vocab(embed))
+        shape = (cfg.vocab_size, cfg.hidden_size)
+        head = None if cfg.tie_word_embeddings else w.get(w.head_name, shape)
+        self.embed, self.lm_head = vocab_layers(w.get(w.prefix + "embed_tokens.weight", shape), head,
+                                                cfg.tie_word_embeddings, cfg.vocab_size, w.tp)
         blocks, kv, gdn = [], 0, 0
         for i, kind in enumerate(cfg.layer_types):
             blocks.append(Qwen3NextBlock(cfg, w, i, kv, gdn))
             kv, gdn = kv + (kind == "full_attention"), gdn + (kind == "linear_attention")
         self.layers = nn.ModuleList(blocks)
         self.register_buffer("norm", w.norm(w.prefix + "norm.weight", cfg.hidden_size))
-        if cfg.tie_word_embeddings:
-            self.lm_head = self.embed.as_linear()
-        else:
-            head = w.get(w.head_name, (cfg.vocab_size, cfg.hidden_size))
-            self.lm_head = Linear(head if w.tp is None else w.tp.vocab(head))
-        if w.tp is not None:  # vocabulary-parallel: lookups summed, logits gathered
-            self.embed = VocabEmbedding(self.embed, w.tp, cfg.vocab_size)
-            self.lm_head = VocabHead(self.lm_head, w.tp, cfg.vocab_size)
         self.register_buffer("inv_freq", rope_inv_freq(cfg.rotary_dim, cfg.rope_theta), persistent=False)
 
     def new_cache(self, rows: int, capacity: int, dtype: torch.dtype, device, kind: str = "dense",

@@ -119,6 +119,18 @@ class TensorParallel:
         return torch.cat(parts, dim=-1)
 
 
+def vocab_layers(embed, head, tie: bool, vocab: int, tp: TensorParallel | None):
+    """(embedding, output head) of a model from the weights [V, H] `embed` and `head` (None when `tie`: the head is
+    the embedding's storage); with `tp` this rank's vocabulary rows, the lookups summed and the logits gathered."""
+    from sluice.layers.linear import Embedding, Linear
+
+    embedding = Embedding(embed if tp is None else tp.vocab(embed))
+    out = embedding.as_linear() if tie else Linear(head if tp is None else tp.vocab(head))
+    if tp is None:
+        return embedding, out
+    return VocabEmbedding(embedding, tp, vocab), VocabHead(out, tp, vocab)
+
+
 def _rows(w, a: int, b: int, pad_to: int | None = None):
     """Rows a..b-1 of a dense or quantized weight [N, K], zero rows after them up to `pad_to` rows."""
     if isinstance(w, QuantizedTensor):
