@@ -207,9 +207,9 @@ class DeepseekModel(nn.Module):
         super().__init__()
         self.cfg, self.tp = cfg, w.tp
         shape = (cfg.vocab_size, cfg.hidden_size)
+        embed = w.get("model.embed_tokens.weight", shape)
         head = None if cfg.tie_word_embeddings else w.get("lm_head.weight", shape)
-        self.embed, self.lm_head = vocab_layers(w.get("model.embed_tokens.weight", shape), head,
-                                                cfg.tie_word_embeddings, cfg.vocab_size, w.tp)
+        self.embed, self.lm_head = vocab_layers(embed, head, cfg.tie_word_embeddings, cfg.vocab_size, w.tp)
         self.layers = nn.ModuleList(DeepseekBlock(cfg, w, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(w.get("model.norm.weight", (cfg.hidden_size,)), cfg.rms_norm_eps)
         c = cfg

@@ -166,9 +166,9 @@ class LlamaModel(nn.Module):
     def __init__(self, cfg: LlamaConfig, get, tp: TensorParallel | None = None):
         super().__init__()
         self.cfg, self.tp = cfg, tp
+        embed = get("model.embed_tokens.weight")
         head = None if cfg.tie_word_embeddings else get("lm_head.weight")
-        self.embed, self.lm_head = vocab_layers(get("model.embed_tokens.weight"), head, cfg.tie_word_embeddings,
-                                                cfg.vocab_size, tp)
+        self.embed, self.lm_head = vocab_layers(embed, head, cfg.tie_word_embeddings, cfg.vocab_size, tp)
         self.layers = nn.ModuleList(LlamaBlock(cfg, get, i, tp) for i in range(cfg.num_layers))
         self.norm = RMSNorm(get("model.norm.weight"), cfg.rms_norm_eps)
         self.register_buffer("inv_freq", rope_inv_freq(cfg.head_dim, cfg.rope_theta), persistent=False)

@@ -163,9 +163,9 @@ class Qwen3NextModel(nn.Module):
         super().__init__()
         self.cfg, self.tp = cfg, w.tp
         shape = (cfg.vocab_size, cfg.hidden_size)
+        embed = w.get(w.prefix + "embed_tokens.weight", shape)
         head = None if cfg.tie_word_embeddings else w.get(w.head_name, shape)
-        self.embed, self.lm_head = vocab_layers(w.get(w.prefix + "embed_tokens.weight", shape), head,
-                                                cfg.tie_word_embeddings, cfg.vocab_size, w.tp)
+        self.embed, self.lm_head = vocab_layers(embed, head, cfg.tie_word_embeddings, cfg.vocab_size, w.tp)
         blocks, kv, gdn = [], 0, 0
         for i, kind in enumerate(cfg.layer_types):
             blocks.append(Qwen3NextBlock(cfg, w, i, kv, gdn))
