@@ -6,18 +6,18 @@ import torch
 
 triton = pytest.importorskip("triton")
 
-from sluice.kernels.expert_cache import reference  # noqa: E402
-from sluice.kernels.expert_cache import triton as ect  # noqa: E402
+from sluice.kernels.expert_cache import reference
+from sluice.kernels.expert_cache import triton as ect
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def state(E, S, device):
-    return dict(slot_of=torch.full((E,), -1, dtype=torch.int32, device=device),
-                expert_in=torch.full((S,), -1, dtype=torch.int32, device=device),
-                stamp=torch.zeros(S, dtype=torch.int64, device=device),
-                clock=torch.zeros(1, dtype=torch.int64, device=device),
-                stats=torch.zeros(2, dtype=torch.int64, device=device))
+    return {"slot_of": torch.full((E,), -1, dtype=torch.int32, device=device),
+            "expert_in": torch.full((S,), -1, dtype=torch.int32, device=device),
+            "stamp": torch.zeros(S, dtype=torch.int64, device=device),
+            "clock": torch.zeros(1, dtype=torch.int64, device=device),
+            "stats": torch.zeros(2, dtype=torch.int64, device=device)}
 
 
 def routing(g, T, k, E, shared: bool):
@@ -34,8 +34,10 @@ def test_resolve_kernel_matches_the_policy(E, S, k, T, shared):
     n_jobs = torch.zeros(1, dtype=torch.int32, device=DEVICE)
     scratch = torch.empty(triton.next_power_of_2(S), dtype=torch.int64, device=DEVICE)
     for step in range(12):
-        # now and then a step that reuses the last one's experts (hits), else fresh ones
-        ids = routing(g, T, k, E, shared) if step % 3 else ids if step else routing(g, T, k, E, shared)
+        # every third step reuses the last one's experts (all hits), the others route afresh
+        reused = step > 0 and step % 3 == 0
+        if not reused:
+            ids = routing(g, T, k, E, shared)
         want, missed, victims = reference.resolve(ids, k, **ref)
         got = ect.resolve(ids.to(DEVICE), k, **dev, jobs=jobs, n_jobs=n_jobs, scratch=scratch)
         assert torch.equal(got.cpu(), want), step
@@ -43,6 +45,8 @@ def test_resolve_kernel_matches_the_policy(E, S, k, T, shared):
             assert torch.equal(dev[name].cpu(), ref[name]), (step, name)
         m = int(n_jobs)
         assert m == missed.numel()
+        if reused:  # the last step left every expert it routed in a slot
+            assert m == 0, step
         assert torch.equal(jobs[0, :m].cpu().long(), missed) and torch.equal(jobs[1, :m].cpu().long(), victims)
         slots = got[:, :k].long().cpu()
         assert torch.equal(ref["expert_in"][slots].to(torch.int32), ids[:, :k])  # every routed expert is in its slot
