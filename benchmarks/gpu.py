@@ -1,5 +1,5 @@
 """What the GPU kernel microbenchmarks share: timing (CUDA events, CUDA-graph replay with a lead so the host's
-submission is hidden), the copy-bandwidth floor, a read-only ceiling kernel, random packed weights, and a run's
+submission is hidden), the copy-bandwidth and bf16 GEMM floors, a read-only ceiling kernel, random packed weights, and a run's
 arguments and result dict (`start_run` / `end_run`)."""
 
 from __future__ import annotations
@@ -82,6 +82,13 @@ def copy_bandwidth(dev) -> float:
     src = torch.empty(1 << 30, dtype=torch.uint8, device=dev)
     dst = torch.empty_like(src)
     return max(2 * src.numel() / events_time(lambda: dst.copy_(src)) for _ in range(3))
+
+
+def bf16_gemm_rate(dev) -> float:
+    """Measured bf16 GEMM rate, FLOP/s: an 8192 x 8192 matrix squared by cuBLAS (median of 10); the matrix is
+    freed on return."""
+    m = torch.randn(8192, 8192, device=dev, dtype=torch.bfloat16)
+    return 2 * 8192 ** 3 / events_time(lambda: m @ m, reps=10)
 
 
 READ_WORDS = 4096  # int32 words per program of `_read_kernel` (16 KB: eight 16-byte loads per thread, 4 warps)

@@ -16,15 +16,26 @@ Table printed last; JSON with every number. --gemv-only: M = 1 only, no correctn
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
-from sluice.kernels.qmatmul import reference
-from sluice.kernels.qmatmul import gemm
+from sluice.kernels.qmatmul import gemm, reference
 from sluice.kernels.qmatmul import triton as qmm
-from sluice.quant.affine import quantize
+from sluice.quant.affine import QuantizedTensor, quantize
 
-from .gpu import (copies_for, copy_bandwidth, events_time, graph_time, qt_bytes, random_qt, read_ceiling, rel_err,
-                  start_run)
+from .gpu import (
+    bf16_gemm_rate,
+    copies_for,
+    copy_bandwidth,
+    events_time,
+    graph_time,
+    qt_bytes,
+    random_qt,
+    read_ceiling,
+    rel_err,
+    start_run,
+)
 
 GEMV_SHAPES = {  # name: (N, K)
     "q3next dense 16384x2048": (16384, 2048),
@@ -65,10 +76,7 @@ def main(argv=None) -> dict:
     a, dev, res = start_run(argv, "correctness", "gemv", "gemm", "sweep", flags=("--gemv-only",))
 
     # floors
-    copy_bw = copy_bandwidth(dev)
-    A = torch.randn(8192, 8192, device=dev, dtype=torch.bfloat16)
-    gemm_rate = 2 * 8192 ** 3 / events_time(lambda: A @ A, reps=10)
-    del A
+    copy_bw, gemm_rate = copy_bandwidth(dev), bf16_gemm_rate(dev)
     res["copy_bandwidth_Bps"], res["bf16_gemm_flops"] = copy_bw, gemm_rate
     print(f"# {res['gpu']}: copy {copy_bw / 1e12:.2f} TB/s (read+write), bf16 GEMM {gemm_rate / 1e12:.0f} TFLOP/s",
           flush=True)
@@ -115,7 +123,7 @@ def main(argv=None) -> dict:
                 try:
                     err = rel_err(fn(qts[0], xs[0]), ref)
                     tc = graph_time([lambda q=q, x=x, fn=fn: fn(q, x) for q, x in zip(qts, xs)], reps=10)
-                except Exception as e:  # a config that does not compile or fit
+                except Exception as e:  # noqa: BLE001 - a config that does not compile or fit
                     print(f"  config {c} failed: {type(e).__name__}: {str(e)[:200]}", flush=True)
                     continue
                 res["correctness"].append({"shape": name, "M": M, "config": str(c), "rel_err": err,
@@ -153,15 +161,15 @@ def main(argv=None) -> dict:
         best = None
         for bm, bn, bk, warps, stages in GEMM_CONFIGS:
             try:
-                t = events_time(lambda: gemm.qgemm(x, qt, bm, bn, bk, warps, stages), reps=10)
-            except Exception as e:  # a config that does not fit shared memory
+                t = events_time(functools.partial(gemm.qgemm, x, qt, bm, bn, bk, warps, stages), reps=10)
+            except Exception as e:  # noqa: BLE001 - a config that does not fit shared memory
                 print(f"  config {(bm, bn, bk, warps, stages)} failed: {type(e).__name__}", flush=True)
                 continue
             res["sweep"].append({"shape": name, "M": M, "config": str((bm, bn, bk, warps, stages)), "us": t * 1e6})
             if best is None or t < best[0]:
                 best = (t, (bm, bn, bk, warps, stages))
-        t_deq = events_time(lambda: gemm.qgemm_dequant(x, qt), reps=10)
-        t_cublas = events_time(lambda: x @ w.T, reps=10)
+        t_deq = events_time(functools.partial(gemm.qgemm_dequant, x, qt), reps=10)
+        t_cublas = events_time(lambda x=x, w=w: x @ w.T, reps=10)
         flops = 2 * M * N * K
         row = {"shape": name, "M": M, "N": N, "K": K, "us": best[0] * 1e6, "config": best[1],
                "tflops": flops / best[0] / 1e12, "cublas_tflops": flops / t_cublas / 1e12,
