@@ -27,19 +27,30 @@ Each case runs in try/except: an error is printed and recorded and the run goes 
 
 from __future__ import annotations
 
+import functools
 import traceback
 
 import torch
 
-from .gpu import (copies_for, copy_bandwidth, events_time, graph_time, qt_bytes, random_qt,
-                         rel_err, start_run)
-from sluice.kernels.moe import reference
 from sluice.kernels.moe import grouped as mg
+from sluice.kernels.moe import reference
 from sluice.kernels.moe import triton as mt
 from sluice.kernels.qmatmul import triton as qmm
 from sluice.layers.linear import Linear
 from sluice.layers.moe import SparseMoE, SwiGLU
 from sluice.quant.affine import QuantizedTensor
+
+from .gpu import (
+    bf16_gemm_rate,
+    copies_for,
+    copy_bandwidth,
+    events_time,
+    graph_time,
+    qt_bytes,
+    random_qt,
+    rel_err,
+    start_run,
+)
 
 MODELS = {  # name: (hidden, experts, expert intermediate, top-k, shared intermediate)
     "Qwen3-Next-80B-A3B": (2048, 512, 512, 10, 512),
@@ -81,8 +92,8 @@ def build_layers(H, E, I, k, Is):
     """One layer per router kind, sharing the experts and the shared expert."""
     gate_up, down = stacked_qt(E, 2 * I, H), stacked_qt(E, H, I)
     shared = SwiGLU(Linear(random_qt(2 * Is, H)), Linear(random_qt(H, Is)), Is)
-    quant = lambda N: Linear(random_qt(N, H, 8, 64))  # noqa: E731
-    dense = lambda N: Linear(torch.randn(N, H, device="cuda", dtype=BF16) * 0.02)  # noqa: E731
+    quant = lambda N: Linear(random_qt(N, H, 8, 64))
+    dense = lambda N: Linear(torch.randn(N, H, device="cuda", dtype=BF16) * 0.02)
     return {kind: SparseMoE(make(E), gate_up, down, k, True, shared, make(1))
             for kind, make in (("8-bit", quant), ("bf16", dense))}
 
@@ -192,7 +203,7 @@ def chain_ablation(res, name, layers, k):
     for n in range(1, len(CHAIN) + 1):
         calls = [lambda m=m, x=x, n=n: chain_prefix(m, x, k, n) for m, x in zip(rot, xs)]
         row = {"model": name, "launches": n, "last": CHAIN[n - 1]}
-        case(res, f"{name} chain {n}", lambda: row.update(us=graph_time(calls) * 1e6))
+        case(res, f"{name} chain {n}", lambda row=row, calls=calls: row.update(us=graph_time(calls) * 1e6))
         row["added_us"] = row.get("us", float("nan")) - prev
         prev = row.get("us", prev)
         res["chain"].append(row)
@@ -227,7 +238,7 @@ def sweep_decode_launches(res, name, layers, k, route_too=True):
                                      block_n=bn, num_warps=w)
                      for m, xp, r, e in zip(rot, xin, routed, extras)]
             row = {"model": name, "kernel": f"{proj} GEMV", "block_n": bn, "num_warps": w, "bytes": nbytes}
-            case(res, f"{name} sweep {row}", lambda: row.update(us=graph_time(calls) * 1e6))
+            case(res, f"{name} sweep {row}", lambda row=row, calls=calls: row.update(us=graph_time(calls) * 1e6))
             if "us" in row and copy_bw:
                 row["pct_copy"] = nbytes / (row["us"] * 1e-6) / copy_bw * 100
             res["sweep"].append(row)
@@ -238,7 +249,7 @@ def sweep_decode_launches(res, name, layers, k, route_too=True):
     for w in (1, 2, 4, 8):
         calls = [lambda lg=lg, w=w: mt.route(lg, k, True, lg[:, 0], num_warps=w) for lg in logits]
         row = {"model": name, "kernel": "route", "num_warps": w}
-        case(res, f"{name} sweep {row}", lambda: row.update(us=graph_time(calls) * 1e6))
+        case(res, f"{name} sweep {row}", lambda row=row, calls=calls: row.update(us=graph_time(calls) * 1e6))
         res["sweep"].append(row)
 
 
@@ -251,7 +262,8 @@ def time_crossover(res, name, layers, H, E, k):
         res["crossover"].append(row)
         for path, fn in (("decode", mt.moe_decode), ("prefill", mt.moe_prefill)):
             calls = [lambda m=m, x=x, r=r, fn=fn: fn(x, *r, m.gate_up, m.down) for m, x, r in zip(rot, xs, routed)]
-            case(res, f"{name} experts T={T} {path}", lambda: row.update({f"{path}_us": graph_time(calls) * 1e6}))
+            case(res, f"{name} experts T={T} {path}",
+                 lambda row=row, path=path, calls=calls: row.update({f"{path}_us": graph_time(calls) * 1e6}))
         print(f"experts {name} T={T}: decode GEMVs {row['decode_us']:.1f} us, grouped GEMMs "
               f"{row['prefill_us']:.1f} us", flush=True)
 
@@ -320,13 +332,13 @@ def sweep_gemms(res, name, layer, x, ids, T, sweep):
         for cfg in configs:
             try:
                 c.fill_(float("nan"))
-                mg.grouped_gemm(a, a_div, qt, c, table, swiglu, block_m, cfg)
+                run = functools.partial(mg.grouped_gemm, a, a_div, qt, c, table, swiglu, block_m, cfg)
+                run()
                 ref = c.float().clone() if ref is None else ref
                 err = rel_err(c, ref)
                 if not err < 1e-2:
                     raise AssertionError(f"rel err {err:.2e} against the first config")
-                t = events_time(lambda: mg.grouped_gemm(a, a_div, qt, c, table, swiglu, block_m, cfg), reps=10,
-                                lead=True)
+                t = events_time(run, reps=10, lead=True)
             except Exception as e:  # noqa: BLE001 - e.g. a config that does not fit shared memory
                 print(f"  {gemm} T={T} block_m {block_m} {tuple(cfg)} failed: {type(e).__name__}: {str(e)[:200]}",
                       flush=True)
@@ -338,6 +350,14 @@ def sweep_gemms(res, name, layer, x, ids, T, sweep):
                   f"floor {floor:.0f} us)", flush=True)
 
 
+def cublas_experts_time(T, H, I, k):
+    """GPU time of cuBLAS bf16 GEMMs of the routed experts' FLOPs, [T*k, H] x [H, 2I] and [T*k, I] x [I, H] (an
+    optimistic grouped-GEMM estimate); their operands are freed on return."""
+    a, b = torch.randn(T * k, H, device="cuda", dtype=BF16), torch.randn(T * k, I, device="cuda", dtype=BF16)
+    w_gu, w_down = torch.randn(2 * I, H, device="cuda", dtype=BF16), torch.randn(H, I, device="cuda", dtype=BF16)
+    return events_time(lambda: (a @ w_gu.T, b @ w_down.T), reps=10, lead=True)
+
+
 def time_prefill(res, name, layer, H, E, I, k, T=PREFILL_T, sweep=()):
     x = torch.randn(T, H, device="cuda", dtype=BF16)
     ids, w = mt.route(torch.randn(T, E, device="cuda"), k, True)
@@ -345,10 +365,7 @@ def time_prefill(res, name, layer, H, E, I, k, T=PREFILL_T, sweep=()):
         case(res, f"{name} T={T} sweep", lambda: sweep_gemms(res, name, layer, x, ids, T, sweep))
     flops = 6 * T * k * H * I  # gate_up 2*(2I)*H and down 2*H*I per slot
     t = events_time(lambda: mt.moe_prefill(x, ids, w, layer.gate_up, layer.down), reps=10, lead=True)
-    a, b = torch.randn(T * k, H, device="cuda", dtype=BF16), torch.randn(T * k, I, device="cuda", dtype=BF16)
-    w_gu, w_down = torch.randn(2 * I, H, device="cuda", dtype=BF16), torch.randn(H, I, device="cuda", dtype=BF16)
-    t_cublas = events_time(lambda: (a @ w_gu.T, b @ w_down.T), reps=10, lead=True)
-    del a, b
+    t_cublas = cublas_experts_time(T, H, I, k)
     t_layer = events_time(lambda: layer(x), reps=10, lead=True)
     hit = torch.unique(ids).numel()  # the floor (#29): the hit experts' bytes at copy bandwidth, or their FLOPs
     expert_bytes = sum(qt_bytes(qt) for qt in (layer.gate_up, layer.down)) / E
@@ -411,49 +428,50 @@ def main(argv=None) -> dict:
                             flags=("--decode-only", "--chain-only", "--quick", "--gemv-sweep", "--prefill-only"),
                             values=("--prefill-tokens",))
     copy_bw = copy_bandwidth(dev)
-    A = torch.randn(8192, 8192, device=dev, dtype=BF16)
-    res["copy_bandwidth_Bps"], res["bf16_gemm_flops"] = copy_bw, 2 * 8192 ** 3 / events_time(lambda: A @ A, reps=10)
-    del A
+    res["copy_bandwidth_Bps"], res["bf16_gemm_flops"] = copy_bw, bf16_gemm_rate(dev)
     print(f"# {res['gpu']}: copy {copy_bw / 1e12:.2f} TB/s (read+write), bf16 GEMM "
           f"{res['bf16_gemm_flops'] / 1e12:.0f} TFLOP/s", flush=True)
     try:
         for name, (H, E, I, k, Is) in MODELS.items():
-            layers = {kind: [] for kind in ROUTERS}
-            if a.prefill_only:
-                layer = build_layers(H, E, I, k, Is)["8-bit"]
-                for T in (int(t) for t in (a.prefill_tokens or str(PREFILL_T)).split(",")):
-                    case(res, f"{name} prefill T={T}", lambda T=T: time_prefill(
-                        res, name, layer, H, E, I, k, T, prefill_sweep(T, k, E)))
-                continue
-
-            def build():
-                first = build_layers(H, E, I, k, Is)
-                n = copies_for(int(decode_floor_bytes(first["8-bit"], k)))
-                for copy in [first] + [build_layers(H, E, I, k, Is) for _ in range(n - 1)]:
-                    for kind in ROUTERS:
-                        layers[kind].append(copy[kind])
-
-            case(res, f"{name} build", build)
-            if not layers["8-bit"]:
-                continue
-            case(res, f"{name} multi-launch chain", lambda: chain_ablation(res, name, layers, k))
-            if a.chain_only:
-                continue
-            if a.gemv_sweep:
-                case(res, f"{name} expert GEMV sweep",
-                     lambda: sweep_decode_launches(res, name, layers, k, route_too=False))
-                continue
-            case(res, f"{name} layer correctness", lambda: check_layer(res, name, layers, k))
-            case(res, f"{name} decode", lambda: time_decode(res, name, layers, k, copy_bw))
-            if a.quick:
-                continue
-            if not a.decode_only:
-                case(res, f"{name} correctness", lambda: check_correctness(res, name, layers["8-bit"][0], H, E, k))
-                case(res, f"{name} launch sweep", lambda: sweep_decode_launches(res, name, layers, k))
-                case(res, f"{name} crossover", lambda: time_crossover(res, name, layers, H, E, k))
-                case(res, f"{name} prefill", lambda: time_prefill(res, name, layers["8-bit"][0], H, E, I, k))
-            del layers
-            torch.cuda.empty_cache()
+            run_model(res, a, name, H, E, I, k, Is, copy_bw)
+            torch.cuda.empty_cache()  # the model's layers went with run_model
     finally:
         print_tables(res)
     return res
+
+
+def run_model(res, a, name, H, E, I, k, Is, copy_bw):
+    """Every case `a` asks for at one model's shape, on layers that are freed when it returns."""
+    layers = {kind: [] for kind in ROUTERS}
+    if a.prefill_only:
+        layer = build_layers(H, E, I, k, Is)["8-bit"]
+        for T in (int(t) for t in (a.prefill_tokens or str(PREFILL_T)).split(",")):
+            case(res, f"{name} prefill T={T}", lambda T=T: time_prefill(
+                res, name, layer, H, E, I, k, T, prefill_sweep(T, k, E)))
+        return
+
+    def build():
+        first = build_layers(H, E, I, k, Is)
+        n = copies_for(int(decode_floor_bytes(first["8-bit"], k)))
+        for copy in [first] + [build_layers(H, E, I, k, Is) for _ in range(n - 1)]:
+            for kind in ROUTERS:
+                layers[kind].append(copy[kind])
+
+    case(res, f"{name} build", build)
+    if not layers["8-bit"]:
+        return
+    case(res, f"{name} multi-launch chain", lambda: chain_ablation(res, name, layers, k))
+    if a.chain_only:
+        return
+    if a.gemv_sweep:
+        case(res, f"{name} expert GEMV sweep", lambda: sweep_decode_launches(res, name, layers, k, route_too=False))
+        return
+    case(res, f"{name} layer correctness", lambda: check_layer(res, name, layers, k))
+    case(res, f"{name} decode", lambda: time_decode(res, name, layers, k, copy_bw))
+    if a.quick:
+        return
+    if not a.decode_only:
+        case(res, f"{name} correctness", lambda: check_correctness(res, name, layers["8-bit"][0], H, E, k))
+        case(res, f"{name} launch sweep", lambda: sweep_decode_launches(res, name, layers, k))
+        case(res, f"{name} crossover", lambda: time_crossover(res, name, layers, H, E, k))
+        case(res, f"{name} prefill", lambda: time_prefill(res, name, layers["8-bit"][0], H, E, I, k))
