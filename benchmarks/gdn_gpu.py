@@ -19,20 +19,24 @@ adds the stages=1 sweep, which broke the CUDA context on the H100 (so it runs la
 
 from __future__ import annotations
 
+import itertools
 import os
 import traceback
 
 import torch
 import torch.nn.functional as F
 
-from .gpu import end_run, copy_bandwidth, events_time, graph_time, start_run
 from sluice.kernels.gdn import reference
 from sluice.kernels.gdn import triton as gt
 
+from .gpu import copy_bandwidth, end_run, events_time, graph_time, start_run
+
 try:
-    from fla.ops.gated_delta_rule import chunk_gated_delta_rule as fla_chunk
-    from fla.ops.gated_delta_rule import fused_recurrent_gated_delta_rule as fla_recurrent
     import fla
+    from fla.ops.gated_delta_rule import chunk_gated_delta_rule as fla_chunk
+    from fla.ops.gated_delta_rule import (
+        fused_recurrent_gated_delta_rule as fla_recurrent,
+    )
     FLA = getattr(fla, "__version__", "?")
 except Exception as e:  # noqa: BLE001 - the run goes on without the peer
     print(f"FLA not available: {type(e).__name__}: {e}", flush=True)
@@ -46,9 +50,9 @@ DECODE_B = [1, 32]
 
 def make(T, B=1, seed=0):
     g = torch.Generator(device="cuda").manual_seed(seed)
-    r = lambda *s: torch.randn(*s, device="cuda", generator=g)  # noqa: E731
-    x = dict(q=r(B, T, HK, D).to(BF16), k=r(B, T, HK, D).to(BF16), v=r(B, T, HV, D).to(BF16),
-             a=r(B, T, HV).to(BF16), b=r(B, T, HV).to(BF16), A_log=r(HV) * 0.5, dt_bias=r(HV) * 0.5)
+    r = lambda *s: torch.randn(*s, device="cuda", generator=g)
+    x = {"q": r(B, T, HK, D).to(BF16), "k": r(B, T, HK, D).to(BF16), "v": r(B, T, HV, D).to(BF16),
+         "a": r(B, T, HV).to(BF16), "b": r(B, T, HV).to(BF16), "A_log": r(HV) * 0.5, "dt_bias": r(HV) * 0.5}
     x["g"] = -x["A_log"].exp() * F.softplus(x["a"].float() + x["dt_bias"])
     x["beta"] = x["b"].float().sigmoid().to(BF16)
     return x
@@ -122,7 +126,7 @@ def check(res):
 def check_head_dim_256(res):
     """bf16 inputs at K = V = 256 (the largest head dim; its own launch defaults), against the fp32 reference."""
     g = torch.Generator(device="cuda").manual_seed(7)
-    r = lambda *s: torch.randn(*s, device="cuda", generator=g)  # noqa: E731
+    r = lambda *s: torch.randn(*s, device="cuda", generator=g)
     T, Hk, Hv, K = 300, 2, 4, 256
     q, k, v = r(1, T, Hk, K).to(BF16), r(1, T, Hk, K).to(BF16), r(1, T, Hv, K).to(BF16)
     a, b, A_log, dt_bias = r(1, T, Hv).to(BF16), r(1, T, Hv).to(BF16), r(Hv) * 0.5, r(Hv) * 0.5
@@ -152,74 +156,88 @@ def time_prefill(res):
     """Our default launch and FLA on each shape (wall time of a call, CUDA events, median); ours also replayed
     from a CUDA graph (GPU time alone, as in a captured model forward)."""
     for name, lens, cu in prefill_cases():
-        T = sum(lens)
-        x = make(T, seed=1)
-        state = torch.zeros(len(lens), HV, D, D, device="cuda")
-        row = {"case": name, "T": T}
-        res["prefill"].append(row)
-        case(res, f"prefill ours {name}", lambda: row.update(ours_ms=events_time(lambda: ours_prefill(x, state, cu),
-                                                                                  reps=10) * 1e3))
+        prefill_row(res, name, lens, cu)
+
+
+def prefill_row(res, name, lens, cu):
+    """`time_prefill` at one shape; its inputs are freed when it returns, before the next shape's are made."""
+    T = sum(lens)
+    x = make(T, seed=1)
+    state = torch.zeros(len(lens), HV, D, D, device="cuda")
+    row = {"case": name, "T": T}
+    res["prefill"].append(row)
+    case(res, f"prefill ours {name}", lambda: row.update(ours_ms=events_time(lambda: ours_prefill(x, state, cu),
+                                                                              reps=10) * 1e3))
+    if cu is None:
+        case(res, f"prefill ours graph {name}", lambda: row.update(
+            ours_graph_ms=graph_time([lambda: ours_prefill(x, state)], reps=10) * 1e3))
+    if FLA:
+        case(res, f"prefill fla {name}", lambda: row.update(fla_ms=events_time(lambda: fla_prefill(x, state, cu),
+                                                                                reps=10) * 1e3))
         if cu is None:
-            case(res, f"prefill ours graph {name}", lambda: row.update(
-                ours_graph_ms=graph_time([lambda: ours_prefill(x, state)], reps=10) * 1e3))
-        if FLA:
-            case(res, f"prefill fla {name}", lambda: row.update(fla_ms=events_time(lambda: fla_prefill(x, state, cu),
-                                                                                    reps=10) * 1e3))
-            if cu is None:
-                case(res, f"prefill fla graph {name}", lambda: row.update(
-                    fla_graph_ms=graph_time([lambda: fla_prefill(x, state)], reps=10) * 1e3))
-        if "fla_ms" in row and "ours_ms" in row:
-            row["speedup"] = row["fla_ms"] / row["ours_ms"]
-        if "fla_graph_ms" in row and "ours_graph_ms" in row:
-            row["graph_speedup"] = row["fla_graph_ms"] / row["ours_graph_ms"]
-        print(f"prefill {row}", flush=True)
-        del x
+            case(res, f"prefill fla graph {name}", lambda: row.update(
+                fla_graph_ms=graph_time([lambda: fla_prefill(x, state)], reps=10) * 1e3))
+    if "fla_ms" in row and "ours_ms" in row:
+        row["speedup"] = row["fla_ms"] / row["ours_ms"]
+    if "fla_graph_ms" in row and "ours_graph_ms" in row:
+        row["graph_speedup"] = row["fla_graph_ms"] / row["ours_graph_ms"]
+    print(f"prefill {row}", flush=True)
 
 
-SWEEP = [("s2", dict(stages=2)), ("bv64", dict(block_v=64)), ("bv16", dict(block_v=16)), ("w84", dict(warps=(8, 4)))]
+SWEEP = [("s2", {"stages": 2}), ("bv64", {"block_v": 64}), ("bv16", {"block_v": 16}), ("w84", {"warps": (8, 4)})]
 # run last: block_v 16 with stages 1 once broke the CUDA context (illegal address; H100, Triton 3.6)
-SWEEP_LAST = [("s1", dict(stages=1)), ("bv16s1", dict(block_v=16, stages=1))]
+SWEEP_LAST = [("s1", {"stages": 1}), ("bv16s1", {"block_v": 16, "stages": 1})]
 
 
 def sweep_prefill(res, variants):
     for name, lens, cu in prefill_cases():
-        x = make(sum(lens), seed=1)
-        state = torch.zeros(len(lens), HV, D, D, device="cuda")
-        row = next(r for r in res["prefill"] if r["case"] == name)
-        for label, kw in variants:
-            case(res, f"prefill ours {name} {label}", lambda: row.update(
-                {f"ours_{label}_ms": events_time(lambda: ours_prefill(x, state, cu, **kw), reps=5) * 1e3}))
-        print(f"sweep {row}", flush=True)
-        del x
+        sweep_row(res, variants, name, lens, cu)
+
+
+def sweep_row(res, variants, name, lens, cu):
+    """`sweep_prefill` at one shape; its inputs are freed when it returns, before the next shape's are made."""
+    x = make(sum(lens), seed=1)
+    state = torch.zeros(len(lens), HV, D, D, device="cuda")
+    row = next(r for r in res["prefill"] if r["case"] == name)
+    for label, kw in variants:
+        case(res, f"prefill ours {name} {label}", lambda label=label, kw=kw: row.update(
+            {f"ours_{label}_ms": events_time(lambda: ours_prefill(x, state, cu, **kw), reps=5) * 1e3}))
+    print(f"sweep {row}", flush=True)
 
 
 def time_decode(res, copy_bw):
     for B in DECODE_B:
-        state_bytes = B * HV * D * D * 4
-        n = max(2, min(64, (4 * 60 << 20) // state_bytes))
-        xs = [make(1, B=B, seed=10 + i) for i in range(min(n, 8))]
-        states = [torch.randn(B, HV, D, D, device="cuda") * 0.1 for _ in range(n)]
-        row = {"B": B, "floor_us": 2 * state_bytes / copy_bw * 1e6, "copies": n}
-        res["decode"].append(row)
+        decode_row(res, B, copy_bw)
 
-        def ours(bv=None, warps=None):
-            return [lambda s=s, x=xs[i % len(xs)]: gt.fused_recurrent_gated_delta_rule(
-                x["q"], x["k"], x["v"], x["a"], x["b"], s, x["A_log"], x["dt_bias"], block_v=bv, num_warps=warps)
-                for i, s in enumerate(states)]
 
-        case(res, f"decode ours B={B}", lambda: row.update(ours_us=graph_time(ours()) * 1e6))
-        for bv, warps in ((16, 2), (16, 4), (32, 4), (64, 4), (64, 8), (128, 8)):
-            case(res, f"decode ours B={B} bv{bv}", lambda: row.update(
-                {f"ours_bv{bv}w{warps}_us": graph_time(ours(bv, warps)) * 1e6}))
-        if FLA:
-            calls = [lambda s=s, x=xs[i % len(xs)]: fla_recurrent(
-                x["q"], x["k"], x["v"], x["g"], x["beta"], initial_state=s, output_final_state=True,
-                use_qk_l2norm_in_kernel=True) for i, s in enumerate(states)]
-            case(res, f"decode fla B={B}", lambda: row.update(fla_us=graph_time(calls) * 1e6))
-        if "fla_us" in row and "ours_us" in row:
-            row["speedup"] = row["fla_us"] / row["ours_us"]
-        print(f"decode {row}", flush=True)
-        del states
+def decode_row(res, B, copy_bw):
+    """`time_decode` at one batch size; its state copies are freed when it returns, before the next size's are
+    made."""
+    state_bytes = B * HV * D * D * 4
+    n = max(2, min(64, (4 * 60 << 20) // state_bytes))
+    xs = [make(1, B=B, seed=10 + i) for i in range(min(n, 8))]
+    states = [torch.randn(B, HV, D, D, device="cuda") * 0.1 for _ in range(n)]
+    pairs = list(zip(states, itertools.cycle(xs)))  # each state copy with its inputs
+    row = {"B": B, "floor_us": 2 * state_bytes / copy_bw * 1e6, "copies": n}
+    res["decode"].append(row)
+
+    def ours(bv=None, warps=None):
+        return [lambda s=s, x=x: gt.fused_recurrent_gated_delta_rule(
+            x["q"], x["k"], x["v"], x["a"], x["b"], s, x["A_log"], x["dt_bias"], block_v=bv, num_warps=warps)
+            for s, x in pairs]
+
+    case(res, f"decode ours B={B}", lambda: row.update(ours_us=graph_time(ours()) * 1e6))
+    for bv, warps in ((16, 2), (16, 4), (32, 4), (64, 4), (64, 8), (128, 8)):
+        case(res, f"decode ours B={B} bv{bv}", lambda bv=bv, warps=warps: row.update(
+            {f"ours_bv{bv}w{warps}_us": graph_time(ours(bv, warps)) * 1e6}))
+    if FLA:
+        calls = [lambda s=s, x=x: fla_recurrent(
+            x["q"], x["k"], x["v"], x["g"], x["beta"], initial_state=s, output_final_state=True,
+            use_qk_l2norm_in_kernel=True) for s, x in pairs]
+        case(res, f"decode fla B={B}", lambda: row.update(fla_us=graph_time(calls) * 1e6))
+    if "fla_us" in row and "ours_us" in row:
+        row["speedup"] = row["fla_us"] / row["ours_us"]
+    print(f"decode {row}", flush=True)
 
 
 def kernel_breakdown(res, name, fn):
@@ -244,15 +262,15 @@ def profile_prefill(res):
     x = make(16384, seed=2)
     state = torch.zeros(1, HV, D, D, device="cuda")
     case(res, "breakdown ours", lambda: kernel_breakdown(res, "ours T=16384", lambda: ours_prefill(x, state)))
-    for label, kw in (("stages 2", dict(stages=2)),):
-        case(res, f"breakdown ours {label}", lambda: kernel_breakdown(
+    for label, kw in (("stages 2", {"stages": 2}),):
+        case(res, f"breakdown ours {label}", lambda label=label, kw=kw: kernel_breakdown(
             res, f"ours T=16384 {label}", lambda: ours_prefill(x, state, **kw)))
     if FLA:
         case(res, "breakdown fla", lambda: kernel_breakdown(res, "FLA T=16384", lambda: fla_prefill(x, state)))
 
 
 def main(argv=None) -> dict:
-    a, dev, res = start_run(argv, "correctness", "prefill", "decode", "breakdown", "errors")
+    _, dev, res = start_run(argv, "correctness", "prefill", "decode", "breakdown", "errors")
     res["fla"] = FLA
     copy_bw = copy_bandwidth(dev)
     res["copy_bandwidth_Bps"] = copy_bw
