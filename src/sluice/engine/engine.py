@@ -2,8 +2,8 @@
 
 Each `step()` runs ONE forward: the next token of every sequence whose prompt is in, and chunks of the oldest prompts
 not yet in, as many as fit the step's budget (`engine/scheduler.py`); on a GPU a graph replay (`engine/runner.py`).
-It samples on the device, one token for each decoding sequence and each prompt that is now in, and returns what
-reached the host for each sequence, so callers stream per request:
+It samples on the device, one token for each decoding sequence and each prompt that is now in (`engine/readback.py`),
+and returns what reached the host for each sequence, so callers stream per request:
 
     engine = model.engine
     seq = engine.add_request(ids, max_tokens=64, temperature=0.7, seed=1)
@@ -39,10 +39,10 @@ from dataclasses import dataclass
 import torch
 
 from sluice.config import EngineConfig
-from sluice.engine.batch import on_device
 from sluice.engine.prefix import PrefixCache
+from sluice.engine.readback import Drawn, decode_ids, draw, land
 from sluice.engine.runner import ModelRunner
-from sluice.engine.sampler import SamplingBatch, fill_seen, mark_seen, output_counts, random_seed, sample
+from sluice.engine.sampler import fill_seen, random_seed
 from sluice.engine.sampling import SamplingParams
 from sluice.engine.scheduler import Scheduler
 from sluice.engine.sequence import DECODING, Sequence, TokenConstraint, stop_text
@@ -55,16 +55,6 @@ log = logging.getLogger("sluice.engine")
 
 class GenerationError(SluiceError):
     """A request could not go on: the model produced NaN or inf logits for it (damaged weights, overflow)."""
-
-
-@dataclass
-class _Drawn:
-    """A decode step's sampled ids on the device, and their copy on the way to the host."""
-    seqs: list[Sequence]
-    ids: torch.Tensor  # int64 [B] on the device: the next step's input when it runs ahead
-    host: torch.Tensor  # int64 [2, B]: ids and finite flags (pinned on a GPU; valid once `ready` has passed)
-    ready: torch.cuda.Event | None
-    logits: torch.Tensor  # the raw logits (logprobs; read before the next step overwrites a graph's)
 
 
 @dataclass
@@ -89,7 +79,7 @@ class Engine:
             raise InvalidOptionError("deterministic=True needs graphs on a GPU (its decode steps run at the largest "
                                      "graph's batch); drop graphs=False.")
         self._ids = itertools.count()
-        self._ahead: _Drawn | None = None  # a decode step launched, its ids not read yet (`overlap`)
+        self._ahead: Drawn | None = None  # a decode step launched, its ids not read yet (`overlap`)
         self._stepping: list[Sequence] = []  # the sequences of the step under way (`step`'s failure isolation)
         self._outputs: list[StepOutput] = []  # what the step under way has handed out so far
         self._rows: PrefixCache | None = None
@@ -330,7 +320,7 @@ class Engine:
                     self._mark_seen(seq)
             positions = [s.next_position + in_flight.get(s.id, 0) for s in decodes]
             logits = self.runner.step([(s.row, p) for s, p in zip(decodes, positions)],
-                                      self._decode_ids(decodes, ahead),
+                                      decode_ids(decodes, ahead),
                                       [(seq.row, seq.prefill_ids[first:end], first) for seq, first, end in chunks])
             timing["launch"] = time.perf_counter() - clock - timing["plan"]
             for seq, p in zip(decodes, positions):
@@ -343,9 +333,9 @@ class Engine:
                     done.append(len(decodes) + i)
                 if end == len(seq.prefill_ids) or end in seq.snapshot_at:  # the row state kept where the prompt
                     self.rows.snapshot(seq, end)  # or a snapshot point ends
-            drawn = self._draw(decodes + [chunks[i - len(decodes)][0] for i in done],
-                               logits if len(done) == len(chunks) else logits[list(range(len(decodes))) + done],
-                               [in_flight.get(s.id, 0) for s in decodes] + [0] * len(done))
+            drawn = draw(decodes + [chunks[i - len(decodes)][0] for i in done],
+                         logits if len(done) == len(chunks) else logits[list(range(len(decodes))) + done],
+                         [in_flight.get(s.id, 0) for s in decodes] + [0] * len(done), self.runner.seen)
         else:
             drawn = None
         mark = time.perf_counter()
@@ -380,19 +370,6 @@ class Engine:
                 self.preemptions += 1
                 self.scheduler.preempt(victim, self.rows, isolate=False)
             decodes, chunks = self.scheduler.schedule(in_flight)
-
-    def _decode_ids(self, decodes: list[Sequence], ahead: _Drawn | None):
-        """The decode tokens' ids: host ints, or (a step run ahead) int64 [D] on the device: ahead's sampled ids
-        where a sequence's last token is one of them, its newest output token elsewhere."""
-        if ahead is None:
-            return [s.output[-1] for s in decodes]
-        where = {s.id: i for i, s in enumerate(ahead.seqs)}
-        index = [where.get(s.id, -1) for s in decodes]
-        if index == list(range(len(decodes))):
-            return ahead.ids[:len(decodes)]
-        host = on_device([index, [0 if i >= 0 else s.output[-1] for i, s in zip(index, decodes)]], torch.long,
-                         ahead.ids.device)
-        return torch.where(host[0] >= 0, ahead.ids[host[0].clamp(min=0)], host[1])
 
     @staticmethod
     def _runs_ahead(seq: Sequence) -> bool:
@@ -432,73 +409,12 @@ class Engine:
         if seq.sampling.repetition_penalty != 1.0:
             fill_seen(self.runner.seen, seq.row, seq.prefill_ids)
 
-    def _draw(self, seqs: list[Sequence], logits: torch.Tensor, ahead: list[int]) -> _Drawn:
-        """Sample one token per sequence on the device and start copying the ids (with a finite check of each row's
-        logits) to the host; nothing waits. `ahead`: per sequence, tokens it has drawn that are not in its output
-        yet (the sampler's counters count them)."""
-        raw = logits
-        if any(s.constraint is not None for s in seqs):
-            logits = self._masked(seqs, logits)
-        if all(s.sampling.plain_greedy for s in seqs):  # greedy
-            ids = logits.argmax(-1)
-        else:
-            batch = SamplingBatch([s.sampling for s in seqs], [s.seed for s in seqs],
-                                  [len(s.output) + a for s, a in zip(seqs, ahead)], logits.device)
-            rows = on_device([s.row for s in seqs], torch.long, logits.device) if batch.needs_seen else None
-            counts = None
-            if batch.needs_counts:
-                counts = output_counts([s.output if s.sampling.counts_output else () for s in seqs],
-                                       logits.shape[-1], logits.device)
-            ids = sample(logits, batch, self.runner.seen, rows, counts)
-            if rows is not None:
-                mark_seen(self.runner.seen, rows, ids)
-        # NaN/inf logits end that request: the check travels with the ids (one transfer)
-        both = torch.stack([ids, torch.isfinite(raw).all(-1).to(ids.dtype)])
-        gpu = both.is_cuda
-        host = torch.empty(both.shape, dtype=both.dtype, pin_memory=gpu)
-        host.copy_(both, non_blocking=gpu)
-        ready = None
-        if gpu:
-            ready = torch.cuda.Event()
-            ready.record()
-        return _Drawn(list(seqs), ids, host, ready, raw)
-
-    def _land(self, drawn: _Drawn) -> None:
-        """Wait for a drawn step's ids and hand them to their sequences, each output into `_outputs` as it is made
-        (those aborted or stopped since are skipped: a step run ahead of a stop is thrown away)."""
-        if drawn.ready is not None:
-            drawn.ready.synchronize()
-        ids, ok = drawn.host.tolist()
-        live = [(i, s) for i, s in enumerate(drawn.seqs) if not s.finished]
-        logprobs = self._logprobs([s for _, s in live], drawn.logits[[i for i, _ in live]],
-                                  drawn.ids[[i for i, _ in live]]) if any(s.logprobs is not None
-                                                                           for _, s in live) else {}
-        for j, (i, s) in enumerate(live):
-            self._outputs.append(self._append(s, ids[i], *logprobs.get(j, ())) if ok[i]
-                                 else self._fail(s, "NaN or inf logits"))
-
-    @staticmethod
-    def _masked(seqs: list[Sequence], logits: torch.Tensor) -> torch.Tensor:
-        """A copy of the logits with the tokens each row's constraint forbids at -inf."""
-        logits = logits.clone()
-        for i, s in enumerate(seqs):
-            if s.constraint is not None:
-                allowed = s.constraint.allowed().to(logits.device, non_blocking=True)
-                logits[i].masked_fill_(~allowed, float("-inf"))
-        return logits
-
-    @staticmethod
-    def _logprobs(seqs: list[Sequence], logits: torch.Tensor, ids: torch.Tensor) -> dict:
-        """{row index: (logprob of the sampled token, [(id, logprob)] of the N likeliest)} for the rows that ask."""
-        want = [i for i, s in enumerate(seqs) if s.logprobs is not None]
-        if not want:
-            return {}
-        index = torch.tensor(want, device=logits.device)
-        lp = torch.log_softmax(logits.index_select(0, index).float(), dim=-1)
-        chosen = lp.gather(1, ids.index_select(0, index)[:, None])[:, 0].tolist()
-        top = lp.topk(max(seqs[i].logprobs for i in want), dim=-1)
-        values, indices = top.values.tolist(), top.indices.tolist()
-        return {i: (chosen[j], list(zip(indices[j], values[j]))[:seqs[i].logprobs]) for j, i in enumerate(want)}
+    def _land(self, drawn: Drawn) -> None:
+        """Wait for a drawn step's ids (`readback.land`) and hand them to their sequences, each output into
+        `_outputs` as it is made (those aborted or stopped since are skipped: a step run ahead of a stop is thrown
+        away)."""
+        for seq, token, finite, lp in land(drawn):
+            self._outputs.append(self._append(seq, token, *lp) if finite else self._fail(seq, "NaN or inf logits"))
 
     def _fail(self, seq: Sequence, why: str) -> StepOutput:
         """End a request that cannot go on (finish_reason "error"); the others in the batch continue."""
