@@ -128,3 +128,21 @@ def test_the_server_answers_from_a_split_model(llama_dir, one):
             assert got == [one.generate(p, max_tokens=8, temperature=0) for p in prompts]
     finally:
         tp.close()
+
+
+def test_torchrun_starts_the_same_ranks(llama_dir, one):
+    """Under torchrun (one node, two processes: the multi-node path, each rank's device by LOCAL_RANK) every process
+    runs the same `sluice run`; rank 0 prints the text of one process, the other rank serves it and exits."""
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           "-m", "sluice", "run", "-m", str(llama_dir), "--device", "cpu", "--tensor-parallel", "2",
+           "-n", "8", "-t", "0", "hello"]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.stdout.strip() == one.generate("hello", max_tokens=8, temperature=0).strip()
+    bad = subprocess.run(cmd[:5] + ["1"] + cmd[6:], capture_output=True, text=True, timeout=300, env=env)
+    assert bad.returncode != 0 and "torchrun started 1 processes" in bad.stderr

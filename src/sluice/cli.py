@@ -289,7 +289,10 @@ def cmd_serve(args) -> int:
                           max_body_bytes=int(args.max_body_mb * (1 << 20)), read_timeout=args.read_timeout,
                           max_connections=args.max_connections, allow_special_tokens=args.allow_special_tokens,
                           log_level=args.log_level)
-    _check_port(config.host, config.port)
+    from sluice.parallel.launch import torchrun
+
+    if (torchrun() or (0,))[0] == 0:  # under torchrun the other ranks serve rank 0 and never listen
+        _check_port(config.host, config.port)
     if config.api_key is None and config.host not in ("127.0.0.1", "localhost", "::1"):
         print(f"sluice: warning: serving on {config.host} without --api-key: anyone who can reach it may use it",
               file=sys.stderr)

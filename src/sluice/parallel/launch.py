@@ -4,6 +4,12 @@ rank, with this process's environment: NCCL settings included), all joined in on
 on this host (gloo on the CPU, NCCL on GPUs, rank r on cuda:r). Each rank loads its own shard; a worker then serves
 rank 0's commands (`mirror.serve`) over a socket pair until rank 0 stops it or goes away (the connection closes;
 on Linux the worker also gets SIGTERM when rank 0's process ends).
+
+Under `torchrun` (its RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT in the environment), nothing is
+started: every process torchrun started runs the same command, joins the group torchrun describes (rank r on
+cuda:LOCAL_RANK, so one node or several), loads its shard, and connects to rank 0 over TCP (an authenticated
+`multiprocessing.connection`, its address and key broadcast over the group); `load` returns on rank 0 alone, and the
+other ranks serve it, then exit when it closes.
 """
 
 from __future__ import annotations
@@ -29,8 +35,16 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def torchrun() -> tuple[int, int, int] | None:
+    """(rank, world size, local rank) of a process `torchrun` started (read from its environment), else None."""
+    env = os.environ
+    if not all(k in env for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")):
+        return None
+    return int(env["RANK"]), int(env["WORLD_SIZE"]), int(env["LOCAL_RANK"])
+
+
 def _device(device, rank: int):
-    """Rank r's device: cuda:r for a GPU, the CPU as it is."""
+    """The device of the rank whose index on its host is `rank`: cuda:rank for a GPU, the CPU as it is."""
     if device is None:
         device = "cuda" if torch.cuda.is_available() else "cpu"
     dev = torch.device(device)
@@ -42,14 +56,15 @@ def _device(device, rank: int):
     return dev
 
 
-def _join(rank: int, size: int, port: int, dev: torch.device) -> TensorParallel:
+def _join(rank: int, size: int, port: int | None, dev: torch.device) -> TensorParallel:
+    """Join the group: on this host at `port`, or (None) where torchrun's environment says."""
     import torch.distributed as dist
 
     backend = "nccl" if dev.type == "cuda" else "gloo"
     if dev.type == "cuda":
         torch.cuda.set_device(dev)
-    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=size,
-                            timeout=TIMEOUT)
+    init = "env://" if port is None else f"tcp://127.0.0.1:{port}"
+    dist.init_process_group(backend, init_method=init, rank=rank, world_size=size, timeout=TIMEOUT)
     return TensorParallel(rank, size, dist.group.WORLD)
 
 
@@ -117,6 +132,8 @@ def start(size: int, load_args: dict):
 
     if not isinstance(size, int) or isinstance(size, bool) or size < 1:
         raise InvalidOptionError(f"tensor_parallel={size!r}: use a positive integer.")
+    if torchrun() is not None:
+        return _start_under_torchrun(size, load_args)
     if dist.is_initialized():
         raise InvalidOptionError("a tensor-parallel model (or another torch.distributed group) is already running in "
                                  "this process; close() it first.")
@@ -147,6 +164,53 @@ def start(size: int, load_args: dict):
         mirror.close()
         raise
     atexit.register(mirror.close)  # the workers stop with this process
+    model.mirror = mirror
+    return model
+
+
+def _start_under_torchrun(size: int, load_args: dict):
+    """`start` in a process torchrun started: join its group, load this rank's shard; rank 0 accepts the others'
+    connections and returns its Model; any other rank serves rank 0 until it stops, then exits."""
+    global LOADING
+    import sys
+    from multiprocessing.connection import Client, Listener
+
+    import torch.distributed as dist
+
+    from sluice.engine.loader import load
+    from sluice.parallel.mirror import Mirror, serve
+
+    rank, world, local = torchrun()
+    if world != size:
+        raise InvalidOptionError(f"tensor_parallel={size}, but torchrun started {world} processes; give "
+                                 "--tensor-parallel the number of processes torchrun starts (nodes x processes each).")
+    dev = _device(load_args.get("device"), local)
+    LOADING = _join(rank, size, None, dev)
+    listener = None
+    if rank == 0:  # rank 0's command address, on every interface: the others may be on other hosts
+        key = os.urandom(32)
+        listener = Listener(("0.0.0.0", 0), authkey=key)
+        where = [(os.environ["MASTER_ADDR"], listener.address[1], key)]
+    else:
+        where = [None]
+    dist.broadcast_object_list(where, src=0)
+    host, port, key = where[0]
+    try:
+        model = load(**{**load_args, "device": dev})
+    finally:
+        LOADING = None
+    if rank != 0:
+        with Client((host, port), authkey=key) as conn:
+            serve(conn, model)
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        sys.exit(0)
+    with listener:
+        conns = [listener.accept() for _ in range(size - 1)]
+    mirror = Mirror(conns, [])
+    import atexit
+
+    atexit.register(mirror.close)
     model.mirror = mirror
     return model
 
