@@ -20,6 +20,8 @@
 #   bash benchmarks/gpu_run.sh paged3  # what session 4 left unmeasured: the stall's phases, preemption, the budget
 #   bash benchmarks/gpu_run.sh backends  # the attention backends on the GPU, slow steps profiled, the MLA sweep
 #   bash benchmarks/gpu_run.sh final     # the GPU tests, HTTP and the agent trace after the stall's fix
+#   bash benchmarks/gpu_run.sh tp        # issue #44, 2 or 4 GPUs: the split tests on GPUs, tp_gpu for Qwen3-Next-80B
+#                                        # (1 and 2 GPUs), then with 4 GPUs Qwen3.5-397B (4) and Moonlight (1, 2)
 #
 # Every benchmark runs as `python -m benchmarks run NAME --json FILE ARGS` (benchmarks/registry.py); the JSON files
 # are the runner's records (figures under "figures"). Knobs: POLICIES, SCENARIOS, SERVING_S, PROFILE (serving);
@@ -38,6 +40,19 @@ export PYTHONPATH=/tmp/site:src PYTHONUNBUFFERED=1
 CONFIG=benchmarks/configs/qwen3-next-80b-a3b.json
 
 case "${1:-}" in
+tp)
+  NGPU=$(nvidia-smi -L | wc -l)
+  timeout 300 python -m pytest -q -rf -p no:cacheprovider tests/test_tensor_parallel.py -k "two_gpus" 2>&1 \
+    | tee "$LOG/tests_tp.log" | tail -5 > "$OUT/summary.log"
+  timeout 420 python -m benchmarks run tp_gpu --json "$OUT/tp_qwen3next.json" --config $CONFIG --sizes 1,2 \
+    --batches 1,16,64 > "$LOG/tp_qwen3next.log" 2>&1
+  if [ "$NGPU" -ge 4 ]; then
+    timeout 540 python -m benchmarks run tp_gpu --json "$OUT/tp_397b.json" \
+      --config benchmarks/configs/qwen3.5-397b-a17b.json --sizes 4 --batches 1,64 > "$LOG/tp_397b.log" 2>&1
+  fi
+  for f in "$LOG"/tp_*.log; do grep -B1 -A12 "distinct prompts, sampled" "$f" || tail -20 "$f"; done 2>&1 \
+    | tee -a "$OUT/summary.log"
+  ;;
 tests)
   if [ -d .peer ] && [ ! -e /tmp/peer_started ]; then  # build + GGUF now, on the CPU; a one-token bench to finish
     touch /tmp/peer_started

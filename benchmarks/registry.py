@@ -59,6 +59,8 @@ register("memory_budget", "memory_budget:main", "gpu",
 register("agent_trace", "agent_trace:main", "cpu|gpu",
          "users in multi-turn chats behind one system prompt, with the prefix cache and without: hit rate, TTFT, "
          "whole time")
+register("tp_gpu", "tp_gpu:main", "gpu",
+         "issue #44: decode on 1 GPU and on N (tensor parallel): tok/s, per-GPU floor, time in collectives")
 register("stream_gpu", "stream_gpu:main", "gpu", "expert streaming (host / disk) of a model larger than the GPU")
 register("server_load", "server_load:main", "cpu|gpu",
          "N streaming clients against `sluice serve` on loopback (the demo model on the CPU, dummy weights on a GPU)")
