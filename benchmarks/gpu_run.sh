@@ -20,6 +20,8 @@
 #   bash benchmarks/gpu_run.sh paged3  # what session 4 left unmeasured: the stall's phases, preemption, the budget
 #   bash benchmarks/gpu_run.sh backends  # the attention backends on the GPU, slow steps profiled, the MLA sweep
 #   bash benchmarks/gpu_run.sh final     # the GPU tests, HTTP and the agent trace after the stall's fix
+#   bash benchmarks/gpu_run.sh deepseek  # issue #42, one GPU: DeepSeek's GPU tests, deepseek_gpu (Moonlight with the
+#                                        # fused chain off and on, its 4k prefill, DeepSeek-V3 slices' per-layer times)
 #   bash benchmarks/gpu_run.sh tp        # issue #44, 2 or 4 GPUs: the split tests on GPUs, tp_gpu for Qwen3-Next-80B
 #                                        # (1 and 2 GPUs), then with 4 GPUs Qwen3.5-397B (4) and Moonlight (1, 2)
 #
@@ -40,6 +42,14 @@ export PYTHONPATH=/tmp/site:src PYTHONUNBUFFERED=1
 CONFIG=benchmarks/configs/qwen3-next-80b-a3b.json
 
 case "${1:-}" in
+deepseek)
+  timeout 240 python -m pytest -q -rf -p no:cacheprovider tests/test_deepseek_kernels.py tests/test_mla_triton.py \
+    tests/test_group_route_triton.py tests/test_deepseek.py -k "gpu or triton or cuda or fused or chain" 2>&1 \
+    | tee "$LOG/tests_deepseek.log" | tail -5 > "$OUT/summary.log"
+  timeout 480 python -m benchmarks run deepseek_gpu --json "$OUT/deepseek_gpu.json" > "$LOG/deepseek_gpu.log" 2>&1
+  grep -B2 -A40 "Traceback" "$LOG/deepseek_gpu.log" | head -80 > "$OUT/deepseek_errors.log"
+  grep -A20 "^DeepSeek-family decode" "$LOG/deepseek_gpu.log" | tee -a "$OUT/summary.log"
+  ;;
 tp)
   NGPU=$(nvidia-smi -L | wc -l)
   timeout 300 python -m pytest -q -rf -p no:cacheprovider tests/test_tensor_parallel.py -k "two_gpus" 2>&1 \

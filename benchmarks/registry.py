@@ -61,6 +61,8 @@ register("agent_trace", "agent_trace:main", "cpu|gpu",
          "whole time")
 register("tp_gpu", "tp_gpu:main", "gpu",
          "issue #44: decode on 1 GPU and on N (tensor parallel): tok/s, per-GPU floor, time in collectives")
+register("deepseek_gpu", "deepseek_gpu:main", "gpu",
+         "issue #42: Moonlight decode with the fused chain off and on, its 4k prefill, DeepSeek-V3 per-layer times")
 register("stream_gpu", "stream_gpu:main", "gpu", "expert streaming (host / disk) of a model larger than the GPU")
 register("server_load", "server_load:main", "cpu|gpu",
          "N streaming clients against `sluice serve` on loopback (the demo model on the CPU, dummy weights on a GPU)")

@@ -1,0 +1,144 @@
+"""DeepSeek-V3-family models on one GPU (issue #42), 4-bit dummy weights, distinct prompts, sampled tokens:
+
+* Moonlight-16B-A3B decode by batch, with the fused decode chain (`kernels/mla/chain.py`) off and on, the same
+  weights (a second engine: its graphs captured with the chain on);
+* Moonlight's prefill of a 4k prompt (tok/s, TTFT);
+* slices of DeepSeek-V3 671B (its first `first_k_dense_replace` dense layers alone, then with MoE layers after them):
+  the decode step's time per dense and per MoE layer by difference, and the whole model's step extrapolated from
+  them (61 layers), so the full model's speed on one GPU's worth of bandwidth can be read off.
+
+A part that raises is recorded with its whole traceback (and the figures say ok: false); the others still run.
+
+    python -m benchmarks run deepseek_gpu --batches 1,16,64
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import tempfile
+import time
+import traceback
+from pathlib import Path
+
+import torch
+
+import sluice
+from benchmarks.registry import checkpoint
+
+MOONLIGHT = "benchmarks/configs/moonlight-16b-a3b.json"
+V3 = "benchmarks/configs/deepseek-v3.json"
+
+
+def _free(*models) -> None:
+    for m in models:
+        m._engine = None
+    gc.collect()
+    torch.cuda.empty_cache()
+
+
+def _chain(on: bool) -> None:
+    os.environ["SLUICE_MLA_CHAIN"] = "1" if on else "0"  # read when a step is captured or run
+
+
+def moonlight(batches: list[int], figures: dict) -> None:
+    _chain(False)
+    base = sluice.load(MOONLIGHT, load_format="dummy", device="cuda", max_batch=max(batches))
+    rows = figures["moonlight"] = []
+    for chain in (False, True):
+        _chain(chain)
+        model = base.with_engine()  # its own engine: graphs captured with the chain as set
+        for batch in batches:
+            prompt, gen = (512, 64) if batch == 1 else (128, 32)
+            try:
+                r = model.bench(prompt_tokens=prompt, gen_tokens=gen, batch=batch, repeats=2)
+                rows.append({"chain": chain, **r})
+                print(json.dumps({"chain": chain, "batch": batch, "decode_tok_s": r["decode_tok_s"],
+                                  "floor_decode_tok_s": r["floor_decode_tok_s"]}), flush=True)
+            except Exception:  # noqa: BLE001  recorded whole: the GPU run is where it shows
+                rows.append({"chain": chain, "batch": batch, "error": traceback.format_exc()})
+                print(rows[-1]["error"], flush=True)
+                figures["ok"] = False
+            checkpoint(figures)
+        _free(model)
+    _chain(False)
+    try:
+        r = base.bench(prompt_tokens=4096, gen_tokens=2, batch=1, repeats=2)
+        figures["moonlight_prefill_4k"] = {k: r[k] for k in ("prefill_tok_s", "ttft_cold_s", "ttft_warm_s")}
+        print(json.dumps(figures["moonlight_prefill_4k"]), flush=True)
+    except Exception:  # noqa: BLE001
+        figures["moonlight_prefill_4k"] = {"error": traceback.format_exc()}
+        figures["ok"] = False
+        print(figures["moonlight_prefill_4k"]["error"], flush=True)
+    _free(base)
+    del base
+    gc.collect()
+    torch.cuda.empty_cache()
+
+
+def v3_slices(batches: list[int], moe_layers: int, figures: dict) -> None:
+    cfg = json.loads(Path(V3).read_text())
+    dense = cfg["first_k_dense_replace"]
+    out = figures["v3_slices"] = []
+    for layers in (dense, dense + moe_layers):
+        d = Path(tempfile.mkdtemp()) / f"v3-{layers}"
+        d.mkdir()
+        (d / "config.json").write_text(json.dumps({**cfg, "num_hidden_layers": layers, "num_nextn_predict_layers": 0}))
+        try:
+            model = sluice.load(d, load_format="dummy", device="cuda", max_batch=max(batches))
+            for batch in batches:
+                r = model.bench(prompt_tokens=256, gen_tokens=32, batch=batch, repeats=2)
+                step_ms = 1e3 * batch / r["decode_tok_s"]
+                out.append({"layers": layers, "batch": batch, "step_ms": step_ms, "decode_tok_s": r["decode_tok_s"],
+                            "weight_bytes": model.info()["weight_bytes"]})
+                print(json.dumps(out[-1]), flush=True)
+            _free(model)
+            del model
+        except Exception:  # noqa: BLE001
+            out.append({"layers": layers, "error": traceback.format_exc()})
+            figures["ok"] = False
+            print(out[-1]["error"], flush=True)
+        gc.collect()
+        torch.cuda.empty_cache()
+        checkpoint(figures)
+    total = cfg["num_hidden_layers"]
+    per = figures["v3_per_layer"] = []
+    for batch in batches:
+        t = {r["layers"]: r["step_ms"] for r in out if r.get("batch") == batch}
+        if len(t) == 2:
+            moe_ms = (t[dense + moe_layers] - t[dense]) / moe_layers
+            whole = t[dense] + (total - dense) * moe_ms
+            per.append({"batch": batch, "dense_slice_ms": t[dense], "moe_layer_ms": moe_ms,
+                        "extrapolated_step_ms": whole, "extrapolated_tok_s": 1e3 * batch / whole})
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--batches", default="1,16,64")
+    ap.add_argument("--v3-batches", default="1,32")
+    ap.add_argument("--v3-moe-layers", type=int, default=2)
+    ap.add_argument("--parts", default="moonlight,v3")
+    args = ap.parse_args(argv)
+    figures: dict = {"gpu": torch.cuda.get_device_name(), "ok": True}
+    t0 = time.perf_counter()
+    if "moonlight" in args.parts:
+        moonlight([int(b) for b in args.batches.split(",")], figures)
+    if "v3" in args.parts:
+        v3_slices([int(b) for b in args.v3_batches.split(",")], args.v3_moe_layers, figures)
+    print(f"\nDeepSeek-family decode, {figures['gpu']}, 4-bit dummy weights, sampled ({time.perf_counter() - t0:.0f} s)")
+    for r in figures.get("moonlight", []):
+        if "error" in r:
+            print(f"Moonlight chain={r['chain']} batch {r['batch']}: ERROR (traceback above)")
+        else:
+            print(f"Moonlight chain={str(r['chain']):5s} batch {r['batch']:3d}: {r['decode_tok_s']:8.1f} tok/s "
+                  f"(floor {r['floor_decode_tok_s']:.0f})")
+    p = figures.get("moonlight_prefill_4k", {})
+    if "prefill_tok_s" in p:
+        print(f"Moonlight 4k prefill: {p['prefill_tok_s']:.0f} tok/s, TTFT warm {p['ttft_warm_s']:.3f} s")
+    for r in figures.get("v3_per_layer", []):
+        print(f"DeepSeek-V3 batch {r['batch']}: dense slice {r['dense_slice_ms']:.2f} ms, "
+              f"{r['moe_layer_ms']:.3f} ms per MoE layer, whole model ~{r['extrapolated_step_ms']:.1f} ms "
+              f"= {r['extrapolated_tok_s']:.1f} tok/s on one GPU's bandwidth")
+    return figures
