@@ -132,7 +132,7 @@ def main(argv=None) -> dict:
         if "error" in r:
             print(f"Moonlight chain={r['chain']} batch {r['batch']}: ERROR (traceback above)")
         else:
-            print(f"Moonlight chain={str(r['chain']):5s} batch {r['batch']:3d}: {r['decode_tok_s']:8.1f} tok/s "
+            print(f"Moonlight chain={r['chain']!s:5s} batch {r['batch']:3d}: {r['decode_tok_s']:8.1f} tok/s "
                   f"(floor {r['floor_decode_tok_s']:.0f})")
     p = figures.get("moonlight_prefill_4k", {})
     if "prefill_tok_s" in p:

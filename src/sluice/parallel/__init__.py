@@ -23,7 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn as nn
+from torch import nn
 
 from sluice.errors import UnsupportedError
 from sluice.quant.affine import QuantizedTensor
@@ -86,9 +86,9 @@ class TensorParallel:
         """This rank's slice of stacked experts' intermediate size: gate_up [E, 2I, K] ([gate | up] rows) keeps
         rows a..b of each half, down [E, H, I] columns a..b (its output a partial sum)."""
         a, b = self.split(intermediate, "the experts' intermediate size")
-        I = intermediate  # noqa: E741
+        I = intermediate
         if isinstance(gate_up, QuantizedTensor):
-            rows = lambda t: torch.cat([t[:, a:b], t[:, I + a:I + b]], dim=1).contiguous()  # noqa: E731
+            rows = lambda t: torch.cat([t[:, a:b], t[:, I + a:I + b]], dim=1).contiguous()
             gate_up = QuantizedTensor(rows(gate_up.weight), rows(gate_up.scales), rows(gate_up.biases),
                                       gate_up.bits, gate_up.group_size)
         else:
