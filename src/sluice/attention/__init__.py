@@ -34,6 +34,8 @@ class AttentionBackend:
     name = "?"
     static_flat = False  # whether flat forwards may take the static path (one CUDA graph each, `static`)
     native_decode = False  # a CPU decode step fused with the layer's RoPE (`rope_decode`)
+    flat_axis = 2  # the token axis of a flat forward's tensors (`split_flat`): q [1, H, T, Dh]
+    flat_contiguous = True  # a flat step's decode tokens copied contiguous for their decode step (its kernels')
 
     def __init__(self, cache: KVCache):
         self.cache = cache
@@ -58,22 +60,38 @@ class AttentionBackend:
 
     def flat(self, layer, q, k, v, meta, scale, gate):
         """A flat forward (B = 1, `engine/batch.py`): the decode tokens as one decode step, each prompt chunk as its
-        own prefill; the padding tokens' output is zero. Static (`static_flat`): every token stored, then each one
-        attended as a decode query of its row at its position (the padding's output is then finite, not zero)."""
+        own prefill (`split_flat`); the padding tokens' output is zero. Static (`static_flat`): every token stored,
+        then each one attended as a decode query of its row at its position (the padding's output is then finite,
+        not zero)."""
         if meta.static:
-            one = lambda x: None if x is None else x[0].transpose(0, 1)  # noqa: E731  [1, H, T, Dh] -> [T, H, Dh]
+            def one(x):  # [1, H, T, Dh] -> [T, H, Dh]
+                return None if x is None else x[0].transpose(0, 1)
+
             o = self.static(layer, one(q), one(k), one(v), meta, scale, one(gate))
             return o.transpose(0, 1)[None]
-        o = torch.zeros_like(q)
+        return self.split_flat(torch.zeros_like(q), meta, (q, k, v, gate),
+                               lambda part, q, k, v, gate: self.forward(layer, q, k, v, part, scale, gate))
+
+    def split_flat(self, out: torch.Tensor, meta, tensors, attend) -> torch.Tensor:
+        """What every backend's flat forward shares: the decode tokens attended as one decode step (`meta.decodes`,
+        one query per sequence), each prompt chunk as a prefill of its own (`meta.parts`), each by
+        `attend(meta, *tensors)` over the per-token `tensors` cut to its tokens along `flat_axis` (None stays None);
+        every output written into `out` at its tokens, the padding's left as it was."""
+        a = self.flat_axis
         D = meta.decode_tokens
-        if D:  # [1, H, D, Dh] -> [D, H, 1, Dh]: one query per sequence
-            one = lambda x: None if x is None else x[0, :, :D].transpose(0, 1)[:, :, None].contiguous()  # noqa: E731
-            od = self.forward(layer, one(q), one(k), one(v), meta.decodes, scale, one(gate))
-            o[0, :, :D] = od[:, :, 0].transpose(0, 1)
+        if D:  # [1, .., T, ..] -> [D, .., 1, ..]: one query per sequence, and back
+            def one(x):
+                if x is None:
+                    return None
+                x = x[0].narrow(a - 1, 0, D).movedim(a - 1, 0).unsqueeze(a)
+                return x.contiguous() if self.flat_contiguous else x
+
+            od = attend(meta.decodes, *(one(x) for x in tensors))
+            out[0].narrow(a - 1, 0, D).copy_(od.select(a, 0).movedim(0, a - 1))
         for t0, t1, part in meta.parts:
-            cut = lambda x: None if x is None else x[:, :, t0:t1]  # noqa: E731
-            o[:, :, t0:t1] = self.forward(layer, cut(q), cut(k), cut(v), part, scale, cut(gate))
-        return o
+            cut = [None if x is None else x.narrow(a, t0, t1 - t0) for x in tensors]
+            out.narrow(a, t0, t1 - t0).copy_(attend(part, *cut))
+        return out
 
     def prefill(self, layer: int, row0: int, q, k, v, start: int, scale: float) -> torch.Tensor:
         """The B sequences of rows row0.. (eager; every position start..start+T-1 new)."""
@@ -93,7 +111,6 @@ class AttentionBackend:
         """(k, v, positions, rows) for a decode step that writes its new key and value itself (the q/k norm + RoPE
         kernel), into k, v [P, Hkv, cap, D] at [rows[b], :, positions[b] % cap] (a paged cache's rows are blocks,
         its cap the page), then calls `forward` with k = v = None; None where the backend stores them itself."""
-        return None
 
 
 def make_attention(kind: str, num_layers: int, rows: int, num_kv_heads: int, head_dim: int, capacity: int,

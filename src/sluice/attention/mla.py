@@ -25,6 +25,8 @@ from sluice.kernels.mla.reference import absorbed_attention, decompressed_attent
 class MLAAttention(AttentionBackend):
     name = "mla"
     cache_class = LatentCache
+    flat_axis = 1  # a flat forward's tensors: q_nope [1, T, H, nope], c [1, T, R], ...
+    flat_contiguous = False  # its decode step takes views
 
     def __init__(self, cache: LatentCache):
         super().__init__(cache)
@@ -108,19 +110,11 @@ class MLAAttention(AttentionBackend):
         return fused.uv_out(o_lat, w_uv, dtype)
 
     def flat(self, layer, q_nope, q_pe, c, k_pe, meta, scale, w_uk, w_uv):
-        """A flat forward (B = 1): the decode tokens as one decode step, each prompt chunk as its own prefill; the
-        padding tokens' output is zero."""
+        """A flat forward (B = 1): the decode tokens as one decode step, each prompt chunk as its own prefill
+        (`split_flat`); the padding tokens' output is zero."""
         H, v = w_uv.shape[:2]
-        out = q_nope.new_zeros(*q_nope.shape[:2], H, v)
-        D = meta.decode_tokens
-        if D:  # [1, D, ...] -> [D, 1, ...]: one query per sequence
-            one = lambda x: x[0, :D, None]  # noqa: E731
-            out[0, :D] = self.forward(layer, one(q_nope), one(q_pe), one(c), one(k_pe), meta.decodes, scale, w_uk,
-                                      w_uv)[:, 0]
-        for t0, t1, part in meta.parts:
-            cut = lambda x: x[:, t0:t1]  # noqa: E731
-            out[:, t0:t1] = self.forward(layer, cut(q_nope), cut(q_pe), cut(c), cut(k_pe), part, scale, w_uk, w_uv)
-        return out
+        return self.split_flat(q_nope.new_zeros(*q_nope.shape[:2], H, v), meta, (q_nope, q_pe, c, k_pe),
+                               lambda part, *x: self.forward(layer, *x, part, scale, w_uk, w_uv))
 
 
 def make_mla_attention(kind: str, num_layers: int, rows: int, kv_lora_rank: int, rope_dim: int, capacity: int,
