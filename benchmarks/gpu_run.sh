@@ -55,7 +55,7 @@ tp)
   timeout 300 python -m pytest -q -rf -p no:cacheprovider tests/test_tensor_parallel.py -k "two_gpus" 2>&1 \
     | tee "$LOG/tests_tp.log" | tail -5 > "$OUT/summary.log"
   timeout 420 python -m benchmarks run tp_gpu --json "$OUT/tp_qwen3next.json" --config $CONFIG --sizes 1,2 \
-    --batches 1,16,64 > "$LOG/tp_qwen3next.log" 2>&1
+    --batches 1,16,64 --expert-parallel > "$LOG/tp_qwen3next.log" 2>&1
   if [ "$NGPU" -ge 4 ]; then
     timeout 540 python -m benchmarks run tp_gpu --json "$OUT/tp_397b.json" \
       --config benchmarks/configs/qwen3.5-397b-a17b.json --sizes 4 --batches 1,64 > "$LOG/tp_397b.log" 2>&1

@@ -70,6 +70,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--sizes", default="1,2", help="tensor-parallel sizes, each loaded in turn")
     ap.add_argument("--batches", default="1,64")
     ap.add_argument("--kv-cache", default="dense")
+    ap.add_argument("--expert-parallel", action="store_true",
+                    help="also each size > 1 with the routed experts split whole (expert parallel)")
     args = ap.parse_args(argv)
     sizes = [int(s) for s in args.sizes.split(",")]
     batches = [int(b) for b in args.batches.split(",")]
@@ -78,21 +80,23 @@ def main(argv=None) -> dict:
     rows = []
     figures = {"config": args.config, "gpu": torch.cuda.get_device_name(), "gpus": torch.cuda.device_count(),
                "rows": rows}
-    for size in sizes:
+    runs = [(size, False) for size in sizes]
+    runs += [(size, True) for size in sizes if size > 1 and args.expert_parallel]
+    for size, ep in runs:
         t0 = time.perf_counter()
         model = sluice.load(args.config, load_format="dummy", device="cuda", tensor_parallel=size,
-                            kv_cache=args.kv_cache, max_batch=max(batches))
+                            expert_parallel=ep, kv_cache=args.kv_cache, max_batch=max(batches))
         load_s = time.perf_counter() - t0
-        print(f"tensor_parallel={size}: loaded in {load_s:.1f} s, {model.info()['weight_bytes'] / 1e9:.1f} GB a GPU",
-              flush=True)
+        print(f"tensor_parallel={size}{' (experts whole)' if ep else ''}: loaded in {load_s:.1f} s, "
+              f"{model.info()['weight_bytes'] / 1e9:.1f} GB a GPU", flush=True)
         try:
             for batch in batches:
                 prompt, gen = (512, 64) if batch == 1 else (128, 32)
                 r = model.bench(prompt_tokens=prompt, gen_tokens=gen, batch=batch, repeats=2)
-                r.update(tensor_parallel=size, load_s=load_s, **step_kernels(model, batch))
+                r.update(tensor_parallel=size, expert_parallel=ep, load_s=load_s, **step_kernels(model, batch))
                 rows.append(r)
                 checkpoint(figures)
-                print(json.dumps({k: r.get(k) for k in ("tensor_parallel", "batch", "decode_tok_s",
+                print(json.dumps({k: r.get(k) for k in ("tensor_parallel", "expert_parallel", "batch", "decode_tok_s",
                                                          "floor_decode_tok_s", "kernel_ms_per_step",
                                                          "collective_ms_per_step", "ttft_warm_s")}), flush=True)
         finally:
@@ -102,12 +106,13 @@ def main(argv=None) -> dict:
             torch.cuda.empty_cache()
     one = {r["batch"]: r["decode_tok_s"] for r in rows if r["tensor_parallel"] == 1}
     print(f"\n{args.config}, {figures['gpu']}, distinct prompts, sampled tokens")
-    print(f"{'TP':>3s} {'batch':>5s} {'decode t/s':>10s} {'vs 1 GPU':>8s} {'floor t/s':>9s} {'of floor':>8s} "
+    print(f"{'TP':>3s} {'MoE':>7s} {'batch':>5s} {'decode t/s':>10s} {'vs 1 GPU':>8s} {'floor t/s':>9s} {'of floor':>8s} "
           f"{'step ms':>8s} {'in coll.':>8s} {'TTFT warm':>9s}")
     for r in rows:
         rate = r["decode_tok_s"] or 0.0
         base = one.get(r["batch"])
-        print(f"{r['tensor_parallel']:3d} {r['batch']:5d} {rate:10.1f} "
+        moe = "experts" if r["expert_parallel"] else "sliced"
+        print(f"{r['tensor_parallel']:3d} {moe:>7s} {r['batch']:5d} {rate:10.1f} "
               f"{(f'{rate / base:.2f}x' if base else '-'):>8s} {r['floor_decode_tok_s']:9.0f} "
               f"{rate / r['floor_decode_tok_s']:8.1%} {r['kernel_ms_per_step']:8.3f} "
               f"{r['collective_ms_per_step']:8.3f} {r['ttft_warm_s']:9.3f}")

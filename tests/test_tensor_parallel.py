@@ -96,6 +96,25 @@ def test_hybrid_and_mla_splits_give_the_logits_and_tokens_of_one_process(qwen4, 
         tp.close()
 
 
+@pytest.mark.parametrize("arch", ["qwen3_next", "deepseek_v3"])
+def test_expert_parallel_gives_the_logits_and_tokens_of_one_process(qwen4, deepseek_dir, arch):
+    """The routed experts split whole across 2 ranks (each runs its own and a zero expert for the rest; the
+    all-reduce after the block sums them), the shared experts split by intermediate size as in tensor parallel."""
+    path = qwen4 if arch == "qwen3_next" else deepseek_dir
+    one = sluice.load(path, device="cpu")
+    ep = sluice.load(path, device="cpu", tensor_parallel=2, expert_parallel=True)
+    try:
+        moe = next(m for m in ep.module.modules() if hasattr(m, "held"))
+        E = moe.num_experts
+        assert moe.held == (0, E // 2) and moe.gate_up.shape[0] == E // 2 + 1 and ep.info()["expert_parallel"]
+        ids = torch.tensor([PROMPTS[2]])
+        assert rel(ep.logits(ids), one.logits(ids)) < 1e-5
+        assert tokens(ep, temperature=0.0) == tokens(one, temperature=0.0)
+        assert tokens(ep, temperature=1.0, seed=5) == tokens(one, temperature=1.0, seed=5)
+    finally:
+        ep.close()
+
+
 def test_what_cannot_split_is_a_clear_error(llama_dir, qwen_dir):
     with pytest.raises(sluice.SluiceError, match="3 equal parts"):  # 4 heads
         sluice.load(llama_dir, device="cpu", tensor_parallel=3)
@@ -103,6 +122,8 @@ def test_what_cannot_split_is_a_clear_error(llama_dir, qwen_dir):
         sluice.load(qwen_dir, device="cpu", tensor_parallel=2, gpu_memory="1GiB")
     with pytest.raises(sluice.SluiceError, match="positive integer"):
         sluice.load(llama_dir, device="cpu", tensor_parallel=0)
+    with pytest.raises(sluice.SluiceError, match="give tensor_parallel"):
+        sluice.load(qwen_dir, device="cpu", expert_parallel=True)
 
 
 def test_the_server_answers_from_a_split_model(llama_dir, one):
@@ -168,12 +189,15 @@ def _small_config(tmp_path, name: str, **over) -> str:
     ("moonlight-16b-a3b.json", dict(num_hidden_layers=3, hidden_size=512, n_routed_experts=16, vocab_size=4096,
                                     intermediate_size=1024, moe_intermediate_size=256)),
 ])
-def test_split_on_two_gpus_gives_the_logits_and_tokens_of_one(tmp_path, name, over):
+@pytest.mark.parametrize("expert_parallel", [False, True])
+def test_split_on_two_gpus_gives_the_logits_and_tokens_of_one(tmp_path, name, over, expert_parallel):
     """4-bit dummy weights of a real config's layout, fp32 activations, on cuda:0 alone and split over cuda:0 and
-    cuda:1 (NCCL, the Triton kernels, decode steps replayed as CUDA graphs with their all-reduces inside)."""
+    cuda:1 (NCCL, the Triton kernels, decode steps replayed as CUDA graphs with their all-reduces inside); the
+    experts split by intermediate size or whole."""
     path = _small_config(tmp_path, name, **over)
     one = sluice.load(path, load_format="dummy", device="cuda", dtype="float32", max_batch=4)
-    tp = sluice.load(path, load_format="dummy", device="cuda", dtype="float32", max_batch=4, tensor_parallel=2)
+    tp = sluice.load(path, load_format="dummy", device="cuda", dtype="float32", max_batch=4, tensor_parallel=2,
+                     expert_parallel=expert_parallel)
     try:
         ids = torch.tensor([PROMPTS[2]])
         assert rel(tp.logits(ids), one.logits(ids)) < 1e-4

@@ -35,6 +35,9 @@ def _add_model_args(p: argparse.ArgumentParser):
                    help="blocks of the paged KV cache (default: what the memory plan gives; `sluice info` prints it)")
     p.add_argument("--tensor-parallel", type=int, default=1, metavar="N",
                    help="split the weights across N processes, one GPU each (gloo ranks on the CPU; default 1)")
+    p.add_argument("--expert-parallel", action="store_true",
+                   help="with --tensor-parallel: split the routed experts whole across the ranks (default: each "
+                        "expert's intermediate size split)")
     _add_placement_args(p)
 
 
@@ -94,6 +97,8 @@ def _load(args, **options):
             options[name] = getattr(args, name)
     if getattr(args, "tensor_parallel", 1) != 1:
         options["tensor_parallel"] = args.tensor_parallel
+    if getattr(args, "expert_parallel", False):
+        options["expert_parallel"] = True
     return sluice.load(args.model, device=args.device, dtype=args.dtype, keep_quantized=not args.dequantize,
                        kv_cache=args.kv_cache, gpu_memory=args.gpu_memory, expert_slots=args.expert_slots,
                        expert_store=args.expert_store, **options)

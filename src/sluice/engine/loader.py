@@ -167,7 +167,7 @@ def _cache_reserve(module, config: EngineConfig, dev: torch.device, dt: torch.dt
 
 def load(path=None, device=None, dtype=None, keep_quantized: bool = True, kv_cache: str = "dense",
          load_format: str = "auto", gpu_memory=None, expert_slots: int | None = None, expert_store: str = "auto",
-         tensor_parallel: int = 1, **options) -> Model:
+         tensor_parallel: int = 1, expert_parallel: bool = False, **options) -> Model:
     """Load a GGUF file or an HF/MLX directory (None: the demo model) onto `device`, tensor by tensor. Quantized
     weights stay packed unless keep_quantized=False, which dequantizes them once to `dtype` (more memory; dense
     matmuls). kv_cache: "dense" (K/V in `dtype`) or "turboquant4" (4-bit codes of the rotated vectors + a scale
@@ -181,16 +181,20 @@ def load(path=None, device=None, dtype=None, keep_quantized: bool = True, kv_cac
     (`sluice.config.EngineConfig`): max_batch, max_seq_len, prefill_chunk, decode_prefill_chunk, graphs,
     graph_batch_sizes, graph_token_sizes, whole_graph_tokens, overlap, deterministic, prefix_cache, kv_page,
     kv_blocks. tensor_parallel: split the weights across that many ranks, one process each (one GPU each on
-    CUDA; gloo ranks on the CPU: `sluice.parallel`); `Model.close()` stops them."""
+    CUDA; gloo ranks on the CPU: `sluice.parallel`); `Model.close()` stops them. expert_parallel: with
+    tensor_parallel, the routed experts split whole across the ranks instead of each expert's intermediate size."""
     from sluice.parallel import launch
 
+    if expert_parallel and tensor_parallel == 1:
+        raise InvalidOptionError("expert_parallel splits the experts across the ranks of tensor_parallel; give "
+                                 "tensor_parallel (--tensor-parallel) as well.")
     if tensor_parallel != 1 and launch.LOADING is None:  # this process becomes rank 0 and starts the others
         if gpu_memory is not None or expert_slots is not None or expert_store not in ("auto", None):
             raise InvalidOptionError("tensor_parallel cannot be combined with streamed experts (gpu_memory, "
                                      "expert_slots, expert_store) yet.")
         return launch.start(tensor_parallel, dict(
             path=path, device=device, dtype=dtype, keep_quantized=keep_quantized, kv_cache=kv_cache,
-            load_format=load_format, tensor_parallel=tensor_parallel, **options))
+            load_format=load_format, tensor_parallel=tensor_parallel, expert_parallel=expert_parallel, **options))
     unknown = sorted(set(options) - set(ENGINE_OPTIONS))
     if unknown:
         raise InvalidOptionError(f"unknown load option(s): {', '.join(unknown)}.")

@@ -244,5 +244,6 @@ class Model:
                 "weights_by_kind": kinds, "kv_cache": self.kv_cache, **self._kv_layout(),
                 "device": str(self.device), "dtype": str(self.dtype).removeprefix("torch."),
                 "tensor_parallel": self.tensor_parallel,  # >1: parameters and bytes are rank 0's shard
+                "expert_parallel": bool(getattr(getattr(self.module, "tp", None), "expert_parallel", False)),
                 "placement": None if self.placement is None else self.placement.summary(),
                 "memory_plan": self.engine.memory_plan()}

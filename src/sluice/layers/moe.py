@@ -47,13 +47,20 @@ class SparseMoE(nn.Module):
     def __init__(self, router: Linear, gate_up, down, top_k: int, norm_topk_prob: bool,
                  shared: SwiGLU | None, shared_gate: Linear | None):
         super().__init__()
+        self.num_experts = router.out_features  # routed experts (this rank may hold a range of them: `hold`)
         # the router and the shared expert's gate read the same x: one matmul, [E logits | shared gate logit]
         self.gates = router if shared_gate is None else fuse_linears([router, shared_gate])
         self.shared = shared
         self.gate_up, self.down = gate_up, down  # stacked experts (tensor or QuantizedTensor)
         self.top_k, self.norm_topk_prob = top_k, norm_topk_prob
-        self.num_experts = (gate_up.weight if isinstance(gate_up, QuantizedTensor) else gate_up).shape[0]
         self.expert_cache = None
+        self.held: tuple[int, int] | None = None  # expert parallel: (first, count) of the experts stacked here
+
+    def hold(self, first: int, count: int) -> None:
+        """Expert parallel (`sluice.parallel`): the stacked experts are experts first..first+count-1, then one
+        expert of zeros (`count`), which every expert routed elsewhere runs as (its output exactly 0: this rank's
+        part of the block's sum, the others' summed by the all-reduce after it)."""
+        self.held = (first, count)
 
     @property
     def capturable(self) -> bool:
@@ -69,7 +76,14 @@ class SparseMoE(nn.Module):
         self.gate_up, self.down = cache.gate_up, cache.down
 
     def _experts_for(self, ids: torch.Tensor):
-        """(gate_up, down, ids) a step routed to ids runs on: the stacked experts, or the expert cache's."""
+        """(gate_up, down, ids) a step routed to ids runs on: the stacked experts, or the expert cache's; expert
+        parallel, ids mapped to this rank's stack (an expert held elsewhere to the zero expert, the shared expert's
+        slot id E to one past the stack)."""
+        if self.held is not None:
+            first, count = self.held
+            local = ids - first
+            local = torch.where((local >= 0) & (local < count), local, count)
+            return self.gate_up, self.down, torch.where(ids == self.num_experts, count + 1, local).to(ids.dtype)
         if self.expert_cache is None:
             return self.gate_up, self.down, ids
         return self.expert_cache.for_step(ids, self.top_k)
@@ -155,6 +169,8 @@ class SparseMoE(nn.Module):
         for e in top_i.unique().tolist():  # in expert order, wherever the experts are: the same sums
             tok, slot = (top_i == e).nonzero(as_tuple=True)
             w = int(where[tok[0], slot[0]])
+            if self.held is not None and w == self.held[1]:  # held by another rank
+                continue
             xe = x2[tok]
             g, u = _expert_matmul(xe, gate_up, w).chunk(2, dim=-1)
             h = _expert_matmul(F.silu(g) * u, down, w)

@@ -329,7 +329,7 @@ class _Weights:
             gate_up = _stack([_cat_rows([self.get(p + f"experts.{e}.{n}_proj.weight", (I, H)) for n in ("gate", "up")])
                               for e in range(E)])
             down = _stack([self.get(p + f"experts.{e}.down_proj.weight", (H, I)) for e in range(E)])
-        if self.tp is not None:  # every expert's intermediate size split: gate and up rows, down columns
+        if self.tp is not None:  # each expert's intermediate size split, or (expert parallel) the experts
             gate_up, down = self.tp.experts(gate_up, down, I)
         router = self.get(p + "gate.weight", (E, H), keep_dtype=True)
         router = Linear(router.float() if isinstance(router, torch.Tensor) else router)  # HF keeps the gate fp32
@@ -339,7 +339,10 @@ class _Weights:
         shared = None
         if cfg.n_shared_experts:
             shared = self.mlp(p + "shared_experts.", I * cfg.n_shared_experts, H)
-        return DeepseekMoE(router, bias, gate_up, down, cfg.top_k, cfg.routing, shared)
+        moe = DeepseekMoE(router, bias, gate_up, down, cfg.top_k, cfg.routing, shared)
+        if self.tp is not None and self.tp.expert_parallel:
+            moe.hold(*self.tp.expert_range(E))
+        return moe
 
 
 def _rope_rows(heads: int, before: int, rope: int) -> torch.Tensor:

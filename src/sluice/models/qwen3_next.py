@@ -261,14 +261,17 @@ class _Weights:
             got = tuple(t.shape) if isinstance(t, torch.Tensor) else t.shape
             if got != shape:
                 raise ModelFileError(f"{p}experts {name}: shape {got}, config.json implies {shape}.")
-        if self.tp is not None:  # every expert's intermediate size split: gate and up rows, down columns
+        if self.tp is not None:  # each expert's intermediate size split, or (expert parallel) the experts
             gate_up, down = self.tp.experts(gate_up, down, I)
         shared = shared_gate = None
         if cfg.shared_expert_intermediate_size:
             shared = self.mlp(p + "shared_expert.", cfg.shared_expert_intermediate_size, H)
             shared_gate = Linear(self.get(p + "shared_expert_gate.weight", (1, H)))
-        return SparseMoE(Linear(self.get(p + "gate.weight", (E, H))), gate_up, down, cfg.top_k, cfg.norm_topk_prob,
+        moe = SparseMoE(Linear(self.get(p + "gate.weight", (E, H))), gate_up, down, cfg.top_k, cfg.norm_topk_prob,
                          shared, shared_gate)
+        if self.tp is not None and self.tp.expert_parallel:
+            moe.hold(*self.tp.expert_range(E))
+        return moe
 
     def gated_deltanet(self, cfg: Qwen3NextConfig, p: str, index: int) -> GatedDeltaNet:
         nk, nv = cfg.linear_num_key_heads, cfg.linear_num_value_heads

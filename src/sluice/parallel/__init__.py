@@ -37,6 +37,7 @@ class TensorParallel:
     rank: int
     size: int
     group: object = None
+    expert_parallel: bool = False  # routed experts split whole across the ranks (else each one's intermediate size)
 
     # -- splitting weights -----------------------------------------------------------------------------------
     def split(self, n: int, what: str) -> tuple[int, int]:
@@ -83,8 +84,13 @@ class TensorParallel:
         return w[..., a:b].clone()
 
     def experts(self, gate_up, down, intermediate: int):
-        """This rank's slice of stacked experts' intermediate size: gate_up [E, 2I, K] ([gate | up] rows) keeps
-        rows a..b of each half, down [E, H, I] columns a..b (its output a partial sum)."""
+        """This rank's part of stacked experts gate_up [E, 2I, K] ([gate | up] rows) and down [E, H, I]. Tensor
+        parallel: every expert's intermediate slice, gate_up rows a..b of each half, down columns a..b (its output a
+        partial sum). Expert parallel: experts a..b whole, then one expert of zeros (`SparseMoE.hold`)."""
+        if self.expert_parallel:
+            E = gate_up.shape[0]
+            a, b = self.split(E, "the routed experts")
+            return _with_zero_expert(_rows(gate_up, a, b)), _with_zero_expert(_rows(down, a, b))
         a, b = self.split(intermediate, "the experts' intermediate size")
         I = intermediate
         if isinstance(gate_up, QuantizedTensor):
@@ -94,6 +100,11 @@ class TensorParallel:
         else:
             gate_up = torch.cat([gate_up[:, a:b], gate_up[:, I + a:I + b]], dim=1)
         return gate_up, self.row(down, "the experts' intermediate size")
+
+    def expert_range(self, n: int) -> tuple[int, int]:
+        """(first, count) of the n routed experts this rank holds under expert parallelism."""
+        a, b = self.split(n, "the routed experts")
+        return a, b - a
 
     def vocab(self, w):
         """This rank's rows of an embedding or output head [V, H], V padded up to a multiple of the size (the
@@ -140,6 +151,14 @@ def _rows(w, a: int, b: int, pad_to: int | None = None):
     if pad_to is not None and b - a < pad_to:
         return torch.cat([out, out.new_zeros(pad_to - (b - a), *out.shape[1:])])
     return out.clone()  # its own storage: a view would keep the whole weight alive on every rank
+
+
+def _with_zero_expert(w):
+    """Stacked experts [E, N, K] (dense or quantized) and one more of zeros after them: quantized, zero codes, scales
+    and biases, so it dequantizes to exact zeros."""
+    if isinstance(w, QuantizedTensor):
+        return QuantizedTensor(*(_with_zero_expert(t) for t in (w.weight, w.scales, w.biases)), w.bits, w.group_size)
+    return torch.cat([w, w.new_zeros(1, *w.shape[1:])])
 
 
 class RowParallel(nn.Module):

@@ -56,7 +56,7 @@ def _device(device, rank: int):
     return dev
 
 
-def _join(rank: int, size: int, port: int | None, dev: torch.device) -> TensorParallel:
+def _join(rank: int, size: int, port: int | None, dev: torch.device, load_args: dict) -> TensorParallel:
     """Join the group: on this host at `port`, or (None) where torchrun's environment says."""
     import torch.distributed as dist
 
@@ -65,7 +65,7 @@ def _join(rank: int, size: int, port: int | None, dev: torch.device) -> TensorPa
         torch.cuda.set_device(dev)
     init = "env://" if port is None else f"tcp://127.0.0.1:{port}"
     dist.init_process_group(backend, init_method=init, rank=rank, world_size=size, timeout=TIMEOUT)
-    return TensorParallel(rank, size, dist.group.WORLD)
+    return TensorParallel(rank, size, dist.group.WORLD, bool(load_args.get("expert_parallel")))
 
 
 def _worker() -> None:
@@ -83,7 +83,7 @@ def _worker() -> None:
     try:
         dev = _device(load_args.get("device"), rank)
         conn.send(("joining", None))
-        LOADING = _join(rank, size, group_port, dev)
+        LOADING = _join(rank, size, group_port, dev, load_args)
         model = load(**{**load_args, "device": dev})
         LOADING = None
     except BaseException as e:  # noqa: BLE001  said to rank 0, which raises it
@@ -153,7 +153,7 @@ def start(size: int, load_args: dict):
             conns.append(conn)
         for rank, (conn, p) in enumerate(zip(conns, procs), 1):
             _expect(conn, p, "joining", rank)
-        LOADING = _join(0, size, group_port, dev)
+        LOADING = _join(0, size, group_port, dev, load_args)
         try:
             model = load(**{**load_args, "device": dev})
         finally:
@@ -185,7 +185,7 @@ def _start_under_torchrun(size: int, load_args: dict):
         raise InvalidOptionError(f"tensor_parallel={size}, but torchrun started {world} processes; give "
                                  "--tensor-parallel the number of processes torchrun starts (nodes x processes each).")
     dev = _device(load_args.get("device"), local)
-    LOADING = _join(rank, size, None, dev)
+    LOADING = _join(rank, size, None, dev, load_args)
     listener = None
     if rank == 0:  # rank 0's command address, on every interface: the others may be on other hosts
         key = os.urandom(32)
