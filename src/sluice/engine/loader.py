@@ -128,6 +128,9 @@ def _read_checkpoint(path, load_format: str, dev: torch.device, dt: torch.dtype,
     src = open_source(path, load_format)
     src.tp = launch.LOADING  # this rank's part of a tensor-parallel model (None: the whole model): the builders split
     store = streams(src, dev, gpu_memory, expert_slots, expert_store)
+    if src.tp is not None and store == "disk":
+        raise UnsupportedError("tensor_parallel streams experts from host memory only, yet, and this host's memory "
+                               "cannot hold them; use more GPUs, or one process with expert_store='disk'.")
     name = src.architecture if src.format == "gguf" else src.config.get("model_type", "<missing model_type>")
     if src.tp is not None and not getattr(architecture_module(name), "TENSOR_PARALLEL", False):
         raise UnsupportedError(f"tensor_parallel is not supported for {name!r} models yet.")
@@ -189,12 +192,13 @@ def load(path=None, device=None, dtype=None, keep_quantized: bool = True, kv_cac
         raise InvalidOptionError("expert_parallel splits the experts across the ranks of tensor_parallel; give "
                                  "tensor_parallel (--tensor-parallel) as well.")
     if tensor_parallel != 1 and launch.LOADING is None:  # this process becomes rank 0 and starts the others
-        if gpu_memory is not None or expert_slots is not None or expert_store not in ("auto", None):
-            raise InvalidOptionError("tensor_parallel cannot be combined with streamed experts (gpu_memory, "
-                                     "expert_slots, expert_store) yet.")
+        if expert_store == "disk" or (expert_parallel and (gpu_memory is not None or expert_slots is not None)):
+            raise InvalidOptionError("tensor_parallel streams experts from host memory only, and not with "
+                                     "expert_parallel, yet: drop expert_store='disk' (or expert_parallel).")
         return launch.start(tensor_parallel, dict(
             path=path, device=device, dtype=dtype, keep_quantized=keep_quantized, kv_cache=kv_cache,
-            load_format=load_format, tensor_parallel=tensor_parallel, expert_parallel=expert_parallel, **options))
+            load_format=load_format, tensor_parallel=tensor_parallel, expert_parallel=expert_parallel,
+            gpu_memory=gpu_memory, expert_slots=expert_slots, expert_store=expert_store, **options))
     unknown = sorted(set(options) - set(ENGINE_OPTIONS))
     if unknown:
         raise InvalidOptionError(f"unknown load option(s): {', '.join(unknown)}.")

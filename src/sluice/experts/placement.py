@@ -66,6 +66,9 @@ def streams(src, device: torch.device, gpu_memory: int | None, expert_slots: int
         budget = gpu_memory if gpu_memory is not None else (
             torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else None)
         total = getattr(src, "total_bytes", 0)
+        tp = getattr(src, "tp", None)
+        if tp is not None:  # a tensor-parallel rank holds about its share
+            total //= tp.size
         if budget is None or total + CACHE_RESERVE <= budget:
             return None
         if not experts:
