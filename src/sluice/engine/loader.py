@@ -82,8 +82,9 @@ class _DeviceReader:
         self.src, self.device, self.expert_store = src, device, expert_store
         self.streamed_prefixes: list[str] = []  # the MoE layers whose experts stay on disk, in the order read
         self.direct = getattr(src, "reads_to_device", False)
+        tp = getattr(src, "tp", None)  # a tensor-parallel group shows rank 0's bar alone
         self.bar = tqdm(total=total_bytes, desc="loading", unit="B", unit_scale=True, unit_divisor=1024,
-                        leave=False, disable=not sys.stderr.isatty())
+                        leave=False, disable=not sys.stderr.isatty() or (tp is not None and tp.rank != 0))
 
     def __getattr__(self, name):
         return getattr(self.src, name)

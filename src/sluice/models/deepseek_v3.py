@@ -318,6 +318,7 @@ class _Weights:
 
     def moe(self, cfg: DeepseekConfig, p: str) -> DeepseekMoE:
         H, E, I = cfg.hidden_size, cfg.num_experts, cfg.moe_intermediate_size
+        read = None
         if self.src.has(p + "switch_mlp.gate_proj.weight"):  # MLX: stacked per projection
             gate = self.get(p + "switch_mlp.gate_proj.weight", (E, I, H))
             up = self.get(p + "switch_mlp.up_proj.weight", (E, I, H))
@@ -325,12 +326,14 @@ class _Weights:
         elif self.src.has(p + "experts.gate_up_proj"):  # transformers' fused [E, 2I, H] and [E, H, I]
             gate_up = self.get(p + "experts.gate_up_proj", (E, 2 * I, H))
             down = self.get(p + "experts.down_proj", (E, H, I))
-        else:  # per-expert tensors (the published checkpoints, transformers' save_pretrained), stacked
+        else:  # per-expert tensors (the published checkpoints, transformers' save_pretrained), stacked; expert
+            # parallel: this rank's alone are read
+            read = range(E) if self.tp is None else self.tp.experts_to_read(E)
             gate_up = _stack([_cat_rows([self.get(p + f"experts.{e}.{n}_proj.weight", (I, H)) for n in ("gate", "up")])
-                              for e in range(E)])
-            down = _stack([self.get(p + f"experts.{e}.down_proj.weight", (H, I)) for e in range(E)])
+                              for e in read])
+            down = _stack([self.get(p + f"experts.{e}.down_proj.weight", (H, I)) for e in read])
         if self.tp is not None:  # each expert's intermediate size split, or (expert parallel) the experts
-            gate_up, down = self.tp.experts(gate_up, down, I)
+            gate_up, down = self.tp.experts(gate_up, down, I, read if read is not None and len(read) < E else None)
         router = self.get(p + "gate.weight", (E, H), keep_dtype=True)
         router = Linear(router.float() if isinstance(router, torch.Tensor) else router)  # HF keeps the gate fp32
         bias = None

@@ -245,24 +245,26 @@ class _Weights:
         return swiglu(gate, up, self.get(p + "down_proj.weight", (hidden, intermediate)), self.tp)
 
     def moe(self, cfg: Qwen3NextConfig, p: str) -> SparseMoE:
-        H = cfg.hidden_size
+        H, read = cfg.hidden_size, None
         if self.src.has(p + "switch_mlp.gate_proj.weight"):  # MLX: stacked per projection
             gate, up = self.get(p + "switch_mlp.gate_proj.weight"), self.get(p + "switch_mlp.up_proj.weight")
             gate_up, down = _cat_rows([gate, up]), self.get(p + "switch_mlp.down_proj.weight")
         elif self.src.has(p + "experts.gate_up_proj"):  # Qwen3.5: fused [E, 2I, H] and [E, H, I]
             gate_up, down = self.get(p + "experts.gate_up_proj"), self.get(p + "experts.down_proj")
-        else:  # per-expert tensors, stacked
+        else:  # per-expert tensors, stacked (expert parallel: this rank's alone are read)
             E, I = cfg.num_experts, cfg.moe_intermediate_size
+            read = range(E) if self.tp is None else self.tp.experts_to_read(E)
             gate_up = torch.stack([torch.cat([self.get(p + f"experts.{e}.{n}_proj.weight", (I, H))
-                                              for n in ("gate", "up")]) for e in range(E)])
-            down = torch.stack([self.get(p + f"experts.{e}.down_proj.weight", (H, I)) for e in range(E)])
+                                              for n in ("gate", "up")]) for e in read])
+            down = torch.stack([self.get(p + f"experts.{e}.down_proj.weight", (H, I)) for e in read])
         E, I = cfg.num_experts, cfg.moe_intermediate_size
-        for name, t, shape in (("gate_up", gate_up, (E, 2 * I, H)), ("down", down, (E, H, I))):
+        n = len(read) if read is not None else E
+        for name, t, shape in (("gate_up", gate_up, (n, 2 * I, H)), ("down", down, (n, H, I))):
             got = tuple(t.shape) if isinstance(t, torch.Tensor) else t.shape
             if got != shape:
                 raise ModelFileError(f"{p}experts {name}: shape {got}, config.json implies {shape}.")
         if self.tp is not None:  # each expert's intermediate size split, or (expert parallel) the experts
-            gate_up, down = self.tp.experts(gate_up, down, I)
+            gate_up, down = self.tp.experts(gate_up, down, I, read if n < E else None)
         shared = shared_gate = None
         if cfg.shared_expert_intermediate_size:
             shared = self.mlp(p + "shared_expert.", cfg.shared_expert_intermediate_size, H)

@@ -83,14 +83,20 @@ class TensorParallel:
         a, b = self.split(w.shape[-1], what)
         return w[..., a:b].clone()
 
-    def experts(self, gate_up, down, intermediate: int):
+    def experts_to_read(self, n: int) -> range:
+        """The routed experts (of n) whose weights this rank needs: its own under expert parallelism (a checkpoint
+        of per-expert tensors is read for those alone), else all (each one's slice)."""
+        return range(*self.split(n, "the routed experts")) if self.expert_parallel else range(n)
+
+    def experts(self, gate_up, down, intermediate: int, read: range | None = None):
         """This rank's part of stacked experts gate_up [E, 2I, K] ([gate | up] rows) and down [E, H, I]. Tensor
         parallel: every expert's intermediate slice, gate_up rows a..b of each half, down columns a..b (its output a
         partial sum). Expert parallel: experts a..b whole, then one expert of zeros (`SparseMoE.hold`)."""
-        if self.expert_parallel:
-            E = gate_up.shape[0]
-            a, b = self.split(E, "the routed experts")
-            return _with_zero_expert(_rows(gate_up, a, b)), _with_zero_expert(_rows(down, a, b))
+        if self.expert_parallel:  # (`read`: the stacks hold only the experts `experts_to_read` named)
+            if read is None:
+                a, b = self.split(gate_up.shape[0], "the routed experts")
+                gate_up, down = _rows(gate_up, a, b), _rows(down, a, b)
+            return _with_zero_expert(gate_up), _with_zero_expert(down)
         a, b = self.split(intermediate, "the experts' intermediate size")
         I = intermediate
         if isinstance(gate_up, QuantizedTensor):
