@@ -17,15 +17,17 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -
     prefix cache waited for it).
     """
     T, S = q.shape[2], k.shape[2]
+    if q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and q.shape[-1] == v.shape[-1] <= 256:
+        # every chunk on the flash kernel, causal to the bottom right as it is (T == S: plain causal; T == 1: every
+        # key): for a later chunk what `causal_lower_right` runs without importing `torch.nn.attention.bias`, which
+        # pulls in torch._dynamo (4.6 s: the first serving step that resumed a prompt from the prefix cache waited
+        # for it); for a first chunk no SDPA dispatch, which may take cuDNN's backend (a plan built on the host for
+        # every new length: a lead for the first wave's slow steps, docs/perf-log.md)
+        return torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, True, False, scale=scale)[0]
     if T == 1:
         mask, causal = None, False
     elif T == S:
         mask, causal = None, True
-    elif q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and q.shape[-1] == v.shape[-1] <= 256:
-        # the flash kernel, causal to the bottom right as it is: what `causal_lower_right` runs, without importing
-        # `torch.nn.attention.bias`, which pulls in torch._dynamo (4.6 s: the first serving step that resumed a
-        # prompt from the prefix cache waited for it)
-        return torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, True, False, scale=scale)[0]
     elif not q.is_cuda:
         mask, causal = torch.ones(T, S, dtype=torch.bool, device=q.device).tril(S - T), False
     else:
