@@ -70,21 +70,23 @@ def main(argv=None) -> dict:
     ap.add_argument("--sizes", default="1,2", help="tensor-parallel sizes, each loaded in turn")
     ap.add_argument("--batches", default="1,64")
     ap.add_argument("--kv-cache", default="dense")
+    ap.add_argument("--device", default="cuda", help="cpu: a smoke run of this script (gloo ranks, no profile)")
     ap.add_argument("--expert-parallel", action="store_true",
                     help="also each size > 1 with the routed experts split whole (expert parallel)")
     args = ap.parse_args(argv)
     sizes = [int(s) for s in args.sizes.split(",")]
     batches = [int(b) for b in args.batches.split(",")]
-    if max(sizes) > torch.cuda.device_count():
+    gpu = args.device == "cuda"
+    if gpu and max(sizes) > torch.cuda.device_count():
         raise SystemExit(f"--sizes {args.sizes}: {torch.cuda.device_count()} GPUs visible")
     rows = []
-    figures = {"config": args.config, "gpu": torch.cuda.get_device_name(), "gpus": torch.cuda.device_count(),
-               "rows": rows}
+    figures = {"config": args.config, "gpu": torch.cuda.get_device_name() if gpu else None,
+               "gpus": torch.cuda.device_count() if gpu else 0, "rows": rows}
     runs = [(size, False) for size in sizes]
     runs += [(size, True) for size in sizes if size > 1 and args.expert_parallel]
     for size, ep in runs:
         t0 = time.perf_counter()
-        model = sluice.load(args.config, load_format="dummy", device="cuda", tensor_parallel=size,
+        model = sluice.load(args.config, load_format="dummy", device=args.device, tensor_parallel=size,
                             expert_parallel=ep, kv_cache=args.kv_cache, max_batch=max(batches))
         load_s = time.perf_counter() - t0
         print(f"tensor_parallel={size}{' (experts whole)' if ep else ''}: loaded in {load_s:.1f} s, "
@@ -92,8 +94,13 @@ def main(argv=None) -> dict:
         try:
             for batch in batches:
                 prompt, gen = (512, 64) if batch == 1 else (128, 32)
-                r = model.bench(prompt_tokens=prompt, gen_tokens=gen, batch=batch, repeats=2)
-                r.update(tensor_parallel=size, expert_parallel=ep, load_s=load_s, **step_kernels(model, batch))
+                if not gpu:  # a smoke run
+                    prompt, gen = 16, 4
+                r = model.bench(prompt_tokens=prompt, gen_tokens=gen, batch=batch, repeats=2 if gpu else 1)
+                r.update(tensor_parallel=size, expert_parallel=ep, load_s=load_s)
+                r.update(step_kernels(model, batch) if gpu else {"kernel_ms_per_step": 0.0,
+                                                                 "collective_ms_per_step": 0.0, "collectives": {}})
+                r.setdefault("floor_decode_tok_s", float("nan"))
                 rows.append(r)
                 checkpoint(figures)
                 print(json.dumps({k: r.get(k) for k in ("tensor_parallel", "expert_parallel", "batch", "decode_tok_s",
@@ -103,7 +110,8 @@ def main(argv=None) -> dict:
             model.close()
             del model
             gc.collect()
-            torch.cuda.empty_cache()
+            if gpu:
+                torch.cuda.empty_cache()
     one = {r["batch"]: r["decode_tok_s"] for r in rows if r["tensor_parallel"] == 1}
     print(f"\n{args.config}, {figures['gpu']}, distinct prompts, sampled tokens")
     print(f"{'TP':>3s} {'MoE':>7s} {'batch':>5s} {'decode t/s':>10s} {'vs 1 GPU':>8s} {'floor t/s':>9s} {'of floor':>8s} "
