@@ -136,6 +136,21 @@ def test_split_with_streamed_experts(tmp_path):
         tp.close()
 
 
+def test_close_ends_a_stuck_worker(llama_dir):
+    """A worker that does not answer (stopped here; on a GPU, one waiting in a collective of a step rank 0 left at a
+    Ctrl-C) is terminated, then killed, within seconds, not left behind."""
+    import os
+    import signal
+    import time
+
+    tp = sluice.load(llama_dir, device="cpu", tensor_parallel=2)
+    worker = tp.mirror.procs[0]
+    os.kill(worker.pid, signal.SIGSTOP)
+    t0 = time.monotonic()
+    tp.close()
+    assert worker.poll() is not None and time.monotonic() - t0 < 20
+
+
 def test_what_cannot_split_is_a_clear_error(llama_dir, qwen_dir):
     with pytest.raises(sluice.SluiceError, match="3 equal parts"):  # 4 heads
         sluice.load(llama_dir, device="cpu", tensor_parallel=3)

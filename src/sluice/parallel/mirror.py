@@ -51,21 +51,24 @@ class Mirror:
         return self._keys
 
     def close(self) -> None:
-        """Stop the workers (they leave their loop and exit; those that do not within 30 s are killed) and the
-        process group. Idempotent."""
+        """Stop the workers and the process group. Idempotent. A worker waiting for its next command leaves its loop
+        and exits at once; one that does not within 3 s (stuck in a collective of a step rank 0 left, a Ctrl-C
+        mid-step) is terminated, then killed."""
         if self.closed:
             return
         self.closed = True
         for conn in self.conns:
             with contextlib.suppress(OSError, ValueError):
                 conn.send(("stop",))
-        deadline = time.monotonic() + 30
-        for p in self.procs:
-            try:
-                p.wait(timeout=max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
+        for signal_them in (None, subprocess.Popen.terminate, subprocess.Popen.kill):
+            deadline = time.monotonic() + 3
+            for p in self.procs:
+                if signal_them is not None and p.poll() is None:
+                    signal_them(p)
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    p.wait(timeout=max(0.1, deadline - time.monotonic()))
+            if all(p.poll() is not None for p in self.procs):
+                break
         self.conns, self.procs = [], []
         import torch.distributed as dist
 
