@@ -19,6 +19,15 @@ def tokens(model, **sampling):
     return [s.output for s in seqs]
 
 
+def same_as_one(split, one, prompt=PROMPTS[2], seed=5, tol=1e-5):
+    """The split model's logits of `prompt` within `tol` of one process's, and the same greedy and seeded-sampled
+    tokens through the batched engine."""
+    ids = torch.tensor([prompt])
+    assert rel(split.logits(ids), one.logits(ids)) < tol
+    assert tokens(split, temperature=0.0) == tokens(one, temperature=0.0)
+    assert tokens(split, temperature=1.0, seed=seed) == tokens(one, temperature=1.0, seed=seed)
+
+
 @pytest.fixture(scope="module")
 def one(llama_dir):
     return sluice.load(llama_dir, device="cpu")
@@ -87,10 +96,7 @@ def test_hybrid_and_mla_splits_give_the_logits_and_tokens_of_one_process(qwen4, 
     one = sluice.load(path, device="cpu")
     tp = sluice.load(path, device="cpu", tensor_parallel=size)
     try:
-        ids = torch.tensor([PROMPTS[2]])
-        assert rel(tp.logits(ids), one.logits(ids)) < 1e-5
-        assert tokens(tp, temperature=0.0) == tokens(one, temperature=0.0)
-        assert tokens(tp, temperature=1.0, seed=5) == tokens(one, temperature=1.0, seed=5)
+        same_as_one(tp, one)
         assert tokens(tp, temperature=0.0) == tokens(one, temperature=0.0)  # again: from the prefix cache
     finally:
         tp.close()
@@ -107,10 +113,7 @@ def test_expert_parallel_gives_the_logits_and_tokens_of_one_process(qwen4, deeps
         moe = next(m for m in ep.module.modules() if hasattr(m, "held"))
         E = moe.num_experts
         assert moe.held == (0, E // 2) and moe.gate_up.shape[0] == E // 2 + 1 and ep.info()["expert_parallel"]
-        ids = torch.tensor([PROMPTS[2]])
-        assert rel(ep.logits(ids), one.logits(ids)) < 1e-5
-        assert tokens(ep, temperature=0.0) == tokens(one, temperature=0.0)
-        assert tokens(ep, temperature=1.0, seed=5) == tokens(one, temperature=1.0, seed=5)
+        same_as_one(ep, one)
     finally:
         ep.close()
 
@@ -128,10 +131,7 @@ def test_split_with_streamed_experts(tmp_path):
     tp = sluice.load(path, device="cpu", tensor_parallel=2, expert_slots=6)
     try:
         assert tp.placement is not None and tp.info()["placement"]["slots_per_layer"] == 6
-        ids = torch.tensor([PROMPTS[0]])
-        assert rel(tp.logits(ids), one.logits(ids)) < 1e-5
-        assert tokens(tp, temperature=0.0) == tokens(one, temperature=0.0)
-        assert tokens(tp, temperature=1.0, seed=2) == tokens(one, temperature=1.0, seed=2)
+        same_as_one(tp, one, PROMPTS[0], seed=2)
     finally:
         tp.close()
 
@@ -235,10 +235,7 @@ def test_split_on_two_gpus_gives_the_logits_and_tokens_of_one(tmp_path, name, ov
     tp = sluice.load(path, load_format="dummy", device="cuda", dtype="float32", max_batch=4, tensor_parallel=2,
                      expert_parallel=expert_parallel)
     try:
-        ids = torch.tensor([PROMPTS[2]])
-        assert rel(tp.logits(ids), one.logits(ids)) < 1e-4
         assert tp.engine.runner.uses_graphs
-        assert tokens(tp, temperature=0.0) == tokens(one, temperature=0.0)
-        assert tokens(tp, temperature=1.0, seed=5) == tokens(one, temperature=1.0, seed=5)
+        same_as_one(tp, one, tol=1e-4)
     finally:
         tp.close()
