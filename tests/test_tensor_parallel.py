@@ -211,7 +211,10 @@ def _small_config(tmp_path, name: str, **over) -> str:
     from pathlib import Path
 
     cfg = json.loads((Path(__file__).parent.parent / "benchmarks" / "configs" / name).read_text())
-    cfg.update(over)
+    text = cfg.get("text_config", cfg)  # (Qwen3.5's text model inside its multimodal config)
+    text.update(over)
+    if "layer_types" in text:
+        text["layer_types"] = text["layer_types"][:text["num_hidden_layers"]]
     d = tmp_path / name.removesuffix(".json")
     d.mkdir()
     (d / "config.json").write_text(json.dumps(cfg))
@@ -224,6 +227,7 @@ def _small_config(tmp_path, name: str, **over) -> str:
                                      moe_intermediate_size=256, shared_expert_intermediate_size=256)),
     ("moonlight-16b-a3b.json", dict(num_hidden_layers=3, hidden_size=512, n_routed_experts=16, vocab_size=4096,
                                     intermediate_size=1024, moe_intermediate_size=256)),
+    ("qwen3.5-397b-a17b.json", dict(num_hidden_layers=4, hidden_size=512, num_experts=32, vocab_size=4096)),
 ])
 @pytest.mark.parametrize("expert_parallel", [False, True])
 def test_split_on_two_gpus_gives_the_logits_and_tokens_of_one(tmp_path, name, over, expert_parallel):
