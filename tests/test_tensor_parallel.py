@@ -203,6 +203,9 @@ def test_torchrun_starts_the_same_ranks(llama_dir, one):
     assert r.stdout.strip() == one.generate("hello", max_tokens=8, temperature=0).strip()
     bad = subprocess.run(cmd[:5] + ["1"] + cmd[6:], capture_output=True, text=True, timeout=300, env=env, check=False)
     assert bad.returncode != 0 and "torchrun started 1 processes" in bad.stderr
+    unsplit = subprocess.run(cmd[:cmd.index("--tensor-parallel")] + cmd[cmd.index("--tensor-parallel") + 2:],
+                             capture_output=True, text=True, timeout=300, env=env, check=False)
+    assert unsplit.returncode != 0 and "give --tensor-parallel 2" in unsplit.stderr
 
 
 def _small_config(tmp_path, name: str, **over) -> str:

@@ -189,6 +189,11 @@ def load(path=None, device=None, dtype=None, keep_quantized: bool = True, kv_cac
     tensor_parallel, the routed experts split whole across the ranks instead of each expert's intermediate size."""
     from sluice.parallel import launch
 
+    run = launch.torchrun()
+    if run is not None and run[1] > 1 and tensor_parallel == 1 and launch.LOADING is None:
+        raise InvalidOptionError(f"torchrun started {run[1]} processes but tensor_parallel is 1: give "
+                                 f"--tensor-parallel {run[1]} (tensor_parallel={run[1]}) to split the model across "
+                                 "them.")
     if expert_parallel and tensor_parallel == 1:
         raise InvalidOptionError("expert_parallel splits the experts across the ranks of tensor_parallel; give "
                                  "tensor_parallel (--tensor-parallel) as well.")
