@@ -86,6 +86,7 @@ def v3_slices(batches: list[int], moe_layers: int, figures: dict) -> None:
         d = Path(tempfile.mkdtemp()) / f"v3-{layers}"
         d.mkdir()
         (d / "config.json").write_text(json.dumps({**cfg, "num_hidden_layers": layers, "num_nextn_predict_layers": 0}))
+        model = None
         try:
             model = sluice.load(d, load_format="dummy", device="cuda", max_batch=max(batches))
             for batch in batches:
@@ -94,12 +95,14 @@ def v3_slices(batches: list[int], moe_layers: int, figures: dict) -> None:
                 out.append({"layers": layers, "batch": batch, "step_ms": step_ms, "decode_tok_s": r["decode_tok_s"],
                             "weight_bytes": model.info()["weight_bytes"]})
                 print(json.dumps(out[-1]), flush=True)
-            _free(model)
-            del model
         except Exception:  # noqa: BLE001
             out.append({"layers": layers, "error": traceback.format_exc()})
             figures["ok"] = False
             print(out[-1]["error"], flush=True)
+        finally:  # freed before the next slice loads, or that one would stream its experts or run out
+            if model is not None:
+                _free(model)
+            del model
         gc.collect()
         torch.cuda.empty_cache()
         checkpoint(figures)
@@ -124,13 +127,21 @@ def main(argv=None) -> dict:
     figures: dict = {"gpu": torch.cuda.get_device_name(), "ok": True}
     t0 = time.perf_counter()
     if "moonlight" in args.parts:
-        moonlight([int(b) for b in args.batches.split(",")], figures)
+        try:
+            moonlight([int(b) for b in args.batches.split(",")], figures)
+        except Exception:  # noqa: BLE001  (the V3 slices still run)
+            figures["moonlight_error"] = traceback.format_exc()
+            figures["ok"] = False
+            print(figures["moonlight_error"], flush=True)
+            gc.collect()
+            torch.cuda.empty_cache()
     if "v3" in args.parts:
         v3_slices([int(b) for b in args.v3_batches.split(",")], args.v3_moe_layers, figures)
-    print(f"\nDeepSeek-family decode, {figures['gpu']}, 4-bit dummy weights, sampled ({time.perf_counter() - t0:.0f} s)")
+    took = time.perf_counter() - t0
+    print(f"\nDeepSeek-family decode, {figures['gpu']}, 4-bit dummy weights, sampled ({took:.0f} s)")
     for r in figures.get("moonlight", []):
-        if "error" in r:
-            print(f"Moonlight chain={r['chain']} batch {r['batch']}: ERROR (traceback above)")
+        if "error" in r or r.get("decode_tok_s") is None:
+            print(f"Moonlight chain={r['chain']} batch {r['batch']}: ERROR or no steady window (above)")
         else:
             print(f"Moonlight chain={r['chain']!s:5s} batch {r['batch']:3d}: {r['decode_tok_s']:8.1f} tok/s "
                   f"(floor {r['floor_decode_tok_s']:.0f})")

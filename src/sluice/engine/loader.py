@@ -129,6 +129,10 @@ def _read_checkpoint(path, load_format: str, dev: torch.device, dt: torch.dtype,
     src = open_source(path, load_format)
     src.tp = launch.LOADING  # this rank's part of a tensor-parallel model (None: the whole model): the builders split
     store = streams(src, dev, gpu_memory, expert_slots, expert_store)
+    if src.tp is not None and src.tp.expert_parallel and store is not None:
+        raise UnsupportedError("expert_parallel with streamed experts is not supported yet, and this model's share "
+                               "of the experts does not fit the device memory: use more GPUs, or tensor_parallel "
+                               "without expert_parallel (its experts stream from host memory).")
     if src.tp is not None and store == "disk":
         raise UnsupportedError("tensor_parallel streams experts from host memory only, yet, and this host's memory "
                                "cannot hold them; use more GPUs, or one process with expert_store='disk'.")

@@ -119,7 +119,7 @@ class ModelRunner:
             reserve += probe.kv.bytes_per_token() // max(1, probe.kv.num_layers) * capacity
         free = self._agreed(available_memory(self.device), min) + reclaim - reserve
         if budget is not None and gpu:
-            free = min(free, budget - weights - reserve)
+            free = min(free, self._agreed(budget - weights - reserve, min))
         budgeted = budget is not None or self._streams_experts()
         blocks = self.config.kv_blocks if paged else None
         if blocks is not None and blocks < per_seq:
@@ -159,13 +159,7 @@ class ModelRunner:
         """value as every rank of a tensor-parallel model takes it (op: min or max over the ranks), so that their
         pools, and with them every scheduling choice, come out the same; value itself in one process."""
         tp = getattr(self.module, "tp", None)
-        if tp is None:
-            return value
-        import torch.distributed as dist
-
-        t = torch.tensor([value], dtype=torch.int64, device=self.device if self.device.type == "cuda" else "cpu")
-        dist.all_reduce(t, op=dist.ReduceOp.MIN if op is min else dist.ReduceOp.MAX, group=tp.group)
-        return int(t.item())
+        return value if tp is None else tp.agree(value, op, self.device)
 
     def activation_reserve(self) -> int:
         """Bytes a GPU keeps beside the weights and the caches for the steps' activations and CUDA graphs, measured

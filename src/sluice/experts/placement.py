@@ -67,8 +67,9 @@ def streams(src, device: torch.device, gpu_memory: int | None, expert_slots: int
             torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else None)
         total = getattr(src, "total_bytes", 0)
         tp = getattr(src, "tp", None)
-        if tp is not None:  # a tensor-parallel rank holds about its share
+        if tp is not None:  # a tensor-parallel rank holds about its share; every rank decides alike
             total //= tp.size
+            budget = budget if budget is None else tp.agree(budget, min, device)
         if budget is None or total + CACHE_RESERVE <= budget:
             return None
         if not experts:
@@ -85,7 +86,11 @@ def streams(src, device: torch.device, gpu_memory: int | None, expert_slots: int
     if expert_store == "auto" and on_disk:
         from sluice.engine.runner import available_memory
 
-        return "host" if experts + HOST_RESERVE <= available_memory(torch.device("cpu")) else "disk"
+        host = available_memory(torch.device("cpu"))
+        tp = getattr(src, "tp", None)
+        if tp is not None:
+            host = tp.agree(host, min, device)
+        return "host" if experts + HOST_RESERVE <= host else "disk"
     return "disk" if expert_store == "disk" else "host"
 
 
@@ -188,6 +193,9 @@ def place(module, device: torch.device, gpu_memory: int | None, expert_slots: in
         else:
             room = free - resident - reserve - staging_bytes
             slots = min(E, max(0, room // (L * expert_bytes)))
+            tp = getattr(module, "tp", None)
+            if tp is not None:  # the same slots on every rank of a tensor-parallel group (lockstep)
+                slots = tp.agree(slots, min, device)
         if slots == E and disk is None:  # it all fits after all
             for m in moes:
                 m.gate_up, m.down = m.gate_up.to(device), m.down.to(device)
@@ -217,7 +225,8 @@ def place(module, device: torch.device, gpu_memory: int | None, expert_slots: in
         m.stream_from(caches[-1])
     staging.caches = caches
     placement = Placement(L, E, slots, k, expert_bytes, resident, gpu_memory, caches)
-    print(f"sluice: {placement.describe()}", file=sys.stderr)
+    if getattr(getattr(module, "tp", None), "rank", 0) == 0:
+        print(f"sluice: {placement.describe()}", file=sys.stderr)
     return placement
 
 

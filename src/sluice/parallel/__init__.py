@@ -121,6 +121,16 @@ class TensorParallel:
         return _rows(w, a, b, pad_to=part)
 
     # -- collectives ------------------------------------------------------------------------------------------
+    def agree(self, value: int, op, device) -> int:
+        """value as every rank takes it (op: min or max over the ranks): a decision each rank makes from its own
+        readings (free memory, say) comes out the same on all, as lockstep needs."""
+        import torch.distributed as dist
+
+        device = torch.device(device)
+        t = torch.tensor([int(value)], dtype=torch.int64, device=device if device.type == "cuda" else "cpu")
+        dist.all_reduce(t, op=dist.ReduceOp.MIN if op is min else dist.ReduceOp.MAX, group=self.group)
+        return int(t.item())
+
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         import torch.distributed as dist
 

@@ -7,9 +7,10 @@ on Linux the worker also gets SIGTERM when rank 0's process ends).
 
 Under `torchrun` (its RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT in the environment), nothing is
 started: every process torchrun started runs the same command, joins the group torchrun describes (rank r on
-cuda:LOCAL_RANK, so one node or several), loads its shard, and connects to rank 0 over TCP (an authenticated
-`multiprocessing.connection`, its address and key broadcast over the group); `load` returns on rank 0 alone, and the
-other ranks serve it, then exit when it closes.
+cuda:LOCAL_RANK, so one node or several), loads its shard, learns whether every rank did (any rank's error is raised
+on all), and connects to rank 0 over TCP (an authenticated `multiprocessing.connection`, its address and key
+broadcast over the group; loopback when the ranks share one node); `load` returns on rank 0 alone, and the other
+ranks serve it, then exit when it closes.
 """
 
 from __future__ import annotations
@@ -169,11 +170,14 @@ def start(size: int, load_args: dict):
 
 
 def _start_under_torchrun(size: int, load_args: dict):
-    """`start` in a process torchrun started: join its group, load this rank's shard; rank 0 accepts the others'
-    connections and returns its Model; any other rank serves rank 0 until it stops, then exits."""
+    """`start` in a process torchrun started: join its group, load this rank's shard, learn whether every rank
+    loaded (an error on any is raised on all); rank 0 accepts the others' connections and returns its Model; any
+    other rank serves rank 0 until it stops, then exits."""
     global LOADING
+    import socket
     import sys
-    from multiprocessing.connection import Client, Listener
+    from multiprocessing.connection import AuthenticationError, Client, Connection, answer_challenge, \
+        deliver_challenge
 
     import torch.distributed as dist
 
@@ -184,29 +188,56 @@ def _start_under_torchrun(size: int, load_args: dict):
     if world != size:
         raise InvalidOptionError(f"tensor_parallel={size}, but torchrun started {world} processes; give "
                                  "--tensor-parallel the number of processes torchrun starts (nodes x processes each).")
-    dev = _device(load_args.get("device"), local)
+    if dist.is_initialized():
+        raise InvalidOptionError("torch.distributed is already initialized in this process; under torchrun "
+                                 "sluice.load joins torchrun's group itself.")
+    # a launcher that shows each process its one GPU (CUDA_VISIBLE_DEVICES) puts it at index 0
+    dev = _device(load_args.get("device"), local if torch.cuda.device_count() > 1 else 0)
     LOADING = _join(rank, size, None, dev, load_args)
-    listener = None
-    if rank == 0:  # rank 0's command address, on every interface: the others may be on other hosts
-        key = os.urandom(32)
-        listener = Listener(("0.0.0.0", 0), authkey=key)
-        where = [(os.environ["MASTER_ADDR"], listener.address[1], key)]
-    else:
-        where = [None]
-    dist.broadcast_object_list(where, src=0)
-    host, port, key = where[0]
+    model, error = None, None
     try:
         model = load(**{**load_args, "device": dev})
+    except Exception as e:  # noqa: BLE001  said to every rank below, raised on all
+        error = f"rank {rank}: {type(e).__name__}: {e}"
     finally:
         LOADING = None
+    errors = [None] * size
+    dist.all_gather_object(errors, error)
+    failed = next((e for e in errors if e is not None), None)
+    if failed is not None:
+        dist.destroy_process_group()
+        raise SluiceError(f"tensor_parallel: {failed}")
+    one_node = int(os.environ.get("LOCAL_WORLD_SIZE", world)) == world
+    server, where = None, [None]
+    if rank == 0:  # rank 0's command address: loopback on one node, every interface when ranks are elsewhere
+        key = os.urandom(32)
+        server = socket.create_server(("127.0.0.1" if one_node else "0.0.0.0", 0), backlog=size)
+        server.settimeout(TIMEOUT.total_seconds())
+        where = [("127.0.0.1" if one_node else os.environ["MASTER_ADDR"], server.getsockname()[1], key)]
+    dist.broadcast_object_list(where, src=0)
+    host, port, key = where[0]
     if rank != 0:
         with Client((host, port), authkey=key) as conn:
             serve(conn, model)
         if dist.is_initialized():
             dist.destroy_process_group()
         sys.exit(0)
-    with listener:
-        conns = [listener.accept() for _ in range(size - 1)]
+    conns = []
+    with server:
+        while len(conns) < size - 1:
+            try:
+                sock, _ = server.accept()
+            except TimeoutError:
+                raise SluiceError(f"tensor_parallel: {size - 1 - len(conns)} rank(s) did not connect to rank 0 "
+                                  f"within {TIMEOUT.total_seconds():.0f} s (SLUICE_TP_TIMEOUT).") from None
+            conn = Connection(sock.detach())
+            try:  # multiprocessing's handshake, as Listener.accept does it: a connection without the key is dropped
+                deliver_challenge(conn, key)
+                answer_challenge(conn, key)
+            except (AuthenticationError, EOFError, OSError):
+                conn.close()
+                continue
+            conns.append(conn)
     mirror = Mirror(conns, [])
     import atexit
 

@@ -17,7 +17,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -
     prefix cache waited for it).
     """
     T, S = q.shape[2], k.shape[2]
-    if q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and q.shape[-1] == v.shape[-1] <= 256:
+    if _flash(q, v):
         # every chunk on the flash kernel, causal to the bottom right as it is (T == S: plain causal; T == 1: every
         # key): for a later chunk what `causal_lower_right` runs without importing `torch.nn.attention.bias`, which
         # pulls in torch._dynamo (4.6 s: the first serving step that resumed a prompt from the prefix cache waited
@@ -36,3 +36,13 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -
         mask, causal = causal_lower_right(T, S), False
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=scale,
                                           enable_gqa=q.shape[1] != k.shape[1])
+
+
+def _flash(q: torch.Tensor, v: torch.Tensor) -> bool:
+    """Whether the flash kernel takes these heads as they are: half precision on an Ampere or newer GPU, q, k and v
+    of one head dim, a multiple of 8 up to 256 (SDPA pads other dims before calling it; this does not)."""
+    from sluice.kernels.launch import capability
+
+    D = q.shape[-1]
+    return (q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and D == v.shape[-1] <= 256 and D % 8 == 0
+            and capability(q.device.index or 0) >= (8, 0))
