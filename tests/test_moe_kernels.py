@@ -310,3 +310,30 @@ def test_sparse_moe_forward_on_cuda_uses_the_kernels(T):
     layer, x = sparse_moe(T, 16, 256, 128, 4)
     assert triton_for(layer.gate_up, layer.down, layer.top_k) is mt
     assert rel_err(layer(x), layer._forward_reference(x)) <= 1e-2
+
+
+@pytest.mark.parametrize("E", [8, 12])  # 4 experts a rank (the histogram's every bin) and 6
+def test_expert_parallel_prefill_computes_its_own_experts_alone(E):
+    """Expert parallel over 2 ranks (`SparseMoE.hold`): each rank's grouped GEMMs tile only its own experts (`live`),
+    the slots routed to the other's read zeros; the two ranks' outputs sum to the whole layer's."""
+    from sluice.layers.linear import Linear
+    from sluice.layers.moe import SparseMoE
+    from sluice.parallel import TensorParallel
+
+    g = torch.Generator().manual_seed(E)
+    H, I, k, T = 128, 64, 3, 8
+    gu, dn = (quantize(torch.randn(*s, generator=g) * 0.05, 4, 64) for s in ((E, 2 * I, H), (E, H, I)))
+    router = torch.randn(E, H, generator=g)
+    x = torch.randn(T, H, generator=g).to(DEVICE)
+    whole = SparseMoE(Linear(router), gu, dn, k, True, None, None).to(DEVICE)
+    total = 0
+    for rank in range(2):
+        tp = TensorParallel(rank, 2, None, expert_parallel=True)
+        layer = SparseMoE(Linear(router), *tp.experts(gu, dn, I), k, True, None, None)
+        layer.hold(*tp.expert_range(E))
+        layer = layer.to(DEVICE)
+        ids, w = mt.route(layer.gates(x), k, True)
+        gate_up, down, local = layer._experts_for(ids)
+        assert int((local == E // 2).sum()) > 0  # some slots are the other rank's
+        total = total + mt.moe_prefill(x, local, w, gate_up, down, live=layer.live)
+    assert rel_err(total, whole._forward_reference(x)) <= 1e-3

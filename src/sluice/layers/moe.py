@@ -63,6 +63,12 @@ class SparseMoE(nn.Module):
         self.held = (first, count)
 
     @property
+    def live(self) -> int | None:
+        """The stacked experts a prefill computes: this rank's own under expert parallelism (the zero expert's
+        slots output zeros without a tile), else all (None)."""
+        return None if self.held is None else self.held[1]
+
+    @property
     def capturable(self) -> bool:
         """Whether a decode step through this block can be captured in a CUDA graph: not the reference path on a
         GPU, whose loop over the hit experts reads them back to the host."""
@@ -149,7 +155,7 @@ class SparseMoE(nn.Module):
         ids, weights = kernels.route(logits[:, :E], self.top_k, self.norm_topk_prob)
         gate_up, down, ids = self._experts_for(ids)
         shared_out = self.shared(x2) if self.shared is not None else None
-        return kernels.moe(x2, ids, weights, gate_up, down, shared_out, gate_logit, summed=False)
+        return kernels.moe(x2, ids, weights, gate_up, down, shared_out, gate_logit, summed=False, live=self.live)
 
     def _forward_reference(self, x2: torch.Tensor) -> torch.Tensor:
         logits = self.gates(x2)

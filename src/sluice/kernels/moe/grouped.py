@@ -102,7 +102,8 @@ def _grouped_gemm_kernel(a_ptr, w_ptr, s_ptr, b_ptr, c_ptr, order_ptr, tile_expe
 def _expert_counts_kernel(ids_ptr, counts_ptr, n, EP: tl.constexpr, BLOCK: tl.constexpr):
     """counts[e] += the slots of expert e among this program's BLOCK ids (a histogram, then one atomic per bin)."""
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    h = tl.histogram(tl.load(ids_ptr + offs, mask=offs < n, other=0), EP, mask=offs < n)
+    ids = tl.load(ids_ptr + offs, mask=offs < n, other=0)
+    h = tl.histogram(ids, EP, mask=(offs < n) & (ids < EP))  # (ids past the experts counted: no tiles)
     tl.atomic_add(counts_ptr + tl.arange(0, EP), h, sem="relaxed")
 
 
@@ -172,7 +173,7 @@ def grouped_gemm(a, a_div, qt, c, table, swiglu, block_m, config: GemmConfig):
     block_k = min(config.block_k, K & -K)  # the largest power of two dividing K (>= 32) caps the K step
     stack = config.stack and swiglu
     _grouped_gemm_kernel[(triton.cdiv(N, config.block_n // 2 if stack else config.block_n), tile_expert.numel())](
-        a, w, qt.scales, qt.biases, c, order, tile_expert, tile_row, offsets, N, K, w.shape[0], a_div,
+        a, w, qt.scales, qt.biases, c, order, tile_expert, tile_row, offsets, N, K, offsets.numel() - 1, a_div,
         a.stride(0), w.stride(0), w.stride(1), qt.scales.stride(0), qt.scales.stride(1), c.stride(0),
         BITS=qt.bits, GS=qt.group_size, BLOCK_M=block_m, BLOCK_N=config.block_n, BLOCK_K=block_k, SWIGLU=swiglu,
         STACK=stack, PREFETCH=config.prefetch and block_k <= qt.group_size,

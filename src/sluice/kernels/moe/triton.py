@@ -268,20 +268,22 @@ def moe_prefill(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_
                 down: QuantizedTensor, shared_out: torch.Tensor | None = None,
                 shared_gate_logit: torch.Tensor | None = None, summed: bool = True, block_m: int | None = None,
                 gate_up_config: grouped.GemmConfig | None = None,
-                down_config: grouped.GemmConfig | None = None) -> torch.Tensor | ExpertOutputs:
+                down_config: grouped.GemmConfig | None = None, live: int | None = None) -> torch.Tensor | ExpertOutputs:
     """MoE output [T, H] in x's dtype for many tokens (`ExpertOutputs` when not `summed`): grouped tensor-core
     GEMMs over the slots sorted by expert; h and the expert outputs are held in x's dtype, in slot order. block_m
-    (rows per tile) and the two GEMMs' configs default to `grouped.prefill_configs`."""
+    (rows per tile) and the two GEMMs' configs default to `grouped.prefill_configs`. live: only experts 0..live-1
+    are computed, the slots of the others (expert parallel's zero expert, `SparseMoE.hold`) output zeros."""
     _check_moe(x, ids, weights, gate_up, down, shared_out, shared_gate_logit)
     x = x.contiguous()
     T, k = ids.shape
-    E = gate_up.weight.shape[0]
+    E = gate_up.weight.shape[0] if live is None else live
     auto_m, auto_gu, auto_down = grouped.prefill_configs(T * k / E)
     block_m = block_m or auto_m
-    table = grouped.tile_table(ids, expert_order(ids), E, block_m)
+    table = grouped.tile_table(ids, expert_order(ids), E, block_m)  # (no tiles for ids >= E)
     h = torch.empty((T * k, down.in_features), dtype=x.dtype, device=x.device)
     grouped.grouped_gemm(x, k, gate_up, h, table, True, block_m, gate_up_config or auto_gu)
-    y = torch.empty((1, T * k, down.out_features), dtype=x.dtype, device=x.device)
+    new = torch.empty if live is None else torch.zeros  # (slots without tiles are never written)
+    y = new((1, T * k, down.out_features), dtype=x.dtype, device=x.device)
     grouped.grouped_gemm(h, 1, down, y[0], table, False, block_m, down_config or auto_down)
     return _outputs(y, weights, x.dtype, shared_out, shared_gate_logit, summed)
 
@@ -348,13 +350,13 @@ def combine(y: torch.Tensor, weights: torch.Tensor, dtype: torch.dtype, shared_o
 
 def moe(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_up: QuantizedTensor, down: QuantizedTensor,
         shared_out: torch.Tensor | None = None, shared_gate_logit: torch.Tensor | None = None,
-        summed: bool = True) -> torch.Tensor | ExpertOutputs:
+        summed: bool = True, live: int | None = None) -> torch.Tensor | ExpertOutputs:
     """The MoE output [T, H] in x's dtype: x [T, H] (bf16/fp16/fp32), ids int32 [T, k] in [0, E) and weights
     fp32 [T, k] (from `route`; the ids are not checked, that would take a sync), stacked quantized experts; the
     shared expert's output [T, H] and gate logit [T] (or [T, 1]) when there is one."""
     if x.shape[0] <= DECODE_MAX_TOKENS:
         return moe_decode(x, ids, weights, gate_up, down, shared_out, shared_gate_logit, summed=summed)
-    return moe_prefill(x, ids, weights, gate_up, down, shared_out, shared_gate_logit, summed=summed)
+    return moe_prefill(x, ids, weights, gate_up, down, shared_out, shared_gate_logit, summed=summed, live=live)
 
 
 # ---------------------------------------------------------------------------------------------------- checks
