@@ -246,3 +246,39 @@ def test_split_on_two_gpus_gives_the_logits_and_tokens_of_one(tmp_path, name, ov
         same_as_one(tp, one, tol=1e-4)
     finally:
         tp.close()
+
+
+def test_rank_0_drops_connections_without_the_key():
+    """Under torchrun rank 0 accepts its workers on a TCP port: a connection that sends garbage or says nothing is
+    dropped (the latter after the handshake's timeout), a worker with the key gets through, and its commands then
+    wait as long as they need."""
+    import os
+    import socket
+    import threading
+    import time
+    from multiprocessing.connection import Client
+
+    from sluice.parallel.launch import _accept
+
+    key = os.urandom(32)
+    with socket.create_server(("127.0.0.1", 0), backlog=4) as server:
+        server.settimeout(20)
+        port = server.getsockname()[1]
+        silent = socket.create_connection(("127.0.0.1", port))
+        garbage = socket.create_connection(("127.0.0.1", port))
+        garbage.sendall(b"not a handshake" * 8)
+        got = []
+
+        def worker():
+            with Client(("127.0.0.1", port), authkey=key) as c:
+                got.append(c.recv())
+                time.sleep(1.5)  # longer than the handshake's timeout
+                c.send("pong")
+
+        threading.Thread(target=worker, daemon=True).start()
+        (conn,) = _accept(server, key, 1, handshake_s=1)
+        conn.send("ping")
+        assert conn.recv() == "pong" and got == ["ping"]
+        conn.close()
+        silent.close()
+        garbage.close()

@@ -176,8 +176,7 @@ def _start_under_torchrun(size: int, load_args: dict):
     global LOADING
     import socket
     import sys
-    from multiprocessing.connection import AuthenticationError, Client, Connection, answer_challenge, \
-        deliver_challenge
+    from multiprocessing.connection import Client
 
     import torch.distributed as dist
 
@@ -222,28 +221,46 @@ def _start_under_torchrun(size: int, load_args: dict):
         if dist.is_initialized():
             dist.destroy_process_group()
         sys.exit(0)
-    conns = []
     with server:
-        while len(conns) < size - 1:
-            try:
-                sock, _ = server.accept()
-            except TimeoutError:
-                raise SluiceError(f"tensor_parallel: {size - 1 - len(conns)} rank(s) did not connect to rank 0 "
-                                  f"within {TIMEOUT.total_seconds():.0f} s (SLUICE_TP_TIMEOUT).") from None
-            conn = Connection(sock.detach())
-            try:  # multiprocessing's handshake, as Listener.accept does it: a connection without the key is dropped
-                deliver_challenge(conn, key)
-                answer_challenge(conn, key)
-            except (AuthenticationError, EOFError, OSError):
-                conn.close()
-                continue
-            conns.append(conn)
+        conns = _accept(server, key, size - 1)
     mirror = Mirror(conns, [])
     import atexit
 
     atexit.register(mirror.close)
     model.mirror = mirror
     return model
+
+
+def _accept(server, key: bytes, n: int, handshake_s: float = 30.0) -> list:
+    """n authenticated connections from `server` (a listening socket with a timeout): multiprocessing's handshake,
+    as `Listener.accept` runs it, each within `handshake_s`; a connection that fails it (no key, or silence) is
+    dropped and the next one awaited. SluiceError when the server's timeout passes first."""
+    import socket
+    import struct
+    from multiprocessing.connection import AuthenticationError, Connection, answer_challenge, deliver_challenge
+
+    def receive_timeout(sock, seconds: float) -> None:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, struct.pack("ll", int(seconds), 0))
+
+    conns = []
+    while len(conns) < n:
+        try:
+            sock, _ = server.accept()
+        except TimeoutError:
+            raise SluiceError(f"tensor_parallel: {n - len(conns)} rank(s) did not connect to rank 0 within "
+                              f"{server.gettimeout():.0f} s (SLUICE_TP_TIMEOUT).") from None
+        receive_timeout(sock, handshake_s)
+        conn = Connection(sock.detach())
+        try:
+            deliver_challenge(conn, key)
+            answer_challenge(conn, key)
+        except (AuthenticationError, EOFError, OSError):
+            conn.close()
+            continue
+        with socket.socket(fileno=os.dup(conn.fileno())) as same:  # the commands that follow wait as long as need be
+            receive_timeout(same, 0)
+        conns.append(conn)
+    return conns
 
 
 if __name__ == "__main__":  # run as a script, this file is `__main__`: the worker sets the importable module's rank
