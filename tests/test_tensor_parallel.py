@@ -1,5 +1,5 @@
-"""Tensor parallelism on the CPU (gloo ranks, `sluice.parallel`): Llama, Qwen3-Next and DeepSeek-V3 split across 2 and 4 processes
-give the logits of one process within fp32 tolerance and the same tokens, greedy and sampled, batched through the
+"""Tensor parallelism on the CPU (gloo ranks, `sluice.parallel`): Llama, Qwen3-Next and DeepSeek-V3 split across 2
+and 4 processes give the logits of one process within fp32 tolerance and the same tokens, greedy and sampled, batched through the
 engine in lockstep; quantized weights split on their groups; what cannot split is a clear error."""
 
 import pytest
@@ -66,8 +66,8 @@ def test_quantized_weights_split_on_their_groups(tmp_path):
     the logits of one process."""
     import gguf
 
-    path = save_llama_gguf(tiny_llama(seed=4, hidden_size=128, intermediate_size=256, num_attention_heads=4,
-                                      num_key_value_heads=2), tmp_path / "q4.gguf", qtype=gguf.GGMLQuantizationType.Q4_0)
+    model = tiny_llama(seed=4, hidden_size=128, intermediate_size=256, num_attention_heads=4, num_key_value_heads=2)
+    path = save_llama_gguf(model, tmp_path / "q4.gguf", qtype=gguf.GGMLQuantizationType.Q4_0)
     ids = torch.tensor([PROMPTS[2]])
     tp = sluice.load(path, device="cpu", tensor_parallel=2)
     try:
