@@ -1,6 +1,6 @@
 """Tensor parallelism on the CPU (gloo ranks, `sluice.parallel`): Llama, Qwen3-Next and DeepSeek-V3 split across 2
-and 4 processes give the logits of one process within fp32 tolerance and the same tokens, greedy and sampled, batched through the
-engine in lockstep; quantized weights split on their groups; what cannot split is a clear error."""
+and 4 processes give the logits of one process within fp32 tolerance and the same tokens, greedy and sampled, batched
+through the engine in lockstep; quantized weights split on their groups; what cannot split is a clear error."""
 
 import pytest
 import torch
