@@ -328,12 +328,12 @@ class _Weights:
             down = self.get(p + "experts.down_proj", (E, H, I))
         else:  # per-expert tensors (the published checkpoints, transformers' save_pretrained), stacked; expert
             # parallel: this rank's alone are read
-            read = range(E) if self.tp is None else self.tp.experts_to_read(E)
+            read = self.tp.experts_to_read(E) if self.tp is not None else range(E)
             gate_up = _stack([_cat_rows([self.get(p + f"experts.{e}.{n}_proj.weight", (I, H)) for n in ("gate", "up")])
                               for e in read])
             down = _stack([self.get(p + f"experts.{e}.down_proj.weight", (H, I)) for e in read])
         if self.tp is not None:  # each expert's intermediate size split, or (expert parallel) the experts
-            gate_up, down = self.tp.experts(gate_up, down, I, read if read is not None and len(read) < E else None)
+            gate_up, down = self.tp.experts(gate_up, down, I, read)
         router = self.get(p + "gate.weight", (E, H), keep_dtype=True)
         router = Linear(router.float() if isinstance(router, torch.Tensor) else router)  # HF keeps the gate fp32
         bias = None

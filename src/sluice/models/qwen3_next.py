@@ -264,7 +264,7 @@ class _Weights:
             if got != shape:
                 raise ModelFileError(f"{p}experts {name}: shape {got}, config.json implies {shape}.")
         if self.tp is not None:  # each expert's intermediate size split, or (expert parallel) the experts
-            gate_up, down = self.tp.experts(gate_up, down, I, read if n < E else None)
+            gate_up, down = self.tp.experts(gate_up, down, I, read)
         shared = shared_gate = None
         if cfg.shared_expert_intermediate_size:
             shared = self.mlp(p + "shared_expert.", cfg.shared_expert_intermediate_size, H)

@@ -91,8 +91,9 @@ class TensorParallel:
     def experts(self, gate_up, down, intermediate: int, read: range | None = None):
         """This rank's part of stacked experts gate_up [E, 2I, K] ([gate | up] rows) and down [E, H, I]. Tensor
         parallel: every expert's intermediate slice, gate_up rows a..b of each half, down columns a..b (its output a
-        partial sum). Expert parallel: experts a..b whole, then one expert of zeros (`SparseMoE.hold`)."""
-        if self.expert_parallel:  # (`read`: the stacks hold only the experts `experts_to_read` named)
+        partial sum). Expert parallel: experts a..b whole, then one expert of zeros (`SparseMoE.hold`). read: the
+        experts the stacks hold when the checkpoint was read for `experts_to_read` alone (None: all of them)."""
+        if self.expert_parallel:
             if read is None:
                 a, b = self.split(gate_up.shape[0], "the routed experts")
                 gate_up, down = _rows(gate_up, a, b), _rows(down, a, b)
