@@ -57,6 +57,7 @@ def streams(src, device: torch.device, gpu_memory: int | None, expert_slots: int
     with room for the caches; then in host memory if they fit there (expert_store="auto"), else from disk."""
     if expert_store not in EXPERT_STORES:
         raise InvalidOptionError(f"expert_store={expert_store!r}: use one of {', '.join(EXPERT_STORES)}.")
+    tp = getattr(src, "tp", None)  # a tensor-parallel rank: every decision agreed over the ranks (lockstep)
     sizes = src.tensor_nbytes() if hasattr(src, "tensor_nbytes") else {}
     experts = sum(n for name, n in sizes.items() if is_routed_expert(name))
     asked = expert_slots is not None or expert_store == "disk"
@@ -66,8 +67,7 @@ def streams(src, device: torch.device, gpu_memory: int | None, expert_slots: int
         budget = gpu_memory if gpu_memory is not None else (
             torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else None)
         total = getattr(src, "total_bytes", 0)
-        tp = getattr(src, "tp", None)
-        if tp is not None:  # a tensor-parallel rank holds about its share; every rank decides alike
+        if tp is not None:  # a rank holds about its share
             total //= tp.size
             budget = budget if budget is None else tp.agree(budget, min, device)
         if budget is None or total + CACHE_RESERVE <= budget:
@@ -87,7 +87,6 @@ def streams(src, device: torch.device, gpu_memory: int | None, expert_slots: int
         from sluice.engine.runner import available_memory
 
         host = available_memory(torch.device("cpu"))
-        tp = getattr(src, "tp", None)
         if tp is not None:
             host = tp.agree(host, min, device)
         return "host" if experts + HOST_RESERVE <= host else "disk"
