@@ -156,6 +156,8 @@ def test_what_cannot_split_is_a_clear_error(llama_dir, qwen_dir):
         sluice.load(llama_dir, device="cpu", tensor_parallel=3)
     with pytest.raises(sluice.SluiceError, match="host memory only"):
         sluice.load(qwen_dir, device="cpu", tensor_parallel=2, expert_store="disk")
+    with pytest.raises(sluice.SluiceError, match="not with expert_parallel"):
+        sluice.load(qwen_dir, device="cpu", tensor_parallel=2, expert_parallel=True, expert_slots=6)
     with pytest.raises(sluice.SluiceError, match="positive integer"):
         sluice.load(llama_dir, device="cpu", tensor_parallel=0)
     with pytest.raises(sluice.SluiceError, match="give tensor_parallel"):
