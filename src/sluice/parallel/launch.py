@@ -57,7 +57,7 @@ def _device(device, rank: int):
     return dev
 
 
-def _join(rank: int, size: int, port: int | None, dev: torch.device, load_args: dict) -> TensorParallel:
+def _join(rank: int, size: int, port: int | None, dev: torch.device, expert_parallel: bool) -> TensorParallel:
     """Join the group: on this host at `port`, or (None) where torchrun's environment says."""
     import torch.distributed as dist
 
@@ -66,7 +66,7 @@ def _join(rank: int, size: int, port: int | None, dev: torch.device, load_args: 
         torch.cuda.set_device(dev)
     init = "env://" if port is None else f"tcp://127.0.0.1:{port}"
     dist.init_process_group(backend, init_method=init, rank=rank, world_size=size, timeout=TIMEOUT)
-    return TensorParallel(rank, size, dist.group.WORLD, bool(load_args.get("expert_parallel")))
+    return TensorParallel(rank, size, dist.group.WORLD, expert_parallel)
 
 
 def _worker() -> None:
@@ -84,7 +84,7 @@ def _worker() -> None:
     try:
         dev = _device(load_args.get("device"), rank)
         conn.send(("joining", None))
-        LOADING = _join(rank, size, group_port, dev, load_args)
+        LOADING = _join(rank, size, group_port, dev, bool(load_args.get("expert_parallel")))
         model = load(**{**load_args, "device": dev})
         LOADING = None
     except BaseException as e:  # noqa: BLE001  said to rank 0, which raises it
@@ -154,7 +154,7 @@ def start(size: int, load_args: dict):
             conns.append(conn)
         for rank, (conn, p) in enumerate(zip(conns, procs), 1):
             _expect(conn, p, "joining", rank)
-        LOADING = _join(0, size, group_port, dev, load_args)
+        LOADING = _join(0, size, group_port, dev, bool(load_args.get("expert_parallel")))
         try:
             model = load(**{**load_args, "device": dev})
         finally:
@@ -192,7 +192,7 @@ def _start_under_torchrun(size: int, load_args: dict):
                                  "sluice.load joins torchrun's group itself.")
     # a launcher that shows each process its one GPU (CUDA_VISIBLE_DEVICES) puts it at index 0
     dev = _device(load_args.get("device"), local if torch.cuda.device_count() > 1 else 0)
-    LOADING = _join(rank, size, None, dev, load_args)
+    LOADING = _join(rank, size, None, dev, bool(load_args.get("expert_parallel")))
     model, error = None, None
     try:
         model = load(**{**load_args, "device": dev})
