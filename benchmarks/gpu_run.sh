@@ -43,11 +43,18 @@ CONFIG=benchmarks/configs/qwen3-next-80b-a3b.json
 
 case "${1:-}" in
 deepseek)
-  timeout 240 python -m pytest -q -rf -p no:cacheprovider tests/test_deepseek_kernels.py tests/test_mla_triton.py \
-    tests/test_group_route_triton.py tests/test_deepseek.py -k "gpu or triton or cuda or fused or chain" 2>&1 \
-    | tee "$LOG/tests_deepseek.log" | tail -5 > "$OUT/summary.log"
-  timeout 480 python -m benchmarks run deepseek_gpu --json "$OUT/deepseek_gpu.json" > "$LOG/deepseek_gpu.log" 2>&1
+  # the fused chain first, alone, every launch synchronous: where it fails, the traceback names the kernel
+  SLUICE_MLA_CHAIN=1 CUDA_LAUNCH_BLOCKING=1 timeout ${DS_PROBE_S:-100} python -m sluice bench -m benchmarks/configs/moonlight-16b-a3b.json \
+    --load-format dummy --batch 1 --prompt-tokens 64 --gen-tokens 8 --repeats 1 --no-graphs > "$OUT/chain_probe.log" 2>&1
+  echo "chain probe rc=$?" | tee "$OUT/summary.log"
+  DS_TESTS=${DS_TESTS:-"tests/test_deepseek_kernels.py tests/test_mla_triton.py tests/test_group_route_triton.py \
+    tests/test_deepseek.py -k 'gpu or triton or cuda or fused or chain'"}
+  eval timeout ${DS_TEST_S:-150} python -m pytest -q -rf -p no:cacheprovider $DS_TESTS 2>&1 \
+    | tee "$LOG/tests_deepseek.log" | tail -5 >> "$OUT/summary.log"
+  timeout ${DS_BENCH_S:-480} python -m benchmarks run deepseek_gpu --json "$OUT/deepseek_gpu.json" ${DS_ARGS:-} \
+    > "$LOG/deepseek_gpu.log" 2>&1
   grep -B2 -A40 "Traceback" "$LOG/deepseek_gpu.log" | head -80 > "$OUT/deepseek_errors.log"
+  cp "$LOG/deepseek_gpu.log" "$LOG/tests_deepseek.log" "$OUT/"
   grep -A20 "^DeepSeek-family decode" "$LOG/deepseek_gpu.log" | tee -a "$OUT/summary.log"
   ;;
 tp)

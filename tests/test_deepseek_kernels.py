@@ -86,9 +86,11 @@ def _prep_case(dtype, paged, S, B=3, H=4, nope=16, P=16, R=32, v=24, seed=0):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("paged,S", [(False, 1), (False, 3), (True, 2)])
-def test_mla_prep(dtype, paged, S):
-    q, kv, cos, sin, nw, w_uk, w_uv, cache, rows, pos, table = _prep_case(dtype, paged, S)
+@pytest.mark.parametrize("paged,S,R", [(False, 1, 32), (False, 3, 32), (True, 2, 32), (False, 2, 160)])
+def test_mla_prep(dtype, paged, S, R):
+    """R = 160: the latent in two column blocks of q_lat (a GPU compile failed on it: both branches bound one name
+    at two shapes; the interpreter does not type-check branches)."""
+    q, kv, cos, sin, nw, w_uk, w_uv, cache, rows, pos, table = _prep_case(dtype, paged, S, R=R)
     d = lambda t: None if t is None else t.to(DEVICE)  # noqa: E731
     got_cache = d(cache.clone())
     q_lat, q_pe = fused.mla_prep(d(q), d(kv), d(cos), d(sin), d(nw), 1e-6, d(w_uk), got_cache, d(rows), d(pos),

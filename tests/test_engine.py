@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import sluice
-from sluice.errors import ContextLengthError, InvalidOptionError
+from sluice.errors import ContextLengthError, InvalidOptionError, SluiceError
 
 LENGTHS = (1, 7, 40, 90, 161, 300)  # prompt lengths: one token to several prefill chunks
 
@@ -243,6 +243,18 @@ def test_bench_batch(qwen):
         assert r["decode_tok_s"] > 0 and r["decode_steps"] == 1
     with pytest.raises(InvalidOptionError, match="batch"):
         qwen.bench(batch=0)
+
+
+def test_bench_raises_when_a_step_fails(qwen, monkeypatch):
+    """A decode that fails ends its sequences (finish_reason "error"): bench says so instead of timing them."""
+    model = qwen.with_engine()
+
+    def broken(*args):
+        raise RuntimeError("kernel failed to compile")
+
+    monkeypatch.setattr(model.engine.runner, "decode", broken)
+    with pytest.raises(SluiceError, match="1 of 1 sequences failed.*kernel failed to compile"):
+        model.bench(prompt_tokens=8, gen_tokens=2, batch=1, repeats=1)
 
 
 def _poison_row(monkeypatch, engine, row, after_steps):

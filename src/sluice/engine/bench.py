@@ -9,7 +9,7 @@ import time
 
 import torch
 
-from sluice.errors import ContextLengthError, InvalidOptionError
+from sluice.errors import ContextLengthError, InvalidOptionError, SluiceError
 
 
 def bench(model, prompt_tokens: int = 512, gen_tokens: int = 64, batch: int = 1, repeats: int = 2,
@@ -94,6 +94,9 @@ def _run(engine, prompts, gen_tokens: int, temperature: float) -> dict:
         while engine.has_work():  # a step run ahead: read it back
             engine.step()
     sync()
+    failed = [s for s in seqs if s.finish_reason == "error"]
+    if failed:  # timings of steps that failed are not the engine's speed
+        raise SluiceError(f"bench: {len(failed)} of {len(seqs)} sequences failed; the first: {failed[0].error}")
     decode_s, decode_tokens = spans[1] if spans[1][1] > 0 else spans[0]
     return {"ttft_s": ttft, "prefill_s": prefill_end, "decode_s": decode_s, "decode_tokens": decode_tokens}
 

@@ -222,11 +222,11 @@ def _mla_prep_kernel(q_ptr, kv_ptr, cos_ptr, sin_ptr, nw_ptr, wuk_ptr, ql_ptr, q
                      mask=pe_mask)
     else:
         kv_row = kv_ptr + b.to(tl.int64)[:, None] * stride_kvb
-        r = tl.arange(0, BR)
-        r_ok = r < R
-        c = _load_sum(kv_row, r[None, :], b_ok[:, None] & r_ok[None, :], Skv, stride_kvs, X_DTYPE, RNE_BF16)
+        lat = tl.arange(0, BR)  # not `r`: a name both branches bind must have one type, [BRB] there, [BR] here
+        lat_ok = lat < R
+        c = _load_sum(kv_row, lat[None, :], b_ok[:, None] & lat_ok[None, :], Skv, stride_kvs, X_DTYPE, RNE_BF16)
         inv = tl.math.rsqrt(tl.sum(c * c, axis=1) / R + eps)
-        nw = tl.load(nw_ptr + r, mask=r_ok, other=0.0).to(tl.float32)
+        nw = tl.load(nw_ptr + lat, mask=lat_ok, other=0.0).to(tl.float32)
         cn = round_to(nw[None, :] * round_to(c * inv[:, None], X_DTYPE, RNE_BF16), N_DTYPE, RNE_BF16)
         x = _load_sum(kv_row + R, e[None, :], pe_mask, Skv, stride_kvs, X_DTYPE, RNE_BF16)
         xq = _load_sum(kv_row + R, partner[None, :], pe_mask, Skv, stride_kvs, X_DTYPE, RNE_BF16)
@@ -239,8 +239,8 @@ def _mla_prep_kernel(q_ptr, kv_ptr, cos_ptr, sin_ptr, nw_ptr, wuk_ptr, ql_ptr, q
             at = blk * stride_cr + (pos % page).to(tl.int64) * stride_ct
         else:
             at = row * stride_cr + pos.to(tl.int64) * stride_ct
-        tl.store(cache_ptr + at[:, None] + r[None, :], round_to(cn, cdt, RNE_BF16).to(cdt),
-                 mask=ok[:, None] & r_ok[None, :])
+        tl.store(cache_ptr + at[:, None] + lat[None, :], round_to(cn, cdt, RNE_BF16).to(cdt),
+                 mask=ok[:, None] & lat_ok[None, :])
         tl.store(cache_ptr + at[:, None] + R + e[None, :], round_to(kp, cdt, RNE_BF16).to(cdt),
                  mask=ok[:, None] & e_ok[None, :])
 
