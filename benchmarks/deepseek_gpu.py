@@ -1,7 +1,10 @@
 """DeepSeek-V3-family models on one GPU (issue #42), 4-bit dummy weights, distinct prompts, sampled tokens:
 
-* Moonlight-16B-A3B decode by batch, with the fused decode chain (`kernels/mla/chain.py`) off and on, the same
-  weights (a second engine: its graphs captured with the chain on);
+* the MLA decode kernel at batch 1 over a short context, its splits planned for the keys or for a pool's capacity
+  (as a decode graph plans them);
+* Moonlight-16B-A3B decode by batch in `VARIANTS`: the fused decode chain (`kernels/mla/chain.py`) off and on, and
+  at 32+ sequences the experts as GEMVs or grouped GEMMs, the same weights (an engine each, graphs captured so);
+  the kernels of one replayed batch-1 step of each;
 * Moonlight's prefill of a 4k prompt (tok/s, TTFT);
 * slices of DeepSeek-V3 671B (its first `first_k_dense_replace` dense layers alone, then with MoE layers after them):
   the decode step's time per dense and per MoE layer by difference, and the whole model's step extrapolated from
@@ -9,7 +12,7 @@
 
 A part that raises is recorded with its whole traceback (and the figures say ok: false); the others still run.
 
-    python -m benchmarks run deepseek_gpu --batches 1,16,64
+    python -m benchmarks run deepseek_gpu --batches 1,16,32,64 --parts mla,moonlight,v3
 """
 
 from __future__ import annotations
@@ -17,7 +20,6 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import os
 import tempfile
 import time
 import traceback
@@ -39,31 +41,52 @@ def _free(*models) -> None:
     torch.cuda.empty_cache()
 
 
-def _chain(on: bool) -> None:
-    os.environ["SLUICE_MLA_CHAIN"] = "1" if on else "0"  # read when a step is captured or run
+VARIANTS = {  # name: (the fused chain on, rows per expert from which a decode batch takes the grouped GEMMs)
+    "chain off, GEMVs": (False, 10**9),  # the decode before session 7
+    "chain on, GEMVs": (True, 10**9),
+    "chain on, grouped": (True, None),  # the default: kernels.moe.triton.GROUPED_MIN_ROWS
+}
 
 
-def moonlight(batches: list[int], figures: dict) -> None:
-    _chain(False)
+_DEFAULT: dict = {}
+
+
+def _variant(name: str) -> None:
+    from sluice.kernels.mla import chain
+    from sluice.kernels.moe import triton as moe_triton
+
+    on, rows = VARIANTS[name]
+    _DEFAULT.setdefault("grouped_min_rows", moe_triton.GROUPED_MIN_ROWS)
+    chain.ENABLED = on  # read when a step is captured or run
+    moe_triton.GROUPED_MIN_ROWS = rows or _DEFAULT["grouped_min_rows"]
+
+
+def moonlight(batches: list[int], figures: dict, variants: list[str]) -> None:
     base = sluice.load(MOONLIGHT, load_format="dummy", device="cuda", max_batch=max(batches))
     rows = figures["moonlight"] = []
-    for chain in (False, True):
-        _chain(chain)
-        model = base.with_engine()  # its own engine: graphs captured with the chain as set
+    for name in variants:
+        _variant(name)
+        model = base.with_engine()  # its own engine: graphs captured with the variant's kernels
         for batch in batches:
+            if name.endswith("grouped") and batch < 32:  # the same path as the GEMVs' variant below 4 rows/expert
+                continue
             prompt, gen = (512, 64) if batch == 1 else (128, 32)
             try:
                 r = model.bench(prompt_tokens=prompt, gen_tokens=gen, batch=batch, repeats=2)
-                rows.append({"chain": chain, **r})
-                print(json.dumps({"chain": chain, "batch": batch, "decode_tok_s": r["decode_tok_s"],
+                rows.append({"variant": name, **r})
+                print(json.dumps({"variant": name, "batch": batch, "decode_tok_s": r["decode_tok_s"],
                                   "floor_decode_tok_s": r["floor_decode_tok_s"]}), flush=True)
             except Exception:  # noqa: BLE001  recorded whole: the GPU run is where it shows
-                rows.append({"chain": chain, "batch": batch, "error": traceback.format_exc()})
+                rows.append({"variant": name, "batch": batch, "error": traceback.format_exc()})
                 print(rows[-1]["error"], flush=True)
                 figures["ok"] = False
             checkpoint(figures)
+        if 1 in batches and 1 in model.engine.runner._graphs:
+            from benchmarks.engine_gpu import profile_graph
+
+            figures.setdefault("profiles", {})[name] = profile_graph(model.engine.runner._graphs[1][0])
         _free(model)
-    _chain(False)
+    _variant("chain on, grouped")
     try:
         r = base.bench(prompt_tokens=4096, gen_tokens=2, batch=1, repeats=2)
         figures["moonlight_prefill_4k"] = {k: r[k] for k in ("prefill_tok_s", "ttft_cold_s", "ttft_warm_s")}
@@ -117,18 +140,52 @@ def v3_slices(batches: list[int], moe_layers: int, figures: dict) -> None:
                         "extrapolated_step_ms": whole, "extrapolated_tok_s": 1e3 * batch / whole})
 
 
+def mla_short(figures: dict, context: int = 576, heads: int = 16) -> None:
+    """The MLA decode kernel at batch 1 over a short context, as a decode graph plans it (`visible`: the pool's
+    capacity, most splits past the query's keys) beside a plan for the keys alone, by the shortest split: graph
+    replays, µs each (the split kernel and the merge)."""
+    from sluice.kernels.mla import triton as mt
+
+    R, P = 512, 64
+    g = torch.Generator(device="cuda").manual_seed(0)
+    cache = torch.randn(2, 8192, R + P, device="cuda", generator=g).to(torch.bfloat16)
+    q_lat = torch.randn(1, heads, R, device="cuda", generator=g).to(torch.bfloat16)
+    q_pe = torch.randn(1, heads, P, device="cuda", generator=g).to(torch.bfloat16)
+    rows = torch.zeros(1, dtype=torch.int32, device="cuda")
+    pos = torch.full((1,), context - 1, dtype=torch.int32, device="cuda")
+    out = figures["mla_short"] = []
+    for visible in (context, 8192):
+        for min_per_split in (32, 64, 128):
+            def run():
+                return mt.mla_decode(q_lat, q_pe, cache, rows, pos, visible, 0.1, min_per_split=min_per_split,
+                                     pdl=True)
+            run()
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                run()
+            from benchmarks.engine_gpu import lone_replay_ms
+
+            out.append({"context": context, "heads": heads, "visible": visible, "min_per_split": min_per_split,
+                        "us": 1e3 * lone_replay_ms(graph, 50)})
+            print(json.dumps(out[-1]), flush=True)
+
+
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--batches", default="1,16,64")
+    ap.add_argument("--batches", default="1,16,32,64")
     ap.add_argument("--v3-batches", default="1,32")
     ap.add_argument("--v3-moe-layers", type=int, default=2)
-    ap.add_argument("--parts", default="moonlight,v3")
+    ap.add_argument("--parts", default="mla,moonlight,v3")
+    ap.add_argument("--variants", default=",".join(VARIANTS), help="Moonlight's decode variants (VARIANTS)")
     args = ap.parse_args(argv)
     figures: dict = {"gpu": torch.cuda.get_device_name(), "ok": True}
     t0 = time.perf_counter()
+    if "mla" in args.parts:
+        mla_short(figures)
     if "moonlight" in args.parts:
         try:
-            moonlight([int(b) for b in args.batches.split(",")], figures)
+            moonlight([int(b) for b in args.batches.split(",")], figures, args.variants.split(","))
         except Exception:  # noqa: BLE001  (the V3 slices still run)
             figures["moonlight_error"] = traceback.format_exc()
             figures["ok"] = False
@@ -139,12 +196,19 @@ def main(argv=None) -> dict:
         v3_slices([int(b) for b in args.v3_batches.split(",")], args.v3_moe_layers, figures)
     took = time.perf_counter() - t0
     print(f"\nDeepSeek-family decode, {figures['gpu']}, 4-bit dummy weights, sampled ({took:.0f} s)")
+    for r in figures.get("mla_short", []):
+        print(f"MLA decode, batch 1, {r['heads']} heads, {r['context']} keys, splits planned for {r['visible']}, "
+              f">= {r['min_per_split']} a split: {r['us']:.1f} us")
     for r in figures.get("moonlight", []):
         if "error" in r or r.get("decode_tok_s") is None:
-            print(f"Moonlight chain={r['chain']} batch {r['batch']}: ERROR or no steady window (above)")
+            print(f"Moonlight {r['variant']:18s} batch {r['batch']:3d}: ERROR or no steady window (above)")
         else:
-            print(f"Moonlight chain={r['chain']!s:5s} batch {r['batch']:3d}: {r['decode_tok_s']:8.1f} tok/s "
+            print(f"Moonlight {r['variant']:18s} batch {r['batch']:3d}: {r['decode_tok_s']:8.1f} tok/s "
                   f"(floor {r['floor_decode_tok_s']:.0f})")
+    for name, prof in figures.get("profiles", {}).items():
+        print(f"Moonlight {name}, one replayed batch-1 step: {prof['kernels']} launches, span {prof['span_ms']:.3f} ms")
+        for p in prof["top"][:10]:
+            print(f"  {p['wall_ms']:8.3f} ms {p['calls']:5d}x  {p['kernel']}")
     p = figures.get("moonlight_prefill_4k", {})
     if "prefill_tok_s" in p:
         print(f"Moonlight 4k prefill: {p['prefill_tok_s']:.0f} tok/s, TTFT warm {p['ttft_warm_s']:.3f} s")

@@ -145,12 +145,10 @@ def test_append_slot():
 
 @pytest.fixture
 def forced(monkeypatch):
-    """The DeepSeek layers take the fused kernels for CPU tensors too (under the interpreter); on a GPU, where they
-    are off by default until a real-shape run passes, turned on."""
+    """The DeepSeek layers take the fused kernels for CPU tensors too (under the interpreter); on a GPU they do
+    by default."""
     if DEVICE == "cpu":
         monkeypatch.setattr(chain, "FORCE", True)
-    else:
-        monkeypatch.setenv("SLUICE_MLA_CHAIN", "1")
 
 
 def _swiglu(I, H, bits, gs, dtype, g):

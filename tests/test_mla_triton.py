@@ -170,6 +170,26 @@ def test_a_query_that_sees_nothing_is_zero():
     assert rel(o[1:], latent_reference(q_lat[1:], q_pe[1:], cache, [1], [19], 0.1)) < TOL[torch.float32]
 
 
+def test_splits_past_the_keys_write_no_output_and_the_merge_reads_none(monkeypatch):
+    """A decode graph plans its splits for the whole capacity; the splits past a query's keys write only (max -inf,
+    sum 0). The partial outputs start as NaN here: the merge must not read the ones never written."""
+    real_empty = torch.empty
+
+    def nan_empty(*args, **kwargs):
+        t = real_empty(*args, **kwargs)
+        return t.fill_(float("nan")) if t.is_floating_point() else t
+
+    q_lat, q_pe, cache = data(2, 4, 32, 16, 3, 128, torch.float32, seed=9)
+    rows, positions = torch.tensor([2, 0], dtype=torch.int32), torch.tensor([20, 70])
+    d = lambda x: x.to(DEVICE)  # noqa: E731
+    monkeypatch.setattr(torch, "empty", nan_empty)
+    o = mt.mla_decode(d(q_lat), d(q_pe), d(cache), d(rows), d(positions), 128, 0.1, splits=8, block_n=16,
+                      min_per_split=16).cpu()
+    monkeypatch.undo()
+    assert not o.isnan().any()
+    assert rel(o, latent_reference(q_lat, q_pe, cache, rows, positions, 0.1)) < TOL[torch.float32]
+
+
 @pytest.mark.parametrize("page", [None, 16])
 def test_the_latent_cache_decodes_through_the_kernel(page):
     """`MLAAttention.forward`'s batched decode (device rows and positions, a loose `visible`) through the kernel,

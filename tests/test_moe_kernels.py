@@ -186,12 +186,18 @@ def test_prefill_tighter_in_fp16_and_fp32(dtype, bound):
 
 
 def test_moe_picks_decode_or_prefill(monkeypatch):
+    """The expert GEMVs up to DECODE_MAX_TOKENS tokens, unless the experts average GROUPED_MIN_ROWS rows: then the
+    grouped GEMMs, which read each expert once (Moonlight's 64 experts, top-6, at batch 64)."""
+    from types import SimpleNamespace
+
     calls = []
     monkeypatch.setattr(mt, "moe_decode", lambda *a, **k: calls.append("decode"))
     monkeypatch.setattr(mt, "moe_prefill", lambda *a, **k: calls.append("prefill"))
-    for T in (mt.DECODE_MAX_TOKENS, mt.DECODE_MAX_TOKENS + 1):
-        mt.moe(torch.zeros(T, H), None, None, None, None)
-    assert calls == ["decode", "prefill"]
+    for T, k, E in ((mt.DECODE_MAX_TOKENS, 10, 512), (mt.DECODE_MAX_TOKENS + 1, 10, 512), (16, 6, 64), (64, 6, 64)):
+        experts = SimpleNamespace(weight=torch.empty(E, 1, 1))
+        mt.moe(torch.zeros(T, H), torch.zeros(T, k, dtype=torch.int32), None, experts, None)
+    assert calls == ["decode", "prefill", "decode", "prefill"]
+    assert mt.gemv_decode(42, 6, 64) and not mt.gemv_decode(43, 6, 64)  # 4 rows an expert: 42 * 6 < 256 <= 43 * 6
 
 
 @pytest.mark.parametrize("bits,group_size", [(2, 32), (4, 64), (8, 128)])
@@ -293,9 +299,11 @@ def sparse_moe(T, n_exp, hidden, inter, k, quantized_router=False):
 
 
 @pytest.mark.parametrize("T,quantized_router,hidden", [(1, False, H), (1, True, H), (3, True, H), (37, False, 64)])
-def test_sparse_moe_triton_path_matches_its_reference_path(T, quantized_router, hidden):
+def test_sparse_moe_triton_path_matches_its_reference_path(T, quantized_router, hidden, monkeypatch):
     """A decode batch (up to DECODE_MAX_TOKENS tokens; 37: in expert order, a narrower layer to keep the interpreter
-    quick) runs the expert GEMVs with the shared expert as an expert slot."""
+    quick) runs the expert GEMVs with the shared expert as an expert slot (8 experts here: 37 tokens would average
+    more rows an expert than the GEMVs take, so the grouped threshold is lifted)."""
+    monkeypatch.setattr(mt, "GROUPED_MIN_ROWS", 10**9)
     layer, x = sparse_moe(T, E, hidden, I, 3, quantized_router)
     assert layer._shared_as_expert(mt) is not None
     out = layer._forward_triton(x, mt).combine()  # called directly: forward picks it on CUDA only

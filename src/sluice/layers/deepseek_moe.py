@@ -112,7 +112,8 @@ class DeepseekMoE(SparseMoE):
                 out = out + self.shared(x2)
             return out.view(x.shape)
         T = x2.shape[0]
-        shared_expert = self._shared_as_expert(kernels) if T <= kernels.DECODE_MAX_TOKENS else None
+        decode = kernels.gemv_decode(T, self.top_k, self.num_experts)
+        shared_expert = self._shared_as_expert(kernels) if decode else None
         if shared_expert is not None:  # decode: the shared experts are slot k of every token, weight 1
             if chain.applies(x2):
                 from sluice.kernels.mla import fused

@@ -144,7 +144,8 @@ class SparseMoE(nn.Module):
         return kernels.route(logits[..., :E], self.top_k, self.norm_topk_prob, logits[..., E])
 
     def _forward_triton(self, x2: torch.Tensor, kernels) -> torch.Tensor:
-        shared_expert = self._shared_as_expert(kernels) if x2.shape[0] <= kernels.DECODE_MAX_TOKENS else None
+        decode = kernels.gemv_decode(x2.shape[0], self.top_k, self.num_experts)
+        shared_expert = self._shared_as_expert(kernels) if decode else None
         if shared_expert is not None:  # decode: the shared expert is slot k of every token
             ids, weights = self._route_with_shared_slot(x2, kernels)
             gate_up, down, ids = self._experts_for(ids)

@@ -2,9 +2,9 @@
 the torch paths (their oracles, what the layers computed before) elsewhere; and the GEMV launches
 (`kernels/qmatmul/triton.py`) whose split-K partials the next fused kernel sums.
 
-`applies(t)`: whether the DeepSeek layers take the fused kernels for tensor t: on CUDA with SLUICE_MLA_CHAIN=1 (off by
-default until a real-shape GPU run passes) unless SLUICE_DEEPSEEK_KERNELS=0 (`kernels.mla.kernels`); with FORCE
-(tests, under TRITON_INTERPRET=1) for CPU tensors too.
+`applies(t)`: whether the DeepSeek layers take the fused kernels for tensor t: on CUDA (with Triton) unless
+SLUICE_DEEPSEEK_KERNELS=0 (`kernels.mla.kernels`) or ENABLED is False (benchmarks: the chain off beside on); with
+FORCE (tests, under TRITON_INTERPRET=1) for CPU tensors too.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ import torch
 from sluice.kernels.moe import ExpertOutputs
 
 FORCE = False  # tests: the fused kernels for CPU tensors too (only under TRITON_INTERPRET=1)
+ENABLED = True  # benchmarks: False runs the torch glue between the GEMVs on a GPU too (read when a step runs)
 
 
 def applies(t: torch.Tensor) -> bool:
@@ -26,8 +27,8 @@ def applies(t: torch.Tensor) -> bool:
         return False
     if not t.is_cuda:
         return _forced()
-    if os.environ.get("SLUICE_MLA_CHAIN") != "1":  # off on a GPU until a real-shape run passes: its tests passed on an
-        return False  # H200, but Moonlight's engine_gpu raised there (docs/perf-log.md, session 5)
+    if not ENABLED:
+        return False
     try:
         import triton  # noqa: F401
     except ImportError:

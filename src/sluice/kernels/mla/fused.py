@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from sluice.kernels.launch import pdl, pdl_start, round_to
+from sluice.kernels.launch import num_sms, pdl, pdl_start, round_to
 from sluice.kernels.mla.chain import Partials
 from sluice.kernels.moe import ExpertOutputs
 from sluice.kernels.moe.triton import expert_sum
@@ -247,7 +247,7 @@ def _mla_prep_kernel(q_ptr, kv_ptr, cos_ptr, sin_ptr, nw_ptr, wuk_ptr, ql_ptr, q
 
 def mla_prep(q: torch.Tensor, kv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, norm_weight: torch.Tensor,
              eps: float, w_uk: torch.Tensor, cache: torch.Tensor, rows: torch.Tensor, positions: torch.Tensor,
-             table: torch.Tensor | None, x_dtype: torch.dtype, block_r: int = 128, num_warps: int = 4):
+             table: torch.Tensor | None, x_dtype: torch.dtype, block_r: int | None = None, num_warps: int = 4):
     """A decode step's MLA input in one launch: q [Sq, B, H * (nope + P)] and kv [Skv, B, R + P] (the projections'
     outputs as S split-K partials, or S = 1 and the outputs themselves; unit last strides), rounded to x_dtype (the
     model's) as the summed GEMV output is; cos, sin [B, P] (unit last stride); norm_weight [R] (kv_a_layernorm);
@@ -279,6 +279,9 @@ def mla_prep(q: torch.Tensor, kv: torch.Tensor, cos: torch.Tensor, sin: torch.Te
         return q_lat, q_pe
     page = cache.shape[1]
     cap = page if table is None else page * table.shape[1]
+    if block_r is None:  # latent columns a program: the widest (fewest W_UK reads) that still fills the GPU
+        block_r = next((br for br in (128, 64) if triton.cdiv(B, BLOCK_B) * (H * triton.cdiv(R, br) + 1)
+                        >= num_sms(dev)), 32)
     brb = min(block_r, triton.next_power_of_2(R))
     nrb = triton.cdiv(R, brb)
     n_dtype = torch.promote_types(norm_weight.dtype, x_dtype)
@@ -327,7 +330,7 @@ def _uv_kernel(ol_ptr, w_ptr, o_ptr, B, H, V, stride_lb, stride_lh, stride_wh, s
              mask=b_ok[:, None] & v_ok[None, :])
 
 
-def uv_out(o_lat: torch.Tensor, w_uv: torch.Tensor, out_dtype: torch.dtype, block_v: int = 64,
+def uv_out(o_lat: torch.Tensor, w_uv: torch.Tensor, out_dtype: torch.dtype, block_v: int | None = None,
            block_k: int = 64, num_warps: int = 4) -> torch.Tensor:
     """o_lat [B, H, R] (unit last stride), w_uv [H, v, R] (unit last stride) -> [B, H * v] in out_dtype:
     `reference.absorbed_attention`'s last einsum (in o_lat's dtype), laid out as o_proj's input."""
@@ -339,6 +342,9 @@ def uv_out(o_lat: torch.Tensor, w_uv: torch.Tensor, out_dtype: torch.dtype, bloc
     o = torch.empty((B, H * V), dtype=out_dtype, device=o_lat.device)
     if B == 0:
         return o
+    if block_v is None:  # value columns a program: the widest that still fills the GPU (batch 1: 16 heads x 8)
+        block_v = next((bv for bv in (64, 32) if triton.cdiv(B, BLOCK_B) * H * triton.cdiv(V, bv)
+                        >= num_sms(o_lat.device)), 16)
     bv = max(16, min(block_v, triton.next_power_of_2(V)))
     use_pdl = pdl(o.device)
     _uv_kernel[(triton.cdiv(B, BLOCK_B), H, triton.cdiv(V, bv))](

@@ -123,7 +123,8 @@ def _mla_split_kernel(ql_ptr, qp_ptr, kv_ptr, pos_ptr, rows_ptr, tab_ptr, op_ptr
         m = m_new
         acc = acc * alpha[:, None] + _dot(pr, c, TC)  # the probabilities in the cache's dtype, as FlashAttention
     part = bh * n_splits + split
-    tl.store(op_ptr + (part * BH + g[:, None]).to(tl.int64) * BR + r[None, :], acc)
+    if stop > start:  # a split past the query's keys writes (max -inf, sum 0) alone: the merge skips its output
+        tl.store(op_ptr + (part * BH + g[:, None]).to(tl.int64) * BR + r[None, :], acc)
     tl.store(ml_ptr + (part * 2) * BH + g, m)
     tl.store(ml_ptr + (part * 2 + 1) * BH + g, lsum)
 
@@ -169,16 +170,17 @@ def _merge_kernel(op_ptr, ml_ptr, o_ptr, H, n_hb, n_splits, stride_ob, stride_oh
     d = tl.program_id(1) * BD + tl.arange(0, BD)
     parts = op_ptr + ((bh * n_splits) * BH + g).to(tl.int64) * BR + d[None, :]
     sb = tl.arange(0, SB)
-    first = tl.load(parts + sb[:, None] * BH * BR, mask=(sb < n_splits)[:, None], other=0.0)
+    ws = tl.load(ml + sb * 2 * BH, mask=sb < n_splits, other=float("-inf"))
+    # the outputs of the splits that saw a key: the others wrote none (reading them would read garbage, NaN too)
+    first = tl.load(parts + sb[:, None] * BH * BR, mask=(ws != float("-inf"))[:, None], other=0.0)
     M = tl.max(m, axis=0)
     M = tl.where(M == float("-inf"), 0.0, M)  # no split saw a key: every weight 0
     denom = tl.sum(_split_weight(m, M) * lsum, axis=0)
-    ws = tl.load(ml + sb * 2 * BH, mask=sb < n_splits, other=float("-inf"))
     acc = tl.sum(_split_weight(ws, M)[:, None] * first, axis=0)
     for s0 in range(SB, n_splits, SB):  # more splits than one load holds
         s = s0 + sb
         ms = tl.load(ml + s * 2 * BH, mask=s < n_splits, other=float("-inf"))
-        part = tl.load(parts + s[:, None] * BH * BR, mask=(s < n_splits)[:, None], other=0.0)
+        part = tl.load(parts + s[:, None] * BH * BR, mask=(ms != float("-inf"))[:, None], other=0.0)
         acc += tl.sum(_split_weight(ms, M)[:, None] * part, axis=0)
     acc = acc / tl.where(denom > 0, denom, 1.0)  # no key seen at all (a padding query): 0
     tl.store(o_ptr + b.to(tl.int64) * stride_ob + h * stride_oh + d, acc.to(o_ptr.dtype.element_ty), mask=d < R)

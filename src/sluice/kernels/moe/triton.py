@@ -32,8 +32,16 @@ MAX_TOP_K = 16
 MAX_EXPERTS = 1024
 DECODE_MAX_TOKENS = 128  # up to this many tokens (decode batches) the indexed GEMVs, one expert read per slot;
 # beyond, the grouped GEMMs (docs/perf-log.md, 2026-11-25 "engine")
+GROUPED_MIN_ROWS = 4  # a decode batch whose experts average this many rows takes the grouped GEMMs (each expert
+# read once for all its rows) instead of the GEMVs (one read per slot): Moonlight's 64 experts at batch 64
 ORDER_MIN_TOKENS = 32  # from this many tokens the expert GEMVs run in expert order (`slot_order`); below, few
 # slots share an expert and the sort costs what it saves (docs/perf-log.md, 2026-11-25 "engine, second session")
+
+
+def gemv_decode(T: int, k: int, E: int) -> bool:
+    """Whether T tokens routed to k of E experts each run as the indexed expert GEMVs (`moe_decode`) rather than
+    the grouped GEMMs (`moe_prefill`)."""
+    return T <= DECODE_MAX_TOKENS and T * k < GROUPED_MIN_ROWS * E
 
 
 # ---------------------------------------------------------------------------------------------------- router
@@ -354,7 +362,7 @@ def moe(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_up: Quan
     """The MoE output [T, H] in x's dtype: x [T, H] (bf16/fp16/fp32), ids int32 [T, k] in [0, E) and weights
     fp32 [T, k] (from `route`; the ids are not checked, that would take a sync), stacked quantized experts; the
     shared expert's output [T, H] and gate logit [T] (or [T, 1]) when there is one."""
-    if x.shape[0] <= DECODE_MAX_TOKENS:
+    if gemv_decode(x.shape[0], ids.shape[1], gate_up.weight.shape[0] if live is None else live):
         return moe_decode(x, ids, weights, gate_up, down, shared_out, shared_gate_logit, summed=summed)
     return moe_prefill(x, ids, weights, gate_up, down, shared_out, shared_gate_logit, summed=summed, live=live)
 
