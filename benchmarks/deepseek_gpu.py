@@ -41,10 +41,10 @@ def _free(*models) -> None:
     torch.cuda.empty_cache()
 
 
-VARIANTS = {  # name: (the fused chain on, rows per expert from which a decode batch takes the grouped GEMMs)
-    "chain off, GEMVs": (False, 10**9),  # the decode before session 7
-    "chain on, GEMVs": (True, 10**9),
-    "chain on, grouped": (True, None),  # the default: kernels.moe.triton.GROUPED_MIN_ROWS
+VARIANTS = {  # name: (the fused chain on, rows an expert from which a decode batch takes the grouped GEMMs)
+    "unfused/gemv": (False, 10**9),  # the decode before session 7
+    "fused/gemv": (True, 10**9),
+    "fused/grouped": (True, None),  # the default: kernels.moe.triton.GROUPED_MIN_ROWS
 }
 
 
@@ -86,7 +86,7 @@ def moonlight(batches: list[int], figures: dict, variants: list[str]) -> None:
 
             figures.setdefault("profiles", {})[name] = profile_graph(model.engine.runner._graphs[1][0])
         _free(model)
-    _variant("chain on, grouped")
+    _variant("fused/grouped")
     try:
         r = base.bench(prompt_tokens=4096, gen_tokens=2, batch=1, repeats=2)
         figures["moonlight_prefill_4k"] = {k: r[k] for k in ("prefill_tok_s", "ttft_cold_s", "ttft_warm_s")}
