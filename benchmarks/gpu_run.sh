@@ -22,6 +22,8 @@
 #   bash benchmarks/gpu_run.sh final     # the GPU tests, HTTP and the agent trace after the stall's fix
 #   bash benchmarks/gpu_run.sh deepseek  # issue #42, one GPU: DeepSeek's GPU tests, deepseek_gpu (Moonlight with the
 #                                        # fused chain off and on, its 4k prefill, DeepSeek-V3 slices' per-layer times)
+#   bash benchmarks/gpu_run.sh mlaprof   # issue #42, one GPU: Moonlight's batch-1 kernels, ncu on its MLA kernels,
+#                                        # Qwen3-Next's 4k prefill and batch-1 decode
 #   bash benchmarks/gpu_run.sh tp        # issue #44, 2 or 4 GPUs: the split tests on GPUs, tp_gpu for Qwen3-Next-80B
 #                                        # (1 and 2 GPUs), then with 4 GPUs Qwen3.5-397B (4) and Moonlight (1, 2)
 #
@@ -58,6 +60,24 @@ deepseek)
   grep -B2 -A40 "Traceback" "$LOG/deepseek_gpu.log" | head -80 > "$OUT/deepseek_errors.log"
   cp "$LOG/deepseek_gpu.log" "$LOG/tests_deepseek.log" "$OUT/"
   grep -A20 "^DeepSeek-family decode" "$LOG/deepseek_gpu.log" | tee -a "$OUT/summary.log"
+  ;;
+mlaprof)  # issue #42, one GPU: Moonlight's batch-1 step kernel by kernel, Nsight Compute on its MLA kernels,
+  # and Qwen3-Next-80B's 4k prefill and batch-1 decode beside the numbers before (nothing of its path regressed)
+  timeout 120 python -m benchmarks run engine_gpu --json "$OUT/engine_moonlight.json" \
+    --config benchmarks/configs/moonlight-16b-a3b.json --batches 1 --kinds dense > "$LOG/engine_moonlight.log" 2>&1
+  grep -A40 "^one replayed" "$LOG/engine_moonlight.log" | head -30 | tee "$OUT/summary.log"
+  NCU=$(command -v ncu || echo /usr/local/cuda/bin/ncu)
+  timeout 150 "$NCU" -k 'regex:_mla_split|_uv_kernel|_mla_prep' -s 400 -c 3 --section SpeedOfLight \
+    --section LaunchStats --section Occupancy --section WarpStateStats python -m sluice bench \
+    -m benchmarks/configs/moonlight-16b-a3b.json --load-format dummy --batch 1 --prompt-tokens 512 --gen-tokens 8 \
+    --repeats 1 > "$OUT/ncu_moonlight.txt" 2>&1
+  grep -E "^  [_a-z].*Context|Duration|Registers Per|Grid Size|Warp Cycles Per Issued|Achieved Occ" \
+    "$OUT/ncu_moonlight.txt" | tee -a "$OUT/summary.log"
+  timeout 150 python -m sluice bench -m $CONFIG --load-format dummy --batch 1 --prompt-tokens 4096 --gen-tokens 64 \
+    --repeats 2 --json > "$OUT/bench_qwen3next_4k.json" 2> "$LOG/bench_qwen3next.log"
+  python3 -c "import json; r = json.load(open('$OUT/bench_qwen3next_4k.json')); r = r[0] if isinstance(r, list) else r; \
+print('Qwen3-Next-80B 4k prefill', round(r['prefill_tok_s']), 'tok/s; decode b1', round(r['decode_tok_s'], 1))" \
+    2>&1 | tee -a "$OUT/summary.log"
   ;;
 tp)
   NGPU=$(nvidia-smi -L | wc -l)
