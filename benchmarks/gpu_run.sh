@@ -67,7 +67,7 @@ mlaprof)  # issue #42, one GPU: Moonlight's batch-1 step kernel by kernel, Nsigh
     --config benchmarks/configs/moonlight-16b-a3b.json --batches 1 --kinds dense > "$LOG/engine_moonlight.log" 2>&1
   grep -A40 "^one replayed" "$LOG/engine_moonlight.log" | head -30 | tee "$OUT/summary.log"
   NCU=$(command -v ncu || echo /usr/local/cuda/bin/ncu)
-  timeout 150 "$NCU" -k 'regex:_mla_split|_uv_kernel|_mla_prep' -s 400 -c 3 --section SpeedOfLight \
+  timeout 150 "$NCU" -k 'regex:_mla_split|_uv_kernel|_mla_prep' -s 120 -c 3 --section SpeedOfLight \
     --section LaunchStats --section Occupancy --section WarpStateStats python -m sluice bench \
     -m benchmarks/configs/moonlight-16b-a3b.json --load-format dummy --batch 1 --prompt-tokens 512 --gen-tokens 8 \
     --repeats 1 > "$OUT/ncu_moonlight.txt" 2>&1
