@@ -331,9 +331,11 @@ def _uv_kernel(ol_ptr, w_ptr, o_ptr, B, H, V, stride_lb, stride_lh, stride_wh, s
 
 
 def uv_out(o_lat: torch.Tensor, w_uv: torch.Tensor, out_dtype: torch.dtype, block_v: int | None = None,
-           block_k: int = 64, num_warps: int = 4) -> torch.Tensor:
+           block_k: int = 512, num_warps: int = 4) -> torch.Tensor:
     """o_lat [B, H, R] (unit last stride), w_uv [H, v, R] (unit last stride) -> [B, H * v] in out_dtype:
-    `reference.absorbed_attention`'s last einsum (in o_lat's dtype), laid out as o_proj's input."""
+    `reference.absorbed_attention`'s last einsum (in o_lat's dtype), laid out as o_proj's input. A program loads
+    its whole latent width at once (block_k 512: Nsight Compute on an H200 found the 8 dependent steps of 64 a
+    latency chain, 23 cycles a warp between instructions)."""
     B, H, R = o_lat.shape
     V = w_uv.shape[1]
     if w_uv.shape != (H, V, R) or w_uv.stride(2) != 1 or o_lat.stride(2) != 1:
