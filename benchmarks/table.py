@@ -216,6 +216,31 @@ def budget(f):
             f"{f['finished']}/{f['sequences']} finished")
 
 
+def moonlight_decode(batch: int):
+    def cell(f):
+        r = _pick(f.get("moonlight") if isinstance(f, dict) else None, batch=batch, variant="fused/grouped")
+        return r and r.get("decode_tok_s") and (f"**{_num(r['decode_tok_s'])} tok/s** (HBM floor "
+                                                f"{_num(r['floor_decode_tok_s'], 0)})")
+    return cell
+
+
+def moonlight_prefill(f):
+    """TTFT, and 4,096 tokens over it (the bench's own prefill rate of files before session 7 was timed without
+    waiting for the GPU)."""
+    r = f.get("moonlight_prefill_4k") if isinstance(f, dict) else None
+    return r and "ttft_warm_s" in r and (f"**TTFT {r['ttft_warm_s']:.3f} s** (warm): 4,096 tokens / TTFT = "
+                                         f"**{_num(4096 / r['ttft_warm_s'], 0)} tok/s**")
+
+
+def v3_slices(f):
+    per = f.get("v3_per_layer") if isinstance(f, dict) else None
+    if not per:
+        return None
+    return "; ".join(f"batch {r['batch']}: {r['moe_layer_ms']:.3f} ms a MoE layer, dense part "
+                     f"{r['dense_slice_ms']:.2f} ms, 61 layers ~{r['extrapolated_step_ms']:.1f} ms = "
+                     f"**{_num(r['extrapolated_tok_s'])} tok/s**" for r in per)
+
+
 RESULTS = ROOT / "benchmarks" / "results"
 DENSE = {"date": "2026-11-28"}  # the session-2 serving files carry no date; PERF's section does
 SESSION5 = {"date": "2026-11-26", "gpu": "NVIDIA H100 80GB HBM3"}
@@ -255,6 +280,11 @@ ROWS = [
         match=lambda rec: bool(rec.get("gpu")) and "--blocks-share" in rec.get("command", "")),
     Row("one memory budget: Qwen3-Next-80B under `--gpu-memory 40GiB`", "memory_budget", budget, None, {},
         floor="bar: peak within the budget", match=lambda rec: bool(rec.get("gpu"))),
+    *[Row(f"Moonlight-16B-A3B (MLA, DeepSeek-V3 layout) decode, batch {b}", "deepseek_gpu", moonlight_decode(b),
+          floor=bar) for b, bar in ((1, "bar ≥ 600 tok/s"), (16, ""), (64, "bar ≥ 3,000 tok/s"))],
+    Row("Moonlight-16B-A3B prefill, one 4k prompt", "deepseek_gpu", moonlight_prefill, floor="bar ≥ 20,000 tok/s"),
+    Row("DeepSeek-V3 671B slices (3 dense + 8 MoE layers) on one GPU, extrapolated", "deepseek_gpu", v3_slices,
+        floor="the whole model needs several GPUs (issue #44)"),
     Row("expert streaming, Qwen3.5-122B-A10B (experts in host memory)", "stream_gpu", streaming,
         "stream_122b_h100.json", {"command": "python -m benchmarks run stream_gpu --config "
                                              "benchmarks/configs/qwen3.5-122b-a10b.json --gpu-memory 24GiB"},

@@ -83,7 +83,8 @@ def _run(engine, prompts, gen_tokens: int, temperature: float) -> dict:
             if ttft is None and seqs[0].output:
                 ttft = now - t0
             if prefill_end is None and all(s.prefilled == len(s.prompt) for s in seqs):
-                prefill_end = now - t0
+                sync()  # the last chunk launched, not yet computed: its end is when the GPU is done with it
+                prefill_end = time.perf_counter() - t0
             if steady:
                 steady_steps += 1
                 tokens = sum(len(s.output) for s in seqs)
