@@ -93,9 +93,9 @@ def test_chunked_prefill_and_decode_equal_full_forward(pair):
     assert rel_err(torch.cat(parts), full) < 1e-5
 
 
-@pytest.mark.parametrize("name,more", [("next-gva2", {}), ("next-gva4-interval3-nonorm", {}), ("3.5-moe-gva4", {}),
+@pytest.mark.parametrize("name,more", [("next-gva4-interval3-nonorm", {}), ("3.5-moe-gva4", {}),
                                        ("next-gva2", {"linear_value_head_dim": 32})],
-                         ids=["next-gva2", "next-gva4-interval3-nonorm", "3.5-moe-gva4", "next-gva2-dv32"])
+                         ids=["next-gva4-interval3-nonorm", "3.5-moe-gva4", "next-gva2-dv32"])
 def test_gdn_triton_kernels_in_the_layer(name, more, tmp_path, monkeypatch):
     """The GatedDeltaNet layer on the Triton kernels (interpreter on CPU): logits as HF's, and chunked prefill +
     decode steps (the state updated in place in the cache, the gated norm in the recurrent launch: with dv = 32
