@@ -114,7 +114,55 @@ def mla_cases():
                           pdl=True)
 
 
-CASES = {"mla": mla_cases}
+def _q(*shape, bits=4, group=64):
+    """A QuantizedTensor of zeros, [*shape] (the last dim the input width), as the checkpoints lay it out."""
+    import torch
+
+    from sluice.quant.affine import QuantizedTensor
+
+    *lead, K = shape
+    return QuantizedTensor(torch.zeros(*lead, K * bits // 32, dtype=torch.int32),
+                           torch.zeros(*lead, K // group, dtype=torch.bfloat16),
+                           torch.zeros(*lead, K // group, dtype=torch.bfloat16), bits, group)
+
+
+def moe_cases():
+    """The MoE kernels (`kernels/moe`) at Qwen3-Next-80B's experts (512 of 2 x 512 x 2048, top-10, a shared expert
+    as one more slot) and Moonlight's (64 of 2 x 1408 x 2048, top-6): decode batches of 1 and 64 through the expert
+    GEMVs, and 4,096 tokens through the grouped GEMMs."""
+    import torch
+
+    from sluice.kernels.moe import triton as mt
+
+    mt._check_device = lambda *tensors: None  # CPU tensors stand in for the GPU's (this process compiles only)
+    for E, I, H, k in ((512, 512, 2048, 10), (64, 1408, 2048, 6)):
+        gate_up, down = _q(E, 2 * I, H), _q(E, H, I)
+        for T in (1, 64, 4096):
+            x = torch.zeros(T, H, dtype=torch.bfloat16)
+            ids = torch.zeros(T, k, dtype=torch.int32)
+            w = torch.zeros(T, k, dtype=torch.float32)
+            if T <= mt.DECODE_MAX_TOKENS:
+                mt.moe_decode(x, ids, w, gate_up, down, summed=False)
+            else:
+                mt.moe_prefill(x, ids, w, gate_up, down, summed=False)
+
+
+def qmatmul_cases():
+    """The quantized linears (`kernels/qmatmul`) at a Qwen3-Next projection's shape (2048 -> 4096 and back): the GEMV
+    at 1 row, the tensor-core GEMM at 16 and 64."""
+    import torch
+
+    from sluice.kernels.qmatmul import gemm, triton as qmm
+
+    qmm.check_activations = lambda x, qt: None  # CPU tensors stand in for the GPU's (this process compiles only)
+    for N, K in ((4096, 2048), (2048, 4096)):
+        qt = _q(N, K)
+        qmm.qgemv(torch.zeros(1, K, dtype=torch.bfloat16), qt)
+        for M in (16, 64):
+            gemm.qmatmul(torch.zeros(M, K, dtype=torch.bfloat16), qt)
+
+
+CASES = {"mla": mla_cases, "moe": moe_cases, "qmatmul": qmatmul_cases}
 
 
 def main(argv=None) -> int:
