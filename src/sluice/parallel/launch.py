@@ -64,6 +64,8 @@ def _join(rank: int, size: int, port: int | None, dev: torch.device, expert_para
     backend = "nccl" if dev.type == "cuda" else "gloo"
     if dev.type == "cuda":
         torch.cuda.set_device(dev)
+    elif "OMP_NUM_THREADS" not in os.environ:  # CPU ranks share the host's cores: each takes its share, not all
+        torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // size))
     init = "env://" if port is None else f"tcp://127.0.0.1:{port}"
     dist.init_process_group(backend, init_method=init, rank=rank, world_size=size, timeout=TIMEOUT)
     return TensorParallel(rank, size, dist.group.WORLD, expert_parallel)
