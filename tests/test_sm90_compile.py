@@ -1,5 +1,6 @@
 """The GPU kernels compile for sm_90 at real model shapes, on a machine without a GPU (`tests/sm90.py`): the check
-that would have caught the fused MLA chain's compile error before a GPU run did."""
+that would have caught the fused MLA chain's compile error before a GPU run did. The MLA and MoE families (the
+quantized linears': `python tests/sm90.py qmatmul`)."""
 
 import os
 import subprocess
@@ -11,10 +12,11 @@ import pytest
 pytest.importorskip("triton")
 
 
-def test_mla_kernels_compile_for_sm90_at_real_shapes():
+def test_mla_and_moe_kernels_compile_for_sm90_at_real_shapes():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     here = Path(__file__).resolve().parent
-    r = subprocess.run([sys.executable, str(here / "sm90.py"), "mla"], env=env, capture_output=True, text=True,
-                       timeout=600)
+    r = subprocess.run([sys.executable, str(here / "sm90.py"), "mla", "moe"], env=env, capture_output=True,
+                       text=True, timeout=900)
     assert r.returncode == 0, r.stdout + r.stderr[-4000:]
-    assert "_mla_prep_kernel" in r.stdout and "_mla_split_kernel" in r.stdout and "_uv_kernel" in r.stdout
+    for kernel in ("_mla_prep_kernel", "_mla_split_kernel", "_uv_kernel", "_gemv_kernel", "_grouped_gemm_kernel"):
+        assert kernel in r.stdout
