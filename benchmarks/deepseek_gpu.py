@@ -62,14 +62,17 @@ def _variant(name: str) -> None:
 
 
 def moonlight(batches: list[int], figures: dict, variants: list[str]) -> None:
+    from sluice.kernels.moe import triton as moe_triton
+
     base = sluice.load(MOONLIGHT, load_format="dummy", device="cuda", max_batch=max(batches))
+    k, E = base.config.top_k, base.config.num_experts
     rows = figures["moonlight"] = []
     for name in variants:
         _variant(name)
         model = base.with_engine()  # its own engine: graphs captured with the variant's kernels
         for batch in batches:
-            if name == "fused/grouped" and "fused/gemv" in variants and batch < 32:  # the same path there
-                continue
+            if name == "fused/grouped" and "fused/gemv" in variants and moe_triton.gemv_decode(batch, k, E):
+                continue  # the same path as fused/gemv at this batch
             prompt, gen = (512, 64) if batch == 1 else (128, 32)
             try:
                 r = model.bench(prompt_tokens=prompt, gen_tokens=gen, batch=batch, repeats=2)

@@ -218,7 +218,9 @@ def budget(f):
 
 def moonlight_decode(batch: int):
     def cell(f):
-        r = _pick(f.get("moonlight") if isinstance(f, dict) else None, batch=batch, variant="fused/grouped")
+        rows = f.get("moonlight") if isinstance(f, dict) else None  # the default path: fused/grouped, or where a
+        r = (_pick(rows, batch=batch, variant="fused/grouped")  # run of both skipped it (the same path), fused/gemv
+             or _pick(rows, batch=batch, variant="fused/gemv"))
         return r and r.get("decode_tok_s") and (f"**{_num(r['decode_tok_s'])} tok/s** (HBM floor "
                                                 f"{_num(r['floor_decode_tok_s'], 0)})")
     return cell

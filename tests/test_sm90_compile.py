@@ -17,6 +17,8 @@ def test_mla_and_moe_kernels_compile_for_sm90_at_real_shapes():
     here = Path(__file__).resolve().parent
     r = subprocess.run([sys.executable, str(here / "sm90.py"), "mla", "moe"], env=env, capture_output=True,
                        text=True, timeout=900)
+    if r.returncode == 77:  # a Triton whose private hooks moved: the check cannot run, nothing is wrong
+        pytest.skip(r.stderr.strip().splitlines()[-1])
     assert r.returncode == 0, r.stdout + r.stderr[-4000:]
     for kernel in ("_mla_prep_kernel", "_mla_split_kernel", "_uv_kernel", "_gemv_kernel", "_grouped_gemm_kernel"):
         assert kernel in r.stdout

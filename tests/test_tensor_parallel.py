@@ -2,6 +2,8 @@
 and 4 processes give the logits of one process within fp32 tolerance and the same tokens, greedy and sampled, batched
 through the engine in lockstep; quantized weights split on their groups; what cannot split is a clear error."""
 
+import os
+
 import pytest
 import torch
 from helpers import rel, save_llama_gguf, tiny_llama
@@ -37,9 +39,12 @@ def one(llama_dir):
 def test_llama_split_gives_the_logits_and_tokens_of_one_process(llama_dir, one, size):
     """4 query heads and 2 KV heads: at 2 ranks each holds 2 and 1, at 4 ranks one query head each and the KV
     heads replicated (ranks 0-1 read KV head 0, ranks 2-3 head 1); the MLP and the vocabulary split."""
+    threads = torch.get_num_threads()
     tp = sluice.load(llama_dir, device="cpu", tensor_parallel=size)
     try:
         assert tp.tensor_parallel == size and tp.module.layers[0].attn.num_heads == 4 // size
+        if "OMP_NUM_THREADS" not in os.environ:  # the ranks share the cores; close() gives rank 0's back
+            assert torch.get_num_threads() == max(1, threads // size)
         ids = torch.tensor([PROMPTS[0]])
         assert rel(tp.logits(ids), one.logits(ids)) < 1e-5
         assert tokens(tp, temperature=0.0) == tokens(one, temperature=0.0)
@@ -57,6 +62,7 @@ def test_llama_split_gives_the_logits_and_tokens_of_one_process(llama_dir, one, 
                 tp.forward([[1, 2]], tp.new_cache(8), 0)
     finally:
         tp.close()
+    assert torch.get_num_threads() == threads
     with pytest.raises(sluice.SluiceError, match="closed"):
         tp.generate("hi", max_tokens=2)
 

@@ -129,7 +129,8 @@ class DeepseekMoE(SparseMoE):
             shared_out = self._shared_out(x2)
             gate = self.shared_gate.expand(T)
         gate_up, down, ids = self._experts_for(ids)
-        return kernels.moe(x2, ids, weights, gate_up, down, shared_out, gate, summed=False, live=self.live)
+        return kernels.moe(x2, ids, weights, gate_up, down, shared_out, gate, summed=False, live=self.live,
+                           experts=self.num_experts)
 
     def _shared_out(self, x2: torch.Tensor) -> torch.Tensor:
         """The shared experts' output [T, H]: in two GEMV launches where they run (`chain.swiglu_gemv`: a decode

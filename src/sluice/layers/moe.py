@@ -156,7 +156,8 @@ class SparseMoE(nn.Module):
         ids, weights = kernels.route(logits[:, :E], self.top_k, self.norm_topk_prob)
         gate_up, down, ids = self._experts_for(ids)
         shared_out = self.shared(x2) if self.shared is not None else None
-        return kernels.moe(x2, ids, weights, gate_up, down, shared_out, gate_logit, summed=False, live=self.live)
+        return kernels.moe(x2, ids, weights, gate_up, down, shared_out, gate_logit, summed=False, live=self.live,
+                           experts=self.num_experts)
 
     def _forward_reference(self, x2: torch.Tensor) -> torch.Tensor:
         logits = self.gates(x2)

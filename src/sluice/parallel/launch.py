@@ -65,7 +65,7 @@ def _join(rank: int, size: int, port: int | None, dev: torch.device, expert_para
     if dev.type == "cuda":
         torch.cuda.set_device(dev)
     elif "OMP_NUM_THREADS" not in os.environ:  # CPU ranks share the host's cores: each takes its share, not all
-        torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // size))
+        torch.set_num_threads(max(1, torch.get_num_threads() // size))
     init = "env://" if port is None else f"tcp://127.0.0.1:{port}"
     dist.init_process_group(backend, init_method=init, rank=rank, world_size=size, timeout=TIMEOUT)
     return TensorParallel(rank, size, dist.group.WORLD, expert_parallel)
@@ -144,6 +144,7 @@ def start(size: int, load_args: dict):
     _device(load_args.get("device"), size - 1)  # every rank has its GPU, said before anything starts
     group_port, conns, procs = _free_port(), [], []
     mirror = Mirror(conns, procs)
+    mirror.threads = torch.get_num_threads()  # `_join` may take a share of them on the CPU: close gives them back
     try:
         for rank in range(1, size):
             mine, theirs = socket.socketpair()

@@ -31,6 +31,7 @@ class Mirror:
         self._keys = 0
         self._dropped: list[int] = []  # engines of models gone, dropped on the workers with the next message
         self.closed = False
+        self.threads: int | None = None  # rank 0's torch threads before it took its share (restored at close)
 
     def send(self, *message) -> None:
         if self.closed:
@@ -74,6 +75,10 @@ class Mirror:
 
         if dist.is_initialized():
             dist.destroy_process_group()
+        if self.threads is not None:  # the caller's process has its cores back
+            import torch
+
+            torch.set_num_threads(self.threads)
 
 
 class MirroredEngine(Engine):

@@ -331,11 +331,12 @@ def _uv_kernel(ol_ptr, w_ptr, o_ptr, B, H, V, stride_lb, stride_lh, stride_wh, s
 
 
 def uv_out(o_lat: torch.Tensor, w_uv: torch.Tensor, out_dtype: torch.dtype, block_v: int | None = None,
-           block_k: int = 512, num_warps: int = 4) -> torch.Tensor:
+           block_k: int | None = None, num_warps: int = 4) -> torch.Tensor:
     """o_lat [B, H, R] (unit last stride), w_uv [H, v, R] (unit last stride) -> [B, H * v] in out_dtype:
     `reference.absorbed_attention`'s last einsum (in o_lat's dtype), laid out as o_proj's input. A program loads
-    its whole latent width at once (block_k 512: Nsight Compute on an H200 found the 8 dependent steps of 64 a
-    latency chain, 23 cycles a warp between instructions)."""
+    its whole latent width at once where its programs are few and narrow (block_k 512 with <= 32 value columns:
+    Nsight Compute on an H200 found the 8 dependent steps of 64 a latency chain, 23 cycles a warp between
+    instructions; 48 KB of shared memory), else steps of 128."""
     B, H, R = o_lat.shape
     V = w_uv.shape[1]
     if w_uv.shape != (H, V, R) or w_uv.stride(2) != 1 or o_lat.stride(2) != 1:
@@ -348,6 +349,7 @@ def uv_out(o_lat: torch.Tensor, w_uv: torch.Tensor, out_dtype: torch.dtype, bloc
         block_v = next((bv for bv in (64, 32) if triton.cdiv(B, BLOCK_B) * H * triton.cdiv(V, bv)
                         >= num_sms(o_lat.device)), 16)
     bv = max(16, min(block_v, triton.next_power_of_2(V)))
+    block_k = block_k or (512 if bv <= 32 else 128)
     use_pdl = pdl(o.device)
     _uv_kernel[(triton.cdiv(B, BLOCK_B), H, triton.cdiv(V, bv))](
         o_lat, w_uv, o, B, H, V, o_lat.stride(0), o_lat.stride(1), w_uv.stride(0), w_uv.stride(1), o.stride(0),

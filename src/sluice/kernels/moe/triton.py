@@ -358,11 +358,13 @@ def combine(y: torch.Tensor, weights: torch.Tensor, dtype: torch.dtype, shared_o
 
 def moe(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_up: QuantizedTensor, down: QuantizedTensor,
         shared_out: torch.Tensor | None = None, shared_gate_logit: torch.Tensor | None = None,
-        summed: bool = True, live: int | None = None) -> torch.Tensor | ExpertOutputs:
+        summed: bool = True, live: int | None = None, experts: int | None = None) -> torch.Tensor | ExpertOutputs:
     """The MoE output [T, H] in x's dtype: x [T, H] (bf16/fp16/fp32), ids int32 [T, k] in [0, E) and weights
     fp32 [T, k] (from `route`; the ids are not checked, that would take a sync), stacked quantized experts; the
-    shared expert's output [T, H] and gate logit [T] (or [T, 1]) when there is one."""
-    if gemv_decode(x.shape[0], ids.shape[1], gate_up.weight.shape[0] if live is None else live):
+    shared expert's output [T, H] and gate logit [T] (or [T, 1]) when there is one. experts: the routed experts
+    the tokens chose among (`gemv_decode`'s E: the stack may be an expert cache's slots or a rank's share; default
+    the stack's size)."""
+    if gemv_decode(x.shape[0], ids.shape[1], experts or gate_up.weight.shape[0]):
         return moe_decode(x, ids, weights, gate_up, down, shared_out, shared_gate_logit, summed=summed)
     return moe_prefill(x, ids, weights, gate_up, down, shared_out, shared_gate_logit, summed=summed, live=live)
 
