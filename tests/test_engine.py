@@ -255,6 +255,18 @@ def test_bench_raises_when_a_step_fails(qwen, monkeypatch):
     monkeypatch.setattr(model.engine.runner, "decode", broken)
     with pytest.raises(SluiceError, match="1 of 1 sequences failed.*kernel failed to compile"):
         model.bench(prompt_tokens=8, gen_tokens=2, batch=1, repeats=1)
+    model = qwen.with_engine()  # a batch's step fails once: its sequences go on one at a time, and bench says so
+    decode, calls = model.engine.runner.decode, []
+
+    def once(rows, *args):
+        calls.append(len(rows))
+        if len(calls) == 3:
+            raise RuntimeError("a transient failure")
+        return decode(rows, *args)
+
+    monkeypatch.setattr(model.engine.runner, "decode", once)
+    with pytest.raises(SluiceError, match="1 step.*failed and their sequences were run one at a time"):
+        model.bench(prompt_tokens=8, gen_tokens=3, batch=2, repeats=1)
 
 
 def _poison_row(monkeypatch, engine, row, after_steps):

@@ -59,6 +59,7 @@ def _run(engine, prompts, gen_tokens: int, temperature: float) -> dict:
     last, over the tokens those steps computed (with overlap, a step launched before the window and read back in it
     is not counted); with one steady step only, that one; with none (a sequence ended first), no decode rate."""
     sync = torch.cuda.synchronize if engine.runner.device.type == "cuda" else (lambda: None)
+    failed_before = engine.failed_steps
     engine.clear_prefixes()  # every pass prefills its prompts whole: the passes repeat them
     sync()
     t0 = time.perf_counter()
@@ -98,6 +99,9 @@ def _run(engine, prompts, gen_tokens: int, temperature: float) -> dict:
     failed = [s for s in seqs if s.finish_reason == "error"]
     if failed:  # timings of steps that failed are not the engine's speed
         raise SluiceError(f"bench: {len(failed)} of {len(seqs)} sequences failed; the first: {failed[0].error}")
+    if engine.failed_steps > failed_before:  # a batch that failed and went on one sequence at a time
+        raise SluiceError(f"bench: {engine.failed_steps - failed_before} step(s) failed and their sequences were run "
+                          "one at a time (the error is logged above): those timings are not the engine's speed.")
     decode_s, decode_tokens = spans[1] if spans[1][1] > 0 else spans[0]
     return {"ttft_s": ttft, "prefill_s": prefill_end, "decode_s": decode_s, "decode_tokens": decode_tokens}
 

@@ -82,6 +82,7 @@ class Engine:
         self._ahead: Drawn | None = None  # a decode step launched, its ids not read yet (`overlap`)
         self._stepping: list[Sequence] = []  # the sequences of the step under way (`step`'s failure isolation)
         self._outputs: list[StepOutput] = []  # what the step under way has handed out so far
+        self.failed_steps = 0  # steps that raised and were traced to their sequences (`_isolate`)
         self._rows: PrefixCache | None = None
         self.timing: dict[str, float] = {}  # the last step's host seconds: plan (admit, schedule), launch, land
         self.preemptions = 0  # sequences preempted because KV blocks ran out (`_reserve`)
@@ -289,6 +290,7 @@ class Engine:
                 log.warning("a step took %.2f s; its profile:\n%s", seconds, text.getvalue())
 
     def _isolate(self, error: Exception) -> list[StepOutput]:
+        self.failed_steps += 1
         suspects = list({id(s): s for s in self._stepping if not s.finished}.values())
         log.warning("a step of %d sequence(s) failed; %s:", len(suspects),
                     "they end" if len(suspects) == 1 or all(s.isolated for s in suspects) else "they go on one at a "
