@@ -8,7 +8,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 # pytest-xdist's workers share the cores: each takes its share of torch's threads. With every worker on all the cores,
-# OpenMP's waiting threads spin against each other: a CPU engine test took 174 s beside another worker, 2.7 s alone.
+# OpenMP's waiting threads spin against each other and CPU engine tests run many times slower.
 if "PYTEST_XDIST_WORKER_COUNT" in os.environ and "OMP_NUM_THREADS" not in os.environ:
     torch.set_num_threads(max(1, torch.get_num_threads() // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])))
 

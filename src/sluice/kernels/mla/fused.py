@@ -334,9 +334,8 @@ def uv_out(o_lat: torch.Tensor, w_uv: torch.Tensor, out_dtype: torch.dtype, bloc
            block_k: int | None = None, num_warps: int = 4) -> torch.Tensor:
     """o_lat [B, H, R] (unit last stride), w_uv [H, v, R] (unit last stride) -> [B, H * v] in out_dtype:
     `reference.absorbed_attention`'s last einsum (in o_lat's dtype), laid out as o_proj's input. A program loads
-    its whole latent width at once where its programs are few and narrow (block_k 512 with <= 32 value columns:
-    Nsight Compute on an H200 found the 8 dependent steps of 64 a latency chain, 23 cycles a warp between
-    instructions; 48 KB of shared memory), else steps of 128."""
+    its whole latent width at once where its programs are few and narrow (block_k 512 with <= 32 value columns: a
+    loop of dependent steps is a latency chain there, docs/perf-log.md session 7), else steps of 128."""
     B, H, R = o_lat.shape
     V = w_uv.shape[1]
     if w_uv.shape != (H, V, R) or w_uv.stride(2) != 1 or o_lat.stride(2) != 1:
