@@ -65,14 +65,16 @@ def test_kernel_equals_fp64_attention_over_the_latents(case, dtype):
     assert rel(o, latent_reference(q_lat, q_pe, cache, rows, positions, scale)) < TOL[dtype]
 
 
-@pytest.mark.parametrize("splits,H", [(1, 4), (3, 4), (None, 4), (3, 128), (None, 128)])
-def test_kernel_reads_a_paged_cache(splits, H):
-    """A paged latent cache (`cache/blocks.py`): each row's positions in blocks of 16 scattered through the pool by
-    its table row; the result of the same positions laid out in rows (few heads, and V3's 128 in blocks of 64)."""
+@pytest.mark.parametrize("splits,H,page", [(1, 4, 16), (3, 4, 16), (None, 4, 16), (3, 128, 16), (None, 128, 16),
+                                          (4, 4, 32)])
+def test_kernel_reads_a_paged_cache(splits, H, page):
+    """A paged latent cache (`cache/blocks.py`): each row's positions in blocks scattered through the pool by its
+    table row; the result of the same positions laid out in rows (few heads, and V3's 128 in blocks of 64). A split
+    runs over several blocks (one split), or starts inside one (splits of 16 positions in blocks of 32)."""
     B, R, P, pool, cap = 3, 32, 16, 4, 64
     q_lat, q_pe, cache = data(B, H, R, P, pool, cap, torch.float32, seed=splits or 0)
     rows, positions = torch.tensor([3, 0, 2], dtype=torch.int32), torch.tensor([63, 5, 40])
-    page, blocks = 16, 17
+    blocks = 17
     paged = torch.randn(blocks + 1, page, R + P, generator=torch.Generator().manual_seed(9))
     table = torch.full((pool, cap // page), blocks, dtype=torch.int32)  # unused entries: the scratch block
     order = torch.randperm(blocks, generator=torch.Generator().manual_seed(1)).tolist()
@@ -146,6 +148,9 @@ def test_split_plan():
     assert mt.plan_splits(32, 32768, 132, 128) == 4  # batch 16: 128 programs of 132 slots
     assert mt.plan_splits(16, 32768, 528, 128) == 32  # 16 heads at batch 16, four programs an SM
     assert mt.default_sizes(16, 512)[0] == 16 and mt.default_sizes(128, 512)[:3] == (64, 64, 8)
+    # short launches (splits of the usual length would leave multiprocessors idle): batch 1 over a short context
+    assert mt.short_launch(1, 576, 128, 132) and mt.short_launch(2, 4096, 128, 132)
+    assert not mt.short_launch(16, 2048, 128, 132) and not mt.short_launch(1, 32768, 128, 132)
 
 
 def test_a_row_does_not_depend_on_its_batch():

@@ -49,7 +49,10 @@ read from the compiled kernel: 4 at 16 heads, 1 at 64) times the SMs are the slo
 smallest that fills the programs' last wave (within 5 % of the best): 16 heads at batch 16 take 32 splits (512
 programs of 528 slots; before, 17 splits gave 272 programs, some SMs three and most two), 128 heads at batch 64 one
 split (128 programs on 132 SMs: partials 1/256 of the latent bytes), batch 16 four, batch 1 ~64 (splits of 512
-positions: the 128 KB of partials a program ~5 % of its tensor time). Splits keep >= `min_per_split` positions.
+positions: the 128 KB of partials a program ~5 % of its tensor time). Splits keep >= `min_per_split` positions
+(MIN_PER_SPLIT), except in a short launch (`short_launch`: splits that long would leave SMs idle), where a split
+may be one tile. Paged, a program reads the block table once a block its split touches (the positions walked a
+block at a time), not once a tile: a tile's load then waits on no other load.
 
 Compile-time sizes do not depend on the batch: the launch is planned for the batch rounded up to a power of two
 (splits, the merge's load sizes), so serving does not compile per batch size. No host reads of device values:
@@ -99,29 +102,33 @@ def _mla_split_kernel(ql_ptr, qp_ptr, kv_ptr, pos_ptr, rows_ptr, tab_ptr, op_ptr
                     mask=_cols(h_ok, r, R, BR), other=0.0)
     q_pe = tl.load(qp_ptr + b.to(tl.int64) * stride_pb + heads[:, None] * stride_ph + e[None, :],
                    mask=_cols(h_ok, e, P, BP), other=0.0)
-    base = kv_ptr + row * stride_kr
     m = tl.full((BH,), float("-inf"), dtype=tl.float32)
     lsum = tl.zeros((BH,), dtype=tl.float32)
     acc = tl.zeros((BH, BR), dtype=tl.float32)
-    for n0 in range(start, stop, BLOCK_N):
-        j = n0 + tl.arange(0, BLOCK_N)
-        valid = j < stop
-        if PAGED:  # the block of this tile's positions (a tile never straddles two: page % BLOCK_N == 0)
-            blk = tl.load(tab_ptr + row * stride_tab + n0 // page).to(tl.int64)
-            tile = kv_ptr + blk * stride_kr + (j % page)[:, None].to(tl.int64) * stride_kt
+    # the split's positions block by block (unpaged: page = cap, one block, the row itself), each block's id read
+    # once, not once a tile; tiles never straddle two blocks (page % BLOCK_N == 0, start % BLOCK_N == 0)
+    for k in range(start // page, tl.cdiv(stop, page)):
+        if PAGED:
+            blk = tl.load(tab_ptr + row * stride_tab + k).to(tl.int64)
         else:
-            tile = base + j[:, None].to(tl.int64) * stride_kt
-        c = tl.load(tile + r[None, :], mask=_cols(valid, r, R, BR), other=0.0)  # [BLOCK_N, R]: K and V
-        kp = tl.load(tile + R + e[None, :], mask=_cols(valid, e, P, BP), other=0.0)  # [BLOCK_N, P]
-        s = _dot(q_lat, tl.trans(c), TC) + _dot(q_pe, tl.trans(kp), TC)
-        s = tl.where(valid[None, :], s * scale_log2, float("-inf"))
-        m_new = tl.maximum(m, tl.max(s, axis=1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a head that has seen nothing yet stays at 0
-        alpha = tl.exp2(m - m_safe)
-        pr = tl.exp2(s - m_safe[:, None])
-        lsum = lsum * alpha + tl.sum(pr, axis=1)
-        m = m_new
-        acc = acc * alpha[:, None] + _dot(pr, c, TC)  # the probabilities in the cache's dtype, as FlashAttention
+            blk = row
+        block = kv_ptr + blk * stride_kr
+        hi = tl.minimum(stop, (k + 1) * page)
+        for n0 in range(tl.maximum(start, k * page), hi, BLOCK_N):
+            j = n0 + tl.arange(0, BLOCK_N)
+            valid = j < hi
+            tile = block + (j - k * page)[:, None].to(tl.int64) * stride_kt
+            c = tl.load(tile + r[None, :], mask=_cols(valid, r, R, BR), other=0.0)  # [BLOCK_N, R]: K and V
+            kp = tl.load(tile + R + e[None, :], mask=_cols(valid, e, P, BP), other=0.0)  # [BLOCK_N, P]
+            s = _dot(q_lat, tl.trans(c), TC) + _dot(q_pe, tl.trans(kp), TC)
+            s = tl.where(valid[None, :], s * scale_log2, float("-inf"))
+            m_new = tl.maximum(m, tl.max(s, axis=1))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a head that has seen nothing yet stays at 0
+            alpha = tl.exp2(m - m_safe)
+            pr = tl.exp2(s - m_safe[:, None])
+            lsum = lsum * alpha + tl.sum(pr, axis=1)
+            m = m_new
+            acc = acc * alpha[:, None] + _dot(pr, c, TC)  # the probabilities in the cache's dtype, as FlashAttention
     part = bh * n_splits + split
     if stop > start:  # a split past the query's keys writes (max -inf, sum 0) alone: the merge skips its output
         tl.store(op_ptr + (part * BH + g[:, None]).to(tl.int64) * BR + r[None, :], acc)
@@ -208,6 +215,19 @@ def plan_splits(units: int, visible: int, slots: int, min_per_split: int) -> int
     return next(ns for ns in range(1, most + 1) if filled(ns) >= 0.95 * best)
 
 
+MIN_PER_SPLIT = 128  # positions a split keeps at least (its partial output [heads, R] in fp32 written and merged)
+SHORT_BLOCK_N = 16  # positions a step of a short launch (`short_launch`, up to 16 heads)
+
+
+def short_launch(units: int, visible: int, min_per_split: int, sms: int) -> bool:
+    """Whether a launch of `units` programs a split index over `visible` positions is short: splits of at least
+    `min_per_split` positions would leave multiprocessors idle (a short context at a small batch: Moonlight's batch
+    1 over ~600 positions took 4-6 programs, each a chain of dependent tile loads). Such a launch waits on latency,
+    not bandwidth: its splits go down to one tile, and up to 16 heads to tiles of SHORT_BLOCK_N positions in two
+    stages (docs/perf-log.md, session 8: the step's time by split length and tile size)."""
+    return units * max(1, visible // min_per_split) < sms
+
+
 def default_sizes(H: int, R: int) -> tuple[int, int, int, int]:
     """(block_h, block_n, num_warps, num_stages) for H heads of latent width R: the module docstring's reasoning
     (up to 16 heads: 16 a program, mma.sync; 17-32: 32 at 8 warps; more: 64 heads a program at 8 warps, wgmma, one
@@ -251,7 +271,7 @@ def resident_programs(kernel, make_args, kwargs, key, device) -> int:
 def mla_decode(q_lat: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor, rows: torch.Tensor,
                positions: torch.Tensor, visible: int, scale: float, *, splits: int | None = None,
                block_n: int | None = None, block_h: int | None = None, num_warps: int | None = None,
-               num_stages: int | None = None, min_per_split: int = 128, programs_per_sm: int | None = None,
+               num_stages: int | None = None, min_per_split: int | None = None, programs_per_sm: int | None = None,
                merge_elems: int = MERGE_ELEMS, out_dtype: torch.dtype | None = None, pdl: bool = False,
                table: torch.Tensor | None = None) -> torch.Tensor:
     """Absorbed MLA decode attention. q_lat [B, H, R] (W_UK folded in), q_pe [B, H, P] (roped), unit last strides;
@@ -261,9 +281,10 @@ def mla_decode(q_lat: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor, row
     positions any query sees (sizes the splits; clamped to the capacity). Returns o_lat = softmax((q_lat . c +
     q_pe . k_pe) * scale) . c, [B, H, R] in out_dtype (default q_lat's). The rest default to the sizes the module
     docstring reasons out (`default_sizes`, `plan_splits`): splits (else planned), block_n positions a step,
-    block_h heads a program, warps, stages, the shortest split, programs_per_sm (the programs one multiprocessor
-    holds at once, for the plan; else read from the compiled kernel), the merge's load size, programmatic
-    dependent launch where the GPU has it. Paged (`table`, int32 [rows, max blocks] on the device,
+    block_h heads a program, warps, stages, the shortest split (MIN_PER_SPLIT positions; one tile where the grid
+    would leave multiprocessors idle, `short_launch`), programs_per_sm (the programs one multiprocessor holds at
+    once, for the plan; else read from the compiled kernel), the merge's load size, programmatic dependent launch
+    where the GPU has it. Paged (`table`, int32 [rows, max blocks] on the device,
     `cache/blocks.py`): cache is blocks [N, page, R + P], and query b's position j sits in block
     table[rows[b], j // page] at slot j % page (the tiles' block_n a divisor of the page)."""
     if q_lat.dim() != 3 or q_pe.dim() != 3 or q_pe.shape[:2] != q_lat.shape[:2]:
@@ -293,24 +314,34 @@ def mla_decode(q_lat: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor, row
         raise ValueError(f"mla decode: scale must be finite, got {scale}")
     if splits is not None and splits < 1:
         raise ValueError(f"mla decode: splits must be >= 1, got {splits}")
-    d_bh, d_bn, d_warps, d_stages = default_sizes(H, R)
-    BH, block_n = block_h or d_bh, block_n or d_bn
-    if block_n < 16 or block_n & (block_n - 1) or BH < 16 or BH & (BH - 1):
-        raise ValueError(f"mla decode: block_n and block_h must be powers of two >= 16, got {block_n}, {block_h}")
-    if table is not None:  # a tile within one block: block_n divides the page
-        block_n = math.gcd(block_n, cache.shape[1])
-        if (table.dim() != 2 or table.dtype != torch.int32 or table.stride(-1) != 1 or table.device != cache.device
-                or block_n < 16):
-            raise ValueError(f"mla decode: a block table must be int32 [rows, blocks] with a unit last stride on the "
-                             f"cache's device, the page ({cache.shape[1]}) a multiple of 16")
     page = cache.shape[1]
     capacity = page if table is None else page * table.shape[1]  # positions a row holds
     visible = min(visible, capacity)
-    BR, BP = max(16, triton.next_power_of_2(R)), max(16, triton.next_power_of_2(P))
+    device = cache.device
+    d_bh, d_bn, d_warps, d_stages = default_sizes(H, R)
+    BH = block_h or d_bh
     n_hb = triton.cdiv(H, BH)
+    # the launch is planned for the batch rounded up to a power of two: the compile-time sizes then take a few
+    # values whatever the batch (a decode step's tokens come in any number), and a row's splits do not depend on
+    # its batch
+    Bp = triton.next_power_of_2(B)
+    if splits is None and short_launch(Bp * n_hb, visible, min_per_split or MIN_PER_SPLIT, num_sms(device)):
+        if BH <= 16:
+            d_bn, d_stages = SHORT_BLOCK_N, 2
+        min_per_split = min_per_split or 1  # (raised to one tile below)
+    min_per_split = min_per_split or MIN_PER_SPLIT
+    block_n = block_n or d_bn
+    if block_n < 16 or block_n & (block_n - 1) or BH < 16 or BH & (BH - 1):
+        raise ValueError(f"mla decode: block_n and block_h must be powers of two >= 16, got {block_n}, {block_h}")
+    if table is not None:  # a tile within one block: block_n divides the page
+        block_n = math.gcd(block_n, page)
+        if (table.dim() != 2 or table.dtype != torch.int32 or table.stride(-1) != 1 or table.device != cache.device
+                or block_n < 16):
+            raise ValueError(f"mla decode: a block table must be int32 [rows, blocks] with a unit last stride on the "
+                             f"cache's device, the page ({page}) a multiple of 16")
+    BR, BP = max(16, triton.next_power_of_2(R)), max(16, triton.next_power_of_2(P))
     warps = num_warps or (d_warps if BH == d_bh else (4 if BH <= 16 else 8))
     stages = num_stages or d_stages
-    device = cache.device
     use_pdl = pdl and pdl_available(device)
     kernel_kw = dict(R=R, P=P, BR=BR, BP=BP, BH=BH, BLOCK_N=block_n, TC=not INTERPRET, PAGED=table is not None,
                      PDL=use_pdl, launch_pdl=use_pdl, num_warps=warps, num_stages=stages)
@@ -320,10 +351,6 @@ def mla_decode(q_lat: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor, row
                 H, n_hb, per_split, capacity, page, 0 if table is None else table.stride(0), q_lat.stride(0),
                 q_lat.stride(1), q_pe.stride(0), q_pe.stride(1), cache.stride(0), cache.stride(1))
 
-    # the launch is planned for the batch rounded up to a power of two: the compile-time sizes then take a few
-    # values whatever the batch (a decode step's tokens come in any number), and a row's splits do not depend on
-    # its batch
-    Bp = triton.next_power_of_2(B)
     ns = splits
     if ns is None:
         per_sm = programs_per_sm or resident_programs(
