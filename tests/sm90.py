@@ -115,7 +115,7 @@ def mla_cases():
 
     from sluice.kernels.mla import fused, triton as mt
     from sluice.kernels.mla.chain import Partials
-    from sluice.kernels.moe import ExpertOutputs
+    from sluice.kernels.moe import ExpertOutputs, group_route
 
     bf = torch.bfloat16
     nope, P, R, V = 128, 64, 512, 128
@@ -133,7 +133,10 @@ def mla_cases():
             fused.add_rms_norm(h, Partials(z(4, B, hidden, dtype=torch.float32), bf), z(hidden), 1e-6, True)
             experts = ExpertOutputs(z(2, B * 7, hidden, dtype=torch.float32), z(B, 7, dtype=torch.float32), bf)
             fused.add_rms_norm(h, experts, z(hidden), 1e-6, True)
-            fused.append_slot(z(B, 6, dtype=torch.int32), z(B, 6, dtype=torch.float32), 64)
+            E = 64 if H == 16 else 256
+            logits = group_route.router_partials(z(B, hidden, dtype=torch.float32), z(E, hidden, dtype=torch.float32))
+            group_route.group_topk(logits, z(E, dtype=torch.float32), 6 if H == 16 else 8, "sigmoid", "noaux_tc",
+                                   1 if H == 16 else 8, 1 if H == 16 else 4, True, 2.5, extra_slots=2 if H == 16 else 1)
             mt.mla_decode(z(B, H, R), z(B, H, P), cache, rows, pos, 8192, 0.1, table=table, programs_per_sm=2,
                           pdl=True)
 
@@ -152,20 +155,25 @@ def _q(*shape, bits=4, group=64):
 
 def moe_cases():
     """The MoE kernels (`kernels/moe`) at Qwen3-Next-80B's experts (512 of 2 x 512 x 2048, top-10, a shared expert
-    as one more slot) and Moonlight's (64 of 2 x 1408 x 2048, top-6): decode batches of 1 and 64 through the expert
-    GEMVs or (Moonlight at 64: 6 rows an expert) the grouped GEMMs, and 4,096 tokens through the grouped GEMMs."""
+    as one more slot) and Moonlight's (64 of 2 x 1408 x 2048, top-6, two shared experts as two more slots): decode
+    batches of 1 and 64 through the expert GEMVs or (Moonlight at 64: 6 rows an expert) the grouped GEMMs, and
+    4,096 tokens through the grouped GEMMs; a decode step of one token with the shared slots."""
     import torch
 
     from sluice.kernels.moe import triton as mt
 
     mt._check_device = lambda *tensors: None  # CPU tensors stand in for the GPU's (this process compiles only)
-    for E, I, H, k in ((512, 512, 2048, 10), (64, 1408, 2048, 6)):
+    for E, I, H, k, n in ((512, 512, 2048, 10, 1), (64, 1408, 2048, 6, 2)):
         gate_up, down = _q(E, 2 * I, H), _q(E, H, I)
         for T in (1, 64, 4096):
             x = torch.zeros(T, H, dtype=torch.bfloat16)
             ids = torch.zeros(T, k, dtype=torch.int32)
             w = torch.zeros(T, k, dtype=torch.float32)
             mt.moe(x, ids, w, gate_up, down, summed=False)  # the path the layers take at T (`gemv_decode`)
+        shared = mt.shared_slots(gate_up, down, _q(2 * n * I, H), _q(H, n * I), n)
+        ids, w = torch.zeros(1, k + n, dtype=torch.int32), torch.zeros(1, k + n, dtype=torch.float32)
+        mt.moe_decode(torch.zeros(1, H, dtype=torch.bfloat16), ids, w, gate_up, down, shared_expert=shared,
+                      summed=False)
 
 
 def qmatmul_cases():

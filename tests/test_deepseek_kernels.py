@@ -2,9 +2,10 @@
 their torch oracles, and the layers through them against the paths they replace: the residual add + Llama RMSNorm
 (a tensor, GEMV partials, MoE expert outputs), the MLA input (latent norm, RoPE, cache store whole or paged, W_UK
 fold), W_UV into o_proj's layout, the shared-expert slot, the shared experts / dense MLP in two GEMVs, the MoE block
-with its shared experts riding in `ExpertOutputs`; and a model's decode steps with every fused kernel on against
-the GPU path before them (the split-K kernel fed by the torch glue). Under the Triton interpreter on the CPU (tiny
-shapes), at once on a GPU."""
+with its shared experts riding in `ExpertOutputs` (two shared experts as two expert slots too); and a model's
+decode steps with every fused kernel on against the GPU path before them (the split-K kernel fed by the torch glue),
+and a 4-bit model's with two shared experts as expert slots against its reference path. Under the Triton
+interpreter on the CPU (tiny shapes), at once on a GPU."""
 
 import sys
 from pathlib import Path
@@ -132,14 +133,6 @@ def test_uv_out(dtype, B, H, R, v):
     assert rel(got, torch.einsum("bhr,hvr->bhv", o_lat, w_uv).reshape(B, H * v)) < exact(dtype)
 
 
-def test_append_slot():
-    ids = torch.randint(0, 8, (5, 3), dtype=torch.int32)
-    w = torch.rand(5, 3)
-    oi, ow = fused.append_slot(ids.to(DEVICE), w.to(DEVICE), 8)
-    assert torch.equal(oi.cpu(), torch.cat([ids, torch.full((5, 1), 8, dtype=torch.int32)], 1))
-    assert torch.equal(ow.cpu(), torch.cat([w, torch.ones(5, 1)], 1))
-
-
 # -- the layers through the kernels ----------------------------------------------------------------------------
 
 
@@ -151,13 +144,12 @@ def forced(monkeypatch):
         monkeypatch.setattr(chain, "FORCE", True)
 
 
-def _swiglu(I, H, bits, gs, dtype, g):
-    from sluice.layers.linear import Linear
-    from sluice.layers.moe import SwiGLU
+def _swiglu(I, H, bits, gs, dtype, g, slots=1):
+    from sluice.layers.moe import swiglu
     from sluice.quant.affine import quantize
 
-    return SwiGLU(Linear(quantize(torch.randn(2 * I, H, generator=g) * 0.1, bits, gs)),
-                  Linear(quantize(torch.randn(H, I, generator=g) * 0.1, bits, gs)), I).to(DEVICE)
+    gate, up, down = (quantize(torch.randn(*shape, generator=g) * 0.1, bits, gs) for shape in ((I, H), (I, H), (H, I)))
+    return swiglu(gate, up, down, slots=slots).to(DEVICE)
 
 
 @pytest.mark.parametrize("split", [True, False])
@@ -170,11 +162,12 @@ def test_swiglu_in_two_gemvs(forced, split):
     assert rel(y.sum(0).cpu(), mlp(x).cpu()) < 2e-2  # x taken per group to int16, as every GEMV takes it
 
 
-@pytest.mark.parametrize("shared_mult", [1, 2])
-def test_deepseek_moe_with_its_shared_experts_unsummed(forced, monkeypatch, shared_mult):
-    """DeepseekMoE on the Triton MoE kernels: shared experts stored like one routed expert (slot k, `append_slot`)
-    or twice as wide (Moonlight's two: `swiglu_gemv` into `ExpertOutputs`, weight 1); summed by the fused residual
-    add + norm as its reference path sums them."""
+@pytest.mark.parametrize("shared_mult,slots", [(1, 1), (2, 1), (2, 2)])
+def test_deepseek_moe_with_its_shared_experts_unsummed(forced, monkeypatch, shared_mult, slots):
+    """DeepseekMoE on the Triton MoE kernels: shared experts stored like one routed expert (slot k, appended by the
+    router: `group_topk`'s extra slots on a GPU, a cat here), or twice as wide (Moonlight's two): their gate_up in
+    two slots as the loader lays it out (slots k, k + 1 of the routed GEMVs, weight 1), or not (`swiglu_gemv` into
+    `ExpertOutputs`, weight 1); summed by the fused residual add + norm as its reference path sums them."""
     from sluice.kernels.moe import ExpertOutputs, triton as moe_triton
     from sluice.layers import deepseek_moe as dm
     from sluice.layers.linear import Linear
@@ -187,13 +180,14 @@ def test_deepseek_moe_with_its_shared_experts_unsummed(forced, monkeypatch, shar
     moe = dm.DeepseekMoE(Linear(torch.randn(E, H, generator=g) * 0.3), torch.randn(E, generator=g) * 0.1,
                          quantize(torch.randn(E, 2 * I, H, generator=g) * 0.1, 4, 32),
                          quantize(torch.randn(E, H, I, generator=g) * 0.1, 4, 32), k, routing,
-                         _swiglu(I * shared_mult, H, 4, 32, torch.float32, g)).to(DEVICE)
+                         _swiglu(I * shared_mult, H, 4, 32, torch.float32, g, slots)).to(DEVICE)
     x = torch.randn(2, 1, H, generator=g).to(DEVICE)
-    want = moe(x)  # the reference (on a GPU: the kernels, summed)
-    if DEVICE == "cpu":
-        monkeypatch.setattr(dm, "moe_kernels", lambda m, t: moe_triton)
+    monkeypatch.setattr(dm, "moe_kernels", lambda m, t: None)
+    want = moe(x)  # the reference path
+    monkeypatch.setattr(dm, "moe_kernels", lambda m, t: moe_triton)
     out = moe.unsummed(x)
-    assert isinstance(out, ExpertOutputs) and (out.shared_out is None) == (shared_mult == 1)
+    assert isinstance(out, ExpertOutputs) and (out.shared_out is None) == (slots == shared_mult)
+    assert out.weights.shape[1] == k + (slots if slots == shared_mult else 0)
     norm = RMSNorm(torch.ones(H, device=DEVICE), 1e-5)
     h = torch.randn(2, 1, H, generator=g).to(DEVICE)
     s, _, _ = chain.add_rms_norm(h, out, norm)
@@ -236,3 +230,53 @@ def test_decode_steps_through_the_fused_chain(forced, monkeypatch, tmp_path, dty
     assert len(calls) == 4 * layers
     tol = 1e-6 if dtype == "float32" else 1e-3
     assert rel(outs[True], outs[False]) < (tol if DEVICE == "cpu" else 2e-2)
+
+
+def test_decode_runs_two_shared_experts_as_expert_slots(monkeypatch, tmp_path):
+    """A tiny DeepSeek-V3 with two shared experts (Moonlight's layout), 4-bit: the loader lays the shared gate_up out
+    in two slots, and decode steps with the MoE on the Triton kernels (the shared experts as slots k, k + 1 of the
+    routed GEMVs) give the reference path's logits; with the routed experts streamed through 6 device slots (the
+    shared slots' ids E, E + 1 mapped to S, S + 1) the same bits as with every expert in place."""
+    sys.path.insert(0, str(Path(__file__).parent))
+    from test_deepseek import QUANT16, save, v3
+
+    import sluice
+    from sluice.engine.batch import ForwardMeta
+    from sluice.formats.convert import convert
+    from sluice.kernels.moe import triton as mt
+    from sluice.layers import deepseek_moe as dm
+
+    src = save(v3(seed=11, **dict(QUANT16, num_hidden_layers=2, n_shared_experts=2)), tmp_path / "hf")
+    mlx = convert(src, tmp_path / "mlx", bits=4, group_size=32, quiet=True)
+    seen = []
+    moe_decode = mt.moe_decode
+
+    def spy(x, ids, weights, *args, shared_expert=None, **kw):
+        seen.append((ids[:, -2:].cpu(), None if shared_expert is None else shared_expert[0].n))
+        return moe_decode(x, ids, weights, *args, shared_expert=shared_expert, **kw)
+
+    monkeypatch.setattr(mt, "moe_decode", spy)
+    ids = torch.randint(0, 300, (2, 11), generator=torch.Generator().manual_seed(3))
+    outs = {}
+    for run, on, slots in (("reference", False, None), ("kernels", True, None), ("streamed", True, 6)):
+        # the kernels for decode steps alone (a prefill's grouped GEMMs are slow under the interpreter)
+        monkeypatch.setattr(dm, "moe_kernels", lambda m, t, on=on: mt if on and t.numel() <= 4 * t.shape[-1] else None)
+        m = sluice.load(mlx, device=DEVICE, dtype="float32", **({"expert_slots": slots} if slots else {}))
+        moe = m.module.layers[1].mlp
+        assert moe.shared.slots == 2 and m.module.layers[0].mlp.slots == 1
+        cache = m.new_cache(16, rows=2)
+        logits = []
+        seen.clear()
+        with torch.inference_mode():
+            m.forward(ids[:, :8], cache, 0)
+            for t in range(8, 11):
+                meta = ForwardMeta.decode_host([0, 1], [t, t], cache.visible, DEVICE)
+                logits.append(m.module(ids[:, t:t + 1].to(DEVICE), cache, meta, m.dtype).cpu())
+        outs[run] = torch.cat(logits, 1)
+        if on:  # every step: the shared experts as the last two slots, ids one and two past the stack
+            E = moe.gate_up.weight.shape[0]
+            assert E == (slots or 16) and len(seen) == 3
+            assert all(n == 2 and torch.equal(last, torch.tensor([[E, E + 1]] * 2, dtype=torch.int32))
+                       for last, n in seen)
+    assert rel(outs["kernels"], outs["reference"]) < 1e-3
+    assert torch.equal(outs["streamed"], outs["kernels"])

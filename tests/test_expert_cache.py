@@ -20,13 +20,14 @@ def state(E, S, device):
             "stats": torch.zeros(2, dtype=torch.int64, device=device)}
 
 
-def routing(g, T, k, E, shared: bool):
+def routing(g, T, k, E, shared: int):
+    """ids [T, k + shared]: k routed experts, then the shared expert's slots E..E+shared-1."""
     ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)]).to(torch.int32)
-    return torch.cat([ids, torch.full((T, 1), E, dtype=torch.int32)], 1) if shared else ids
+    return torch.cat([ids, torch.arange(E, E + shared, dtype=torch.int32).expand(T, shared)], 1)
 
 
-@pytest.mark.parametrize("E,S,k,T,shared", [(16, 6, 2, 3, False), (64, 30, 10, 3, True), (40, 40, 4, 1, True),
-                                            (300, 70, 8, 8, False)])
+@pytest.mark.parametrize("E,S,k,T,shared", [(16, 6, 2, 3, 0), (64, 30, 10, 3, 1), (40, 40, 4, 1, 1), (24, 10, 3, 2, 2),
+                                            (300, 70, 8, 8, 0)])
 def test_resolve_kernel_matches_the_policy(E, S, k, T, shared):
     g = torch.Generator().manual_seed(E * 100 + S + T)
     ref, dev = state(E, S, "cpu"), state(E, S, DEVICE)
@@ -50,8 +51,7 @@ def test_resolve_kernel_matches_the_policy(E, S, k, T, shared):
         assert torch.equal(jobs[0, :m].cpu().long(), missed) and torch.equal(jobs[1, :m].cpu().long(), victims)
         slots = got[:, :k].long().cpu()
         assert torch.equal(ref["expert_in"][slots].to(torch.int32), ids[:, :k])  # every routed expert is in its slot
-        if shared:
-            assert (got[:, k] == S).all()
+        assert torch.equal(got[:, k:].cpu(), torch.arange(S, S + shared, dtype=torch.int32).expand(T, shared))
     hits, misses = ref["stats"].tolist()
     assert misses >= k and hits > 0
 

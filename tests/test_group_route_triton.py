@@ -63,6 +63,34 @@ def test_bf16_logits_route_as_their_fp32_values():
     assert (w.cpu().gather(1, order.indices) - ref_w.gather(1, ref_order.indices)).abs().max() <= 1e-6
 
 
+@pytest.mark.parametrize("T,E,H", [(1, 64, 2048), (3, 256, 200)])
+def test_router_partials_sum_to_the_logits_and_route_alike(T, E, H):
+    """`router_partials`: x [T, H] @ W^T [E, H] (fp32) as split-K partials, which `group_topk` sums itself: the
+    logits of the fp64 product within fp32 rounding, and the routing of those logits (Moonlight's width at batch 1,
+    V3's expert count at a hidden size of no power of two)."""
+    g = torch.Generator().manual_seed(T * E)
+    x, w = torch.randn(T, H, generator=g), torch.randn(E, H, generator=g) * H ** -0.5
+    d = lambda t: t.to(DEVICE)  # noqa: E731
+    parts = gr.router_partials(d(x), d(w)).cpu()
+    assert parts.dim() == 3 and parts.shape[1:] == (T, E) and parts.shape[0] > 1
+    logits = parts.sum(0)
+    assert (logits.double() - x.double() @ w.double().T).abs().max() < 1e-4
+    _, k, r, _ = CASES["v3"] if E == 256 else CASES["moonlight"]
+    bias = torch.randn(E, generator=g) * 0.1
+    ids, wts = gr.group_topk(d(parts), d(bias), k, r.scoring, r.method, r.n_group, r.topk_group, r.norm_topk_prob,
+                             r.scaling)
+    ref_ids, ref_w = gr.group_topk(d(logits), d(bias), k, r.scoring, r.method, r.n_group, r.topk_group,
+                                   r.norm_topk_prob, r.scaling)
+    assert torch.equal(ids.cpu(), ref_ids.cpu()) and (wts.cpu() - ref_w.cpu()).abs().max() <= 1e-6
+    # the shared experts as two more slots a token: experts E and E + 1, weight 1, after the routed ones
+    ids2, wts2 = gr.group_topk(d(parts), d(bias), k, r.scoring, r.method, r.n_group, r.topk_group,
+                               r.norm_topk_prob, r.scaling, extra_slots=2)
+    assert torch.equal(ids2.cpu(), torch.cat([ref_ids.cpu(), torch.tensor([E, E + 1]).int().expand(T, 2)], 1))
+    assert torch.equal(wts2.cpu(), torch.cat([wts.cpu(), torch.ones(T, 2)], 1))
+    with pytest.raises(ValueError, match="router"):
+        gr.router_partials(d(x).double(), d(w))
+
+
 def test_bad_settings_raise():
     z = torch.zeros(2, 64)
     with pytest.raises(ValueError, match="scoring"):

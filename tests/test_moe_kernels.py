@@ -94,6 +94,53 @@ def test_decode_runs_the_shared_expert_as_one_more_slot(T, bits, gs):
                       shared_expert=(on_device(sh_down), on_device(sh_gu)))
 
 
+@pytest.mark.parametrize("T,n,bits,gs,ordered", [(1, 2, 4, 32, False), (3, 3, 2, 32, True), (2, 1, 8, 64, False)])
+def test_decode_runs_a_wide_shared_mlp_as_expert_slots(T, n, bits, gs, ordered):
+    """A shared MLP of intermediate n*I (DeepSeek's n shared experts), its gate_up rows in slots (`swiglu` with
+    `slots`), runs as n more expert slots (ids E..E+n-1, weight 1) of the same launches: the routed experts plus the
+    whole MLP, its checkpoint layout. Down's slots are column blocks, rows n*I apart (the routed experts': I); n = 1:
+    a shared expert whose down rows lie further apart than the routed experts' (a column slice) reads its own
+    strides. 2-bit group 32: the down GEMV's x prepared by `swiglu_prep`."""
+    from sluice.layers.moe import swiglu
+
+    g = torch.Generator().manual_seed(T + n + bits)
+    gate_up, down = experts(g, bits, gs, gs)
+    gate, up = (quantize(torch.randn(n * I, H, generator=g) * 0.1, bits, gs) for _ in range(2))
+    sh_down = quantize(torch.randn(H, n * I + (gs if n == 1 else 0), generator=g) * 0.1, bits, gs)
+    if n == 1:  # columns 0..I-1 of a wider weight: its own row strides
+        words = I * bits // 32
+        sh_down = QuantizedTensor(sh_down.weight[:, :words], sh_down.scales[:, :I // gs], sh_down.biases[:, :I // gs],
+                                  bits, gs)
+        assert sh_down.weight.stride(0) != down.weight.stride(1)
+    mlp = swiglu(gate, up, sh_down, slots=n)
+    assert mlp.slots == n
+    x = torch.randn(T, H, generator=g).bfloat16()
+    logits = 2 * torch.randn(T, E, generator=g)
+    deq = (lambda qt: qt.dequantize(torch.float32))
+    h = torch.nn.functional.silu(x.float() @ deq(gate).T) * (x.float() @ deq(up).T)
+    shared_out = h @ deq(sh_down).T
+    ref = reference.moe_reference(x, logits, gate_up, down, 2, True, shared_out, torch.full((T, 1), float("inf")))
+    torch.testing.assert_close(mlp(x.float()), shared_out, rtol=1e-4, atol=1e-5)  # the module reads its slots too
+    # (down as made: the module holds a contiguous copy of the column slice)
+    extras = mt.shared_slots(on_device(gate_up), on_device(down), on_device(mlp.gate_up.qt), on_device(sh_down), n)
+    assert extras is not None and extras[0].n == n
+    assert mt.shared_slots(gate_up, down, mlp.gate_up.qt, sh_down, n + 1) is None
+    ids, weights = mt.route(logits.to(DEVICE), 2, True)
+    ids = torch.cat([ids, torch.arange(E, E + n, dtype=torch.int32, device=DEVICE).expand(T, n)], 1)
+    weights = torch.cat([weights, torch.ones(T, n, device=DEVICE)], 1)
+    out = mt.moe_decode(x.to(DEVICE), ids, weights, on_device(gate_up), on_device(down), shared_expert=extras,
+                        expert_order=ordered)
+    assert rel_err(out.cpu(), ref) <= 1e-2
+    if n > 1:
+        with pytest.raises(ValueError, match="stored like one routed expert"):
+            mt.moe_decode(x.to(DEVICE), ids, weights, on_device(gate_up), on_device(down),
+                          shared_expert=tuple(mt.ExtraExperts(e.qt, 1, 0, 0) for e in extras))
+    if n == 1:  # the two QuantizedTensors name the same slot
+        same = mt.moe_decode(x.to(DEVICE), ids, weights, on_device(gate_up), on_device(down),
+                             shared_expert=(on_device(mlp.gate_up.qt), on_device(sh_down)), expert_order=ordered)
+        assert torch.equal(same, out)
+
+
 def test_slot_order_is_a_stable_sort_by_expert():
     g = torch.Generator().manual_seed(3)
     for n in (1, 31, 33, 200, 1500):  # 1500: more slots than one compare chunk
@@ -347,3 +394,17 @@ def test_expert_parallel_prefill_computes_its_own_experts_alone(E):
         assert int((local == E // 2).sum()) > 0  # some slots are the other rank's
         total = total + mt.moe_prefill(x, local, w, gate_up, down, live=layer.live)
     assert rel_err(total, whole._forward_reference(x)) <= 1e-3
+
+
+def test_expert_parallel_maps_the_shared_slots_past_its_stack():
+    """`SparseMoE.hold`: a routed id held here to its place in the stack, one held elsewhere to the zero expert
+    (count), the shared expert's slot ids E + i to count + 1 + i (the expert GEMVs' extra expert i)."""
+    from sluice.layers.linear import Linear
+    from sluice.layers.moe import SparseMoE
+
+    gate_up, down = experts(torch.Generator().manual_seed(0), 4, 64, 64)
+    layer = SparseMoE(Linear(torch.randn(E, H)), gate_up, down, 2, True, None, None)
+    layer.hold(4, 4)
+    ids = torch.tensor([[0, 5, E, E + 1], [7, 3, E, E + 1]], dtype=torch.int32)
+    local = layer._experts_for(ids)[2]
+    assert local.dtype == torch.int32 and local.tolist() == [[4, 1, 5, 6], [3, 4, 5, 6]]

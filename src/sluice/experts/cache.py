@@ -67,8 +67,8 @@ class ExpertCache:
         return int(torch.unique(ids[:, :k]).numel()) <= self.slots
 
     def for_step(self, ids: torch.Tensor, k: int) -> tuple[QuantizedTensor, QuantizedTensor, torch.Tensor]:
-        """(gate_up, down, ids) for a step routed to ids [T, k or k + 1] (columns past k: the shared expert, id E,
-        which becomes id S)."""
+        """(gate_up, down, ids) for a step routed to ids [T, k + n] (columns past k: the shared expert's n slots,
+        ids E + i, which become S + i)."""
         if not self.fits(ids.shape[0], k) and not self._distinct_fit(ids, k):
             gate_up, down = self.staging.layer(self)
             return gate_up, down, ids

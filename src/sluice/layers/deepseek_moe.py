@@ -10,9 +10,11 @@ Routing (`route`, HF `DeepseekV3TopkRouter` / `DeepseekV2TopkRouter` and DeepSee
 
 The experts run where `SparseMoE`'s run: on CUDA with quantized experts the `kernels/moe` Triton launches (fed the
 ids and weights computed here in torch, so no host sync: a decode step can be captured; in decode the shared experts
-ride as one more slot when stored like a routed expert), else the reference loop over the hit experts. Streamed
+ride as one more slot when stored like a routed expert, or n more when n times as wide (`n_shared_experts` = n: the
+loader lays their gate_up out in slots, `layers.moe.swiglu`), else the reference loop over the hit experts. Streamed
 experts (`experts/`) work unchanged. On CUDA `route` runs as one Triton launch (`kernels/moe/group_route.py`: the
-same ids, best first, the same weights to an ulp).
+same ids, best first, the same weights to an ulp), and a decode step's fp32 router GEMV as one more, whose split-K
+partials that launch sums (`router_partials`).
 """
 
 from __future__ import annotations
@@ -77,23 +79,41 @@ class DeepseekMoE(SparseMoE):
         self.register_buffer("correction_bias", None if bias is None else bias.float())
         # the shared experts' "gate logit" where their output rides in `ExpertOutputs`: sigmoid(+inf) = 1 exactly
         self.register_buffer("shared_gate", torch.full((1,), float("inf")), persistent=False)
+        # decode with the shared experts as n expert slots: ids E..E+n-1, weights 1, appended to every token's
+        n = 0 if shared is None else shared.slots
+        E = self.num_experts
+        self.register_buffer("shared_ids", torch.arange(E, E + n, dtype=torch.int32), persistent=False)
+        self.register_buffer("shared_ones", torch.ones(n, dtype=torch.float32), persistent=False)
 
-    def route(self, x2: torch.Tensor, x32: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """(ids, weights) of tokens x2 [T, H]; the router's logits in fp32 (as HF keeps the gate). x32: x2 in fp32
-        where the norm before gave it (one cast fewer)."""
-        g = self.gates
-        if not g.quantized:
-            logits = F.linear(x2.float() if x32 is None else x32.reshape(x2.shape), g.weight.float())
-        else:
-            logits = g(x2).float()
-        r = self.routing
-        if logits.is_cuda and mla_kernels():  # the same routing in one Triton launch, where its sizes fit
+    def route(self, x2: torch.Tensor, x32: torch.Tensor | None = None,
+              extra: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        """(ids, weights) [T, k + extra] of tokens x2 [T, H]; the router's logits in fp32 (as HF keeps the gate).
+        x32: x2 in fp32 where the norm before gave it (one cast fewer). extra = n: the shared experts' n slots
+        after the routed ones (ids E..E+n-1, weight 1)."""
+        g, r = self.gates, self.routing
+        kernel = None
+        if x2.is_cuda and mla_kernels():  # the routing in one Triton launch, where its sizes fit
             from sluice.kernels.moe import group_route
 
-            if group_route.supports(logits.shape[1], self.top_k, r.scoring, r.method, r.n_group, r.topk_group):
-                return group_route.group_topk(logits, self.correction_bias, self.top_k, r.scoring, r.method,
-                                              r.n_group, r.topk_group, r.norm_topk_prob, r.scaling)
-        return route(logits, self.correction_bias, self.top_k, r)
+            if group_route.supports(g.out_features, self.top_k, r.scoring, r.method, r.n_group, r.topk_group):
+                kernel = group_route
+        if not g.quantized:
+            x = x2.float() if x32 is None else x32.reshape(x2.shape)
+            if kernel is not None and x.shape[0] <= kernel.ROUTER_MAX_TOKENS and g.weight.dtype == torch.float32:
+                logits = kernel.router_partials(x.contiguous(), g.weight)  # a decode step: one launch, not two
+            else:
+                logits = F.linear(x, g.weight.float())
+        else:
+            logits = g(x2).float()
+        if kernel is not None:
+            return kernel.group_topk(logits, self.correction_bias, self.top_k, r.scoring, r.method, r.n_group,
+                                     r.topk_group, r.norm_topk_prob, r.scaling, extra_slots=extra)
+        ids, weights = route(logits, self.correction_bias, self.top_k, r)
+        if extra:
+            T = ids.shape[0]
+            ids = torch.cat([ids, self.shared_ids[:extra].expand(T, extra)], dim=1)
+            weights = torch.cat([weights, self.shared_ones[:extra].expand(T, extra)], dim=1)
+        return ids, weights
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = self.unsummed(x)
@@ -104,9 +124,9 @@ class DeepseekMoE(SparseMoE):
         (`ExpertOutputs`, the shared experts' output riding in it with weight 1), which the next residual add +
         norm sums (`kernels.mla.fused.add_rms_norm`); elsewhere the output tensor, x's shape."""
         x2 = x.reshape(-1, x.shape[-1])
-        ids, weights = self.route(x2, x32)
         kernels = moe_kernels(self, x)
         if kernels is None:
+            ids, weights = self.route(x2, x32)
             out = self._experts_reference(x2, ids, weights)
             if self.shared is not None:
                 out = out + self.shared(x2)
@@ -114,16 +134,11 @@ class DeepseekMoE(SparseMoE):
         T = x2.shape[0]
         decode = kernels.gemv_decode(T, self.top_k, self.num_experts)
         shared_expert = self._shared_as_expert(kernels) if decode else None
-        if shared_expert is not None:  # decode: the shared experts are slot k of every token, weight 1
-            if chain.applies(x2):
-                from sluice.kernels.mla import fused
-
-                ids, weights = fused.append_slot(ids, weights, self.num_experts)
-            else:
-                ids = torch.cat([ids, ids.new_full((T, 1), self.num_experts)], dim=1)
-                weights = torch.cat([weights, weights.new_ones(T, 1)], dim=1)
+        if shared_expert is not None:  # decode: the shared experts are slots k..k+n-1 of every token, weight 1
+            ids, weights = self.route(x2, x32, extra=shared_expert[0].n)
             gate_up, down, ids = self._experts_for(ids)
             return kernels.moe_decode(x2, ids, weights, gate_up, down, shared_expert=shared_expert, summed=False)
+        ids, weights = self.route(x2, x32)
         shared_out = gate = None
         if self.shared is not None:
             shared_out = self._shared_out(x2)
@@ -134,7 +149,7 @@ class DeepseekMoE(SparseMoE):
 
     def _shared_out(self, x2: torch.Tensor) -> torch.Tensor:
         """The shared experts' output [T, H]: in two GEMV launches where they run (`chain.swiglu_gemv`: a decode
-        step of a few tokens), else the SwiGLU module."""
+        step of a few tokens, gate_up not in slots), else the SwiGLU module."""
         if chain.applies(x2):
             y = chain.swiglu_gemv(self.shared, x2, split=False)
             if y is not None:

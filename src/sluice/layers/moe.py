@@ -24,23 +24,47 @@ def _expert_matmul(x: torch.Tensor, w, e: int) -> torch.Tensor:
 
 
 class SwiGLU(nn.Module):
-    def __init__(self, gate_up: nn.Module, down: Linear, intermediate: int):
+    """down(silu(gate x) * up x), gate and up fused in `gate_up`: its output [gate | up] (`intermediate` columns
+    each), or with `slots` = n > 1 in slot order [g0 | u0 | g1 | u1 | ...] (intermediate / n columns each; h in the
+    original column order, so down is unchanged): a shared MLP that the MoE decode GEMVs read as n expert slots
+    (`kernels.moe.triton.shared_slots`)."""
+
+    def __init__(self, gate_up: nn.Module, down: Linear, intermediate: int, slots: int = 1):
         super().__init__()
-        self.gate_up, self.down, self.intermediate = gate_up, down, intermediate
+        self.gate_up, self.down, self.intermediate, self.slots = gate_up, down, intermediate, slots
 
     def forward(self, x):
-        g, u = self.gate_up(x).split(self.intermediate, dim=-1)
-        return self.down(F.silu(g) * u)
+        if self.slots == 1:
+            g, u = self.gate_up(x).split(self.intermediate, dim=-1)
+            return self.down(F.silu(g) * u)
+        gu = self.gate_up(x).unflatten(-1, (self.slots, 2, self.intermediate // self.slots))
+        return self.down((F.silu(gu[..., 0, :]) * gu[..., 1, :]).flatten(-2))
 
 
-def swiglu(gate, up, down, tp=None) -> SwiGLU:
+def _row_block(w, a: int, b: int):
+    """Rows a..b-1 of a [N, K] weight (dense or quantized)."""
+    if isinstance(w, QuantizedTensor):
+        return QuantizedTensor(w.weight[a:b], w.scales[a:b], w.biases[a:b], w.bits, w.group_size)
+    return w[a:b]
+
+
+def swiglu(gate, up, down, tp=None, slots: int = 1) -> SwiGLU:
     """A SwiGLU MLP of gate, up [I, H] and down [H, I] weights (dense or quantized); with `tp` (`sluice.parallel`)
     this rank's slice of I: gate and up column-parallel, down row-parallel (its output a partial sum the caller
-    sums over the ranks)."""
+    sums over the ranks). slots = n > 1 (not with tp; I a multiple of n): gate_up's rows in slot order
+    [g0 | u0 | g1 | u1 | ...] (`SwiGLU`), a row permutation of [gate | up] (memory alike; a checkpoint is never
+    written from it)."""
     if tp is not None:
+        if slots != 1:
+            raise ValueError("swiglu: slots are not for a tensor-parallel MLP")
         what = "the MLP's intermediate size"
         gate, up, down = tp.col(gate, what), tp.col(up, what), tp.row(down, what)
-    return SwiGLU(fuse_linears([Linear(gate), Linear(up)]), Linear(down), gate.shape[0])
+    I = gate.shape[0]
+    if I % slots:
+        raise ValueError(f"swiglu: intermediate size {I} is not a multiple of {slots} slots")
+    n = I // slots
+    parts = [Linear(_row_block(w, i * n, (i + 1) * n)) for i in range(slots) for w in (gate, up)]
+    return SwiGLU(fuse_linears(parts), Linear(down), I, slots)
 
 
 class SparseMoE(nn.Module):
@@ -84,12 +108,13 @@ class SparseMoE(nn.Module):
     def _experts_for(self, ids: torch.Tensor):
         """(gate_up, down, ids) a step routed to ids runs on: the stacked experts, or the expert cache's; expert
         parallel, ids mapped to this rank's stack (an expert held elsewhere to the zero expert, the shared expert's
-        slot id E to one past the stack)."""
+        slot ids E + i past the stack, to count + 1 + i)."""
         if self.held is not None:
             first, count = self.held
+            E = self.num_experts
             local = ids - first
             local = torch.where((local >= 0) & (local < count), local, count)
-            return self.gate_up, self.down, torch.where(ids == self.num_experts, count + 1, local).to(ids.dtype)
+            return self.gate_up, self.down, torch.where(ids >= E, ids + (count + 1 - E), local).to(ids.dtype)
         if self.expert_cache is None:
             return self.gate_up, self.down, ids
         return self.expert_cache.for_step(ids, self.top_k)
@@ -123,14 +148,14 @@ class SparseMoE(nn.Module):
             return self._forward_reference(x2).view(x.shape)
         return self._forward_triton(x2, kernels)
 
-    def _shared_as_expert(self, kernels) -> tuple[QuantizedTensor, QuantizedTensor] | None:
-        """The shared expert's (gate_up, down) when stored exactly like one routed expert: then decode runs it as
-        one more expert slot of the routed launches."""
+    def _shared_as_expert(self, kernels):
+        """The shared expert's (gate_up, down) `ExtraExperts` (`kernels.shared_slots`) when stored like one routed
+        expert, or (a `SwiGLU` of `slots` = n) like n of them: then decode runs it as n more expert slots of the
+        routed launches (ids E..E+n-1), else None."""
         sh = self.shared
         if sh is None or not (isinstance(sh.gate_up, Linear) and sh.gate_up.quantized and sh.down.quantized):
             return None
-        pair = (sh.gate_up.qt, sh.down.qt)
-        return pair if kernels.shared_expert_fits(self.gate_up, self.down, *pair) else None
+        return kernels.shared_slots(self.gate_up, self.down, sh.gate_up.qt, sh.down.qt, sh.slots)
 
     def _route_with_shared_slot(self, x2: torch.Tensor, kernels) -> tuple[torch.Tensor, torch.Tensor]:
         """Decode routing: (ids, weights) [T, k + 1], slot k the shared expert weighted by its gate. A quantized
@@ -145,8 +170,8 @@ class SparseMoE(nn.Module):
 
     def _forward_triton(self, x2: torch.Tensor, kernels) -> torch.Tensor:
         decode = kernels.gemv_decode(x2.shape[0], self.top_k, self.num_experts)
-        shared_expert = self._shared_as_expert(kernels) if decode else None
-        if shared_expert is not None:  # decode: the shared expert is slot k of every token
+        shared_expert = self._shared_as_expert(kernels) if decode and getattr(self.shared, "slots", 1) == 1 else None
+        if shared_expert is not None:  # decode: the shared expert is slot k of every token (the router's, gated)
             ids, weights = self._route_with_shared_slot(x2, kernels)
             gate_up, down, ids = self._experts_for(ids)
             return kernels.moe_decode(x2, ids, weights, gate_up, down, shared_expert=shared_expert, summed=False)

@@ -8,8 +8,10 @@ Checkpoint layouts read: HF (per-expert `mlp.experts.E.{gate,up,down}_proj`, or 
 head into `embed_q` [H, R, nope] = W_UK^T and `unembed_out` [H, v, R] = W_UV, or an older conversion's kv_b_proj;
 the router dense). Undone at load: DeepSeek's interleaved RoPE pairs (the rope rows of q and of kv_a reordered so
 that rotate-half RoPE gives HF's result); kv_b_proj is held dense in the model's dtype, per head (both attention
-forms use it). The multi-token-prediction layers (index >= num_hidden_layers) are not read; FP8 checkpoints
-(`weight_scale_inv`) are refused.
+forms use it). Laid out at load: n > 1 shared experts' gate_up rows in n slots [g0 | u0 | g1 | u1 | ...]
+(`layers.moe.swiglu`), which the MoE's decode GEMVs read as n more experts where they lie. The
+multi-token-prediction layers (index >= num_hidden_layers) are not read; FP8 checkpoints (`weight_scale_inv`) are
+refused.
 """
 
 from __future__ import annotations
@@ -277,10 +279,16 @@ class _Weights:
         t = self.get(name, shape)
         return t.dequantize(self.dtype) if isinstance(t, QuantizedTensor) else t
 
-    def mlp(self, p: str, intermediate: int, hidden: int) -> SwiGLU:
-        """A SwiGLU MLP (tensor-parallel: this rank's slice, `layers.moe.swiglu`)."""
+    def mlp(self, p: str, intermediate: int, hidden: int, slots: int = 1, like=None) -> SwiGLU:
+        """A SwiGLU MLP (tensor-parallel: this rank's slice, `layers.moe.swiglu`). slots = n > 1 (the shared experts,
+        intermediate n * I): gate_up's rows in n slots (`layers.moe.swiglu`), so that the MoE's decode GEMVs read it
+        as n more experts, when that can be: not tensor-parallel, and stored as the stacked experts `like` are
+        (all dense, or quantized alike)."""
         gate, up = (self.get(p + f"{n}_proj.weight", (intermediate, hidden)) for n in ("gate", "up"))
-        return swiglu(gate, up, self.get(p + "down_proj.weight", (hidden, intermediate)), self.tp)
+        down = self.get(p + "down_proj.weight", (hidden, intermediate))
+        if slots > 1 and (self.tp is not None or not _stored_like(like, (gate, up, down))):
+            slots = 1
+        return swiglu(gate, up, down, self.tp, slots)
 
     def mla(self, cfg: DeepseekConfig, p: str, index: int) -> MLA:
         H, Hn, R = cfg.hidden_size, cfg.num_heads, cfg.kv_lora_rank
@@ -341,7 +349,7 @@ class _Weights:
             bias = self.get(p + "gate.e_score_correction_bias", (E,), keep_dtype=True).float()
         shared = None
         if cfg.n_shared_experts:
-            shared = self.mlp(p + "shared_experts.", I * cfg.n_shared_experts, H)
+            shared = self.mlp(p + "shared_experts.", I * cfg.n_shared_experts, H, cfg.n_shared_experts, gate_up)
         moe = DeepseekMoE(router, bias, gate_up, down, cfg.top_k, cfg.routing, shared)
         if self.tp is not None and self.tp.expert_parallel:
             moe.hold(*self.tp.expert_range(E))
@@ -364,6 +372,15 @@ def _take_rows(w, rows: torch.Tensor | None):
         return QuantizedTensor(words, w.scales[rows.to(w.scales.device)], w.biases[rows.to(w.biases.device)], w.bits,
                                w.group_size)
     return w[rows.to(w.device)]
+
+
+def _stored_like(stacked, ws) -> bool:
+    """Whether weights ws are stored as the stacked experts are: all dense, or quantized alike (bits, group size,
+    scales' dtype)."""
+    if not isinstance(stacked, QuantizedTensor):
+        return isinstance(stacked, torch.Tensor) and all(isinstance(w, torch.Tensor) for w in ws)
+    return all(isinstance(w, QuantizedTensor) and (w.bits, w.group_size, w.scales.dtype)
+               == (stacked.bits, stacked.group_size, stacked.scales.dtype) for w in ws)
 
 
 def _cat_rows(ws):

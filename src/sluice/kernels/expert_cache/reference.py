@@ -11,8 +11,8 @@ State of one layer's cache (all int tensors on the cache's device):
 already in a slot are hits (their slots stamped with this step); the misses, in increasing expert id, take the
 slots with the oldest stamps, ties to the lower slot (empty slots first), never a slot a hit of this step uses. The
 distinct wanted experts must not outnumber the slots (the caller routes at most S (token, expert) pairs through the
-cache). Returns the ids with each routed expert replaced by its slot and every other id (the shared expert, id E)
-by S, plus the fill jobs: the missed experts and their slots.
+cache). Returns the ids with each routed expert replaced by its slot and every other id (the shared expert's
+slots, ids E + i) by S + i, plus the fill jobs: the missed experts and their slots.
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ def resolve(ids: torch.Tensor, k: int, slot_of: torch.Tensor, expert_in: torch.T
     stamp[victims] = clock
     stats += torch.stack([hit.sum(), miss.sum()]).to(stats.dtype)
     routed = ids < E
-    out = torch.where(routed, slot_of[ids.clamp(max=E - 1).long()], S).to(torch.int32)
+    out = torch.where(routed, slot_of[ids.clamp(max=E - 1).long()], ids + (S - E)).to(torch.int32)
     return out, missed, victims
 
 

@@ -63,7 +63,7 @@ def _resolve_kernel(ids_ptr, out_ptr, slot_of_ptr, expert_in_ptr, stamp_ptr, clo
         e = tl.load(ids_ptr + i, mask=m, other=0)
         routed = (i % KA < K) & (e < E)
         s = tl.load(slot_of_ptr + e, mask=m & routed, other=0)
-        tl.store(out_ptr + i, tl.where(routed, s, S), mask=m)
+        tl.store(out_ptr + i, tl.where(routed, s, S + e - E), mask=m)
     tl.store(clock_ptr, clock)
 
 

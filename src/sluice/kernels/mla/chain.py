@@ -99,10 +99,10 @@ def swiglu_gemv(mlp, x2: torch.Tensor, split: bool = True) -> torch.Tensor | Non
     """A SwiGLU MLP (`layers.moe.SwiGLU`) of a few rows in two GEMV launches: gate_up's split-K partials, then the
     down GEMV taking silu(gate) * up from them itself (`_gemv_kernel`'s RAW_X + SWIGLU, as the MoE's down does).
     Returns down's partials [S, M, H] (fp32; S = 1 in x2's dtype when not `split`), or None where that does not
-    run (the caller then runs `mlp(x2)`)."""
+    run (the caller then runs `mlp(x2)`): also for gate_up rows in slots (`SwiGLU.slots`), not [gate | up]."""
     from sluice.layers.linear import Linear
 
-    if not isinstance(mlp.gate_up, Linear):
+    if not isinstance(mlp.gate_up, Linear) or getattr(mlp, "slots", 1) != 1:
         return None
     gu, down = gemv_weight(mlp.gate_up, x2), gemv_weight(mlp.down, x2)
     if gu is None or down is None or down.in_features * 2 != gu.out_features:

@@ -12,8 +12,6 @@
   the products in the cache's dtype with fp32 sums, as the bf16 einsum). One launch for what was ~25.
 * `uv_out`: the attention's latent output through W_UV per head, written as o_proj's input [B, H * v] (the einsum
   and the reshape's copy).
-* `append_slot`: a router's ids / weights with one more slot per token (the shared expert, id E, weight 1): one
-  launch instead of four (two cats of two fills).
 
 `kernels/mla/chain.py` chooses between these and the torch paths (and imports no Triton).
 """
@@ -355,38 +353,3 @@ def uv_out(o_lat: torch.Tensor, w_uv: torch.Tensor, out_dtype: torch.dtype, bloc
         R=R, BK=max(16, min(block_k, triton.next_power_of_2(R))), BV=bv, BB=BLOCK_B, TC=not INTERPRET,
         RNE_BF16=INTERPRET, PDL=use_pdl, launch_pdl=use_pdl, num_warps=num_warps)
     return o
-
-
-# --------------------------------------------------------------------------------------- router: one more slot
-
-
-@triton.jit
-def _append_slot_kernel(ids_ptr, w_ptr, oi_ptr, ow_ptr, T, K, extra_id, BLOCK: tl.constexpr, PDL: tl.constexpr):
-    pdl_start(PDL)
-    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)  # slots of the output [T, K + 1]
-    ok = offs < T * (K + 1)
-    t = offs // (K + 1)
-    j = offs - t * (K + 1)
-    old = ok & (j < K)
-    i = tl.load(ids_ptr + t * K + j, mask=old, other=0)
-    w = tl.load(w_ptr + t * K + j, mask=old, other=0.0)
-    tl.store(oi_ptr + offs, tl.where(j < K, i, extra_id), mask=ok)
-    tl.store(ow_ptr + offs, tl.where(j < K, w, 1.0), mask=ok)
-
-
-def append_slot(ids: torch.Tensor, weights: torch.Tensor, extra_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(ids, weights) [T, k] (int32, fp32, contiguous) -> [T, k + 1]: slot k of every token expert `extra_id`,
-    weight 1 (the shared expert as one more slot). One launch."""
-    T, K = ids.shape
-    if weights.shape != (T, K) or ids.dtype != torch.int32 or weights.dtype != torch.float32:
-        raise ValueError(f"append_slot: int32 ids and fp32 weights [T, k], got {ids.dtype} {tuple(ids.shape)}, "
-                         f"{weights.dtype} {tuple(weights.shape)}")
-    ids, weights = ids.contiguous(), weights.contiguous()
-    oi = torch.empty((T, K + 1), dtype=torch.int32, device=ids.device)
-    ow = torch.empty((T, K + 1), dtype=torch.float32, device=ids.device)
-    n = T * (K + 1)
-    if n:
-        use_pdl = pdl(ids.device)
-        _append_slot_kernel[(triton.cdiv(n, 256),)](ids, weights, oi, ow, T, K, extra_id, BLOCK=256, PDL=use_pdl,
-                                                    launch_pdl=use_pdl, num_warps=4)
-    return oi, ow

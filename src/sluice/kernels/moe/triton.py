@@ -4,8 +4,9 @@ expert) over stacked MLX-affine experts: gate_up [E, 2I, H] (gate rows first), d
 Everything stays on the device (no host synchronisation, so a decode step can be captured in a CUDA graph):
 - `route`: logits [T, E] -> softmax (fp32) -> top-k by iterated argmax -> optional renormalisation.
 - `moe_decode` (a few tokens): the T*k (token, expert) slots are rows of ONE indexed GEMV per projection
-  (`qmatmul.triton.gemv_launch` with expert ids read on the device); the down GEMV takes h = silu(g) * u from the
-  gate_up GEMV's partial sums itself (RAW_X with SWIGLU), or, where it cannot (`qmm.raw_x_supported`),
+  (`qmatmul.triton.gemv_launch` with expert ids read on the device; a shared expert's slots too, ids past the
+  stack read where they lie: `shared_slots`); the down GEMV takes h = silu(g) * u from the gate_up GEMV's partial
+  sums itself (RAW_X with SWIGLU), or, where it cannot (`qmm.raw_x_supported`),
   `swiglu_prep` (`prep_x` in its SwiGLU mode) prepares h in a launch between them.
 - `moe_prefill` (many tokens): slots sorted by expert, a table of BLOCK_M-row tiles (expert, first row) built on
   the device, ONE grouped tensor-core GEMM launch per projection (each tile's weights made in registers once for
@@ -18,6 +19,7 @@ Everything stays on the device (no host synchronisation, so a decode step can be
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -169,34 +171,55 @@ def swiglu_prep(y: torch.Tensor, bits: int, group_size: int) -> torch.Tensor:
     return qmm.prep_x(y, bits, group_size, swiglu=True)
 
 
-def expert_block_n(N: int, K: int, bits: int, rows: int) -> int:
+def expert_block_n(N: int, K: int, bits: int, rows: int, swiglu: bool = False) -> int:
     """Rows per program of an expert GEMV ([N, K] per expert, `rows` slots): 8, or 16 when a row is one short step
-    (<= 64 packed words). From the H100 sweep at the decode shapes (11 slots; docs/perf-log.md 2026-11-25, "GEMV
-    and MoE decode"): 8 rows were fastest for every Qwen3.5 and Qwen3-Next expert GEMV but Qwen3-Next's down (64
-    words a row), where 16 were. The grid-filling rule of dense GEMVs (`qmm.gemv_block_n`, which takes N and rows)
-    picked other sizes there and made the layer slower."""
-    return 16 if K * bits // 32 <= 64 else 8
+    (<= 64 packed words) or the GEMV makes its x from the gate_up partials itself (`swiglu`: each program computes
+    silu(gate) * up over its K range, shared by its rows). From the H100 sweep at the decode shapes (11 slots;
+    docs/perf-log.md 2026-11-25, "GEMV and MoE decode", before the down GEMV took SWIGLU): 8 rows were fastest for
+    every Qwen3.5 and Qwen3-Next expert GEMV but Qwen3-Next's down (64 words a row), where 16 were; with SWIGLU,
+    16 rows made Moonlight's down faster at batch 1 on an H200 (docs/perf-log.md, session 8). The grid-filling
+    rule of dense GEMVs (`qmm.gemv_block_n`, which takes N and rows) picked other sizes there and made the layer
+    slower."""
+    return 16 if swiglu or K * bits // 32 <= 64 else 8
+
+
+@dataclass(frozen=True, eq=False)
+class ExtraExperts:
+    """n experts of one projection stored apart from the stacked ones, which an expert GEMV reads for ids E..E+n-1
+    (`shared_slots`): extra expert i is the [N, K] block of the 2-D `qt` that starts i * `words` packed words
+    (i * `groups` scales and biases) after qt's first, its rows qt's row strides apart."""
+    qt: QuantizedTensor
+    n: int
+    words: int
+    groups: int
+
+    def launch_args(self) -> tuple:
+        """`qmm.gemv_launch`'s `extra`."""
+        qt = self.qt
+        return (qt.weight.view(torch.int32), qt.scales, qt.biases, self.words, self.groups, qt.weight.stride(0),
+                qt.scales.stride(0))
 
 
 def _expert_gemv(xp: torch.Tensor, qt: QuantizedTensor, ids: torch.Tensor, x_div: int,
-                 extra: QuantizedTensor | None = None, block_n: int | None = None, num_warps: int = 1,
+                 extra: ExtraExperts | QuantizedTensor | None = None, block_n: int | None = None, num_warps: int = 1,
                  swiglu: bool = False, order: torch.Tensor | None = None) -> torch.Tensor:
     """Partials [splits, rows, N] fp32 of row r = xp[r // x_div] @ W[ids[r]]^T: one indexed GEMV launch, right
-    after the launch that prepared xp (so the ids are ready before it: the GEMV may prefetch). Id E (one past
-    the stacked experts) stands for `extra`. swiglu: xp is the gate_up GEMV's partials [S, rows, 2N'] and the GEMV
-    takes x = silu(gate) * up from them itself (`qmm.raw_x_supported`), the launch right after that GEMV's. order:
-    the rows sorted by expert (`slot_order`)."""
+    after the launch that prepared xp (so the ids are ready before it: the GEMV may prefetch). Ids E + i (past
+    the stacked experts) stand for `extra`'s expert i (a QuantizedTensor [N, K]: one). swiglu: xp is the gate_up
+    GEMV's partials [S, rows, 2N'] and the GEMV takes x = silu(gate) * up from them itself (`qmm.raw_x_supported`),
+    the launch right after that GEMV's. order: the rows sorted by expert (`slot_order`)."""
     rows = ids.numel()
     N, K = qt.out_features, qt.in_features
-    block_n = block_n or expert_block_n(N, K, qt.bits, rows)
+    block_n = block_n or expert_block_n(N, K, qt.bits, rows, swiglu)
     # K is split only when the rows and N-blocks alone leave multiprocessors idle
     split_k = qmm.gemv_split_k(N, K, qt.bits, rows, block_n, num_warps, device=xp.device)
     used = qmm.gemv_used_splits(K, qt.bits, split_k, num_warps)[0]
     out = torch.empty((used, rows, N), dtype=torch.float32, device=xp.device)
+    if isinstance(extra, QuantizedTensor):
+        extra = ExtraExperts(extra, 1, 0, 0)
     qmm.gemv_launch(xp, qt.weight.view(torch.int32), qt.scales, qt.biases, out, ids, rows, N, K, qt.bits,
                    qt.group_size, split_k, x_div=x_div, block_n=block_n, num_warps=num_warps, ids_ready=True,
-                   extra=None if extra is None else (extra.weight.view(torch.int32), extra.scales, extra.biases),
-                   raw_x=swiglu, swiglu=swiglu, order=order)
+                   extra=None if extra is None else extra.launch_args(), raw_x=swiglu, swiglu=swiglu, order=order)
     return out
 
 
@@ -234,18 +257,20 @@ def slot_order(ids: torch.Tensor) -> torch.Tensor:
 def moe_decode(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_up: QuantizedTensor,
                down: QuantizedTensor, shared_out: torch.Tensor | None = None,
                shared_gate_logit: torch.Tensor | None = None,
-               shared_expert: tuple[QuantizedTensor, QuantizedTensor] | None = None,
+               shared_expert: tuple[QuantizedTensor, QuantizedTensor] | tuple[ExtraExperts, ExtraExperts] | None = None,
                summed: bool = True, expert_order: bool | None = None, block_n: int | None = None,
                num_warps: int = 1) -> torch.Tensor | ExpertOutputs:
     """MoE output [T, H] in x's dtype for a decode batch: four launches whatever k is (three and `ExpertOutputs`
     when not `summed`; one more where the down GEMV cannot prepare its x itself; one more with `expert_order`,
     by default from ORDER_MIN_TOKENS tokens: the GEMV programs launched in expert order, the same bits). With
-    `shared_expert` (its gate_up [2I, H] and down [H, I], stored like the routed experts) the ids and weights come
-    from `route(..., shared_gate_logit)`: id E is the shared expert, run as one more slot of the same launches.
+    `shared_expert` (its gate_up [2I, H] and down [H, I] stored like the routed experts, or the n slots of a
+    shared MLP n times as wide: `shared_slots`) ids E..E+n-1 are the shared expert's n slots, run as more slots
+    of the same launches: the ids and weights from `route(..., shared_gate_logit)` (one slot, gated) or the
+    router's with n slots of weight 1 appended (DeepSeek's shared experts).
     block_n, num_warps: the expert GEMVs' rows and warps per program (default `expert_block_n`, one warp)."""
-    _check_moe(x, ids, weights, gate_up, down, shared_out, shared_gate_logit, shared_expert)
+    extras = _check_moe(x, ids, weights, gate_up, down, shared_out, shared_gate_logit, shared_expert)
     ids = ids.contiguous().view(-1)
-    gu_extra, down_extra = shared_expert if shared_expert is not None else (None, None)
+    gu_extra, down_extra = extras if extras is not None else (None, None)
     if expert_order is None:
         expert_order = x.shape[0] >= ORDER_MIN_TOKENS
     order = slot_order(ids) if expert_order else None
@@ -379,14 +404,40 @@ def supports(gate_up, down, top_k: int) -> bool:
     return quantized and gate_up.weight.shape[0] <= MAX_EXPERTS and top_k <= min(MAX_TOP_K, gate_up.weight.shape[0])
 
 
-def shared_expert_fits(gate_up: QuantizedTensor, down: QuantizedTensor, shared_gate_up, shared_down) -> bool:
-    """Whether the shared expert (2-D gate_up, down) is stored exactly like one of the stacked routed experts:
-    then the expert GEMVs can read it as expert id E with the routed experts' strides."""
-    return all(isinstance(qt, QuantizedTensor) and qt.weight.dim() == 2 and qt.shape == stacked.shape[1:]
-               and (qt.bits, qt.group_size) == (stacked.bits, stacked.group_size)
-               and qt.scales.dtype == stacked.scales.dtype and qt.weight.stride() == stacked.weight.stride()[1:]
-               and qt.scales.stride() == stacked.scales.stride()[1:] == qt.biases.stride()
-               for qt, stacked in ((shared_gate_up, gate_up), (shared_down, down)))
+def shared_slots(gate_up: QuantizedTensor, down: QuantizedTensor, shared_gate_up, shared_down,
+                 n: int = 1) -> tuple[ExtraExperts, ExtraExperts] | None:
+    """A shared MLP of intermediate n*I as n slots shaped like the stacked routed experts (gate_up [E, 2I, H], down
+    [E, H, I]), which the expert GEMVs read as ids E..E+n-1 where they lie, no copy: its gate_up [2nI, H] with rows
+    in slot order [g0 | u0 | g1 | u1 | ...] (I rows each; n = 1: [gate | up], `layers.moe.swiglu` with `slots`),
+    slot i gate_up rows 2iI..2(i+1)I-1 and down [H, nI] columns iI..(i+1)I-1. (gate_up's, down's) `ExtraExperts`,
+    or None where the GEMVs cannot read them so: quantized unlike the routed experts (bits, group size, scales
+    dtype), other shapes, I not whole groups, columns not contiguous, scales and biases strided unlike."""
+    if n < 1 or not all(isinstance(qt, QuantizedTensor) for qt in (gate_up, down, shared_gate_up, shared_down)):
+        return None
+    if gate_up.weight.dim() != 3 or down.weight.dim() != 3 or gate_up.shape[1] % 2:
+        return None
+    I, H = gate_up.shape[1] // 2, gate_up.shape[2]
+    if tuple(shared_gate_up.shape) != (2 * n * I, H) or tuple(shared_down.shape) != (down.shape[1], n * I):
+        return None
+    for qt, stacked in ((shared_gate_up, gate_up), (shared_down, down)):
+        groups = (qt.weight.shape[0], qt.in_features // qt.group_size)
+        if ((qt.bits, qt.group_size, qt.scales.dtype) != (stacked.bits, stacked.group_size, stacked.scales.dtype)
+                or qt.weight.dim() != 2 or tuple(qt.scales.shape) != groups or qt.biases.shape != qt.scales.shape
+                or qt.weight.stride(1) != 1 or qt.scales.stride(1) != 1 or qt.scales.stride() != qt.biases.stride()
+                or qt.in_features % qt.group_size):
+            return None
+    if I % down.group_size:
+        return None
+    gu, dn = shared_gate_up, shared_down
+    return (ExtraExperts(gu, n, 2 * I * gu.weight.stride(0), 2 * I * gu.scales.stride(0)),
+            ExtraExperts(dn, n, I * dn.bits // 32, I // dn.group_size))
+
+
+def shared_expert_fits(gate_up: QuantizedTensor, down: QuantizedTensor, shared_gate_up, shared_down,
+                       n: int = 1) -> bool:
+    """Whether the shared expert (2-D gate_up, down; n slots of a shared MLP n times as wide: `shared_slots`) is
+    stored so that the expert GEMVs read it as ids E..E+n-1."""
+    return shared_slots(gate_up, down, shared_gate_up, shared_down, n) is not None
 
 
 def _check_device(*tensors) -> None:
@@ -397,8 +448,9 @@ def _check_device(*tensors) -> None:
         raise ValueError("moe: tensors must be on a CUDA device (or set TRITON_INTERPRET=1)")
 
 
-def _check_moe(x, ids, weights, gate_up, down, shared_out, shared_gate_logit, shared_expert=None) -> None:
-    """Clear errors before any launch (the kernels would read out of bounds instead)."""
+def _check_moe(x, ids, weights, gate_up, down, shared_out, shared_gate_logit, shared_expert=None):
+    """Clear errors before any launch (the kernels would read out of bounds instead). The shared expert's
+    (gate_up, down) `ExtraExperts` (`moe_decode`'s shared_expert checked against these stacks), or None."""
     for name, qt in (("gate_up", gate_up), ("down", down)):
         if not isinstance(qt, QuantizedTensor) or qt.weight.dim() != 3:
             raise ValueError(f"moe: {name} must be a stacked QuantizedTensor [E, N, K*bits/32]")
@@ -418,20 +470,25 @@ def _check_moe(x, ids, weights, gate_up, down, shared_out, shared_gate_logit, sh
         raise ValueError(f"moe: x must be [T, {H}], got {tuple(x.shape)}")
     if x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
         raise ValueError(f"moe: x must be bf16, fp16 or fp32, got {x.dtype}")
-    slots = MAX_TOP_K + (shared_expert is not None)
-    if ids.dtype != torch.int32 or ids.dim() != 2 or ids.shape[0] != x.shape[0] or not 1 <= ids.shape[1] <= slots:
-        raise ValueError(f"moe: ids must be int32 [{x.shape[0]}, k <= {slots}], got {ids.dtype} {tuple(ids.shape)}")
+    extras = None
     if shared_expert is not None:
         if shared_out is not None:
             raise ValueError("moe: the shared expert comes either as an expert slot or as shared_out, not both")
-        if not shared_expert_fits(gate_up, down, *shared_expert):
+        n = getattr(shared_expert[0], "n", 1)  # (a QuantizedTensor pair: one slot)
+        extras = shared_slots(gate_up, down, *(getattr(e, "qt", e) for e in shared_expert), n)
+        if extras is None or getattr(shared_expert[1], "n", 1) != n:
             raise ValueError(f"moe: the shared expert's gate_up and down must be stored like one routed expert "
                              f"({tuple(gate_up.shape[1:])}, {tuple(down.shape[1:])}, {gate_up.bits}-bit, group "
-                             f"{gate_up.group_size})")
+                             f"{gate_up.group_size}), or a shared MLP n times as wide as n such slots "
+                             f"(`shared_slots`; n = {n})")
+    slots = MAX_TOP_K + (0 if extras is None else extras[0].n)
+    if ids.dtype != torch.int32 or ids.dim() != 2 or ids.shape[0] != x.shape[0] or not 1 <= ids.shape[1] <= slots:
+        raise ValueError(f"moe: ids must be int32 [{x.shape[0]}, k <= {slots}], got {ids.dtype} {tuple(ids.shape)}")
     if weights.dtype != torch.float32 or weights.shape != ids.shape:
         raise ValueError(f"moe: weights must be fp32 {tuple(ids.shape)}, got {weights.dtype} {tuple(weights.shape)}")
     check_shared(x.shape[0], H, shared_out, shared_gate_logit)
     if shared_out is not None:
         _check_device(shared_out, shared_gate_logit)
     _check_device(x, ids, weights, gate_up.weight, gate_up.scales, gate_up.biases, down.weight, down.scales,
-                  down.biases, *(t for qt in shared_expert or () for t in (qt.weight, qt.scales, qt.biases)))
+                  down.biases, *(t for e in extras or () for t in (e.qt.weight, e.qt.scales, e.qt.biases)))
+    return extras

@@ -229,8 +229,8 @@ def _gemv_step(xp_ptr, xf_ptr, KW, NG, S, stride_xs, words, s, b, w0, w_end, off
 
 @triton.jit
 def _gemv_kernel(xp_ptr, w_ptr, s_ptr, b_ptr, y_ptr, ids_ptr, order_ptr, wx_ptr, sx_ptr, bx_ptr, N, KW, w_per_split,
-                 x_div, n_experts, stride_pm, stride_we, stride_wn, stride_se, stride_sn, stride_ys, stride_ym, S,
-                 stride_xs,
+                 x_div, n_experts, stride_pm, stride_we, stride_wn, stride_se, stride_sn, stride_wxe, stride_sxe,
+                 stride_wxn, stride_sxn, stride_ys, stride_ym, S, stride_xs,
                  cw_ptr, cs_ptr, crows_ptr, C_CONV, stride_cwc, stride_cwk, stride_css, stride_csc, stride_csk,
                  BITS: tl.constexpr, GS: tl.constexpr, BLOCK_N: tl.constexpr, KB: tl.constexpr,
                  EVEN_N: tl.constexpr, EVEN_K: tl.constexpr, INDEXED: tl.constexpr, EXTRA: tl.constexpr,
@@ -248,7 +248,9 @@ def _gemv_kernel(xp_ptr, w_ptr, s_ptr, b_ptr, y_ptr, ids_ptr, order_ptr, wx_ptr,
     conv of width CONV_W, silu'd, of the sequence in conv state slot crows[row] (`conv1d.triton.conv_update_columns`:
     `causal_conv1d_update`'s bits), that state shifted in place.
     INDEXED: W, scales and biases are stacked over experts and row r uses expert ids[r] and x row r // x_div;
-    with EXTRA, id n_experts means one more expert stored apart (wx, sx, bx: the shared expert, same shape).
+    with EXTRA, id n_experts + i (i >= 0) means extra expert i, stored apart (a shared expert, or slot i of a shared
+    MLP n times as wide: the same [N, K] shape): wx, sx, bx advanced by i times stride_wxe (words) / stride_sxe
+    (groups), rows stride_wxn / stride_sxn apart.
     ORDERED: program (.., .., p) computes row order[p] (rows sorted by expert: the programs reading one expert
     run together, and all but the first find its weights in L2).
     PREFETCH (with PDL): the weights (and ids) were written long before, so they are read before the wait for
@@ -272,9 +274,14 @@ def _gemv_kernel(xp_ptr, w_ptr, s_ptr, b_ptr, y_ptr, ids_ptr, order_ptr, wx_ptr,
         w_ptr += e * stride_we
         s_ptr += e * stride_se
         b_ptr += e * stride_se
-        if EXTRA:
-            if e == n_experts:
-                w_ptr, s_ptr, b_ptr = wx_ptr, sx_ptr, bx_ptr
+        if EXTRA:  # (before the prefetch reads: the pointers and row strides of the expert this row reads)
+            xe = e - n_experts
+            if xe >= 0:
+                w_ptr = wx_ptr + xe * stride_wxe
+                s_ptr = sx_ptr + xe * stride_sxe
+                b_ptr = bx_ptr + xe * stride_sxe
+            stride_wn = tl.where(xe >= 0, stride_wxn, stride_wn)
+            stride_sn = tl.where(xe >= 0, stride_sxn, stride_sn)
         xp_ptr += (row // x_div).to(tl.int64) * stride_pm
     else:
         xp_ptr += row.to(tl.int64) * stride_pm
@@ -416,7 +423,9 @@ def gemv_launch(xp, w, s, b, out, ids, rows, N, K, bits, gs, split_k, x_div=1, b
     """Launch `_gemv_kernel` for `rows` output rows: xp from `prep_x`, launched just before (or, raw_x, the
     activations [rows / x_div, K] themselves, unit column stride); W [E?, N, KW] int32, scales/biases
     [E?, N, K/GS]; ids [rows] expert indices (INDEXED) or None; out [split_k', rows, N] (fp32 when split); extra:
-    (W, scales, biases) [N, ...] of the expert that id E stands for (row strides as the stacked ones'); ids_ready:
+    (W, scales, biases, W expert stride, scales expert stride, W row stride, scales row stride) of the experts
+    stored apart that ids E + i stand for (extra expert i: W + i * W expert stride, etc.; scales and biases alike
+    strided), each [N, K] with its own row strides; ids_ready:
     the ids were written before the launch of xp (so may be read before the dependency wait); prefetch: the
     kernel's PREFETCH where the weights may be read early (default GEMV_PREFETCH, GEMV_PREFETCH_INDEXED); swiglu
     (with raw_x): xp is a gate_up projection's fp32 partials [S, rows / x_div, 2K], x = silu(gate) * up;
@@ -427,7 +436,7 @@ def gemv_launch(xp, w, s, b, out, ids, rows, N, K, bits, gs, split_k, x_div=1, b
     kb = gemv_step_words(K, bits, num_warps)
     used, w_per_split = gemv_used_splits(K, bits, split_k, num_warps)
     indexed = ids is not None
-    wx, sx, bx = extra if extra is not None else (w, s, b)
+    wx, sx, bx, *x_strides = extra if extra is not None else (w, s, b, 0, 0, 0, 0)
     use_pdl = pdl(xp.device)
     early = not indexed or ids_ready  # (without PDL the kernel just reads them first)
     if prefetch is None:
@@ -436,7 +445,7 @@ def gemv_launch(xp, w, s, b, out, ids, rows, N, K, bits, gs, split_k, x_div=1, b
         xp, w, s, b, out, ids if indexed else xp, order if order is not None else xp, wx, sx, bx, N, kw,
         w_per_split, x_div,
         w.shape[0] if indexed else 0, xp.stride(-2), w.stride(0) if indexed else 0, w.stride(-2),
-        s.stride(0) if indexed else 0, s.stride(-2), out.stride(0), out.stride(1),
+        s.stride(0) if indexed else 0, s.stride(-2), *x_strides, out.stride(0), out.stride(1),
         xp.shape[0] if swiglu else 1, xp.stride(0) if swiglu else 0, *_conv_args(conv, out), BITS=bits, GS=gs,
         BLOCK_N=block_n, KB=kb, EVEN_N=N % block_n == 0, EVEN_K=kw % kb == 0 and w_per_split % kb == 0,
         INDEXED=indexed, EXTRA=extra is not None, ORDERED=order is not None, RAW_X=raw_x, SWIGLU=swiglu,
