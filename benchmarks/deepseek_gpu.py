@@ -1,10 +1,11 @@
 """DeepSeek-V3-family models on one GPU (issue #42), 4-bit dummy weights, distinct prompts, sampled tokens:
 
-* the MLA decode kernel at batch 1 over a short context, its splits planned for the keys or for a pool's capacity
-  (as a decode graph plans them);
-* Moonlight-16B-A3B decode by batch in `VARIANTS`: the fused decode chain (`kernels/mla/chain.py`) off and on, and
-  at 32+ sequences the experts as GEMVs or grouped GEMMs, the same weights (an engine each, graphs captured so);
-  the kernels of one replayed batch-1 step of each;
+* the MLA decode kernel at batch 1 over a short context (`MLA_SHORT`: the launch's sizes), paged and in rows, with
+  and without L2 evicted before it, as a decode graph plans it (for the pool's capacity);
+* Moonlight-16B-A3B decode by batch in `VARIANTS`: the fused decode chain (`kernels/mla/chain.py`) off and on, at
+  32+ sequences the experts as GEMVs or grouped GEMMs, and (named, batch 1 only) the MLA launch's sizes before the
+  short launch, the same weights (an engine each, graphs captured so); the kernels of one replayed batch-1 step of
+  each;
 * Moonlight's prefill of a 4k prompt (tok/s, TTFT);
 * slices of DeepSeek-V3 671B (its first `first_k_dense_replace` dense layers alone, then with MoE layers after them):
   the decode step's time per dense and per MoE layer by difference, and the whole model's step extrapolated from
@@ -41,24 +42,32 @@ def _free(*models) -> None:
     torch.cuda.empty_cache()
 
 
-VARIANTS = {  # name: (the fused chain on, rows an expert from which a decode batch takes the grouped GEMMs)
-    "unfused/gemv": (False, 10**9),  # the decode before session 7
-    "fused/gemv": (True, 10**9),
-    "fused/grouped": (True, None),  # the default: kernels.moe.triton.GROUPED_MIN_ROWS
+VARIANTS = {  # name: settings of the decode path (absent: the default)
+    "unfused/gemv": {"chain": False, "grouped_min_rows": 10**9},  # the decode before session 7
+    "fused/gemv": {"grouped_min_rows": 10**9},
+    "fused/grouped": {},  # the default: kernels.moe.triton.GROUPED_MIN_ROWS
+    # batch-1 experiments on the MLA decode's launch (mla_decode's keyword arguments)
+    "mla/long": {"mla": {"block_n": 32, "num_stages": 3, "min_per_split": 128}},  # the launch before session 8
 }
+BATCH1_ONLY = ("mla/",)  # variants measured at batch 1 alone
 
 
 _DEFAULT: dict = {}
 
 
 def _variant(name: str) -> None:
-    from sluice.kernels.mla import chain
+    import functools
+
+    from sluice.kernels.mla import chain, triton as mt
     from sluice.kernels.moe import triton as moe_triton
 
-    on, rows = VARIANTS[name]
+    v = VARIANTS[name]
     _DEFAULT.setdefault("grouped_min_rows", moe_triton.GROUPED_MIN_ROWS)
-    chain.ENABLED = on  # read when a step is captured or run
-    moe_triton.GROUPED_MIN_ROWS = rows or _DEFAULT["grouped_min_rows"]
+    _DEFAULT.setdefault("mla_decode", mt.mla_decode)
+    chain.ENABLED = v.get("chain", True)  # read when a step is captured or run
+    moe_triton.GROUPED_MIN_ROWS = v.get("grouped_min_rows") or _DEFAULT["grouped_min_rows"]
+    mla = v.get("mla")  # the attention imports mla_decode from the module when a step runs
+    mt.mla_decode = functools.partial(_DEFAULT["mla_decode"], **mla) if mla else _DEFAULT["mla_decode"]
 
 
 def moonlight(batches: list[int], figures: dict, variants: list[str]) -> None:
@@ -73,6 +82,8 @@ def moonlight(batches: list[int], figures: dict, variants: list[str]) -> None:
         for batch in batches:
             if name == "fused/grouped" and "fused/gemv" in variants and moe_triton.gemv_decode(batch, k, E):
                 continue  # the same path as fused/gemv at this batch
+            if name.startswith(BATCH1_ONLY) and batch != 1:
+                continue
             prompt, gen = (512, 64) if batch == 1 else (128, 32)
             try:
                 r = model.bench(prompt_tokens=prompt, gen_tokens=gen, batch=batch, repeats=2)
@@ -144,35 +155,70 @@ def v3_slices(batches: list[int], moe_layers: int, figures: dict) -> None:
                         "extrapolated_step_ms": whole, "extrapolated_tok_s": 1e3 * batch / whole})
 
 
-def mla_short(figures: dict, context: int = 576, heads: int = 16) -> None:
-    """The MLA decode kernel at batch 1 over a short context, as a decode graph plans it (`visible`: the pool's
-    capacity, most splits past the query's keys) beside a plan for the keys alone, by the shortest split: graph
-    replays, µs each (the split kernel and the merge)."""
+MLA_SHORT = {  # name: mla_decode keyword arguments, for the batch-1 short-context kernel times
+    "default": {},  # a short launch (`kernels.mla.triton.short_launch`): one 16-position tile a split
+    "long": {"block_n": 32, "num_stages": 3, "min_per_split": 128},  # the sizes of longer launches
+    "n32/split32": {"block_n": 32, "min_per_split": 32},
+    "n16s1/split16": {"block_n": 16, "num_stages": 1, "min_per_split": 16},
+}
+
+
+def mla_short(figures: dict, context: int = 576, heads: int = 16, page: int = 256) -> None:
+    """The MLA decode kernel (split and merge) at batch 1 over a short context, as a decode step runs it: a paged
+    cache (the GPU default), splits planned for the pool's capacity, captured in a graph; with and without a
+    256 MB copy before it (the step's weight traffic evicts L2, the kernels' code included). Kernel times from the
+    profiler, mean of 20 replays, µs."""
+    from torch.autograd import DeviceType
+
     from sluice.kernels.mla import triton as mt
 
     R, P = 512, 64
     g = torch.Generator(device="cuda").manual_seed(0)
-    cache = torch.randn(2, 8192, R + P, device="cuda", generator=g).to(torch.bfloat16)
+    blocks = 64
+    cache = torch.randn(blocks, page, R + P, device="cuda", generator=g).to(torch.bfloat16)
+    table = torch.randperm(blocks, device="cuda", generator=g).to(torch.int32).view(2, blocks // 2).contiguous()
     q_lat = torch.randn(1, heads, R, device="cuda", generator=g).to(torch.bfloat16)
     q_pe = torch.randn(1, heads, P, device="cuda", generator=g).to(torch.bfloat16)
     rows = torch.zeros(1, dtype=torch.int32, device="cuda")
     pos = torch.full((1,), context - 1, dtype=torch.int32, device="cuda")
+    big = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
+    big2 = torch.empty_like(big)
+    visible = page * (blocks // 2)
     out = figures["mla_short"] = []
-    for visible in (context, 8192):
-        for min_per_split in (32, 64, 128):
-            def run():
-                return mt.mla_decode(q_lat, q_pe, cache, rows, pos, visible, 0.1, min_per_split=min_per_split,
-                                     pdl=True)
-            run()
-            torch.cuda.synchronize()
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                run()
-            from benchmarks.engine_gpu import lone_replay_ms
+    for paged in (True, False):
+        for name, kw in MLA_SHORT.items():
+            for flush in (False, True):
+                if not paged and flush is False and name != "default":
+                    continue
+                cache_l = cache if paged else cache.view(2, -1, R + P)
 
-            out.append({"context": context, "heads": heads, "visible": visible, "min_per_split": min_per_split,
-                        "us": 1e3 * lone_replay_ms(graph, 50)})
-            print(json.dumps(out[-1]), flush=True)
+                def run():
+                    if flush:
+                        big2.copy_(big)
+                    return mt.mla_decode(q_lat, q_pe, cache_l, rows, pos, visible, 0.1,
+                                         table=table if paged else None, **kw)
+                try:
+                    run()
+                    torch.cuda.synchronize()
+                    graph = torch.cuda.CUDAGraph()
+                    with torch.cuda.graph(graph):
+                        run()
+                    graph.replay()
+                    torch.cuda.synchronize()
+                    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+                        for _ in range(20):
+                            graph.replay()
+                        torch.cuda.synchronize()
+                    times: dict = {}
+                    for e in prof.events():
+                        if e.device_type == DeviceType.CUDA:
+                            times.setdefault(e.name[:20], []).append(e.time_range.end - e.time_range.start)
+                    r = {"name": name, "paged": paged, "flush": flush, "context": context,
+                         **{k: sum(v) / len(v) for k, v in times.items() if "mla" in k or "merge" in k}}
+                except Exception as exc:  # noqa: BLE001
+                    r = {"name": name, "paged": paged, "flush": flush, "error": repr(exc)[:300]}
+                out.append(r)
+                print(json.dumps(r), flush=True)
 
 
 def main(argv=None) -> dict:
@@ -182,7 +228,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--v3-moe-layers", type=int, default=8, help="MoE layers past the dense ones in the second "
                     "slice (8: their time ~10x the dense slice's run-to-run spread of ~0.1 ms)")
     ap.add_argument("--parts", default="mla,moonlight,v3")
-    ap.add_argument("--variants", default=",".join(VARIANTS), help="Moonlight's decode variants (VARIANTS)")
+    ap.add_argument("--variants", default=",".join(n for n in VARIANTS if not n.startswith(BATCH1_ONLY)),
+                    help="Moonlight's decode variants (VARIANTS; the experiments at batch 1 when named)")
     args = ap.parse_args(argv)
     figures: dict = {"gpu": torch.cuda.get_device_name(), "ok": True}
     t0 = time.perf_counter()
@@ -202,8 +249,9 @@ def main(argv=None) -> dict:
     took = time.perf_counter() - t0
     print(f"\nDeepSeek-family decode, {figures['gpu']}, 4-bit dummy weights, sampled ({took:.0f} s)")
     for r in figures.get("mla_short", []):
-        print(f"MLA decode, batch 1, {r['heads']} heads, {r['context']} keys, splits planned for {r['visible']}, "
-              f">= {r['min_per_split']} a split: {r['us']:.1f} us")
+        times = ", ".join(f"{k.strip('_')} {v:.1f}" for k, v in r.items() if k.startswith("_"))
+        print(f"MLA decode b1 {r['name']:14s} paged {r['paged']:d} L2 flushed {r['flush']:d}: "
+              f"{times or r.get('error')}")
     for r in figures.get("moonlight", []):
         if "error" in r or r.get("decode_tok_s") is None:
             print(f"Moonlight {r['variant']:18s} batch {r['batch']:3d}: ERROR or no steady window (above)")
