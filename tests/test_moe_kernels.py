@@ -234,17 +234,19 @@ def test_prefill_tighter_in_fp16_and_fp32(dtype, bound):
 
 def test_moe_picks_decode_or_prefill(monkeypatch):
     """The expert GEMVs up to DECODE_MAX_TOKENS tokens, unless the experts average GROUPED_MIN_ROWS rows: then the
-    grouped GEMMs, which read each expert once (Moonlight's 64 experts, top-6, at batch 64)."""
+    grouped GEMMs, which read each expert once (Moonlight's 64 experts, top-6, at batch 64; Qwen3-Next's 512, top-10,
+    at 128)."""
     from types import SimpleNamespace
 
     calls = []
     monkeypatch.setattr(mt, "moe_decode", lambda *a, **k: calls.append("decode"))
     monkeypatch.setattr(mt, "moe_prefill", lambda *a, **k: calls.append("prefill"))
-    for T, k, E in ((mt.DECODE_MAX_TOKENS, 10, 512), (mt.DECODE_MAX_TOKENS + 1, 10, 512), (16, 6, 64), (64, 6, 64)):
+    for T, k, E in ((mt.DECODE_MAX_TOKENS, 4, 512), (mt.DECODE_MAX_TOKENS + 1, 4, 512), (16, 6, 64), (64, 6, 64)):
         experts = SimpleNamespace(weight=torch.empty(E, 1, 1))
         mt.moe(torch.zeros(T, H), torch.zeros(T, k, dtype=torch.int32), None, experts, None)
     assert calls == ["decode", "prefill", "decode", "prefill"]
-    assert mt.gemv_decode(42, 6, 64) and not mt.gemv_decode(43, 6, 64)  # 4 rows an expert: 42 * 6 < 256 <= 43 * 6
+    assert mt.gemv_decode(21, 6, 64) and not mt.gemv_decode(22, 6, 64)  # 2 rows an expert: 21 * 6 < 128 <= 22 * 6
+    assert mt.gemv_decode(64, 10, 512) and not mt.gemv_decode(128, 10, 512)  # Qwen3-Next: 1.25 and 2.5 rows
 
 
 @pytest.mark.parametrize("bits,group_size", [(2, 32), (4, 64), (8, 128)])

@@ -34,8 +34,9 @@ MAX_TOP_K = 16
 MAX_EXPERTS = 1024
 DECODE_MAX_TOKENS = 128  # up to this many tokens (decode batches) the indexed GEMVs, one expert read per slot;
 # beyond, the grouped GEMMs (docs/perf-log.md, 2026-11-25 "engine")
-GROUPED_MIN_ROWS = 4  # a decode batch whose experts average this many rows takes the grouped GEMMs (each expert
-# read once for all its rows) instead of the GEMVs (one read per slot): Moonlight's 64 experts at batch 64
+GROUPED_MIN_ROWS = 2  # a decode batch whose experts average this many rows takes the grouped GEMMs (each expert
+# read once for all its rows) instead of the GEMVs (one read per slot): Moonlight's 64 experts from batch 22,
+# Qwen3-Next's 512 from 103 (docs/perf-log.md, session 8: the two paths at 1.25 and 2.5 rows an expert)
 ORDER_MIN_TOKENS = 32  # from this many tokens the expert GEMVs run in expert order (`slot_order`); below, few
 # slots share an expert and the sort costs what it saves (docs/perf-log.md, 2026-11-25 "engine, second session")
 
