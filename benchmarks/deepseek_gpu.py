@@ -46,10 +46,12 @@ VARIANTS = {  # name: settings of the decode path (absent: the default)
     "unfused/gemv": {"chain": False, "grouped_min_rows": 10**9},  # the decode before session 7
     "fused/gemv": {"grouped_min_rows": 10**9},
     "fused/grouped": {},  # the default: kernels.moe.triton.GROUPED_MIN_ROWS
+    "fused/all-grouped": {"grouped_min_rows": 1e-9},  # the grouped GEMMs at every decode batch
     # batch-1 experiments on the MLA decode's launch (mla_decode's keyword arguments)
     "mla/long": {"mla": {"block_n": 32, "num_stages": 3, "min_per_split": 128}},  # the launch before session 8
 }
 BATCH1_ONLY = ("mla/",)  # variants measured at batch 1 alone
+EXPERIMENTS = ("mla/", "fused/all-grouped")  # variants run only when named
 
 
 _DEFAULT: dict = {}
@@ -228,7 +230,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--v3-moe-layers", type=int, default=8, help="MoE layers past the dense ones in the second "
                     "slice (8: their time ~10x the dense slice's run-to-run spread of ~0.1 ms)")
     ap.add_argument("--parts", default="mla,moonlight,v3")
-    ap.add_argument("--variants", default=",".join(n for n in VARIANTS if not n.startswith(BATCH1_ONLY)),
+    ap.add_argument("--variants", default=",".join(n for n in VARIANTS if not n.startswith(EXPERIMENTS)),
                     help="Moonlight's decode variants (VARIANTS; the experiments at batch 1 when named)")
     args = ap.parse_args(argv)
     figures: dict = {"gpu": torch.cuda.get_device_name(), "ok": True}
