@@ -139,6 +139,10 @@ def mla_cases():
                                    1 if H == 16 else 8, 1 if H == 16 else 4, True, 2.5, extra_slots=2 if H == 16 else 1)
             mt.mla_decode(z(B, H, R), z(B, H, P), cache, rows, pos, 8192, 0.1, table=table, programs_per_sm=2,
                           pdl=True)
+            # a short launch's sizes (this process counts 4 SMs: an H200's 132 take them at batch 1 over ~600 keys)
+            mt.mla_decode(z(B, H, R), z(B, H, P), cache, rows, pos, 576, 0.1, table=table, programs_per_sm=2,
+                          block_n=mt.SHORT_BLOCK_N if H <= 16 else None, num_stages=2 if H <= 16 else None,
+                          min_per_split=16)
 
 
 def _q(*shape, bits=4, group=64):

@@ -99,7 +99,7 @@ class DeepseekMoE(SparseMoE):
                 kernel = group_route
         if not g.quantized:
             x = x2.float() if x32 is None else x32.reshape(x2.shape)
-            if kernel is not None and x.shape[0] <= kernel.ROUTER_MAX_TOKENS and g.weight.dtype == torch.float32:
+            if kernel is not None and 1 <= x.shape[0] <= kernel.ROUTER_MAX_TOKENS and g.weight.dtype == torch.float32:
                 logits = kernel.router_partials(x.contiguous(), g.weight)  # a decode step: one launch, not two
             else:
                 logits = F.linear(x, g.weight.float())

@@ -155,6 +155,8 @@ class SparseMoE(nn.Module):
         sh = self.shared
         if sh is None or not (isinstance(sh.gate_up, Linear) and sh.gate_up.quantized and sh.down.quantized):
             return None
+        if self.top_k + sh.slots > 2 * kernels.MAX_TOP_K:
+            return None  # more slots a token than the routing writes (`group_route.group_topk`'s bound)
         return kernels.shared_slots(self.gate_up, self.down, sh.gate_up.qt, sh.down.qt, sh.slots)
 
     def _route_with_shared_slot(self, x2: torch.Tensor, kernels) -> tuple[torch.Tensor, torch.Tensor]:

@@ -223,8 +223,9 @@ def short_launch(units: int, visible: int, min_per_split: int, sms: int) -> bool
     """Whether a launch of `units` programs a split index over `visible` positions is short: splits of at least
     `min_per_split` positions would leave multiprocessors idle (a short context at a small batch: Moonlight's batch
     1 over ~600 positions took 4-6 programs, each a chain of dependent tile loads). Such a launch waits on latency,
-    not bandwidth: its splits go down to one tile, and up to 16 heads to tiles of SHORT_BLOCK_N positions in two
-    stages (docs/perf-log.md, session 8: the step's time by split length and tile size)."""
+    not bandwidth: its splits go down to one tile (about one program an SM: a batch-1 launch over a long pool
+    keeps splits of ~visible / SMs positions), and up to 16 heads the default tiles are SHORT_BLOCK_N positions in
+    two stages (docs/perf-log.md, session 8: the step's time by split length and tile size)."""
     return units * max(1, visible // min_per_split) < sms
 
 
@@ -325,10 +326,13 @@ def mla_decode(q_lat: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor, row
     # values whatever the batch (a decode step's tokens come in any number), and a row's splits do not depend on
     # its batch
     Bp = triton.next_power_of_2(B)
-    if splits is None and short_launch(Bp * n_hb, visible, min_per_split or MIN_PER_SPLIT, num_sms(device)):
+    sms = num_sms(device)
+    if splits is None and short_launch(Bp * n_hb, visible, min_per_split or MIN_PER_SPLIT, sms):
         if BH <= 16:
             d_bn, d_stages = SHORT_BLOCK_N, 2
-        min_per_split = min_per_split or 1  # (raised to one tile below)
+        # about one program an SM, down to one tile a split: at a short context latency is all, at a long one the
+        # partials (a split's [heads, R] in fp32) stay a small part of the latents read
+        min_per_split = min_per_split or max(1, visible * Bp * n_hb // sms)  # (raised to one tile below)
     min_per_split = min_per_split or MIN_PER_SPLIT
     block_n = block_n or d_bn
     if block_n < 16 or block_n & (block_n - 1) or BH < 16 or BH & (BH - 1):
@@ -358,7 +362,7 @@ def mla_decode(q_lat: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor, row
             kernel_kw,
             (device.index, cache.dtype, q_lat.dtype, R, P, BH, block_n, warps, stages, table is not None, use_pdl),
             device)
-        ns = plan_splits(Bp * n_hb, visible, per_sm * num_sms(device), max(min_per_split, block_n))
+        ns = plan_splits(Bp * n_hb, visible, per_sm * sms, max(min_per_split, block_n))
     per_split = triton.cdiv(triton.cdiv(visible, ns), block_n) * block_n
     ns = triton.cdiv(visible, per_split)
     op = torch.empty((B * n_hb, ns, BH, BR), dtype=torch.float32, device=device)
