@@ -86,12 +86,17 @@ def test_decode_runs_the_shared_expert_as_one_more_slot(T, bits, gs):
     shared_out = (torch.nn.functional.silu(gu[:, :I]) * gu[:, I:]) @ sh_down.dequantize(torch.float32).T
     ref = reference.moe_reference(x, logits, gate_up, down, 2, True, shared_out, gate[:, None])
     ids, weights = mt.route(logits.to(DEVICE), 2, True, gate.to(DEVICE))
-    out = mt.moe_decode(x.to(DEVICE), ids, weights, on_device(gate_up), on_device(down),
-                        shared_expert=(on_device(sh_gu), on_device(sh_down)))
+    slots = mt.shared_slots(on_device(gate_up), on_device(down), on_device(sh_gu), on_device(sh_down))
+    out = mt.moe_decode(x.to(DEVICE), ids, weights, on_device(gate_up), on_device(down), shared_expert=slots)
     assert rel_err(out.cpu(), ref) <= 1e-2
+    assert mt.shared_slots(gate_up, down, sh_down, sh_gu) is None  # swapped: not stored like a routed expert
     with pytest.raises(ValueError, match="stored like one routed expert"):
         mt.moe_decode(x.to(DEVICE), ids, weights, on_device(gate_up), on_device(down),
-                      shared_expert=(on_device(sh_down), on_device(sh_gu)))
+                      shared_expert=(mt.ExtraExperts(on_device(sh_down), 1, 0, 0),
+                                     mt.ExtraExperts(on_device(sh_gu), 1, 0, 0)))
+    with pytest.raises(ValueError, match="ExtraExperts"):
+        mt.moe_decode(x.to(DEVICE), ids, weights, on_device(gate_up), on_device(down),
+                      shared_expert=(on_device(sh_gu), on_device(sh_down)))
 
 
 @pytest.mark.parametrize("T,n,bits,gs,ordered", [(1, 2, 4, 32, False), (3, 3, 2, 32, True), (2, 1, 8, 64, False)])
@@ -135,10 +140,6 @@ def test_decode_runs_a_wide_shared_mlp_as_expert_slots(T, n, bits, gs, ordered):
         with pytest.raises(ValueError, match="stored like one routed expert"):
             mt.moe_decode(x.to(DEVICE), ids, weights, on_device(gate_up), on_device(down),
                           shared_expert=tuple(mt.ExtraExperts(e.qt, 1, 0, 0) for e in extras))
-    if n == 1:  # the two QuantizedTensors name the same slot
-        same = mt.moe_decode(x.to(DEVICE), ids, weights, on_device(gate_up), on_device(down),
-                             shared_expert=(on_device(mlp.gate_up.qt), on_device(sh_down)), expert_order=ordered)
-        assert torch.equal(same, out)
 
 
 def test_slot_order_is_a_stable_sort_by_expert():

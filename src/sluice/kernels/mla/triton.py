@@ -373,7 +373,7 @@ def mla_decode(q_lat: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor, row
     # narrower when there are few (sequence, head) programs (batch 1) to spread the round trip over more SMs
     nsp = triton.next_power_of_2(ns)
     BD = min(BR, 128, max(16, merge_elems // nsp))
-    while BD > 16 and Bp * H * (BR // BD) < num_sms(device) // 2:
+    while BD > 16 and Bp * H * (BR // BD) < sms // 2:
         BD //= 2
     sb = min(nsp, max(1, merge_elems // BD))
     _merge_kernel[(B * H, BR // BD)](op, ml, o, H, n_hb, ns, o.stride(0), o.stride(1), R=R, BR=BR, BH=BH, BD=BD,

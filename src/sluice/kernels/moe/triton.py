@@ -202,11 +202,11 @@ class ExtraExperts:
 
 
 def _expert_gemv(xp: torch.Tensor, qt: QuantizedTensor, ids: torch.Tensor, x_div: int,
-                 extra: ExtraExperts | QuantizedTensor | None = None, block_n: int | None = None, num_warps: int = 1,
+                 extra: ExtraExperts | None = None, block_n: int | None = None, num_warps: int = 1,
                  swiglu: bool = False, order: torch.Tensor | None = None) -> torch.Tensor:
     """Partials [splits, rows, N] fp32 of row r = xp[r // x_div] @ W[ids[r]]^T: one indexed GEMV launch, right
     after the launch that prepared xp (so the ids are ready before it: the GEMV may prefetch). Ids E + i (past
-    the stacked experts) stand for `extra`'s expert i (a QuantizedTensor [N, K]: one). swiglu: xp is the gate_up
+    the stacked experts) stand for `extra`'s expert i. swiglu: xp is the gate_up
     GEMV's partials [S, rows, 2N'] and the GEMV takes x = silu(gate) * up from them itself (`qmm.raw_x_supported`),
     the launch right after that GEMV's. order: the rows sorted by expert (`slot_order`)."""
     rows = ids.numel()
@@ -216,8 +216,6 @@ def _expert_gemv(xp: torch.Tensor, qt: QuantizedTensor, ids: torch.Tensor, x_div
     split_k = qmm.gemv_split_k(N, K, qt.bits, rows, block_n, num_warps, device=xp.device)
     used = qmm.gemv_used_splits(K, qt.bits, split_k, num_warps)[0]
     out = torch.empty((used, rows, N), dtype=torch.float32, device=xp.device)
-    if isinstance(extra, QuantizedTensor):
-        extra = ExtraExperts(extra, 1, 0, 0)
     qmm.gemv_launch(xp, qt.weight.view(torch.int32), qt.scales, qt.biases, out, ids, rows, N, K, qt.bits,
                    qt.group_size, split_k, x_div=x_div, block_n=block_n, num_warps=num_warps, ids_ready=True,
                    extra=None if extra is None else extra.launch_args(), raw_x=swiglu, swiglu=swiglu, order=order)
@@ -258,15 +256,15 @@ def slot_order(ids: torch.Tensor) -> torch.Tensor:
 def moe_decode(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_up: QuantizedTensor,
                down: QuantizedTensor, shared_out: torch.Tensor | None = None,
                shared_gate_logit: torch.Tensor | None = None,
-               shared_expert: tuple[QuantizedTensor, QuantizedTensor] | tuple[ExtraExperts, ExtraExperts] | None = None,
+               shared_expert: tuple[ExtraExperts, ExtraExperts] | None = None,
                summed: bool = True, expert_order: bool | None = None, block_n: int | None = None,
                num_warps: int = 1) -> torch.Tensor | ExpertOutputs:
     """MoE output [T, H] in x's dtype for a decode batch: four launches whatever k is (three and `ExpertOutputs`
     when not `summed`; one more where the down GEMV cannot prepare its x itself; one more with `expert_order`,
     by default from ORDER_MIN_TOKENS tokens: the GEMV programs launched in expert order, the same bits). With
-    `shared_expert` (its gate_up [2I, H] and down [H, I] stored like the routed experts, or the n slots of a
-    shared MLP n times as wide: `shared_slots`) ids E..E+n-1 are the shared expert's n slots, run as more slots
-    of the same launches: the ids and weights from `route(..., shared_gate_logit)` (one slot, gated) or the
+    `shared_expert` (`shared_slots`: gate_up's and down's `ExtraExperts`, a shared expert stored like a routed
+    one, or the n slots of a shared MLP n times as wide) ids E..E+n-1 are the shared expert's n slots, run as more
+    slots of the same launches: the ids and weights from `route(..., shared_gate_logit)` (one slot, gated) or the
     router's with n slots of weight 1 appended (DeepSeek's shared experts).
     block_n, num_warps: the expert GEMVs' rows and warps per program (default `expert_block_n`, one warp)."""
     extras = _check_moe(x, ids, weights, gate_up, down, shared_out, shared_gate_logit, shared_expert)
@@ -434,13 +432,6 @@ def shared_slots(gate_up: QuantizedTensor, down: QuantizedTensor, shared_gate_up
             ExtraExperts(dn, n, I * dn.bits // 32, I // dn.group_size))
 
 
-def shared_expert_fits(gate_up: QuantizedTensor, down: QuantizedTensor, shared_gate_up, shared_down,
-                       n: int = 1) -> bool:
-    """Whether the shared expert (2-D gate_up, down; n slots of a shared MLP n times as wide: `shared_slots`) is
-    stored so that the expert GEMVs read it as ids E..E+n-1."""
-    return shared_slots(gate_up, down, shared_gate_up, shared_down, n) is not None
-
-
 def _check_device(*tensors) -> None:
     dev = tensors[0].device
     if any(t.device != dev for t in tensors):
@@ -475,9 +466,11 @@ def _check_moe(x, ids, weights, gate_up, down, shared_out, shared_gate_logit, sh
     if shared_expert is not None:
         if shared_out is not None:
             raise ValueError("moe: the shared expert comes either as an expert slot or as shared_out, not both")
-        n = getattr(shared_expert[0], "n", 1)  # (a QuantizedTensor pair: one slot)
-        extras = shared_slots(gate_up, down, *(getattr(e, "qt", e) for e in shared_expert), n)
-        if extras is None or getattr(shared_expert[1], "n", 1) != n:
+        if not all(isinstance(e, ExtraExperts) for e in shared_expert) or shared_expert[0].n != shared_expert[1].n:
+            raise ValueError("moe: shared_expert must be the (gate_up, down) `ExtraExperts` of `shared_slots`")
+        n = shared_expert[0].n
+        extras = shared_slots(gate_up, down, shared_expert[0].qt, shared_expert[1].qt, n)  # (checked against these)
+        if extras is None:
             raise ValueError(f"moe: the shared expert's gate_up and down must be stored like one routed expert "
                              f"({tuple(gate_up.shape[1:])}, {tuple(down.shape[1:])}, {gate_up.bits}-bit, group "
                              f"{gate_up.group_size}), or a shared MLP n times as wide as n such slots "
