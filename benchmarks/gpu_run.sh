@@ -24,6 +24,8 @@
 #                                        # fused chain off and on, its 4k prefill, DeepSeek-V3 slices' per-layer times)
 #   bash benchmarks/gpu_run.sh mlaprof   # issue #42, one GPU: Moonlight's batch-1 kernels, ncu on its MLA kernels,
 #                                        # Qwen3-Next's 4k prefill and batch-1 decode
+#   bash benchmarks/gpu_run.sh mma       # issue #43, one GPU: the CUDA MoE GEMM's tests (MMA_TESTS more), then
+#                                        # moe_mma_gpu (MMA_ARGS: its options)
 #   bash benchmarks/gpu_run.sh tp        # issue #44, 2 or 4 GPUs: the split tests on GPUs, tp_gpu for Qwen3-Next-80B
 #                                        # (1 and 2 GPUs), then with 4 GPUs Qwen3.5-397B (4) and Moonlight (1, 2)
 #
@@ -44,6 +46,14 @@ export PYTHONPATH=/tmp/site:src PYTHONUNBUFFERED=1
 CONFIG=benchmarks/configs/qwen3-next-80b-a3b.json
 
 case "${1:-}" in
+mma)
+  eval timeout ${MMA_TEST_S:-150} python -m pytest -q -rf -p no:cacheprovider tests/test_moe_mma.py ${MMA_TESTS:-} 2>&1 \
+    | tee "$LOG/tests_mma.log" | tail -15 > "$OUT/summary.log"
+  timeout ${MMA_BENCH_S:-420} python -m benchmarks run moe_mma_gpu --json "$OUT/moe_mma_gpu.json" ${MMA_ARGS:-} \
+    > "$LOG/moe_mma.log" 2>&1
+  cp "$LOG/moe_mma.log" "$LOG/tests_mma.log" "$OUT/"
+  grep -A200 "^MoE experts of one layer" "$LOG/moe_mma.log" >> "$OUT/summary.log"
+  ;;
 deepseek)
   # the fused chain first, alone, every launch synchronous: where it fails, the traceback names the kernel
   if [ "${DS_PROBE_S:-100}" != 0 ]; then

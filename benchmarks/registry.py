@@ -80,6 +80,9 @@ register("fuzz_campaign", "fuzz_campaign:main", "cpu",
 # -- kernels (docs/PERF.md's kernel sections rely on these) -----------------------------------------------------------
 register("qmatmul_gpu", "qmatmul_gpu:main", "gpu", "4-bit GEMV / GEMM vs cuBLAS bf16 and the copy-bandwidth floor")
 register("moe_gpu", "moe_gpu:main", "gpu", "the MoE layer vs its floor: decode launches, sweeps, grouped prefill GEMM")
+register("moe_mma_gpu", "moe_mma_gpu:main", "gpu",
+         "issue #43: the experts by token count, GEMVs / Triton grouped / the CUDA tensor-core kernel vs the floor; "
+         "the engine's decode and 4k prefill with the kernel and without")
 register("attention_gpu", "attention_gpu:main", "gpu",
          "decode attention, dense bf16 and TurboQuant, vs SDPA and the copy floor; --sweep / --tq-sweep")
 register("gdn_gpu", "gdn_gpu:main", "gpu", "Gated DeltaNet prefill / decode vs FLA, accuracy, per-kernel breakdown")

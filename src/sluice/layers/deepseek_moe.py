@@ -132,12 +132,14 @@ class DeepseekMoE(SparseMoE):
                 out = out + self.shared(x2)
             return out.view(x.shape)
         T = x2.shape[0]
-        decode = kernels.gemv_decode(T, self.top_k, self.num_experts)
-        shared_expert = self._shared_as_expert(kernels) if decode else None
+        shared_expert = self._shared_as_expert(kernels)
+        if not kernels.slot_decode(x2, self.top_k, self.num_experts, self.gate_up, self.down, shared_expert):
+            shared_expert = None  # a prefill: the shared experts run as their own MLP
         if shared_expert is not None:  # decode: the shared experts are slots k..k+n-1 of every token, weight 1
             ids, weights = self.route(x2, x32, extra=shared_expert[0].n)
             gate_up, down, ids = self._experts_for(ids)
-            return kernels.moe_decode(x2, ids, weights, gate_up, down, shared_expert=shared_expert, summed=False)
+            return kernels.moe_decode(x2, ids, weights, gate_up, down, shared_expert=shared_expert, summed=False,
+                                      experts=self.num_experts)
         ids, weights = self.route(x2, x32)
         shared_out = gate = None
         if self.shared is not None:

@@ -171,12 +171,14 @@ class SparseMoE(nn.Module):
         return kernels.route(logits[..., :E], self.top_k, self.norm_topk_prob, logits[..., E])
 
     def _forward_triton(self, x2: torch.Tensor, kernels) -> torch.Tensor:
-        decode = kernels.gemv_decode(x2.shape[0], self.top_k, self.num_experts)
-        shared_expert = self._shared_as_expert(kernels) if decode and getattr(self.shared, "slots", 1) == 1 else None
+        shared_expert = self._shared_as_expert(kernels) if getattr(self.shared, "slots", 1) == 1 else None
+        if not kernels.slot_decode(x2, self.top_k, self.num_experts, self.gate_up, self.down, shared_expert):
+            shared_expert = None  # a prefill: the shared expert runs as its own MLP
         if shared_expert is not None:  # decode: the shared expert is slot k of every token (the router's, gated)
             ids, weights = self._route_with_shared_slot(x2, kernels)
             gate_up, down, ids = self._experts_for(ids)
-            return kernels.moe_decode(x2, ids, weights, gate_up, down, shared_expert=shared_expert, summed=False)
+            return kernels.moe_decode(x2, ids, weights, gate_up, down, shared_expert=shared_expert, summed=False,
+                                      experts=self.num_experts)
         E = self.num_experts
         logits = self.gates(x2)
         gate_logit = logits[:, E] if self.shared is not None else None

@@ -26,7 +26,7 @@ import triton
 import triton.language as tl
 
 from sluice.kernels import launch
-from sluice.kernels.moe import ExpertOutputs, check_shared, grouped
+from sluice.kernels.moe import ExpertOutputs, check_shared, grouped, mma
 from sluice.kernels.qmatmul import triton as qmm
 from sluice.quant.affine import QuantizedTensor
 
@@ -37,6 +37,10 @@ DECODE_MAX_TOKENS = 128  # up to this many tokens (decode batches) the indexed G
 GROUPED_MIN_ROWS = 2  # a decode batch whose experts average this many rows takes the grouped GEMMs (each expert
 # read once for all its rows) instead of the GEMVs (one read per slot): Moonlight's 64 experts from batch 22,
 # Qwen3-Next's 512 from 103 (docs/perf-log.md, session 8: the two paths at 1.25 and 2.5 rows an expert)
+MMA_MIN_ROWS = 0.7  # experts averaging this many rows up to MMA_MAX_ROWS run through the CUDA tensor-core kernel
+MMA_MAX_ROWS = 24  # (`mma.py`: each hit expert read once for its rows) where it applies; fewer rows the expert
+# GEMVs, more the Triton grouped GEMMs (docs/perf-log.md, session 9: Qwen3-Next's GEMVs are faster at 0.625 rows,
+# Moonlight's kernel at 0.75; Moonlight's kernel at 24 rows, Triton's at 48)
 ORDER_MIN_TOKENS = 32  # from this many tokens the expert GEMVs run in expert order (`slot_order`); below, few
 # slots share an expert and the sort costs what it saves (docs/perf-log.md, 2026-11-25 "engine, second session")
 
@@ -45,6 +49,20 @@ def gemv_decode(T: int, k: int, E: int) -> bool:
     """Whether T tokens routed to k of E experts each run as the indexed expert GEMVs (`moe_decode`) rather than
     the grouped GEMMs (`moe_prefill`)."""
     return T <= DECODE_MAX_TOKENS and T * k < GROUPED_MIN_ROWS * E
+
+
+def mma_rows(T: int, k: int, E: int) -> bool:
+    """Whether T tokens routed to k of E experts average the rows an expert the CUDA kernel is for."""
+    return MMA_MIN_ROWS <= T * k / E <= MMA_MAX_ROWS
+
+
+def slot_decode(x: torch.Tensor, k: int, E: int, gate_up, down, extras=None) -> bool:
+    """Whether a batch x of tokens routed to k of E experts runs through `moe_decode` (a shared expert as more
+    slots of the same launches): the expert GEMVs' sizes (`gemv_decode`), and every decode batch (up to
+    DECODE_MAX_TOKENS) that the CUDA kernel takes."""
+    T = x.shape[0]
+    return gemv_decode(T, k, E) or (T <= DECODE_MAX_TOKENS and mma_rows(T, k, E)
+                                    and mma.applies(x, gate_up, down, extras))
 
 
 # ---------------------------------------------------------------------------------------------------- router
@@ -258,7 +276,7 @@ def moe_decode(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_u
                shared_gate_logit: torch.Tensor | None = None,
                shared_expert: tuple[ExtraExperts, ExtraExperts] | None = None,
                summed: bool = True, expert_order: bool | None = None, block_n: int | None = None,
-               num_warps: int = 1) -> torch.Tensor | ExpertOutputs:
+               num_warps: int = 1, experts: int | None = None) -> torch.Tensor | ExpertOutputs:
     """MoE output [T, H] in x's dtype for a decode batch: four launches whatever k is (three and `ExpertOutputs`
     when not `summed`; one more where the down GEMV cannot prepare its x itself; one more with `expert_order`,
     by default from ORDER_MIN_TOKENS tokens: the GEMV programs launched in expert order, the same bits). With
@@ -266,8 +284,13 @@ def moe_decode(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_u
     one, or the n slots of a shared MLP n times as wide) ids E..E+n-1 are the shared expert's n slots, run as more
     slots of the same launches: the ids and weights from `route(..., shared_gate_logit)` (one slot, gated) or the
     router's with n slots of weight 1 appended (DeepSeek's shared experts).
-    block_n, num_warps: the expert GEMVs' rows and warps per program (default `expert_block_n`, one warp)."""
+    block_n, num_warps: the expert GEMVs' rows and warps per program (default `expert_block_n`, one warp).
+    Experts averaging `mma_rows` rows (of `experts`, the routed experts the tokens chose among; default the stack's
+    size) run through the CUDA tensor-core kernel instead, where it applies (`mma.applies`)."""
     extras = _check_moe(x, ids, weights, gate_up, down, shared_out, shared_gate_logit, shared_expert)
+    routed = ids.shape[1] - (0 if extras is None else extras[0].n)
+    if mma_rows(x.shape[0], routed, experts or gate_up.weight.shape[0]) and mma.applies(x, gate_up, down, extras):
+        return _moe_mma(x, ids, weights, gate_up, down, extras, shared_out, shared_gate_logit, summed)
     ids = ids.contiguous().view(-1)
     gu_extra, down_extra = extras if extras is not None else (None, None)
     if expert_order is None:
@@ -309,6 +332,8 @@ def moe_prefill(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_
     x = x.contiguous()
     T, k = ids.shape
     E = gate_up.weight.shape[0] if live is None else live
+    if block_m is None and mma_rows(T, k, E) and mma.applies(x, gate_up, down):
+        return _moe_mma(x, ids, weights, gate_up, down, None, shared_out, shared_gate_logit, summed, live)
     auto_m, auto_gu, auto_down = grouped.prefill_configs(T * k / E)
     block_m = block_m or auto_m
     table = grouped.tile_table(ids, expert_order(ids), E, block_m)  # (no tiles for ids >= E)
@@ -317,6 +342,25 @@ def moe_prefill(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_
     new = torch.empty if live is None else torch.zeros  # (slots without tiles are never written)
     y = new((1, T * k, down.out_features), dtype=x.dtype, device=x.device)
     grouped.grouped_gemm(h, 1, down, y[0], table, False, block_m, down_config or auto_down)
+    return _outputs(y, weights, x.dtype, shared_out, shared_gate_logit, summed)
+
+
+def _moe_mma(x, ids, weights, gate_up, down, extras, shared_out, shared_gate_logit, summed, live=None):
+    """`moe_prefill`'s launches with the tensor-core kernel (`mma.grouped_gemm`) for the two GEMMs: tiles of
+    `mma.tile_rows` rows, a shared expert's slots (extras, ids E..) tiles like the stacked experts'."""
+    T, k = ids.shape
+    n_extra = 0 if extras is None else extras[0].n
+    E = gate_up.weight.shape[0] if live is None else live
+    tm = mma.tile_rows(T * k / (E + n_extra))
+    x = x.contiguous() if x.data_ptr() % 16 == 0 else x.clone()
+    order = expert_order(ids).to(torch.int32)  # (torch's sort, past ORDER_SORT_SLOTS slots, gives int64)
+    table = grouped.tile_table(ids, order, E + n_extra, tm)  # (no tiles for the zero expert, `live`)
+    gu_extra, down_extra = extras if extras is not None else (None, None)
+    h = torch.empty((T * k, down.in_features), dtype=x.dtype, device=x.device)
+    mma.grouped_gemm(x, k, gate_up, h, table, True, tm, gu_extra)
+    new = torch.empty if live is None else torch.zeros  # (slots without tiles are never written)
+    y = new((1, T * k, down.out_features), dtype=x.dtype, device=x.device)
+    mma.grouped_gemm(h, 1, down, y[0], table, False, tm, down_extra)
     return _outputs(y, weights, x.dtype, shared_out, shared_gate_logit, summed)
 
 

@@ -199,12 +199,20 @@ def qgemm_dequant(x: torch.Tensor, qt) -> torch.Tensor:
 
 
 DEQUANT_GEMM_ROWS = 256  # from here on, dequantize + cuBLAS (measured faster than our fused GEMM at M = 4096)
+MMA_MAX_ROWS = 8  # up to this many rows (past the GEMV's) the CUDA tensor-core kernel where it applies
+# (`kernels/moe/mma.py` `dense`: 4-bit groups of 32/64, bf16/fp16); past 8 rows it was slower than the Triton GEMM
+# on Qwen3-Next's projections (docs/perf-log.md, session 9)
 
 
 def qmatmul(x: torch.Tensor, qt) -> torch.Tensor:
     M = x.shape[0]
     if M <= GEMV_MAX_ROWS:
         return qgemv(x, qt)
+    if M <= MMA_MAX_ROWS:
+        from sluice.kernels.moe import mma
+
+        if mma.dense_applies(x, qt):
+            return mma.dense(x, qt)
     if M <= 64:  # swapped: W the wide side (docs/perf-log.md, 2026-11-25 "engine, second session")
         return qgemm(x, qt, block_m=max(16, triton.next_power_of_2(M)), block_n=64, block_k=128, num_warps=4,
                      num_stages=4)
