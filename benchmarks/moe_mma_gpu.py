@@ -163,6 +163,9 @@ def dense(figures, copy_bw):
         checkpoint(figures)
 
 
+ENGINE_VARIANTS = ("before (gemv + triton grouped)", "mma")
+
+
 def engine(figures, names, batches):
     from sluice.kernels.moe import mma
 
@@ -172,7 +175,7 @@ def engine(figures, names, batches):
         if cfg is None:
             continue
         base = sluice.load(cfg, load_format="dummy", device="cuda", max_batch=max(batches))
-        for variant in ("before (gemv + triton grouped)", "mma"):
+        for variant in ENGINE_VARIANTS:
             mma.ENABLED = variant == "mma"
             model = base.with_engine()
             for batch in batches:
