@@ -164,6 +164,7 @@ def dense(figures, copy_bw):
 
 
 ENGINE_VARIANTS = ("before (gemv + triton grouped)", "mma")
+PROFILE_BATCHES = (16, 64)
 
 
 def engine(figures, names, batches):
@@ -184,6 +185,13 @@ def engine(figures, names, batches):
                     r = model.bench(prompt_tokens=prompt, gen_tokens=gen, batch=batch, repeats=2)
                     rows.append({"model": name, "variant": variant, "batch": batch,
                                  "decode_tok_s": r["decode_tok_s"], "floor_decode_tok_s": r.get("floor_decode_tok_s")})
+                    graphs = model.engine.runner._graphs
+                    if batch in PROFILE_BATCHES and batch in graphs:  # the step's kernels, one replay
+                        from benchmarks.engine_gpu import profile_graph
+
+                        prof = profile_graph(graphs[batch][0], top=16)
+                        prof.pop("sequence", None)
+                        figures.setdefault("profiles", {})[f"{name} {variant} b{batch}"] = prof
                 except Exception:  # noqa: BLE001
                     rows.append({"model": name, "variant": variant, "batch": batch, "error": traceback.format_exc()})
                     figures["ok"] = False
@@ -233,6 +241,10 @@ def table(figures) -> str:
                          f"(floor {r['floor_decode_tok_s'] or 0:.0f})")
         else:
             lines.append(f"{r['model']:11s} {r['variant']:32s} 4k prefill {r['prefill_tok_s']:9.0f} tok/s")
+    for key, prof in figures.get("profiles", {}).items():
+        lines.append(f"profile {key}: {prof['kernels']} kernels, span {prof['span_ms']:.2f} ms, gaps "
+                     f"{prof['gap_ms']:.2f} ms; " + "; ".join(f"{r['kernel'][:40]} {r['wall_ms']:.2f} ({r['calls']})"
+                                                            for r in prof["top"][:10]))
     return "\n".join(lines)
 
 

@@ -151,10 +151,13 @@ def test_slot_order_is_a_stable_sort_by_expert():
         assert torch.equal(order.long(), torch.sort(ids, stable=True).indices)
 
 
-@pytest.mark.parametrize("T, k, experts_, block_m", [(3, 2, 8, 16), (200, 10, 64, 16), (1100, 8, 32, 128)],
-                         ids=["few", "sorted by slot_order", "sorted by torch.sort"])
-def test_tile_table_matches_a_sort(T, k, experts_, block_m):
-    """The grouped GEMMs' table: slots in stable expert order, each expert's first row, and its tiles."""
+@pytest.mark.parametrize("T, k, experts_, block_m, count_here", [
+    (3, 2, 8, 16, True), (200, 10, 64, 16, True), (200, 10, 64, 16, False), (1100, 8, 32, 128, False)],
+    ids=["few", "sorted by slot_order", "counted by a histogram launch", "sorted by torch.sort"])
+def test_tile_table_matches_a_sort(T, k, experts_, block_m, count_here, monkeypatch):
+    """The grouped GEMMs' table: slots in stable expert order, each expert's first row, and its tiles; the slots
+    counted by the table's program itself or by a histogram launch before it."""
+    monkeypatch.setattr(mg, "COUNT_IN_TABLE_SLOTS", 10**9 if count_here else 0)
     g = torch.Generator().manual_seed(T)
     ids = torch.stack([torch.randperm(experts_, generator=g)[:k] for _ in range(T)]).to(torch.int32)
     order, offsets, tile_expert, tile_row = (t.cpu() for t in mg.tile_table(ids.to(DEVICE), mt.expert_order(ids.to(DEVICE)), experts_, block_m))

@@ -108,13 +108,22 @@ def _expert_counts_kernel(ids_ptr, counts_ptr, n, EP: tl.constexpr, BLOCK: tl.co
 
 
 @triton.jit
-def _tile_table_kernel(counts_ptr, offsets_ptr, tile_expert_ptr, tile_row_ptr, E, n_tiles, BLOCK_M: tl.constexpr,
-                       EP: tl.constexpr, BLOCK: tl.constexpr):
-    """One program, from each expert's slot count: offsets [E + 1] (their exclusive sums: the first sorted row of
-    each expert, then the slot count), and the table of BLOCK_M-row tiles, per tile its expert and first sorted
-    row, in expert order; the table's unused tail marked with expert E."""
+def _tile_table_kernel(counts_ptr, ids_ptr, n, offsets_ptr, tile_expert_ptr, tile_row_ptr, E, n_tiles,
+                       BLOCK_M: tl.constexpr, EP: tl.constexpr, BLOCK: tl.constexpr, COUNT: tl.constexpr):
+    """One program, from each expert's slot count (COUNT: counted here from the n ids, BLOCK at a time, no
+    histogram launch before): offsets [E + 1] (their exclusive sums: the first sorted row of each expert, then the
+    slot count), and the table of BLOCK_M-row tiles, per tile its expert and first sorted row, in expert order;
+    the table's unused tail marked with expert E."""
     bins = tl.arange(0, EP)
-    counts = tl.load(counts_ptr + bins, mask=bins < E, other=0)
+    if COUNT:
+        counts = tl.zeros((EP,), dtype=tl.int32)
+        for i0 in range(0, n, BLOCK):
+            offs = i0 + tl.arange(0, BLOCK)
+            ids = tl.load(ids_ptr + offs, mask=offs < n, other=0)
+            counts += tl.histogram(ids, EP, mask=(offs < n) & (ids < EP))
+        counts = tl.where(bins < E, counts, 0)
+    else:
+        counts = tl.load(counts_ptr + bins, mask=bins < E, other=0)
     starts = tl.cumsum(counts, 0) - counts
     tl.store(offsets_ptr + bins, starts, mask=bins < E)
     tl.store(offsets_ptr + E, tl.sum(counts, 0))
@@ -129,9 +138,13 @@ def _tile_table_kernel(counts_ptr, offsets_ptr, tile_expert_ptr, tile_row_ptr, E
         tl.store(tile_expert_ptr + offs, tl.zeros((BLOCK,), dtype=tl.int32) + E, mask=offs < n_tiles)
 
 
+COUNT_IN_TABLE_SLOTS = 8192  # up to this many slots the table's one program counts them (no zeroed counts, no
+# histogram launch); beyond, a histogram launch of many programs first
+
+
 def tile_table(ids: torch.Tensor, order: torch.Tensor, E: int, block_m: int):
     """The BLOCK_M-row tiles over the slots of ids [T, k] in `order` (their stable expert order), computed on the
-    device in two launches.
+    device in one launch (two past COUNT_IN_TABLE_SLOTS slots).
 
     Returns order, offsets [E + 1] (the first sorted row of each expert), and per tile its expert and first sorted
     row. The host cannot know the tile count without a sync, so
@@ -141,13 +154,16 @@ def tile_table(ids: torch.Tensor, order: torch.Tensor, E: int, block_m: int):
     n = flat.numel()
     n_tiles = min(n, triton.cdiv(n, block_m) + E)
     EP = triton.next_power_of_2(E)
-    counts = torch.zeros(EP, dtype=torch.int32, device=ids.device)
-    _expert_counts_kernel[(triton.cdiv(n, 1024),)](flat, counts, n, EP=EP, BLOCK=1024, num_warps=4)
+    count_here = n <= COUNT_IN_TABLE_SLOTS  # one launch: the table's program counts the slots itself
+    counts = None
+    if not count_here:
+        counts = torch.zeros(EP, dtype=torch.int32, device=ids.device)
+        _expert_counts_kernel[(triton.cdiv(n, 1024),)](flat, counts, n, EP=EP, BLOCK=1024, num_warps=4)
     offsets = torch.empty(E + 1, dtype=torch.int32, device=ids.device)
     tile_expert = torch.empty(n_tiles, dtype=torch.int32, device=ids.device)
     tile_row = torch.empty(n_tiles, dtype=torch.int32, device=ids.device)
-    _tile_table_kernel[(1,)](counts, offsets, tile_expert, tile_row, E, n_tiles, BLOCK_M=block_m, EP=EP, BLOCK=1024,
-                             num_warps=4)
+    _tile_table_kernel[(1,)](offsets if counts is None else counts, flat, n, offsets, tile_expert, tile_row, E,
+                             n_tiles, BLOCK_M=block_m, EP=EP, BLOCK=1024, COUNT=count_here, num_warps=4)
     return order, offsets, tile_expert, tile_row
 
 
