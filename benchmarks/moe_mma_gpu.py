@@ -47,9 +47,12 @@ def _paths(T):
     return out
 
 
-def _run(path, x, ids, w, gate_up, down, tile=None):
+def _run(path, x, ids, w, gate_up, down, tile=None, config=None):
     from sluice.kernels.moe import mma
     from sluice.kernels.moe import triton as mt
+
+    if config:  # (warps, stages) of the CUDA kernel
+        mma.WARPS, mma.STAGES = config
 
     if path == "gemv":
         mt.MMA_MIN_ROWS = 10**9
@@ -71,14 +74,14 @@ def _reset(saved):
     from sluice.kernels.moe import mma
     from sluice.kernels.moe import triton as mt
 
-    mt.MMA_MIN_ROWS, mt.MMA_MAX_ROWS, mma.ENABLED, mma.tile_rows = saved
+    mt.MMA_MIN_ROWS, mt.MMA_MAX_ROWS, mma.ENABLED, mma.tile_rows, mma.WARPS, mma.STAGES = saved
 
 
-def layer(figures, names, tokens, copy_bw):
+def layer(figures, names, tokens, copy_bw, configs=()):
     from sluice.kernels.moe import mma, reference
     from sluice.kernels.moe import triton as mt
 
-    saved = (mt.MMA_MIN_ROWS, mt.MMA_MAX_ROWS, mma.ENABLED, mma.tile_rows)
+    saved = (mt.MMA_MIN_ROWS, mt.MMA_MAX_ROWS, mma.ENABLED, mma.tile_rows, mma.WARPS, mma.STAGES)
     rows = figures.setdefault("layer", [])
     for name in names:
         H, E, I, k, _ = SHAPES[name]
@@ -96,17 +99,19 @@ def layer(figures, names, tokens, copy_bw):
             floor_us = hit / copy_bw * 1e6
             x0, ids0, w0, logits0 = sets[0]
             ref = reference.moe_reference(x0, logits0, gate_up, down, k, True) if T <= 256 else None
-            variants = [(p, None) for p in _paths(T)] + [("mma", t) for t in mma.TILE_ROWS if T in FORCED_TILES]
-            for path, tile in variants:
-                row = {"model": name, "T": T, "path": path + (f" tile {tile}" if tile else ""),
-                       "floor_us": floor_us, "rows_per_expert": T * k / E}
+            variants = ([(p, None, None) for p in _paths(T)] + [("mma", t, None) for t in mma.TILE_ROWS
+                                                                 if T in FORCED_TILES and not configs]
+                        + [("mma", None, c) for c in configs])
+            for path, tile, config in variants:
+                label = path + (f" tile {tile}" if tile else "") + (f" w{config[0]} s{config[1]}" if config else "")
+                row = {"model": name, "T": T, "path": label, "floor_us": floor_us, "rows_per_expert": T * k / E}
                 try:
-                    out = _run(path, x0, ids0, w0, gate_up, down, tile).combine()
+                    out = _run(path, x0, ids0, w0, gate_up, down, tile, config).combine()
                     if ref is None:  # (the reference's loop over every expert: the first path stands in)
                         ref = out
                     row["rel_err"] = rel_err(out, ref)
-                    calls = [lambda s=s, path=path, tile=tile, gu=gate_up, dn=down: _run(path, *s[:3], gu, dn, tile)
-                             for s in sets]
+                    calls = [lambda s=s, path=path, tile=tile, c=config, gu=gate_up, dn=down:
+                             _run(path, *s[:3], gu, dn, tile, c) for s in sets]
                     row["us"] = graph_time(calls) * 1e6
                     row["pct_floor"] = 100 * floor_us / row["us"]
                 except Exception:  # noqa: BLE001 - recorded, the run goes on
@@ -167,7 +172,7 @@ ENGINE_VARIANTS = ("before (gemv + triton grouped)", "mma")
 PROFILE_BATCHES = (16, 64)
 
 
-def engine(figures, names, batches):
+def engine(figures, names, batches, variants=ENGINE_VARIANTS, prefill=True):
     from sluice.kernels.moe import mma
 
     rows = figures.setdefault("engine", [])
@@ -176,7 +181,7 @@ def engine(figures, names, batches):
         if cfg is None:
             continue
         base = sluice.load(cfg, load_format="dummy", device="cuda", max_batch=max(batches))
-        for variant in ENGINE_VARIANTS:
+        for variant in variants:
             mma.ENABLED = variant == "mma"
             model = base.with_engine()
             for batch in batches:
@@ -198,9 +203,13 @@ def engine(figures, names, batches):
                 print(json.dumps(rows[-1]), flush=True)
                 checkpoint(figures)
             try:
+                if not prefill:
+                    raise StopIteration
                 r = model.bench(prompt_tokens=4096, gen_tokens=2, batch=1, repeats=2)
                 rows.append({"model": name, "variant": variant, "prompt": 4096, "prefill_tok_s": r["prefill_tok_s"],
                              "ttft_warm_s": r.get("ttft_warm_s")})
+            except StopIteration:
+                pass
             except Exception:  # noqa: BLE001
                 rows.append({"model": name, "variant": variant, "prompt": 4096, "error": traceback.format_exc()})
                 figures["ok"] = False
@@ -257,6 +266,9 @@ def main(argv=None) -> dict:
     ap.add_argument("--engine-models", default=None)
     ap.add_argument("--tokens", default=",".join(map(str, TOKENS)))
     ap.add_argument("--batches", default="1,16,64,128")
+    ap.add_argument("--engine-variants", default=",".join(ENGINE_VARIANTS))
+    ap.add_argument("--no-prefill", action="store_true", help="the engine part without its 4k prompt")
+    ap.add_argument("--configs", default="", help="the CUDA kernel's (warps x stages) to time beside, e.g. 8x3,4x6")
     args = ap.parse_args(argv)
     parts = args.parts.split(",")
     names = args.models.split(",")
@@ -264,10 +276,12 @@ def main(argv=None) -> dict:
     bw = copy_bandwidth(torch.device("cuda"))
     figures["copy_bandwidth_Bps"] = bw
     if "layer" in parts:
-        layer(figures, names, [int(t) for t in args.tokens.split(",")], bw)
+        configs = [tuple(int(v) for v in c.split("x")) for c in args.configs.split(",") if c]
+        layer(figures, names, [int(t) for t in args.tokens.split(",")], bw, configs)
     if "dense" in parts:
         dense(figures, bw)
     if "engine" in parts:
-        engine(figures, (args.engine_models or args.models).split(","), [int(b) for b in args.batches.split(",")])
+        engine(figures, (args.engine_models or args.models).split(","), [int(b) for b in args.batches.split(",")],
+               args.engine_variants.split(","), not args.no_prefill)
     print(table(figures), flush=True)
     return figures

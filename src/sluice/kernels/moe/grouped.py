@@ -108,25 +108,43 @@ def _expert_counts_kernel(ids_ptr, counts_ptr, n, EP: tl.constexpr, BLOCK: tl.co
 
 
 @triton.jit
-def _tile_table_kernel(counts_ptr, ids_ptr, n, offsets_ptr, tile_expert_ptr, tile_row_ptr, E, n_tiles,
-                       BLOCK_M: tl.constexpr, EP: tl.constexpr, BLOCK: tl.constexpr, COUNT: tl.constexpr):
-    """One program, from each expert's slot count (COUNT: counted here from the n ids, BLOCK at a time, no
-    histogram launch before): offsets [E + 1] (their exclusive sums: the first sorted row of each expert, then the
-    slot count), and the table of BLOCK_M-row tiles, per tile its expert and first sorted row, in expert order;
-    the table's unused tail marked with expert E."""
+def _min(a, b):
+    return tl.minimum(a, b)
+
+
+@triton.jit
+def _tile_table_kernel(counts_ptr, ids_ptr, order_ptr, n, offsets_ptr, tile_expert_ptr, tile_row_ptr, E, n_tiles,
+                       BLOCK_M: tl.constexpr, EP: tl.constexpr, BLOCK: tl.constexpr, SORTED: tl.constexpr):
+    """One program, from each expert's slot count: offsets [E + 1] (their exclusive sums: the first sorted row of
+    each expert, then the slots of experts < E), and the table of BLOCK_M-row tiles, per tile its expert and first
+    sorted row, in expert order; the table's unused tail marked with expert E.
+    SORTED (no histogram launch before): the first sorted row of each expert read off the slots in `order`, their
+    expert ids (clamped to E) in order: where the id changes at row i, offsets[id] = i (offsets first all n), then
+    a suffix minimum gives the experts without slots the next one's. O(n + E), where a histogram in one program
+    is O(n E)."""
     bins = tl.arange(0, EP)
-    if COUNT:
-        counts = tl.zeros((EP,), dtype=tl.int32)
+    if SORTED:
+        tl.store(offsets_ptr + bins, tl.zeros((EP,), dtype=tl.int32) + n, mask=bins <= E)
+        tl.debug_barrier()
         for i0 in range(0, n, BLOCK):
-            offs = i0 + tl.arange(0, BLOCK)
-            ids = tl.load(ids_ptr + offs, mask=offs < n, other=0)
-            counts += tl.histogram(ids, EP, mask=(offs < n) & (ids < EP))
-        counts = tl.where(bins < E, counts, 0)
+            i = i0 + tl.arange(0, BLOCK)
+            ok = i < n
+            e = tl.minimum(tl.load(ids_ptr + tl.load(order_ptr + i, mask=ok, other=0), mask=ok, other=E), E)
+            had = ok & (i > 0)
+            prev = tl.minimum(tl.load(ids_ptr + tl.load(order_ptr + i - 1, mask=had, other=0), mask=had, other=-1), E)
+            tl.store(offsets_ptr + e, i, mask=ok & (e != prev))
+        tl.debug_barrier()
+        starts = tl.associative_scan(tl.load(offsets_ptr + bins, mask=bins <= E, other=n), 0, _min, reverse=True)
+        tl.debug_barrier()  # (every thread has read the offsets before any is overwritten)
+        tl.store(offsets_ptr + bins, starts, mask=bins <= E)
+        tl.debug_barrier()
+        counts = tl.where(bins < E, tl.load(offsets_ptr + bins + 1, mask=bins < E, other=0) - starts, 0)
     else:
         counts = tl.load(counts_ptr + bins, mask=bins < E, other=0)
-    starts = tl.cumsum(counts, 0) - counts
-    tl.store(offsets_ptr + bins, starts, mask=bins < E)
-    tl.store(offsets_ptr + E, tl.sum(counts, 0))
+        starts = tl.cumsum(counts, 0) - counts
+    if not SORTED:
+        tl.store(offsets_ptr + bins, starts, mask=bins < E)
+        tl.store(offsets_ptr + E, tl.sum(counts, 0))
     tiles = (counts + BLOCK_M - 1) // BLOCK_M
     first_tile = tl.cumsum(tiles, 0) - tiles
     for j in range(0, tl.max(tiles, 0)):
@@ -138,8 +156,8 @@ def _tile_table_kernel(counts_ptr, ids_ptr, n, offsets_ptr, tile_expert_ptr, til
         tl.store(tile_expert_ptr + offs, tl.zeros((BLOCK,), dtype=tl.int32) + E, mask=offs < n_tiles)
 
 
-COUNT_IN_TABLE_SLOTS = 8192  # up to this many slots the table's one program counts them (no zeroed counts, no
-# histogram launch); beyond, a histogram launch of many programs first
+COUNT_IN_TABLE_SLOTS = 8192  # up to this many slots the table's one program reads the experts' first rows off the
+# sorted slots (no zeroed counts, no histogram launch); beyond, a histogram launch of many programs first
 
 
 def tile_table(ids: torch.Tensor, order: torch.Tensor, E: int, block_m: int):
@@ -153,8 +171,8 @@ def tile_table(ids: torch.Tensor, order: torch.Tensor, E: int, block_m: int):
     flat = ids.reshape(-1)
     n = flat.numel()
     n_tiles = min(n, triton.cdiv(n, block_m) + E)
-    EP = triton.next_power_of_2(E)
-    count_here = n <= COUNT_IN_TABLE_SLOTS  # one launch: the table's program counts the slots itself
+    EP = triton.next_power_of_2(E + 1)
+    count_here = n <= COUNT_IN_TABLE_SLOTS  # one launch: the table's program finds the experts' rows itself
     counts = None
     if not count_here:
         counts = torch.zeros(EP, dtype=torch.int32, device=ids.device)
@@ -162,8 +180,8 @@ def tile_table(ids: torch.Tensor, order: torch.Tensor, E: int, block_m: int):
     offsets = torch.empty(E + 1, dtype=torch.int32, device=ids.device)
     tile_expert = torch.empty(n_tiles, dtype=torch.int32, device=ids.device)
     tile_row = torch.empty(n_tiles, dtype=torch.int32, device=ids.device)
-    _tile_table_kernel[(1,)](offsets if counts is None else counts, flat, n, offsets, tile_expert, tile_row, E,
-                             n_tiles, BLOCK_M=block_m, EP=EP, BLOCK=1024, COUNT=count_here, num_warps=4)
+    _tile_table_kernel[(1,)](offsets if counts is None else counts, flat, order, n, offsets, tile_expert, tile_row,
+                             E, n_tiles, BLOCK_M=block_m, EP=EP, BLOCK=1024, SORTED=count_here, num_warps=4)
     return order, offsets, tile_expert, tile_row
 
 

@@ -24,10 +24,9 @@ from sluice.kernels.launch import num_sms, pdl
 from sluice.quant.affine import QuantizedTensor
 
 SOURCE = Path(__file__).with_name("w4_mma.cu")
-WARPS = 4
-STAGES = 4
+WARPS = 4  # a program's warps, 16 output columns each
+STAGES = 4  # chunks of 128 k in flight (cp.async)
 KC = 128  # k a chunk
-COLUMNS = 16 * WARPS  # output columns a program
 TILE_ROWS = (8, 16, 32)  # rows a tile of the grouped GEMM (NB = 1, 2, 4 mma column blocks)
 DENSE_TILE_ROWS = (8, 16, 32, 64)  # of the dense one
 MIN_SPLIT_CHUNKS = 4  # a dense GEMM's K split keeps at least this many chunks a split
@@ -60,10 +59,10 @@ def variants():
 
 def kernel(swiglu: bool, tile_rows: int, group_size: int, fp16: bool, device, dense: bool = False,
            out_f32: bool = False) -> nvrtc.Kernel:
-    key = (swiglu, tile_rows, group_size, fp16, dense, out_f32, torch.device(device))
+    defines = _defines(swiglu, tile_rows, group_size, fp16, dense, out_f32)
+    key = (tuple(sorted(defines.items())), torch.device(device))
     if key not in _kernels:
-        _kernels[key] = nvrtc.Kernel(SOURCE.read_text(), "moe_w4_mma",
-                                     _defines(swiglu, tile_rows, group_size, fp16, dense, out_f32), SIGNATURE, device)
+        _kernels[key] = nvrtc.Kernel(SOURCE.read_text(), "moe_w4_mma", defines, SIGNATURE, device)
     return _kernels[key]
 
 
@@ -71,7 +70,7 @@ def _fits(qt: QuantizedTensor, dtype: torch.dtype, columns: int) -> bool:
     """Whether the kernel reads qt ([.., N, K] stacked or 2-D) with columns (its output columns) as they lie."""
     if qt.bits != 4 or qt.group_size not in (32, 64) or qt.scales.dtype != dtype or qt.in_features % KC:
         return False
-    if columns % COLUMNS or qt.weight.stride(-1) != 1 or qt.scales.stride(-1) != 1:
+    if columns % (16 * WARPS) or qt.weight.stride(-1) != 1 or qt.scales.stride(-1) != 1:
         return False
     gpc = KC // qt.group_size
     w = qt.weight.view(torch.int32)
@@ -113,7 +112,7 @@ def dense_applies(x: torch.Tensor, qt: QuantizedTensor) -> bool:
 
 def _compiles(device, *variant) -> bool:
     """Compile (once) and say whether it worked; a failure is reported once and the Triton GEMM takes over."""
-    key = (*variant, torch.device(device))
+    key = (*variant, WARPS, STAGES, torch.device(device))
     if key in _failed:
         return False
     try:
@@ -154,7 +153,7 @@ def grouped_gemm(a: torch.Tensor, a_div: int, qt: QuantizedTensor, c: torch.Tens
     if offsets.numel() - 1 > E + n_extra:
         raise ValueError(f"moe mma: the tile table covers {offsets.numel() - 1} experts, more than {E} + {n_extra}")
     k = kernel(swiglu, tile_rows, qt.group_size, a.dtype == torch.float16, a.device)
-    grid = (N // COLUMNS, tile_expert.numel())
+    grid = (N // (16 * WARPS), tile_expert.numel())
     k(grid, (WARPS * 32,), smem_bytes(swiglu, tile_rows, qt.group_size), a, w, qt.scales, qt.biases, xw, xs, xb, c,
       order, tile_expert, tile_row, offsets, N, K, E, offsets.numel() - 1, a_div, 0, K // KC, a.stride(0),
       w.stride(0), w.stride(1), qt.scales.stride(0), qt.scales.stride(1), x_words, x_groups, x_wn, x_sn, c.stride(0), 0,
@@ -177,14 +176,15 @@ def dense(x: torch.Tensor, qt: QuantizedTensor, tile_rows: int | None = None,
     tiles = triton.cdiv(M, tm)
     chunks = K // KC
     if splits is None:
-        splits = max(1, min(triton.cdiv(2 * num_sms(x.device), (N // COLUMNS) * tiles), chunks // MIN_SPLIT_CHUNKS))
+        splits = max(1, min(triton.cdiv(2 * num_sms(x.device), (N // (16 * WARPS)) * tiles),
+                            chunks // MIN_SPLIT_CHUNKS))
     per = triton.cdiv(chunks, splits)
     splits = triton.cdiv(chunks, per)
     f32 = splits > 1
     out = torch.empty((splits, M, N) if f32 else (M, N), dtype=torch.float32 if f32 else x.dtype, device=x.device)
     w = qt.weight.view(torch.int32)
     k = kernel(False, tm, qt.group_size, x.dtype == torch.float16, x.device, True, f32)
-    k((N // COLUMNS, tiles, splits), (WARPS * 32,), smem_bytes(False, tm, qt.group_size), x, w, qt.scales, qt.biases,
+    k((N // (16 * WARPS), tiles, splits), (WARPS * 32,), smem_bytes(False, tm, qt.group_size), x, w, qt.scales, qt.biases,
       w, qt.scales, qt.biases, out, 0, 0, 0, 0, N, K, 1, 1, 1, M, per, x.stride(0), 0, w.stride(0), 0,
       qt.scales.stride(0), 0, 0, 0, 0, N, M * N, pdl=pdl(x.device))
     return out.sum(0).to(x.dtype) if f32 else out

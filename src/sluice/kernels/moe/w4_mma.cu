@@ -17,11 +17,11 @@
 // rounding of s q + b as the reference). Step s of the chunk's eight takes word s / 2 of the thread's four, pairs
 // p = 2 (s % 2) and p + 1; the B registers are built to match with one byte permute each from x held in order.
 //
-// Program: (64 weight rows, tile). A tile is up to TM = 8 NB sorted rows of one expert (`grouped.tile_table`);
+// Program: (16 WARPS weight rows, tile). A tile is up to TM = 8 NB sorted rows of one expert (`grouped.tile_table`);
 // each warp owns 16 output columns (SWIGLU: 16 gate rows and the 16 up rows N below them, h = silu(g) u in the
 // epilogue). Per 128-k chunk, cp.async brings STAGES - 1 chunks ahead: each thread its own weight words (read back
 // only by itself), a lane per (row, scales or biases) the chunk's groups, and the block together the tile's x chunk
-// (shared by the four warps; rows past the tile's end zero-filled, never read from memory).
+// (shared by the warps; rows past the tile's end zero-filled, never read from memory).
 //
 // DENSE: one weight [N, K] (a dense projection), rows 0..M-1 of a in tiles of TM, no table. A split (blockIdx.z) takes
 // k_chunks chunks of K; with OUT_F32 c is fp32 partials [splits, rows, N] (split stride stride_cs), summed after.
@@ -43,6 +43,8 @@ struct __align__(16) U4 { u32 x, y, z, w; };
 #define W_BYTES (ROWSETS * 2 * 32 * 16)  // a warp's words a stage: row sets x (rows g, g + 8) x lanes x 16 B
 #define S_BYTES (ROWSETS * 2 * 16 * GPC * 2)  // its scales and biases: row sets x {s, b} x 16 rows x GPC x 2 B
 #define X_BYTES (TM * XROW)
+#define XCOPY_ROWS (WARPS * 2)           // tile rows of x the block copies a round (16 pieces of 16 bytes a row)
+#define XROUNDS ((TM + XCOPY_ROWS - 1) / XCOPY_ROWS)
 #define WARP_BYTES (W_BYTES + S_BYTES)
 #define STAGE_BYTES (X_BYTES + WARPS * WARP_BYTES)
 
@@ -178,13 +180,15 @@ moe_w4_mma(const u16* __restrict__ a, const u32* __restrict__ w, const u16* __re
     const u16* ssrc[ROWSETS];
 #pragma unroll
     for (int r = 0; r < ROWSETS; ++r) ssrc[r] = ((t & 1) ? B : S) + (i64)(n0 + g + 8 * (t >> 1) + r * N) * sn;
-    const u16* xsrc[NB];
-    u32 xbytes[NB], xdst[NB];
+    const u16* xsrc[XROUNDS];
+    u32 xbytes[XROUNDS], xdst[XROUNDS];
+    bool xcopy[XROUNDS];
     const int piece = tid & 15;
 #pragma unroll
-    for (int r = 0; r < NB; ++r) {
-        const int j = (tid >> 4) + 8 * r;
-        const bool ok = row0 + j < row_end;
+    for (int r = 0; r < XROUNDS; ++r) {
+        const int j = (tid >> 4) + XCOPY_ROWS * r;
+        xcopy[r] = j < TM;
+        const bool ok = xcopy[r] && row0 + j < row_end;
 #if DENSE
         const int slot = ok ? row0 + j : row0;
 #else
@@ -209,7 +213,8 @@ moe_w4_mma(const u16* __restrict__ a, const u32* __restrict__ w, const u16* __re
         for (int r = 0; r < ROWSETS; ++r)
             cp_scales(sb + wreg + W_BYTES + ((r * 2 + (t & 1)) * 16 + g + 8 * (t >> 1)) * GPC * 2, ssrc[r] + ch * GPC);
 #pragma unroll
-        for (int r = 0; r < NB; ++r) cp16(sb + xdst[r], xsrc[r] + ch * KC, xbytes[r]);
+        for (int r = 0; r < XROUNDS; ++r)
+            if (xcopy[r]) cp16(sb + xdst[r], xsrc[r] + ch * KC, xbytes[r]);
     };
 
     float acc[ROWSETS][NB][4];
