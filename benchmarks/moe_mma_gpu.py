@@ -51,8 +51,9 @@ def _run(path, x, ids, w, gate_up, down, tile=None, config=None):
     from sluice.kernels.moe import mma
     from sluice.kernels.moe import triton as mt
 
-    if config:  # (warps, stages) of the CUDA kernel
+    if config:  # (warps, stages) of the CUDA kernel, every tile size
         mma.WARPS, mma.STAGES = config
+        mma.WIDE_WARPS = config[0]
 
     if path == "gemv":
         mt.MMA_MIN_ROWS = 10**9
@@ -74,14 +75,14 @@ def _reset(saved):
     from sluice.kernels.moe import mma
     from sluice.kernels.moe import triton as mt
 
-    mt.MMA_MIN_ROWS, mt.MMA_MAX_ROWS, mma.ENABLED, mma.tile_rows, mma.WARPS, mma.STAGES = saved
+    mt.MMA_MIN_ROWS, mt.MMA_MAX_ROWS, mma.ENABLED, mma.tile_rows, mma.WARPS, mma.STAGES, mma.WIDE_WARPS = saved
 
 
 def layer(figures, names, tokens, copy_bw, configs=()):
     from sluice.kernels.moe import mma, reference
     from sluice.kernels.moe import triton as mt
 
-    saved = (mt.MMA_MIN_ROWS, mt.MMA_MAX_ROWS, mma.ENABLED, mma.tile_rows, mma.WARPS, mma.STAGES)
+    saved = (mt.MMA_MIN_ROWS, mt.MMA_MAX_ROWS, mma.ENABLED, mma.tile_rows, mma.WARPS, mma.STAGES, mma.WIDE_WARPS)
     rows = figures.setdefault("layer", [])
     for name in names:
         H, E, I, k, _ = SHAPES[name]

@@ -25,6 +25,8 @@ from sluice.quant.affine import QuantizedTensor
 
 SOURCE = Path(__file__).with_name("w4_mma.cu")
 WARPS = 4  # a program's warps, 16 output columns each
+WIDE_WARPS = 8  # ... of the grouped GEMM with tiles of 16+ rows, where the output columns allow (more warps share
+# each x chunk: 12-13 % faster at 10-12 rows an expert, docs/perf-log.md session 9)
 STAGES = 4  # chunks of 128 k in flight (cp.async)
 KC = 128  # k a chunk
 TILE_ROWS = (8, 16, 32)  # rows a tile of the grouped GEMM (NB = 1, 2, 4 mma column blocks)
@@ -36,30 +38,37 @@ _kernels: dict = {}
 _failed: set = set()
 
 
-def smem_bytes(swiglu: bool, tile_rows: int, group_size: int) -> int:
+def warps_for(tile_rows: int, columns: int, dense: bool = False) -> int:
+    wide = not dense and tile_rows >= 16 and columns % (16 * WIDE_WARPS) == 0
+    return WIDE_WARPS if wide else WARPS
+
+
+def smem_bytes(swiglu: bool, tile_rows: int, group_size: int, warps: int = WARPS) -> int:
     rowsets = 2 if swiglu else 1
     warp = rowsets * 2 * 32 * 16 + rowsets * 2 * 16 * (KC // group_size) * 2
-    return STAGES * (tile_rows * 320 + WARPS * warp)
+    return STAGES * (tile_rows * 320 + warps * warp)
 
 
 def _defines(swiglu: bool, tile_rows: int, group_size: int, fp16: bool, dense: bool = False,
-             out_f32: bool = False) -> dict:
+             out_f32: bool = False, warps: int = WARPS) -> dict:
     return dict(SWIGLU=int(swiglu), NB=tile_rows // 8, GS=group_size, FP16=int(fp16), DENSE=int(dense),
-                OUT_F32=int(out_f32), WARPS=WARPS, STAGES=STAGES)
+                OUT_F32=int(out_f32), WARPS=warps, STAGES=STAGES)
 
 
 def variants():
-    """Every compiled variant: (swiglu, tile rows, group size, fp16, dense, out_f32)."""
+    """Every compiled variant: (swiglu, tile rows, group size, fp16, dense, out_f32, warps)."""
     for gs, fp16 in itertools.product((32, 64), (False, True)):
         for swiglu, tm in itertools.product((True, False), TILE_ROWS):
-            yield swiglu, tm, gs, fp16, False, False
+            yield swiglu, tm, gs, fp16, False, False, WARPS
+            if tm >= 16:
+                yield swiglu, tm, gs, fp16, False, False, WIDE_WARPS
         for tm, out_f32 in itertools.product(DENSE_TILE_ROWS, (False, True)):
-            yield False, tm, gs, fp16, True, out_f32
+            yield False, tm, gs, fp16, True, out_f32, WARPS
 
 
 def kernel(swiglu: bool, tile_rows: int, group_size: int, fp16: bool, device, dense: bool = False,
-           out_f32: bool = False) -> nvrtc.Kernel:
-    defines = _defines(swiglu, tile_rows, group_size, fp16, dense, out_f32)
+           out_f32: bool = False, warps: int = WARPS) -> nvrtc.Kernel:
+    defines = _defines(swiglu, tile_rows, group_size, fp16, dense, out_f32, warps)
     key = (tuple(sorted(defines.items())), torch.device(device))
     if key not in _kernels:
         _kernels[key] = nvrtc.Kernel(SOURCE.read_text(), "moe_w4_mma", defines, SIGNATURE, device)
@@ -94,8 +103,9 @@ def applies(x: torch.Tensor, gate_up: QuantizedTensor, down: QuantizedTensor, ex
         gpc = KC // ex.qt.group_size
         if not _fits(ex.qt, x.dtype, columns) or ex.words % 4 or ex.groups % gpc:
             return False
-    return all(_compiles(x.device, sw, tm, qt.group_size, x.dtype == torch.float16)
-               for sw, qt in ((True, gate_up), (False, down)) for tm in TILE_ROWS)
+    return all(_compiles(x.device, sw, tm, qt.group_size, x.dtype == torch.float16, False, False,
+                         warps_for(tm, columns))
+               for sw, qt, columns in ((True, gate_up, I), (False, down, H)) for tm in TILE_ROWS)
 
 
 def dense_applies(x: torch.Tensor, qt: QuantizedTensor) -> bool:
@@ -106,13 +116,14 @@ def dense_applies(x: torch.Tensor, qt: QuantizedTensor) -> bool:
         return False
     if not _fits(qt, x.dtype, qt.out_features):
         return False
-    return all(_compiles(x.device, False, tm, qt.group_size, x.dtype == torch.float16, True, f32)
-               for tm in DENSE_TILE_ROWS for f32 in (False, True))
+    tm = dense_tile_rows(x.shape[0])  # (only the variants these rows take: a first load compiles less)
+    return all(_compiles(x.device, False, tm, qt.group_size, x.dtype == torch.float16, True, f32, WARPS)
+               for f32 in (False, True))
 
 
 def _compiles(device, *variant) -> bool:
     """Compile (once) and say whether it worked; a failure is reported once and the Triton GEMM takes over."""
-    key = (*variant, WARPS, STAGES, torch.device(device))
+    key = (*variant, STAGES, torch.device(device))
     if key in _failed:
         return False
     try:
@@ -152,10 +163,11 @@ def grouped_gemm(a: torch.Tensor, a_div: int, qt: QuantizedTensor, c: torch.Tens
         n_extra = extra.n
     if offsets.numel() - 1 > E + n_extra:
         raise ValueError(f"moe mma: the tile table covers {offsets.numel() - 1} experts, more than {E} + {n_extra}")
-    k = kernel(swiglu, tile_rows, qt.group_size, a.dtype == torch.float16, a.device)
-    grid = (N // (16 * WARPS), tile_expert.numel())
-    k(grid, (WARPS * 32,), smem_bytes(swiglu, tile_rows, qt.group_size), a, w, qt.scales, qt.biases, xw, xs, xb, c,
-      order, tile_expert, tile_row, offsets, N, K, E, offsets.numel() - 1, a_div, 0, K // KC, a.stride(0),
+    warps = warps_for(tile_rows, N)
+    k = kernel(swiglu, tile_rows, qt.group_size, a.dtype == torch.float16, a.device, warps=warps)
+    grid = (N // (16 * warps), tile_expert.numel())
+    k(grid, (warps * 32,), smem_bytes(swiglu, tile_rows, qt.group_size, warps), a, w, qt.scales, qt.biases, xw, xs,
+      xb, c, order, tile_expert, tile_row, offsets, N, K, E, offsets.numel() - 1, a_div, 0, K // KC, a.stride(0),
       w.stride(0), w.stride(1), qt.scales.stride(0), qt.scales.stride(1), x_words, x_groups, x_wn, x_sn, c.stride(0), 0,
       pdl=pdl(a.device))
 
@@ -184,7 +196,7 @@ def dense(x: torch.Tensor, qt: QuantizedTensor, tile_rows: int | None = None,
     out = torch.empty((splits, M, N) if f32 else (M, N), dtype=torch.float32 if f32 else x.dtype, device=x.device)
     w = qt.weight.view(torch.int32)
     k = kernel(False, tm, qt.group_size, x.dtype == torch.float16, x.device, True, f32)
-    k((N // (16 * WARPS), tiles, splits), (WARPS * 32,), smem_bytes(False, tm, qt.group_size), x, w, qt.scales, qt.biases,
-      w, qt.scales, qt.biases, out, 0, 0, 0, 0, N, K, 1, 1, 1, M, per, x.stride(0), 0, w.stride(0), 0,
+    k((N // (16 * WARPS), tiles, splits), (WARPS * 32,), smem_bytes(False, tm, qt.group_size), x, w, qt.scales,
+      qt.biases, w, qt.scales, qt.biases, out, 0, 0, 0, 0, N, K, 1, 1, 1, M, per, x.stride(0), 0, w.stride(0), 0,
       qt.scales.stride(0), 0, 0, 0, 0, N, M * N, pdl=pdl(x.device))
     return out.sum(0).to(x.dtype) if f32 else out
