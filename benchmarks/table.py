@@ -256,6 +256,34 @@ def v3_slices(f):
                      for r in per)
 
 
+def mma_decode(model: str, batch: int):
+    """Issue #43: the decode step with the CUDA grouped expert GEMM beside the paths before it, in one run."""
+    def cell(f):
+        rows = f.get("engine") if isinstance(f, dict) else None
+        before = _pick(rows, model=model, batch=batch, variant="before (gemv + triton grouped)")
+        now = _pick(rows, model=model, batch=batch, variant="mma")
+        if not (before and now and "decode_tok_s" in before and "decode_tok_s" in now):
+            return None
+        return (f"{_num(before['decode_tok_s'])} → **{_num(now['decode_tok_s'])} tok/s** (HBM floor "
+                f"{_num(now['floor_decode_tok_s'], 0)})")
+    return cell
+
+
+def mma_layer(model: str, T: int):
+    """Issue #43: the routed experts of one layer, each path against the hit experts' bytes at copy bandwidth."""
+    def cell(f):
+        rows = [r for r in (f.get("layer") or []) if r.get("model") == model and r.get("T") == T and "us" in r] \
+            if isinstance(f, dict) else []
+        paths = {r["path"]: r for r in rows}
+        if "mma" not in paths or "gemv" not in paths:
+            return None
+        order = ("gemv", "triton grouped", "mma")
+        return "; ".join(f"{p} {paths[p]['us']:.1f} µs ({paths[p]['pct_floor']:.0f} %)" if p != "mma" else
+                         f"**CUDA mma {paths[p]['us']:.1f} µs ({paths[p]['pct_floor']:.0f} %)**"
+                         for p in order if p in paths) + f" of a {paths['mma']['floor_us']:.0f} µs floor"
+    return cell
+
+
 RESULTS = ROOT / "benchmarks" / "results"
 DENSE = {"date": "2026-11-28"}  # the session-2 serving files carry no date; PERF's section does
 SESSION5 = {"date": "2026-11-26", "gpu": "NVIDIA H100 80GB HBM3"}
@@ -303,6 +331,13 @@ ROWS = [
         match=lambda rec: "--sweep" not in rec.get("command", "")),
     Row("DeepSeek-V3 671B slices (3 dense + 8 MoE layers) on one GPU, extrapolated", "deepseek_gpu", v3_slices,
         floor="the whole model needs several GPUs (issue #44)"),
+    *[Row(f"Qwen3-Next-80B decode, batch {b}: expert GEMVs / Triton grouped GEMMs → CUDA grouped mma (#43)",
+          "moe_mma_gpu", mma_decode("qwen3-next", b), floor=bar)
+      for b, bar in ((16, "bar ≥ 2,400 (H100)"), (64, "bar ≥ 3,600 (H100)"), (128, "bar ≥ 4,500 (H100)"))],
+    *[Row(f"Moonlight-16B-A3B decode, batch {b}: before → CUDA grouped mma (#43)", "moe_mma_gpu",
+          mma_decode("moonlight", b)) for b in (8, 16, 64, 128)],
+    *[Row(f"MoE experts of one layer, {m}, {T} tokens (% of floor)", "moe_mma_gpu", mma_layer(m, T))
+      for m, T in (("qwen3-next", 64), ("qwen3-next", 128), ("moonlight", 16))],
     Row("expert streaming, Qwen3.5-122B-A10B (experts in host memory)", "stream_gpu", streaming,
         "stream_122b_h100.json", {"command": "python -m benchmarks run stream_gpu --config "
                                              "benchmarks/configs/qwen3.5-122b-a10b.json --gpu-memory 24GiB"},
