@@ -26,6 +26,25 @@ def test_a_wrong_nvrtc_library_path_says_so(monkeypatch, tmp_path):
         nvrtc._nvrtc()
 
 
+def _nvrtc_found() -> bool:
+    try:
+        return nvrtc._nvrtc() is not None
+    except Exception:  # noqa: BLE001 - a broken SLUICE_NVRTC_LIB: no compile check here
+        return False
+
+
+@pytest.mark.skipif(not _nvrtc_found(), reason="NVRTC's library not found")
+@pytest.mark.parametrize("paged", [False, True])
+def test_the_kernel_compiles_for_sm90(paged):
+    """Every head dim and group size the kernel takes, its ring's and positions' dtypes, rows or not: compiled for
+    sm_90 without a GPU (NVRTC only), so a compile error shows in CI."""
+    src = tq_cuda.SOURCE.read_text()
+    for D, G, ring_bf16, rows in ((64, 1, True, 0), (128, 8, False, 32), (256, 4, True, 64), (256, 8, False, 0)):
+        defines = dict(D=D, G=G, QP=tq_cuda.Q_PARTS, W=tq_cuda.WARPS, STAGES=tq_cuda.STAGES, RING_BF16=int(ring_bf16),
+                       POS64=int(rows == 64), ROWS=rows, PAGED=int(paged))
+        assert nvrtc.compile_cubin(src, "tq_decode_split", defines, "sm_90")
+
+
 def _prmt(a: int, b: int, sel: int) -> int:
     """PTX prmt.b32 (default mode): byte i of the result is byte (nibble i of sel) & 7 of {b, a}, or with the
     nibble's bit 3 set that byte's sign replicated (0x00 / 0xFF)."""
