@@ -178,3 +178,47 @@ def test_dense_matches_the_dequantized_product(M, N, K, gs, dtype, tm, splits):
     ref = x.float() @ deq(qt).T
     assert rel_err(mma.dense(x, qt, tm, splits), ref) <= 1e-2
     assert rel_err(gemm.qmatmul(x, qt), ref) <= 1e-2
+
+
+def test_wide_programs_only_where_their_shared_memory_fits(monkeypatch):
+    """8 warps for tiles of 16+ rows, unless a program's shared memory would pass the GPU's limit (99 KB on
+    sm_86 / 89 / 120: SwiGLU's 32-row tiles need 112-120 KB at 8 warps), or the columns are not whole programs."""
+    monkeypatch.setattr(nvrtc, "max_shared_per_block", lambda device: 101376)
+    assert mma.warps_for(True, 16, 64, 1024, "cuda") == mma.WIDE_WARPS
+    assert mma.warps_for(True, 32, 64, 1024, "cuda") == mma.WARPS
+    assert mma.warps_for(True, 16, 32, 1024, "cuda") == mma.WARPS  # 102,400 bytes
+    assert mma.warps_for(False, 8, 64, 1024, "cuda") == mma.WARPS  # 8-row tiles: 4 warps
+    assert mma.warps_for(False, 16, 64, 64 * 3, "cuda") == mma.WARPS  # 192 columns: not whole 8-warp programs
+    monkeypatch.setattr(nvrtc, "max_shared_per_block", lambda device: 232448)  # sm_90
+    assert mma.warps_for(True, 32, 32, 1024, "cuda") == mma.WIDE_WARPS
+
+
+@gpu
+def test_options_for_the_gemvs_or_the_triton_gemms_keep_those_paths(monkeypatch):
+    """moe_decode with GEMV options (rows, warps, expert order) and moe_prefill with tile configs run the paths
+    asked for, not the CUDA kernel (a benchmark of those paths must measure them)."""
+    calls = []
+    real = mma.grouped_gemm
+    monkeypatch.setattr(mma, "grouped_gemm", lambda *a, **k: calls.append(1) or real(*a, **k))
+    g = torch.Generator().manual_seed(2)
+    E, H, I, k, T = 16, 256, 128, 4, 16
+    gate_up, down = stack(E, 2 * I, H, 64, g), stack(E, H, I, 64, g)
+    x = torch.randn(T, H, generator=g).bfloat16().cuda()
+    ids, weights = mt.route(torch.randn(T, E, generator=g).cuda(), k, True)
+    mt.moe_decode(x, ids, weights, gate_up, down, expert_order=False)
+    mt.moe_decode(x, ids, weights, gate_up, down, num_warps=2)
+    mt.moe_prefill(x, ids, weights, gate_up, down, block_m=16)
+    assert not calls
+    mt.moe_decode(x, ids, weights, gate_up, down)
+    assert calls
+
+
+@gpu
+def test_dense_copies_rows_that_are_not_16_byte_aligned():
+    g = torch.Generator().manual_seed(3)
+    qt = stack(1, 128, 256, 64, g)
+    qt = QuantizedTensor(qt.weight[0], qt.scales[0], qt.biases[0], 4, 64)
+    flat = torch.randn(6 * 256 + 1, generator=g).bfloat16().cuda()
+    x = flat[1:].view(6, 256)  # contiguous, 2 bytes past an aligned address
+    assert x.is_contiguous() and x.data_ptr() % 16
+    assert rel_err(mma.dense(x, qt), x.float() @ deq(qt).T) <= 1e-2

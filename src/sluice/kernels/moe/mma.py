@@ -38,8 +38,11 @@ _kernels: dict = {}
 _failed: set = set()
 
 
-def warps_for(tile_rows: int, columns: int, dense: bool = False) -> int:
-    wide = not dense and tile_rows >= 16 and columns % (16 * WIDE_WARPS) == 0
+def warps_for(swiglu: bool, tile_rows: int, group_size: int, columns: int, device) -> int:
+    """The grouped GEMM's warps: WIDE_WARPS for tiles of 16+ rows where the columns and the shared memory a
+    program may take allow (99 KB on sm_86 / 89 / 120: not SwiGLU's 32-row tiles at 8 warps), else WARPS."""
+    wide = (tile_rows >= 16 and columns % (16 * WIDE_WARPS) == 0
+            and smem_bytes(swiglu, tile_rows, group_size, WIDE_WARPS) <= nvrtc.max_shared_per_block(device))
     return WIDE_WARPS if wide else WARPS
 
 
@@ -103,8 +106,12 @@ def applies(x: torch.Tensor, gate_up: QuantizedTensor, down: QuantizedTensor, ex
         gpc = KC // ex.qt.group_size
         if not _fits(ex.qt, x.dtype, columns) or ex.words % 4 or ex.groups % gpc:
             return False
+    limit = nvrtc.max_shared_per_block(x.device)
+    if any(smem_bytes(sw, tm, qt.group_size) > limit for sw, qt in ((True, gate_up), (False, down))
+           for tm in TILE_ROWS):
+        return False
     return all(_compiles(x.device, sw, tm, qt.group_size, x.dtype == torch.float16, False, False,
-                         warps_for(tm, columns))
+                         warps_for(sw, tm, qt.group_size, columns, x.device))
                for sw, qt, columns in ((True, gate_up, I), (False, down, H)) for tm in TILE_ROWS)
 
 
@@ -114,9 +121,11 @@ def dense_applies(x: torch.Tensor, qt: QuantizedTensor) -> bool:
         return False
     if not nvrtc.available(x.device) or torch.cuda.get_device_capability(x.device) < (8, 0):
         return False
-    if not _fits(qt, x.dtype, qt.out_features):
+    if not _fits(qt, x.dtype, qt.out_features) or x.dim() != 2 or x.shape[1] != qt.in_features:
         return False
     tm = dense_tile_rows(x.shape[0])  # (only the variants these rows take: a first load compiles less)
+    if smem_bytes(False, tm, qt.group_size) > nvrtc.max_shared_per_block(x.device):
+        return False
     return all(_compiles(x.device, False, tm, qt.group_size, x.dtype == torch.float16, True, f32, WARPS)
                for f32 in (False, True))
 
@@ -163,7 +172,7 @@ def grouped_gemm(a: torch.Tensor, a_div: int, qt: QuantizedTensor, c: torch.Tens
         n_extra = extra.n
     if offsets.numel() - 1 > E + n_extra:
         raise ValueError(f"moe mma: the tile table covers {offsets.numel() - 1} experts, more than {E} + {n_extra}")
-    warps = warps_for(tile_rows, N)
+    warps = warps_for(swiglu, tile_rows, qt.group_size, N, a.device)
     k = kernel(swiglu, tile_rows, qt.group_size, a.dtype == torch.float16, a.device, warps=warps)
     grid = (N // (16 * warps), tile_expert.numel())
     k(grid, (warps * 32,), smem_bytes(swiglu, tile_rows, qt.group_size, warps), a, w, qt.scales, qt.biases, xw, xs,
@@ -183,7 +192,10 @@ def dense(x: torch.Tensor, qt: QuantizedTensor, tile_rows: int | None = None,
     partials, summed after)."""
     M, K = x.shape
     N = qt.out_features
-    x = x if x.stride(-1) == 1 and x.stride(0) % 8 == 0 and x.data_ptr() % 16 == 0 else x.contiguous()
+    if K != qt.in_features:
+        raise ValueError(f"moe mma dense: x has {K} features, the weight {qt.in_features}")
+    if not (x.stride(-1) == 1 and x.stride(0) % 8 == 0 and x.data_ptr() % 16 == 0):
+        x = x.clone(memory_format=torch.contiguous_format)  # (a fresh allocation: 16-byte aligned rows)
     tm = tile_rows or dense_tile_rows(M)
     tiles = triton.cdiv(M, tm)
     chunks = K // KC

@@ -276,7 +276,7 @@ def moe_decode(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_u
                shared_gate_logit: torch.Tensor | None = None,
                shared_expert: tuple[ExtraExperts, ExtraExperts] | None = None,
                summed: bool = True, expert_order: bool | None = None, block_n: int | None = None,
-               num_warps: int = 1, experts: int | None = None) -> torch.Tensor | ExpertOutputs:
+               num_warps: int | None = None, experts: int | None = None) -> torch.Tensor | ExpertOutputs:
     """MoE output [T, H] in x's dtype for a decode batch: four launches whatever k is (three and `ExpertOutputs`
     when not `summed`; one more where the down GEMV cannot prepare its x itself; one more with `expert_order`,
     by default from ORDER_MIN_TOKENS tokens: the GEMV programs launched in expert order, the same bits). With
@@ -289,15 +289,17 @@ def moe_decode(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_u
     size) run through the CUDA tensor-core kernel instead, where it applies (`mma.applies`)."""
     extras = _check_moe(x, ids, weights, gate_up, down, shared_out, shared_gate_logit, shared_expert)
     routed = ids.shape[1] - (0 if extras is None else extras[0].n)
-    if mma_rows(x.shape[0], routed, experts or gate_up.weight.shape[0]) and mma.applies(x, gate_up, down, extras):
-        return _moe_mma(x, ids, weights, gate_up, down, extras, shared_out, shared_gate_logit, summed)
+    rows = x.shape[0] * routed / (experts or gate_up.weight.shape[0])
+    gemv_options = block_n is not None or num_warps is not None or expert_order is not None  # (asked for the GEMVs)
+    if not gemv_options and MMA_MIN_ROWS <= rows <= MMA_MAX_ROWS and mma.applies(x, gate_up, down, extras):
+        return _moe_mma(x, ids, weights, gate_up, down, extras, shared_out, shared_gate_logit, summed, rows)
     ids = ids.contiguous().view(-1)
     gu_extra, down_extra = extras if extras is not None else (None, None)
     if expert_order is None:
         expert_order = x.shape[0] >= ORDER_MIN_TOKENS
     order = slot_order(ids) if expert_order else None
     xp = qmm.prep_x(x.contiguous(), gate_up.bits, gate_up.group_size)
-    launch = {"block_n": block_n, "num_warps": num_warps, "order": order}
+    launch = {"block_n": block_n, "num_warps": num_warps or 1, "order": order}
     y_gu = _expert_gemv(xp, gate_up, ids, x_div=weights.shape[1], extra=gu_extra, **launch)
     if qmm.raw_x_supported(down.bits, down.group_size):  # the down GEMV takes h = silu(g) * u from y_gu itself
         y = _expert_gemv(y_gu, down, ids, x_div=1, extra=down_extra, swiglu=True, **launch)
@@ -323,7 +325,8 @@ def moe_prefill(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_
                 down: QuantizedTensor, shared_out: torch.Tensor | None = None,
                 shared_gate_logit: torch.Tensor | None = None, summed: bool = True, block_m: int | None = None,
                 gate_up_config: grouped.GemmConfig | None = None,
-                down_config: grouped.GemmConfig | None = None, live: int | None = None) -> torch.Tensor | ExpertOutputs:
+                down_config: grouped.GemmConfig | None = None, live: int | None = None,
+                experts: int | None = None) -> torch.Tensor | ExpertOutputs:
     """MoE output [T, H] in x's dtype for many tokens (`ExpertOutputs` when not `summed`): grouped tensor-core
     GEMMs over the slots sorted by expert; h and the expert outputs are held in x's dtype, in slot order. block_m
     (rows per tile) and the two GEMMs' configs default to `grouped.prefill_configs`. live: only experts 0..live-1
@@ -332,8 +335,10 @@ def moe_prefill(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_
     x = x.contiguous()
     T, k = ids.shape
     E = gate_up.weight.shape[0] if live is None else live
-    if block_m is None and mma_rows(T, k, E) and mma.applies(x, gate_up, down):
-        return _moe_mma(x, ids, weights, gate_up, down, None, shared_out, shared_gate_logit, summed, live)
+    rows = T * k / (experts or E)
+    configured = block_m is not None or gate_up_config is not None or down_config is not None
+    if not configured and MMA_MIN_ROWS <= rows <= MMA_MAX_ROWS and mma.applies(x, gate_up, down):
+        return _moe_mma(x, ids, weights, gate_up, down, None, shared_out, shared_gate_logit, summed, rows, live)
     auto_m, auto_gu, auto_down = grouped.prefill_configs(T * k / E)
     block_m = block_m or auto_m
     table = grouped.tile_table(ids, expert_order(ids), E, block_m)  # (no tiles for ids >= E)
@@ -345,13 +350,15 @@ def moe_prefill(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_
     return _outputs(y, weights, x.dtype, shared_out, shared_gate_logit, summed)
 
 
-def _moe_mma(x, ids, weights, gate_up, down, extras, shared_out, shared_gate_logit, summed, live=None):
+def _moe_mma(x, ids, weights, gate_up, down, extras, shared_out, shared_gate_logit, summed, rows, live=None):
     """`moe_prefill`'s launches with the tensor-core kernel (`mma.grouped_gemm`) for the two GEMMs: tiles of
-    `mma.tile_rows` rows, a shared expert's slots (extras, ids E..) tiles like the stacked experts'."""
+    `mma.tile_rows` rows for experts averaging `rows` rows, a shared expert's slots (extras, ids E..) tiles like the
+    stacked experts'. (Under expert parallelism a decode batch's slots routed elsewhere run the rank's zero
+    expert: tiles of zeros, correct and wasted.)"""
     T, k = ids.shape
     n_extra = 0 if extras is None else extras[0].n
     E = gate_up.weight.shape[0] if live is None else live
-    tm = mma.tile_rows(T * k / (E + n_extra))
+    tm = mma.tile_rows(rows)
     x = x.contiguous() if x.data_ptr() % 16 == 0 else x.clone()
     order = expert_order(ids).to(torch.int32)  # (torch's sort, past ORDER_SORT_SLOTS slots, gives int64)
     table = grouped.tile_table(ids, order, E + n_extra, tm)  # (no tiles for the zero expert, `live`)
@@ -433,8 +440,10 @@ def moe(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_up: Quan
     the tokens chose among (`gemv_decode`'s E: the stack may be an expert cache's slots or a rank's share; default
     the stack's size)."""
     if gemv_decode(x.shape[0], ids.shape[1], experts or gate_up.weight.shape[0]):
-        return moe_decode(x, ids, weights, gate_up, down, shared_out, shared_gate_logit, summed=summed)
-    return moe_prefill(x, ids, weights, gate_up, down, shared_out, shared_gate_logit, summed=summed, live=live)
+        return moe_decode(x, ids, weights, gate_up, down, shared_out, shared_gate_logit, summed=summed,
+                          experts=experts)
+    return moe_prefill(x, ids, weights, gate_up, down, shared_out, shared_gate_logit, summed=summed, live=live,
+                       experts=experts)
 
 
 # ---------------------------------------------------------------------------------------------------- checks
