@@ -86,6 +86,8 @@ register("moe_mma_gpu", "moe_mma_gpu:main", "gpu",
 register("attention_gpu", "attention_gpu:main", "gpu",
          "decode attention, dense bf16 and TurboQuant, vs SDPA and the copy floor; --sweep / --tq-sweep")
 register("gdn_gpu", "gdn_gpu:main", "gpu", "Gated DeltaNet prefill / decode vs FLA, accuracy, per-kernel breakdown")
+register("gdn_state_precision", "gdn_state_precision:main", "cpu",
+         "issue #43: a GDN decode's state stored in bf16 (to nearest, stochastically) vs fp32, against fp64")
 register("mla_gpu", "mla_gpu:main", "gpu",
          "MLA absorbed decode (latent cache) vs the torch path and the copy floor, Moonlight / V3 heads; --sweep")
 # -- a smoke benchmark: the runner itself, on any machine ---------------------------------------------------------------

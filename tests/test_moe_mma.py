@@ -133,10 +133,6 @@ def test_a_quantized_model_decodes_a_batch_through_the_kernel_as_on_the_cpu(tmp_
     """A 4-bit Qwen3-Next at shapes the kernel takes (hidden and expert intermediate 128), bf16 on the GPU: a batch
     of four decodes through the tensor-core kernel (the shared expert as a slot) and prefills through it too; its
     logits match the same checkpoint's on the CPU (fp32)."""
-    import sys
-    from pathlib import Path
-
-    sys.path.insert(0, str(Path(__file__).parent))
     from test_qwen3_next import qwen3_next, save
 
     import sluice
