@@ -2,10 +2,10 @@
 
 * the MLA decode kernel at batch 1 over a short context (`MLA_SHORT`: the launch's sizes), paged and in rows, with
   and without L2 evicted before it, as a decode graph plans it (for the pool's capacity);
-* Moonlight-16B-A3B decode by batch in `VARIANTS`: the fused decode chain (`kernels/mla/chain.py`) off and on, at
-  32+ sequences the experts as GEMVs or grouped GEMMs, and (named, batch 1 only) the MLA launch's sizes before the
-  short launch, the same weights (an engine each, graphs captured so); the kernels of one replayed batch-1 step of
-  each;
+* Moonlight-16B-A3B decode by batch in `VARIANTS`: the fused decode chain (`kernels/mla/chain.py`) off and on,
+  the experts as GEMVs, Triton grouped GEMMs or the CUDA grouped GEMM (the default since session 9), and (named,
+  batch 1 only) the MLA launch's sizes before the short launch, the same weights (an engine each, graphs captured
+  so); the kernels of one replayed batch-1 step of each;
 * Moonlight's prefill of a 4k prompt (tok/s, TTFT);
 * slices of DeepSeek-V3 671B (its first `first_k_dense_replace` dense layers alone, then with MoE layers after them):
   the decode step's time per dense and per MoE layer by difference, and the whole model's step extrapolated from
@@ -43,10 +43,11 @@ def _free(*models) -> None:
 
 
 VARIANTS = {  # name: settings of the decode path (absent: the default)
-    "unfused/gemv": {"chain": False, "grouped_min_rows": 10**9},  # the decode before session 7
-    "fused/gemv": {"grouped_min_rows": 10**9},
-    "fused/grouped": {},  # the default: kernels.moe.triton.GROUPED_MIN_ROWS
-    "fused/all-grouped": {"grouped_min_rows": 1e-9},  # the grouped GEMMs at every decode batch
+    "unfused/gemv": {"chain": False, "grouped_min_rows": 10**9, "mma": False},  # the decode before session 7
+    "fused/gemv": {"grouped_min_rows": 10**9, "mma": False},
+    "fused/grouped": {"mma": False},  # the default before session 9: kernels.moe.triton.GROUPED_MIN_ROWS
+    "fused/mma": {},  # the default: the CUDA grouped GEMM (kernels/moe/mma.py) from MMA_MIN_ROWS rows an expert
+    "fused/all-grouped": {"grouped_min_rows": 1e-9, "mma": False},  # the Triton grouped GEMMs at every batch
     # batch-1 experiments on the MLA decode's launch (mla_decode's keyword arguments)
     "mla/long": {"mla": {"block_n": 32, "num_stages": 3, "min_per_split": 128}},  # the launch before session 8
 }
@@ -61,9 +62,11 @@ def _variant(name: str) -> None:
     import functools
 
     from sluice.kernels.mla import chain, triton as mt
+    from sluice.kernels.moe import mma
     from sluice.kernels.moe import triton as moe_triton
 
     v = VARIANTS[name]
+    mma.ENABLED = v.get("mma", True)
     _DEFAULT.setdefault("grouped_min_rows", moe_triton.GROUPED_MIN_ROWS)
     _DEFAULT.setdefault("mla_decode", mt.mla_decode)
     chain.ENABLED = v.get("chain", True)  # read when a step is captured or run
@@ -103,7 +106,7 @@ def moonlight(batches: list[int], figures: dict, variants: list[str]) -> None:
                 figures["ok"] = False
             checkpoint(figures)
         _free(model)
-    _variant("fused/grouped")
+    _variant("fused/mma")
     try:
         r = base.bench(prompt_tokens=4096, gen_tokens=2, batch=1, repeats=2)
         figures["moonlight_prefill_4k"] = {k: r[k] for k in ("prefill_tok_s", "ttft_cold_s", "ttft_warm_s")}

@@ -218,8 +218,9 @@ def budget(f):
 
 def moonlight_decode(batch: int):
     def cell(f):
-        rows = f.get("moonlight") if isinstance(f, dict) else None  # the default path: fused/grouped, or where a
-        r = (_pick(rows, batch=batch, variant="fused/grouped")  # run of both skipped it (the same path), fused/gemv
+        rows = f.get("moonlight") if isinstance(f, dict) else None  # the default path: fused/mma (from session 9),
+        r = (_pick(rows, batch=batch, variant="fused/mma")  # fused/grouped, or where a run of both skipped it (the
+             or _pick(rows, batch=batch, variant="fused/grouped")  # same path), fused/gemv
              or _pick(rows, batch=batch, variant="fused/gemv"))
         return r and r.get("decode_tok_s") and (f"**{_num(r['decode_tok_s'])} tok/s** (HBM floor "
                                                 f"{_num(r['floor_decode_tok_s'], 0)})")
