@@ -132,9 +132,7 @@ class DeepseekMoE(SparseMoE):
                 out = out + self.shared(x2)
             return out.view(x.shape)
         T = x2.shape[0]
-        shared_expert = self._shared_as_expert(kernels)
-        if not kernels.slot_decode(x2, self.top_k, self.num_experts, self.gate_up, self.down, shared_expert):
-            shared_expert = None  # a prefill: the shared experts run as their own MLP
+        shared_expert = self._decode_slots(x2, kernels, one_slot=False)
         if shared_expert is not None:  # decode: the shared experts are slots k..k+n-1 of every token, weight 1
             ids, weights = self.route(x2, x32, extra=shared_expert[0].n)
             gate_up, down, ids = self._experts_for(ids)

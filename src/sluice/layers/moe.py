@@ -159,6 +159,18 @@ class SparseMoE(nn.Module):
             return None  # more slots a token than the routing writes (`group_route.group_topk`'s bound)
         return kernels.shared_slots(self.gate_up, self.down, sh.gate_up.qt, sh.down.qt, sh.slots)
 
+    def _decode_slots(self, x2: torch.Tensor, kernels, one_slot: bool):
+        """The shared expert's `ExtraExperts` when the batch x2 runs through `kernels.moe_decode` with it as expert
+        slots (`_shared_as_expert`, `kernels.slot_decode`; `one_slot`: only a shared expert of one slot), else None
+        (a prefill: the shared expert runs as its own MLP)."""
+        if one_slot and getattr(self.shared, "slots", 1) != 1:
+            return None
+        extras = self._shared_as_expert(kernels)
+        if extras is None or not kernels.slot_decode(x2, self.top_k, self.num_experts, self.gate_up, self.down,
+                                                     extras):
+            return None
+        return extras
+
     def _route_with_shared_slot(self, x2: torch.Tensor, kernels) -> tuple[torch.Tensor, torch.Tensor]:
         """Decode routing: (ids, weights) [T, k + 1], slot k the shared expert weighted by its gate. A quantized
         router's split-K partials go to the router kernel unsummed (two launches fewer)."""
@@ -171,9 +183,7 @@ class SparseMoE(nn.Module):
         return kernels.route(logits[..., :E], self.top_k, self.norm_topk_prob, logits[..., E])
 
     def _forward_triton(self, x2: torch.Tensor, kernels) -> torch.Tensor:
-        shared_expert = self._shared_as_expert(kernels) if getattr(self.shared, "slots", 1) == 1 else None
-        if not kernels.slot_decode(x2, self.top_k, self.num_experts, self.gate_up, self.down, shared_expert):
-            shared_expert = None  # a prefill: the shared expert runs as its own MLP
+        shared_expert = self._decode_slots(x2, kernels, one_slot=True)  # (its router adds one gated slot)
         if shared_expert is not None:  # decode: the shared expert is slot k of every token (the router's, gated)
             ids, weights = self._route_with_shared_slot(x2, kernels)
             gate_up, down, ids = self._experts_for(ids)

@@ -51,9 +51,9 @@ def gemv_decode(T: int, k: int, E: int) -> bool:
     return T <= DECODE_MAX_TOKENS and T * k < GROUPED_MIN_ROWS * E
 
 
-def mma_rows(T: int, k: int, E: int) -> bool:
-    """Whether T tokens routed to k of E experts average the rows an expert the CUDA kernel is for."""
-    return MMA_MIN_ROWS <= T * k / E <= MMA_MAX_ROWS
+def mma_rows(rows: float) -> bool:
+    """Whether experts averaging `rows` rows (tokens x routed slots / routed experts) are the CUDA kernel's."""
+    return MMA_MIN_ROWS <= rows <= MMA_MAX_ROWS
 
 
 def slot_decode(x: torch.Tensor, k: int, E: int, gate_up, down, extras=None) -> bool:
@@ -61,7 +61,7 @@ def slot_decode(x: torch.Tensor, k: int, E: int, gate_up, down, extras=None) -> 
     slots of the same launches): the expert GEMVs' sizes (`gemv_decode`), and every decode batch (up to
     DECODE_MAX_TOKENS) that the CUDA kernel takes."""
     T = x.shape[0]
-    return gemv_decode(T, k, E) or (T <= DECODE_MAX_TOKENS and mma_rows(T, k, E)
+    return gemv_decode(T, k, E) or (T <= DECODE_MAX_TOKENS and mma_rows(T * k / E)
                                     and mma.applies(x, gate_up, down, extras))
 
 
@@ -291,7 +291,7 @@ def moe_decode(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_u
     routed = ids.shape[1] - (0 if extras is None else extras[0].n)
     rows = x.shape[0] * routed / (experts or gate_up.weight.shape[0])
     gemv_options = block_n is not None or num_warps is not None or expert_order is not None  # (asked for the GEMVs)
-    if not gemv_options and MMA_MIN_ROWS <= rows <= MMA_MAX_ROWS and mma.applies(x, gate_up, down, extras):
+    if not gemv_options and mma_rows(rows) and mma.applies(x, gate_up, down, extras):
         return _moe_mma(x, ids, weights, gate_up, down, extras, shared_out, shared_gate_logit, summed, rows)
     ids = ids.contiguous().view(-1)
     gu_extra, down_extra = extras if extras is not None else (None, None)
@@ -337,7 +337,7 @@ def moe_prefill(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_
     E = gate_up.weight.shape[0] if live is None else live
     rows = T * k / (experts or E)
     configured = block_m is not None or gate_up_config is not None or down_config is not None
-    if not configured and MMA_MIN_ROWS <= rows <= MMA_MAX_ROWS and mma.applies(x, gate_up, down):
+    if not configured and mma_rows(rows) and mma.applies(x, gate_up, down):
         return _moe_mma(x, ids, weights, gate_up, down, None, shared_out, shared_gate_logit, summed, rows, live)
     auto_m, auto_gu, auto_down = grouped.prefill_configs(T * k / E)
     block_m = block_m or auto_m
