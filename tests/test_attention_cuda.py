@@ -26,14 +26,7 @@ def test_a_wrong_nvrtc_library_path_says_so(monkeypatch, tmp_path):
         nvrtc._nvrtc()
 
 
-def _nvrtc_found() -> bool:
-    try:
-        return nvrtc._nvrtc() is not None
-    except Exception:  # noqa: BLE001 - a broken SLUICE_NVRTC_LIB: no compile check here
-        return False
-
-
-@pytest.mark.skipif(not _nvrtc_found(), reason="NVRTC's library not found")
+@pytest.mark.skipif(not nvrtc.compiler_found(), reason="NVRTC's library not found")
 @pytest.mark.parametrize("paged", [False, True])
 def test_the_kernel_compiles_for_sm90(paged):
     """Every head dim and group size the kernel takes, its ring's and positions' dtypes, rows or not: compiled for

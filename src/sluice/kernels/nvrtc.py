@@ -87,6 +87,14 @@ def available(device=None) -> bool:
     return _nvrtc() is not None and _cuda() is not None
 
 
+def compiler_found() -> bool:
+    """NVRTC's library can be loaded (compiling needs no GPU: the tests compile the kernels for sm_90 with it)."""
+    try:
+        return _nvrtc() is not None
+    except Exception:  # noqa: BLE001 - a broken SLUICE_NVRTC_LIB: no compiler
+        return False
+
+
 def max_shared_per_block(device) -> int:
     """Dynamic shared memory a program may opt in to on `device` (bytes; 227 KB on an H100, 99 KB on sm_86/89)."""
     index = torch.device(device).index

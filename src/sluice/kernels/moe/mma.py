@@ -38,11 +38,12 @@ _kernels: dict = {}
 _failed: set = set()
 
 
-def warps_for(swiglu: bool, tile_rows: int, group_size: int, columns: int, device) -> int:
+def warps_for(swiglu: bool, tile_rows: int, group_size: int, columns: int, smem_limit: int) -> int:
     """The grouped GEMM's warps: WIDE_WARPS for tiles of 16+ rows where the columns and the shared memory a
-    program may take allow (99 KB on sm_86 / 89 / 120: not SwiGLU's 32-row tiles at 8 warps), else WARPS."""
+    program may take (`smem_limit`, `nvrtc.max_shared_per_block`: 99 KB on sm_86 / 89 / 120, not enough for
+    SwiGLU's 32-row tiles at 8 warps) allow, else WARPS."""
     wide = (tile_rows >= 16 and columns % (16 * WIDE_WARPS) == 0
-            and smem_bytes(swiglu, tile_rows, group_size, WIDE_WARPS) <= nvrtc.max_shared_per_block(device))
+            and smem_bytes(swiglu, tile_rows, group_size, WIDE_WARPS) <= smem_limit)
     return WIDE_WARPS if wide else WARPS
 
 
@@ -111,7 +112,7 @@ def applies(x: torch.Tensor, gate_up: QuantizedTensor, down: QuantizedTensor, ex
            for tm in TILE_ROWS):
         return False
     return all(_compiles(x.device, sw, tm, qt.group_size, x.dtype == torch.float16, False, False,
-                         warps_for(sw, tm, qt.group_size, columns, x.device))
+                         warps_for(sw, tm, qt.group_size, columns, limit))
                for sw, qt, columns in ((True, gate_up, I), (False, down, H)) for tm in TILE_ROWS)
 
 
@@ -172,7 +173,7 @@ def grouped_gemm(a: torch.Tensor, a_div: int, qt: QuantizedTensor, c: torch.Tens
         n_extra = extra.n
     if offsets.numel() - 1 > E + n_extra:
         raise ValueError(f"moe mma: the tile table covers {offsets.numel() - 1} experts, more than {E} + {n_extra}")
-    warps = warps_for(swiglu, tile_rows, qt.group_size, N, a.device)
+    warps = warps_for(swiglu, tile_rows, qt.group_size, N, nvrtc.max_shared_per_block(a.device))
     k = kernel(swiglu, tile_rows, qt.group_size, a.dtype == torch.float16, a.device, warps=warps)
     grid = (N // (16 * warps), tile_expert.numel())
     k(grid, (warps * 32,), smem_bytes(swiglu, tile_rows, qt.group_size, warps), a, w, qt.scales, qt.biases, xw, xs,
