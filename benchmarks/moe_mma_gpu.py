@@ -40,35 +40,31 @@ L2_COLD_BYTES = 200e6  # the routings of one timing hit at least this many exper
 
 
 def _paths(T):
-    out = ["mma"]
-    if T <= 128:
-        out.insert(0, "gemv")
-    out.insert(1 if T <= 128 else 0, "triton grouped")
-    return out
+    from sluice.kernels.moe import triton as mt
+
+    return (["gemv"] if T <= mt.DECODE_MAX_TOKENS else []) + ["triton grouped", "mma"]
 
 
 def _run(path, x, ids, w, gate_up, down, tile=None, config=None):
-    from sluice.kernels.moe import mma
+    """One path's launches; the GEMVs and Triton's GEMMs asked for by their own options (as their defaults set
+    them), the CUDA kernel forced at every size by its thresholds (and tile rows, warps and stages when given)."""
+    from sluice.kernels.moe import grouped, mma
     from sluice.kernels.moe import triton as mt
 
+    T, k = ids.shape
+    if path == "gemv":
+        return mt.moe_decode(x, ids, w, gate_up, down, summed=False, expert_order=T >= mt.ORDER_MIN_TOKENS)
+    if path == "triton grouped":
+        block_m = grouped.prefill_configs(T * k / gate_up.weight.shape[0])[0]
+        return mt.moe_prefill(x, ids, w, gate_up, down, summed=False, block_m=block_m)
     if config:  # (warps, stages) of the CUDA kernel, every tile size
         mma.WARPS, mma.STAGES = config
         mma.WIDE_WARPS = config[0]
-
-    if path == "gemv":
-        mt.MMA_MIN_ROWS = 10**9
-        return mt.moe_decode(x, ids, w, gate_up, down, summed=False)
-    if path == "triton grouped":
-        mma.ENABLED = False
-        return mt.moe_prefill(x, ids, w, gate_up, down, summed=False)
     mt.MMA_MIN_ROWS, mt.MMA_MAX_ROWS = 0, 10**9
     if tile:
         mma.tile_rows = lambda rows, t=tile: t
-    return (mt.moe_decode if T_decode(x) else mt.moe_prefill)(x, ids, w, gate_up, down, summed=False)
-
-
-def T_decode(x):
-    return x.shape[0] <= 128
+    run = mt.moe_decode if x.shape[0] <= mt.DECODE_MAX_TOKENS else mt.moe_prefill
+    return run(x, ids, w, gate_up, down, summed=False)
 
 
 def _reset(saved):
@@ -203,19 +199,16 @@ def engine(figures, names, batches, variants=ENGINE_VARIANTS, prefill=True):
                     figures["ok"] = False
                 print(json.dumps(rows[-1]), flush=True)
                 checkpoint(figures)
-            try:
-                if not prefill:
-                    raise StopIteration
-                r = model.bench(prompt_tokens=4096, gen_tokens=2, batch=1, repeats=2)
-                rows.append({"model": name, "variant": variant, "prompt": 4096, "prefill_tok_s": r["prefill_tok_s"],
-                             "ttft_warm_s": r.get("ttft_warm_s")})
-            except StopIteration:
-                pass
-            except Exception:  # noqa: BLE001
-                rows.append({"model": name, "variant": variant, "prompt": 4096, "error": traceback.format_exc()})
-                figures["ok"] = False
-            print(json.dumps(rows[-1]), flush=True)
-            checkpoint(figures)
+            if prefill:
+                try:
+                    r = model.bench(prompt_tokens=4096, gen_tokens=2, batch=1, repeats=2)
+                    rows.append({"model": name, "variant": variant, "prompt": 4096,
+                                 "prefill_tok_s": r["prefill_tok_s"], "ttft_warm_s": r.get("ttft_warm_s")})
+                except Exception:  # noqa: BLE001
+                    rows.append({"model": name, "variant": variant, "prompt": 4096, "error": traceback.format_exc()})
+                    figures["ok"] = False
+                print(json.dumps(rows[-1]), flush=True)
+                checkpoint(figures)
             model._engine = None
             del model
             gc.collect()
