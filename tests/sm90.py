@@ -164,9 +164,11 @@ def moe_cases():
     4,096 tokens through the grouped GEMMs; a decode step of one token with the shared slots."""
     import torch
 
+    from sluice.kernels.moe import route
     from sluice.kernels.moe import triton as mt
 
-    mt._check_device = lambda *tensors: None  # CPU tensors stand in for the GPU's (this process compiles only)
+    # CPU tensors stand in for the GPU's (this process compiles only)
+    mt.check_device = route.check_device = lambda *tensors: None
     for E, I, H, k, n in ((512, 512, 2048, 10, 1), (64, 1408, 2048, 6, 2)):
         gate_up, down = _q(E, 2 * I, H), _q(E, H, I)
         for T in (1, 64, 4096):

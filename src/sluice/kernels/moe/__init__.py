@@ -9,7 +9,17 @@ from dataclasses import dataclass
 
 import torch
 
+from sluice.kernels.launch import INTERPRET
 from sluice.quant.affine import QuantizedTensor
+
+
+def check_device(*tensors) -> None:
+    """Every tensor on one device, a CUDA one (or the Triton interpreter): else a clear error before a launch."""
+    dev = tensors[0].device
+    if any(t.device != dev for t in tensors):
+        raise ValueError("moe: all tensors must be on the same device")
+    if not (dev.type == "cuda" or INTERPRET):
+        raise ValueError("moe: tensors must be on a CUDA device (or set TRITON_INTERPRET=1)")
 
 
 def check_shared(T: int, H: int, shared_out: torch.Tensor | None, shared_gate_logit: torch.Tensor | None) -> None:
