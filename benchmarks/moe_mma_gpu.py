@@ -127,50 +127,71 @@ def layer(figures, names, tokens, copy_bw, configs=()):
 
 
 DENSE = {  # Qwen3-Next-80B's 4-bit projections a decode step runs: name: (N, K)
-    "GDN qkvz 12288x2048": (12288, 2048), "GDN out 2048x4096": (2048, 4096), "attn q 8192x2048": (8192, 2048),
+    "GDN qkvz 12288x2048": (12288, 2048), "GDN out 2048x4096": (2048, 4096), "attn qkv 9216x2048": (9216, 2048),
     "lm_head 151936x2048": (151936, 2048)}
-DENSE_ROWS = (5, 8, 16, 32, 64, 128)
+DENSE_ROWS = (8, 16, 32, 64, 128, 256)
+DENSE_CONFIGS = "16:1:4,16:2:4,16:4:4,32:2:4,32:4:4,64:1:4,64:2:4,64:1:8,64:2:8,32:4:8"
 
 
-def dense(figures, copy_bw):
-    """The dense projections at decode rows: the Triton paths (GEMV up to 4 rows, the swapped tensor-core GEMM)
-    against the CUDA kernel (`mma.dense`), over enough weight copies to keep L2 cold."""
+def dense(figures, copy_bw, configs=DENSE_CONFIGS, ms=DENSE_ROWS):
+    """The dense projections by rows: the Triton paths (GEMV up to 4 rows, the tensor-core GEMM) as `qmatmul` ran
+    them before, `qmatmul` now, the CUDA kernel (`mma.dense`) as planned and with each (tile rows : weight row sets
+    a warp : warps) of `configs`, over enough weight copies to keep L2 cold."""
+    from sluice.kernels.launch import num_sms
     from sluice.kernels.moe import mma
     from sluice.kernels.qmatmul import gemm
 
     from .gpu import random_qt
 
+    configs = [tuple(int(v) for v in c.split(":")) for c in configs.split(",") if c]
     rows = figures.setdefault("dense", [])
+    sms = num_sms(torch.device("cuda"))
+    saved = gemm.MMA_MAX_ROWS
     for name, (N, K) in DENSE.items():
         nbytes = N * K // 2 + N * K // 64 * 4
         copies = [random_qt(N, K) for _ in range(max(1, min(8, int(L2_COLD_BYTES // nbytes) + 1)))]
-        for M in DENSE_ROWS:
+        for M in ms:
             xs = [torch.randn(M, K, device="cuda").bfloat16() for _ in copies]
             ref = xs[0].float() @ copies[0].dequantize(torch.float32).T
-            row = {"proj": name, "M": M, "floor_us": nbytes / copy_bw * 1e6}
-            for path in ("triton", "mma"):
-                mma.ENABLED = path == "mma"
+            floor_us = nbytes / copy_bw * 1e6
+            paths = [("triton (before)", None), ("qmatmul", None), ("mma planned", None)]
+            paths += [(f"mma {tm}:{mt}:{w}", (tm, mt, w)) for tm, mt, w in configs if N % (16 * w * mt) == 0]
+            for path, cfg in paths:
+                row = {"proj": name, "M": M, "path": path, "floor_us": floor_us}
+                if path == "triton (before)":
+                    gemm.MMA_MAX_ROWS = 0
+                    fn = gemm.qmatmul
+                elif path == "qmatmul":
+                    fn = gemm.qmatmul
+                else:
+                    opts = dict(tile_rows=cfg[0], mt=cfg[1], warps=cfg[2]) if cfg else {}
+                    row["plan"] = mma.dense_plan(M, N, K, sms, **opts)
+                    fn = lambda x, q, o=opts: mma.dense(x, q, **o)  # noqa: E731
                 try:
-                    row[f"{path} rel_err"] = rel_err(gemm.qmatmul(xs[0], copies[0]), ref)
-                    calls = [lambda x=x, q=q: gemm.qmatmul(x, q) for x, q in zip(xs, copies)]
-                    row[f"{path} us"] = graph_time(calls) * 1e6
+                    row["rel_err"] = rel_err(fn(xs[0], copies[0]), ref)
+                    row["us"] = graph_time([lambda x=x, q=q: fn(x, q) for x, q in zip(xs, copies)]) * 1e6
+                    row["pct_floor"] = 100 * floor_us / row["us"]
                 except Exception:  # noqa: BLE001
-                    row[f"{path} error"] = traceback.format_exc(limit=4)
+                    row["error"] = traceback.format_exc(limit=4)
                     figures["ok"] = False
                 finally:
-                    mma.ENABLED = True
-            rows.append(row)
-            print(json.dumps({k_: (round(v, 4) if isinstance(v, float) else v) for k_, v in row.items()}), flush=True)
+                    gemm.MMA_MAX_ROWS = saved
+                rows.append(row)
+                print(json.dumps({k_: (round(v, 4) if isinstance(v, float) else v) for k_, v in row.items()}),
+                      flush=True)
         del copies
         checkpoint(figures)
 
 
-ENGINE_VARIANTS = ("before (gemv + triton grouped)", "mma")
+ENGINE_VARIANTS = ("before (gemv + triton grouped)", "mma/dense-triton-past-8", "mma")
 PROFILE_BATCHES = (16, 64)
 
 
 def engine(figures, names, batches, variants=ENGINE_VARIANTS, prefill=True):
     from sluice.kernels.moe import mma
+    from sluice.kernels.qmatmul import gemm
+
+    saved = gemm.MMA_MAX_ROWS
 
     rows = figures.setdefault("engine", [])
     for name in names:
@@ -179,7 +200,8 @@ def engine(figures, names, batches, variants=ENGINE_VARIANTS, prefill=True):
             continue
         base = sluice.load(cfg, load_format="dummy", device="cuda", max_batch=max(batches))
         for variant in variants:
-            mma.ENABLED = variant == "mma"
+            mma.ENABLED = variant.startswith("mma")
+            gemm.MMA_MAX_ROWS = 8 if "dense triton" in variant else saved
             model = base.with_engine()
             for batch in batches:
                 prompt, gen = (512, 64) if batch == 1 else (128, 32)
@@ -213,7 +235,7 @@ def engine(figures, names, batches, variants=ENGINE_VARIANTS, prefill=True):
             del model
             gc.collect()
             torch.cuda.empty_cache()
-        mma.ENABLED = True
+        mma.ENABLED, gemm.MMA_MAX_ROWS = True, saved
         del base
         gc.collect()
         torch.cuda.empty_cache()
@@ -230,11 +252,16 @@ def table(figures) -> str:
         errs = [r.get("rel_err") for r in rs if r.get("rel_err") is not None]
         lines.append(f"{name:13s} T={T:5d} floor {rs[0]['floor_us']:8.1f} | " + " | ".join(cells)
                      + (f" | max rel err {max(errs):.1e}" if errs else ""))
-    lines.append("Dense projections, us (% of floor): Triton | CUDA kernel")
+    lines.append("Dense projections, us (% of floor) by path:")
+    by = {}
     for r in figures.get("dense", []):
-        cells = [f"{r[p + ' us']:.1f} ({100 * r['floor_us'] / r[p + ' us']:.0f}%, err {r[p + ' rel_err']:.1e})"
-                 if p + " us" in r else "ERROR" for p in ("triton", "mma")]
-        lines.append(f"{r['proj']:22s} M={r['M']:4d} floor {r['floor_us']:7.1f} | " + " | ".join(cells))
+        by.setdefault((r["proj"], r["M"]), []).append(r)
+    for (proj, M), rs in by.items():
+        cells = [f"{r['path']} {r['us']:.1f} ({r['pct_floor']:.0f}%)" if "us" in r else f"{r['path']} ERROR"
+                 for r in rs]
+        errs = [r["rel_err"] for r in rs if r.get("rel_err") is not None]
+        lines.append(f"{proj:20s} M={M:4d} floor {rs[0]['floor_us']:6.1f} | " + " | ".join(cells)
+                     + (f" | max rel err {max(errs):.1e}" if errs else ""))
     lines.append("Engine (decode tok/s by batch, 4k prefill tok/s):")
     for r in figures.get("engine", []):
         if "error" in r:
@@ -263,6 +290,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--engine-variants", default=",".join(ENGINE_VARIANTS))
     ap.add_argument("--no-prefill", action="store_true", help="the engine part without its 4k prompt")
     ap.add_argument("--configs", default="", help="the CUDA kernel's (warps x stages) to time beside, e.g. 8x3,4x6")
+    ap.add_argument("--dense-configs", default=DENSE_CONFIGS, help="the dense GEMM's tile rows:mt:warps to time")
+    ap.add_argument("--dense-rows", default=",".join(map(str, DENSE_ROWS)))
     args = ap.parse_args(argv)
     parts = args.parts.split(",")
     names = args.models.split(",")
@@ -273,7 +302,7 @@ def main(argv=None) -> dict:
         configs = [tuple(int(v) for v in c.split("x")) for c in args.configs.split(",") if c]
         layer(figures, names, [int(t) for t in args.tokens.split(",")], bw, configs)
     if "dense" in parts:
-        dense(figures, bw)
+        dense(figures, bw, args.dense_configs, [int(m) for m in args.dense_rows.split(",")])
     if "engine" in parts:
         engine(figures, (args.engine_models or args.models).split(","), [int(b) for b in args.batches.split(",")],
                args.engine_variants.split(","), not args.no_prefill)

@@ -31,11 +31,15 @@ STAGES = 4  # chunks of 128 k in flight (cp.async)
 KC = 128  # k a chunk
 TILE_ROWS = (8, 16, 32)  # rows a tile of the grouped GEMM (NB = 1, 2, 4 mma column blocks)
 DENSE_TILE_ROWS = (8, 16, 32, 64)  # of the dense one
+DENSE_MT = {8: 1, 16: 1, 32: 2, 64: 2}  # by tile rows: 16-row weight sets a warp of the dense GEMM reads against
+# each x chunk (x's shared-memory reads are tile rows / (4 MT) times the weights'; 4 sets at 64 rows spill registers)
 MIN_SPLIT_CHUNKS = 4  # a dense GEMM's K split keeps at least this many chunks a split
+COUNTERS = 1 << 16  # the dense GEMM's split counters a device: (tile, column block) pairs a launch may split
 ENABLED = os.environ.get("SLUICE_MOE_MMA", "1") != "0"
-SIGNATURE = "p" * 12 + "i" * 7 + "q" * 11
+SIGNATURE = "p" * 14 + "i" * 7 + "q" * 10
 _kernels: dict = {}
 _failed: set = set()
+_counters: dict = {}
 
 
 def warps_for(swiglu: bool, tile_rows: int, group_size: int, columns: int, smem_limit: int) -> int:
@@ -47,32 +51,32 @@ def warps_for(swiglu: bool, tile_rows: int, group_size: int, columns: int, smem_
     return WIDE_WARPS if wide else WARPS
 
 
-def smem_bytes(swiglu: bool, tile_rows: int, group_size: int, warps: int = WARPS) -> int:
-    rowsets = 2 if swiglu else 1
+def smem_bytes(swiglu: bool, tile_rows: int, group_size: int, warps: int = WARPS, mt: int = 1) -> int:
+    rowsets = 2 if swiglu else mt
     warp = rowsets * 2 * 32 * 16 + rowsets * 2 * 16 * (KC // group_size) * 2
     return STAGES * (tile_rows * 320 + warps * warp)
 
 
-def _defines(swiglu: bool, tile_rows: int, group_size: int, fp16: bool, dense: bool = False,
-             out_f32: bool = False, warps: int = WARPS) -> dict:
-    return dict(SWIGLU=int(swiglu), NB=tile_rows // 8, GS=group_size, FP16=int(fp16), DENSE=int(dense),
-                OUT_F32=int(out_f32), WARPS=warps, STAGES=STAGES)
+def _defines(swiglu: bool, tile_rows: int, group_size: int, fp16: bool, dense: bool = False, mt: int = 1,
+             warps: int = WARPS) -> dict:
+    return dict(SWIGLU=int(swiglu), NB=tile_rows // 8, GS=group_size, FP16=int(fp16), DENSE=int(dense), MT=mt,
+                WARPS=warps, STAGES=STAGES)
 
 
 def variants():
-    """Every compiled variant: (swiglu, tile rows, group size, fp16, dense, out_f32, warps)."""
+    """Every compiled variant: (swiglu, tile rows, group size, fp16, dense, mt, warps)."""
     for gs, fp16 in itertools.product((32, 64), (False, True)):
         for swiglu, tm in itertools.product((True, False), TILE_ROWS):
-            yield swiglu, tm, gs, fp16, False, False, WARPS
+            yield swiglu, tm, gs, fp16, False, 1, WARPS
             if tm >= 16:
-                yield swiglu, tm, gs, fp16, False, False, WIDE_WARPS
-        for tm, out_f32 in itertools.product(DENSE_TILE_ROWS, (False, True)):
-            yield False, tm, gs, fp16, True, out_f32, WARPS
+                yield swiglu, tm, gs, fp16, False, 1, WIDE_WARPS
+        for tm in DENSE_TILE_ROWS:
+            yield False, tm, gs, fp16, True, dense_mt(tm), WARPS
 
 
-def kernel(swiglu: bool, tile_rows: int, group_size: int, fp16: bool, device, dense: bool = False,
-           out_f32: bool = False, warps: int = WARPS) -> nvrtc.Kernel:
-    defines = _defines(swiglu, tile_rows, group_size, fp16, dense, out_f32, warps)
+def kernel(swiglu: bool, tile_rows: int, group_size: int, fp16: bool, device, dense: bool = False, mt: int = 1,
+           warps: int = WARPS) -> nvrtc.Kernel:
+    defines = _defines(swiglu, tile_rows, group_size, fp16, dense, mt, warps)
     key = (tuple(sorted(defines.items())), torch.device(device))
     if key not in _kernels:
         _kernels[key] = nvrtc.Kernel(SOURCE.read_text(), "moe_w4_mma", defines, SIGNATURE, device)
@@ -111,7 +115,7 @@ def applies(x: torch.Tensor, gate_up: QuantizedTensor, down: QuantizedTensor, ex
     if any(smem_bytes(sw, tm, qt.group_size) > limit for sw, qt in ((True, gate_up), (False, down))
            for tm in TILE_ROWS):
         return False
-    return all(_compiles(x.device, sw, tm, qt.group_size, x.dtype == torch.float16, False, False,
+    return all(_compiles(x.device, sw, tm, qt.group_size, x.dtype == torch.float16, False, 1,
                          warps_for(sw, tm, qt.group_size, columns, limit))
                for sw, qt, columns in ((True, gate_up, I), (False, down, H)) for tm in TILE_ROWS)
 
@@ -124,11 +128,11 @@ def dense_applies(x: torch.Tensor, qt: QuantizedTensor) -> bool:
         return False
     if not _fits(qt, x.dtype, qt.out_features) or x.dim() != 2 or x.shape[1] != qt.in_features:
         return False
-    tm = dense_tile_rows(x.shape[0])  # (only the variants these rows take: a first load compiles less)
-    if smem_bytes(False, tm, qt.group_size) > nvrtc.max_shared_per_block(x.device):
+    tm = dense_tile_rows(x.shape[0])  # (only the variant these rows take: a first load compiles less)
+    mt = dense_mt(tm, qt.out_features)
+    if smem_bytes(False, tm, qt.group_size, WARPS, mt) > nvrtc.max_shared_per_block(x.device):
         return False
-    return all(_compiles(x.device, False, tm, qt.group_size, x.dtype == torch.float16, True, f32, WARPS)
-               for f32 in (False, True))
+    return _compiles(x.device, False, tm, qt.group_size, x.dtype == torch.float16, True, mt, WARPS)
 
 
 def _compiles(device, *variant) -> bool:
@@ -177,39 +181,68 @@ def grouped_gemm(a: torch.Tensor, a_div: int, qt: QuantizedTensor, c: torch.Tens
     k = kernel(swiglu, tile_rows, qt.group_size, a.dtype == torch.float16, a.device, warps=warps)
     grid = (N // (16 * warps), tile_expert.numel())
     k(grid, (warps * 32,), smem_bytes(swiglu, tile_rows, qt.group_size, warps), a, w, qt.scales, qt.biases, xw, xs,
-      xb, c, order, tile_expert, tile_row, offsets, N, K, E, offsets.numel() - 1, a_div, 0, K // KC, a.stride(0),
-      w.stride(0), w.stride(1), qt.scales.stride(0), qt.scales.stride(1), x_words, x_groups, x_wn, x_sn, c.stride(0), 0,
-      pdl=pdl(a.device))
+      xb, c, order, tile_expert, tile_row, offsets, c, offsets, N, K, E, offsets.numel() - 1, a_div, 0, K // KC,
+      a.stride(0), w.stride(0), w.stride(1), qt.scales.stride(0), qt.scales.stride(1), x_words, x_groups, x_wn, x_sn,
+      c.stride(0), pdl=pdl(a.device))
 
 
 def dense_tile_rows(M: int) -> int:
     return next((t for t in DENSE_TILE_ROWS if M <= t), DENSE_TILE_ROWS[-1])
 
 
-def dense(x: torch.Tensor, qt: QuantizedTensor, tile_rows: int | None = None,
-          splits: int | None = None) -> torch.Tensor:
-    """y [M, N] = x [M, K] @ W^T in x's dtype (`dense_applies`): the rows in tiles of tile_rows (default: one tile
-    up to 64 rows, `dense_tile_rows`), K split where the programs would leave multiprocessors idle (fp32
-    partials, summed after)."""
+def dense_mt(tile_rows: int, columns: int | None = None, warps: int = WARPS) -> int:
+    """Weight row sets a warp of the dense GEMM (`DENSE_MT` by tile rows), halved where the columns are not whole
+    programs of them."""
+    mt = DENSE_MT[tile_rows]
+    while columns is not None and mt > 1 and columns % (16 * warps * mt):
+        mt //= 2
+    return mt
+
+
+def _split_counters(device) -> torch.Tensor:
+    """The dense GEMM's split counters on `device`: zeros, each set back to 0 by the launch that counts on it (so
+    one launch at a time a device: the engine's single stream)."""
+    device = torch.device(device)
+    if device not in _counters:
+        _counters[device] = torch.zeros(COUNTERS, dtype=torch.int32, device=device)
+    return _counters[device]
+
+
+def dense_plan(M: int, N: int, K: int, sms: int, tile_rows: int | None = None, splits: int | None = None,
+               mt: int | None = None, warps: int = WARPS) -> tuple[int, int, int, int, int, int]:
+    """(tile rows, mt, tiles, column blocks, splits, chunks a split) of the dense GEMM: one tile up to 64 rows
+    (`dense_tile_rows`), mt by `dense_mt`, K split where the programs would leave multiprocessors idle (about two
+    programs an SM, at least MIN_SPLIT_CHUNKS chunks a split)."""
+    tm = tile_rows or dense_tile_rows(M)
+    mt = mt or dense_mt(tm, N, warps)
+    if N % (16 * warps * mt):
+        raise ValueError(f"moe mma dense: {N} columns are not whole programs of {16 * warps * mt}")
+    tiles, blocks, chunks = triton.cdiv(M, tm), N // (16 * warps * mt), K // KC
+    if splits is None:
+        splits = max(1, min(triton.cdiv(2 * sms, blocks * tiles), chunks // MIN_SPLIT_CHUNKS))
+    if blocks * tiles > COUNTERS:
+        splits = 1
+    per = triton.cdiv(chunks, splits)
+    return tm, mt, tiles, blocks, triton.cdiv(chunks, per), per
+
+
+def dense(x: torch.Tensor, qt: QuantizedTensor, tile_rows: int | None = None, splits: int | None = None,
+          mt: int | None = None, warps: int = WARPS) -> torch.Tensor:
+    """y [M, N] = x [M, K] @ W^T in x's dtype (`dense_applies`), planned by `dense_plan` (the options override
+    it); a split K's fp32 partials are summed by the launch's last split."""
     M, K = x.shape
     N = qt.out_features
     if K != qt.in_features:
         raise ValueError(f"moe mma dense: x has {K} features, the weight {qt.in_features}")
     if not (x.stride(-1) == 1 and x.stride(0) % 8 == 0 and x.data_ptr() % 16 == 0):
         x = x.clone(memory_format=torch.contiguous_format)  # (a fresh allocation: 16-byte aligned rows)
-    tm = tile_rows or dense_tile_rows(M)
-    tiles = triton.cdiv(M, tm)
-    chunks = K // KC
-    if splits is None:
-        splits = max(1, min(triton.cdiv(2 * num_sms(x.device), (N // (16 * WARPS)) * tiles),
-                            chunks // MIN_SPLIT_CHUNKS))
-    per = triton.cdiv(chunks, splits)
-    splits = triton.cdiv(chunks, per)
-    f32 = splits > 1
-    out = torch.empty((splits, M, N) if f32 else (M, N), dtype=torch.float32 if f32 else x.dtype, device=x.device)
+    tm, mt, tiles, blocks, splits, per = dense_plan(M, N, K, num_sms(x.device), tile_rows, splits, mt, warps)
+    out = torch.empty((M, N), dtype=x.dtype, device=x.device)
+    ws = torch.empty((splits, M, N), dtype=torch.float32, device=x.device) if splits > 1 else out
+    counters = _split_counters(x.device) if splits > 1 else out
     w = qt.weight.view(torch.int32)
-    k = kernel(False, tm, qt.group_size, x.dtype == torch.float16, x.device, True, f32)
-    k((N // (16 * WARPS), tiles, splits), (WARPS * 32,), smem_bytes(False, tm, qt.group_size), x, w, qt.scales,
-      qt.biases, w, qt.scales, qt.biases, out, 0, 0, 0, 0, N, K, 1, 1, 1, M, per, x.stride(0), 0, w.stride(0), 0,
-      qt.scales.stride(0), 0, 0, 0, 0, N, M * N, pdl=pdl(x.device))
-    return out.sum(0).to(x.dtype) if f32 else out
+    k = kernel(False, tm, qt.group_size, x.dtype == torch.float16, x.device, True, mt, warps)
+    k((tiles, blocks, splits), (warps * 32,), smem_bytes(False, tm, qt.group_size, warps, mt), x, w, qt.scales,
+      qt.biases, w, qt.scales, qt.biases, out, 0, 0, 0, 0, ws, counters, N, K, 1, 1, 1, M, per, x.stride(0), 0,
+      w.stride(0), 0, qt.scales.stride(0), 0, 0, 0, 0, N, pdl=pdl(x.device))
+    return out

@@ -23,11 +23,15 @@
 // only by itself), a lane per (row, scales or biases) the chunk's groups, and the block together the tile's x chunk
 // (shared by the warps; rows past the tile's end zero-filled, never read from memory).
 //
-// DENSE: one weight [N, K] (a dense projection), rows 0..M-1 of a in tiles of TM, no table. A split (blockIdx.z) takes
-// k_chunks chunks of K; with OUT_F32 c is fp32 partials [splits, rows, N] (split stride stride_cs), summed after.
+// DENSE: one weight [N, K] (a dense projection), rows 0..M-1 of a in tiles of TM (blockIdx.x: neighbouring programs
+// read the same weights), no table. Each warp reads MT row sets of 16 weight rows against every x chunk it loads into
+// registers: x is read from shared memory once for MT x 16 weight rows (at 64 rows of x and MT = 1 that traffic is
+// 16x the weights' and bounds the kernel). A split (blockIdx.z) takes k_chunks chunks of K and writes fp32 partials
+// [splits, M, N] to ws; the split that arrives last at a (tile, column block) (a counter in `counters`, set back to 0
+// by it) sums them into c: one launch, no second pass.
 //
-// Compile-time: SWIGLU, NB (tile rows / 8), GS (32 or 64), FP16 (x, scales and the output fp16, else bf16), DENSE,
-// OUT_F32, WARPS, STAGES.
+// Compile-time: SWIGLU, NB (tile rows / 8), GS (32 or 64), FP16 (x, scales and the output fp16, else bf16), DENSE, MT
+// (1 unless DENSE), WARPS, STAGES.
 
 typedef unsigned int u32;
 typedef unsigned short u16;
@@ -36,7 +40,8 @@ typedef long long i64;
 struct __align__(16) U4 { u32 x, y, z, w; };
 
 #define KC 128                           // k a chunk
-#define ROWSETS (SWIGLU ? 2 : 1)         // 16-row sets a warp reads: gate (and up)
+#define ROWSETS (SWIGLU ? 2 : MT)        // 16-row sets a warp reads: gate (and up), or MT of a dense weight
+#define COLS (16 * (SWIGLU ? 1 : MT))    // output columns a warp
 #define GPC (KC / GS)                    // quantization groups a chunk
 #define TM (8 * NB)                      // rows a tile
 #define XROW 320                         // bytes of a tile row's chunk in shared memory (256 and 64 of padding)
@@ -144,22 +149,24 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32)
 moe_w4_mma(const u16* __restrict__ a, const u32* __restrict__ w, const u16* __restrict__ s, const u16* __restrict__ b,
            const u32* __restrict__ xw, const u16* __restrict__ xs, const u16* __restrict__ xb, u16* __restrict__ c,
            const int* __restrict__ order, const int* __restrict__ tile_expert, const int* __restrict__ tile_row,
-           const int* __restrict__ offsets, int N, int K, int E, int E_total, int a_div, int M, int k_chunks,
-           i64 stride_am, i64 stride_we, i64 stride_wn, i64 stride_se, i64 stride_sn, i64 x_words, i64 x_groups,
-           i64 x_wn, i64 x_sn, i64 stride_cm, i64 stride_cs) {
+           const int* __restrict__ offsets, float* __restrict__ ws, int* __restrict__ counters, int N, int K, int E,
+           int E_total, int a_div, int M, int k_chunks, i64 stride_am, i64 stride_we, i64 stride_wn, i64 stride_se,
+           i64 stride_sn, i64 x_words, i64 x_groups, i64 x_wn, i64 x_sn, i64 stride_cm) {
     extern __shared__ __align__(16) unsigned char smem[];
     grid_wait();
-    const int tile = blockIdx.y;
 #if DENSE
+    const int tile = blockIdx.x, cblock = blockIdx.y;
     const int e = 0, row0 = tile * TM, row_end = M;
 #else
+    const int tile = blockIdx.y, cblock = blockIdx.x;
     const int e = tile_expert[tile];
     if (e >= E_total) return;  // the grid is an upper bound on the tile count (the whole program: no barrier missed)
     const int row0 = tile_row[tile];
     const int row_end = offsets[e + 1];
 #endif
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
-    const int n0 = (blockIdx.x * WARPS + warp) * 16;
+    const int n0 = (cblock * WARPS + warp) * COLS;
+    const i64 set_rows = SWIGLU ? N : 16;  // rows from one row set to the next
 
     const u32* W;
     const u16* S;
@@ -176,10 +183,10 @@ moe_w4_mma(const u16* __restrict__ a, const u32* __restrict__ w, const u16* __re
     // of the warp's, and NB 16-byte pieces of the tile's x
     const u32* wsrc[ROWSETS * 2];
 #pragma unroll
-    for (int i = 0; i < ROWSETS * 2; ++i) wsrc[i] = W + (i64)(n0 + g + 8 * (i & 1) + (i >> 1) * N) * wn + 4 * t;
+    for (int i = 0; i < ROWSETS * 2; ++i) wsrc[i] = W + (n0 + g + 8 * (i & 1) + (i >> 1) * set_rows) * wn + 4 * t;
     const u16* ssrc[ROWSETS];
 #pragma unroll
-    for (int r = 0; r < ROWSETS; ++r) ssrc[r] = ((t & 1) ? B : S) + (i64)(n0 + g + 8 * (t >> 1) + r * N) * sn;
+    for (int r = 0; r < ROWSETS; ++r) ssrc[r] = ((t & 1) ? B : S) + (n0 + g + 8 * (t >> 1) + r * set_rows) * sn;
     const u16* xsrc[XROUNDS];
     u32 xbytes[XROUNDS], xdst[XROUNDS];
     bool xcopy[XROUNDS];
@@ -281,29 +288,66 @@ moe_w4_mma(const u16* __restrict__ a, const u32* __restrict__ w, const u16* __re
     }
 
     // c fragment: acc[.][n][2h + q] is weight row g + 8h, tile row 8n + 2t + q
+#if DENSE
+    const bool split = gridDim.z > 1;
 #pragma unroll
     for (int n = 0; n < NB; ++n)
 #pragma unroll
         for (int q = 0; q < 2; ++q) {
             const int r = row0 + 8 * n + 2 * t + q;
             if (r < row_end) {
-#if DENSE
-                const i64 at = (i64)r * stride_cm + n0 + g;
+#pragma unroll
+                for (int i = 0; i < ROWSETS; ++i)
+#pragma unroll
+                    for (int h = 0; h < 2; ++h) {
+                        const int col = n0 + 16 * i + g + 8 * h;
+                        if (split)
+                            ws[((i64)blockIdx.z * M + r) * N + col] = acc[i][n][2 * h + q];
+                        else
+                            c[(i64)r * stride_cm + col] = to_half(acc[i][n][2 * h + q]);
+                    }
+            }
+        }
+    if (split) {  // the last split of this (tile, column block) to arrive sums the partials
+        __shared__ int last;
+        __threadfence();
+        __syncthreads();
+        if (tid == 0) last = atomicAdd(counters + blockIdx.y * gridDim.x + blockIdx.x, 1) == (int)gridDim.z - 1;
+        __syncthreads();
+        if (last) {
+            __threadfence();
+            constexpr int Q = WARPS * COLS / 4;  // 4-column pieces a row of the program's columns
+            const int c0 = cblock * WARPS * COLS, rows = min(TM, row_end - row0);
+            for (int p = tid; p < rows * Q; p += WARPS * 32) {
+                const int r = row0 + p / Q, col = c0 + 4 * (p % Q);
+                float4 sum = __ldcg(reinterpret_cast<const float4*>(ws + (i64)r * N + col));
+                for (int z = 1; z < (int)gridDim.z; ++z) {
+                    const float4 v = __ldcg(reinterpret_cast<const float4*>(ws + ((i64)z * M + r) * N + col));
+                    sum.x += v.x, sum.y += v.y, sum.z += v.z, sum.w += v.w;
+                }
+                u16* out = c + (i64)r * stride_cm + col;
+                out[0] = to_half(sum.x), out[1] = to_half(sum.y), out[2] = to_half(sum.z), out[3] = to_half(sum.w);
+            }
+            if (tid == 0) counters[blockIdx.y * gridDim.x + blockIdx.x] = 0;  // ready for the next launch
+        }
+    }
 #else
+#pragma unroll
+    for (int n = 0; n < NB; ++n)
+#pragma unroll
+        for (int q = 0; q < 2; ++q) {
+            const int r = row0 + 8 * n + 2 * t + q;
+            if (r < row_end) {
                 const i64 at = (i64)order[r] * stride_cm + n0 + g;
-#endif
 #pragma unroll
                 for (int h = 0; h < 2; ++h) {
                     float v = acc[0][n][2 * h + q];
 #if SWIGLU
                     v = v / (1.f + __expf(-v)) * acc[ROWSETS - 1][n][2 * h + q];
 #endif
-#if OUT_F32
-                    reinterpret_cast<float*>(c)[blockIdx.z * stride_cs + at + 8 * h] = v;
-#else
                     c[at + 8 * h] = to_half(v);
-#endif
                 }
             }
         }
+#endif
 }
