@@ -201,7 +201,7 @@ def engine(figures, names, batches, variants=ENGINE_VARIANTS, prefill=True):
         base = sluice.load(cfg, load_format="dummy", device="cuda", max_batch=max(batches))
         for variant in variants:
             mma.ENABLED = variant.startswith("mma")
-            gemm.MMA_MAX_ROWS = 8 if "dense triton" in variant else saved
+            gemm.MMA_MAX_ROWS = 8 if "dense-triton" in variant else saved
             model = base.with_engine()
             for batch in batches:
                 prompt, gen = (512, 64) if batch == 1 else (128, 32)
