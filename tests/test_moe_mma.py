@@ -143,6 +143,7 @@ def test_a_quantized_model_decodes_a_batch_through_the_kernel_as_on_the_cpu(tmp_
 @gpu
 @pytest.mark.parametrize("M,N,K,gs,dtype,tm,splits,mt", [
     (5, 192, 256, 64, torch.bfloat16, None, None, None), (16, 128, 512, 32, torch.float16, None, 2, None),
+    (12, 64, 512, 64, torch.bfloat16, None, None, None),
     (40, 256, 384, 64, torch.bfloat16, None, None, None), (64, 128, 1024, 64, torch.bfloat16, 64, 4, 2),
     (100, 64, 256, 64, torch.bfloat16, 64, 1, 1), (33, 64, 128, 32, torch.bfloat16, 8, 1, 1),
     (24, 512, 1024, 64, torch.bfloat16, 32, 3, 4), (70, 256, 512, 64, torch.float16, 16, 4, 4),

@@ -30,9 +30,10 @@ WIDE_WARPS = 8  # ... of the grouped GEMM with tiles of 16+ rows, where the outp
 STAGES = 4  # chunks of 128 k in flight (cp.async)
 KC = 128  # k a chunk
 TILE_ROWS = (8, 16, 32)  # rows a tile of the grouped GEMM (NB = 1, 2, 4 mma column blocks)
-DENSE_TILE_ROWS = (8, 16, 32, 64)  # of the dense one
-DENSE_MT = {8: 1, 16: 1, 32: 2, 64: 2}  # by tile rows: 16-row weight sets a warp of the dense GEMM reads against
-# each x chunk (x's shared-memory reads are tile rows / (4 MT) times the weights'; 4 sets at 64 rows spill registers)
+DENSE_TILE_ROWS = (16, 32, 64)  # of the dense one (16 for 5-16 rows: faster than 8 at 8 rows, the 152k-row lm_head
+# 103 vs 143 us, docs/perf-log.md session 10)
+DENSE_MT = 2  # 16-row weight sets a warp of the dense GEMM reads against each x chunk (x's shared-memory reads are
+# tile rows / (4 MT) times the weights'); 2 was best or within 5 % of it at 8-64 rows, 4 spills at 64-row tiles
 MIN_SPLIT_CHUNKS = 4  # a dense GEMM's K split keeps at least this many chunks a split
 COUNTERS = 1 << 16  # the dense GEMM's split counters a device: (tile, column block) pairs a launch may split
 ENABLED = os.environ.get("SLUICE_MOE_MMA", "1") != "0"
@@ -71,7 +72,7 @@ def variants():
             if tm >= 16:
                 yield swiglu, tm, gs, fp16, False, 1, WIDE_WARPS
         for tm in DENSE_TILE_ROWS:
-            yield False, tm, gs, fp16, True, dense_mt(tm), WARPS
+            yield False, tm, gs, fp16, True, DENSE_MT, WARPS
 
 
 def kernel(swiglu: bool, tile_rows: int, group_size: int, fp16: bool, device, dense: bool = False, mt: int = 1,
@@ -129,7 +130,7 @@ def dense_applies(x: torch.Tensor, qt: QuantizedTensor) -> bool:
     if not _fits(qt, x.dtype, qt.out_features) or x.dim() != 2 or x.shape[1] != qt.in_features:
         return False
     tm = dense_tile_rows(x.shape[0])  # (only the variant these rows take: a first load compiles less)
-    mt = dense_mt(tm, qt.out_features)
+    mt = dense_mt(qt.out_features)
     if smem_bytes(False, tm, qt.group_size, WARPS, mt) > nvrtc.max_shared_per_block(x.device):
         return False
     return _compiles(x.device, False, tm, qt.group_size, x.dtype == torch.float16, True, mt, WARPS)
@@ -190,11 +191,10 @@ def dense_tile_rows(M: int) -> int:
     return next((t for t in DENSE_TILE_ROWS if M <= t), DENSE_TILE_ROWS[-1])
 
 
-def dense_mt(tile_rows: int, columns: int | None = None, warps: int = WARPS) -> int:
-    """Weight row sets a warp of the dense GEMM (`DENSE_MT` by tile rows), halved where the columns are not whole
-    programs of them."""
-    mt = DENSE_MT[tile_rows]
-    while columns is not None and mt > 1 and columns % (16 * warps * mt):
+def dense_mt(columns: int, warps: int = WARPS) -> int:
+    """Weight row sets a warp of the dense GEMM: `DENSE_MT`, halved where the columns are not whole programs."""
+    mt = DENSE_MT
+    while mt > 1 and columns % (16 * warps * mt):
         mt //= 2
     return mt
 
@@ -214,7 +214,7 @@ def dense_plan(M: int, N: int, K: int, sms: int, tile_rows: int | None = None, s
     (`dense_tile_rows`), mt by `dense_mt`, K split where the programs would leave multiprocessors idle (about two
     programs an SM, at least MIN_SPLIT_CHUNKS chunks a split)."""
     tm = tile_rows or dense_tile_rows(M)
-    mt = mt or dense_mt(tm, N, warps)
+    mt = mt or dense_mt(N, warps)
     if N % (16 * warps * mt):
         raise ValueError(f"moe mma dense: {N} columns are not whole programs of {16 * warps * mt}")
     tiles, blocks, chunks = triton.cdiv(M, tm), N // (16 * warps * mt), K // KC

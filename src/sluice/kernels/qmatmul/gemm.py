@@ -199,9 +199,9 @@ def qgemm_dequant(x: torch.Tensor, qt) -> torch.Tensor:
 
 
 DEQUANT_GEMM_ROWS = 256  # from here on, dequantize + cuBLAS (measured faster than our fused GEMM at M = 4096)
-MMA_MAX_ROWS = 64  # up to this many rows (past the GEMV's) the CUDA tensor-core kernel where it applies
-# (`kernels/moe/mma.py` `dense`: 4-bit groups of 32/64, bf16/fp16); past 8 rows it was slower than the Triton GEMM
-# on Qwen3-Next's projections (docs/perf-log.md, session 9)
+MMA_MAX_ROWS = 16  # up to this many rows (past the GEMV's) the CUDA tensor-core kernel where it applies
+# (`kernels/moe/mma.py` `dense`: 4-bit groups of 32/64, bf16/fp16); from 32 rows it was slower than the Triton GEMM
+# on Qwen3-Next's projections (docs/perf-log.md, session 10)
 
 
 def qmatmul(x: torch.Tensor, qt) -> torch.Tensor:
