@@ -57,10 +57,12 @@ def _run(path, x, ids, w, gate_up, down, tile=None, config=None):
     from sluice.kernels.moe import triton as mt
 
     T, k = ids.shape
-    if path == "wgmma":  # past MMA_MAX_ROWS rows an expert moe_prefill takes it (tile rows when given)
+    if path == "wgmma":  # past MMA_MAX_ROWS rows an expert moe_prefill takes it (tile rows, wgmmas a step if given)
         mt.MMA_MIN_ROWS = mt.MMA_MAX_ROWS = 0
         if tile:
             wgmma.tile_rows = lambda rows, t=tile: t
+        if config:
+            wgmma.M_BLOCKS = config
         return mt.moe_prefill(x, ids, w, gate_up, down, summed=False)
     if path == "gemv":
         return mt.moe_decode(x, ids, w, gate_up, down, summed=False, expert_order=T >= mt.ORDER_MIN_TOKENS)
@@ -82,7 +84,7 @@ def _reset(saved):
     from sluice.kernels.moe import triton as mt
 
     (mt.MMA_MIN_ROWS, mt.MMA_MAX_ROWS, mma.ENABLED, mma.tile_rows, mma.WARPS, mma.STAGES, mma.WIDE_WARPS,
-     wgmma.tile_rows) = saved
+     wgmma.tile_rows, wgmma.M_BLOCKS) = saved
 
 
 def layer(figures, names, tokens, copy_bw, configs=()):
@@ -90,7 +92,7 @@ def layer(figures, names, tokens, copy_bw, configs=()):
     from sluice.kernels.moe import triton as mt
 
     saved = (mt.MMA_MIN_ROWS, mt.MMA_MAX_ROWS, mma.ENABLED, mma.tile_rows, mma.WARPS, mma.STAGES, mma.WIDE_WARPS,
-             wgmma.tile_rows)
+             wgmma.tile_rows, wgmma.M_BLOCKS)
     rows = figures.setdefault("layer", [])
     for name in names:
         H, E, I, k, _ = SHAPES[name]
@@ -110,10 +112,12 @@ def layer(figures, names, tokens, copy_bw, configs=()):
             ref = reference.moe_reference(x0, logits0, gate_up, down, k, True) if T <= 256 else None
             variants = ([(p, None, None) for p in _paths(T)] + [("mma", t, None) for t in mma.TILE_ROWS
                                                                  if T in FORCED_TILES and not configs]
-                        + [("wgmma", t, None) for t in wgmma.TILE_ROWS if T in WGMMA_FORCED_TILES and not configs]
+                        + [("wgmma", t, mb) for t, mb in ((64, 2), (128, 2), (128, 1))
+                           if T in WGMMA_FORCED_TILES and not configs]
                         + [("mma", None, c) for c in configs])
             for path, tile, config in variants:
-                label = path + (f" tile {tile}" if tile else "") + (f" w{config[0]} s{config[1]}" if config else "")
+                label = path + (f" tile {tile}" if tile else "") + (
+                    (f" mb{config}" if path == "wgmma" else f" w{config[0]} s{config[1]}") if config else "")
                 row = {"model": name, "T": T, "path": label, "floor_us": floor_us, "rows_per_expert": T * k / E}
                 try:
                     out = _run(path, x0, ids0, w0, gate_up, down, tile, config).combine()

@@ -24,8 +24,9 @@ from sluice.quant.affine import QuantizedTensor
 
 SOURCE = Path(__file__).with_name("w4_wgmma.cu")
 TILE_ROWS = (64, 128)  # rows a tile (the wgmma's N)
-WARPGROUPS = 2  # a program's warpgroups (64 weight rows each), where the columns allow; they share the tile's x
-STAGES = 4  # chunks of 128 k in flight (cp.async)
+WARPGROUPS = 2  # a program's warpgroups, where the columns allow; they share the tile's x
+M_BLOCKS = 2  # wgmmas of 64 weight rows a warpgroup a step, where the columns allow (each reads the same x)
+STAGES = 4  # chunks of 128 k in flight (cp.async), 3 where 4 do not fit
 KC = 128
 ENABLED = os.environ.get("SLUICE_MOE_WGMMA", "1") != "0"
 SIGNATURE = "p" * 9 + "i" * 4 + "q" * 6
@@ -52,32 +53,48 @@ def source(tile_rows: int) -> str:
     return mma.COMMON.read_text() + SOURCE.read_text().replace("\nWGMMA_STEP\n", "\n" + step_function(tile_rows))
 
 
-def smem_bytes(tile_rows: int, warpgroups: int, group_size: int) -> int:
-    rows = warpgroups * 64
-    return STAGES * (tile_rows * KC * 2 + rows * 80 + 2 * rows * (KC // group_size) * 2)
+def stage_bytes(tile_rows: int, warpgroups: int, m_blocks: int, group_size: int) -> int:
+    rows = warpgroups * m_blocks * 64
+    return tile_rows * KC * 2 + rows * 80 + 2 * rows * (KC // group_size) * 2
 
 
-def _defines(swiglu: bool, tile_rows: int, warpgroups: int, group_size: int, fp16: bool) -> dict:
-    return dict(SWIGLU=int(swiglu), TN=tile_rows, WG=warpgroups, GS=group_size, FP16=int(fp16), STAGES=STAGES)
+def stages(tile_rows: int, warpgroups: int, m_blocks: int, group_size: int, smem_limit: int = 227 * 1024) -> int:
+    return STAGES if STAGES * stage_bytes(tile_rows, warpgroups, m_blocks, group_size) <= smem_limit else 3
+
+
+def smem_bytes(tile_rows: int, warpgroups: int, m_blocks: int, group_size: int, smem_limit: int = 227 * 1024) -> int:
+    return (stages(tile_rows, warpgroups, m_blocks, group_size, smem_limit)
+            * stage_bytes(tile_rows, warpgroups, m_blocks, group_size))
+
+
+def _defines(swiglu: bool, tile_rows: int, warpgroups: int, m_blocks: int, group_size: int, fp16: bool) -> dict:
+    return dict(SWIGLU=int(swiglu), TN=tile_rows, WG=warpgroups, MB=m_blocks, GS=group_size, FP16=int(fp16),
+                STAGES=stages(tile_rows, warpgroups, m_blocks, group_size))
 
 
 def variants():
-    """Every compiled variant: (swiglu, tile rows, warpgroups, group size, fp16)."""
-    for swiglu, tn, wg, gs, fp16 in itertools.product((True, False), TILE_ROWS, (1, WARPGROUPS), (32, 64),
-                                                      (False, True)):
-        yield swiglu, tn, wg, gs, fp16
+    """Every compiled variant: (swiglu, tile rows, warpgroups, m blocks, group size, fp16)."""
+    for swiglu, tn, (wg, mb), gs, fp16 in itertools.product((True, False), TILE_ROWS, ((1, 1), (WARPGROUPS, 1),
+                                                            (WARPGROUPS, M_BLOCKS)), (32, 64), (False, True)):
+        yield swiglu, tn, wg, mb, gs, fp16
 
 
-def kernel(swiglu: bool, tile_rows: int, warpgroups: int, group_size: int, fp16: bool, device) -> nvrtc.Kernel:
-    defines = _defines(swiglu, tile_rows, warpgroups, group_size, fp16)
+def kernel(swiglu: bool, tile_rows: int, warpgroups: int, m_blocks: int, group_size: int, fp16: bool,
+           device) -> nvrtc.Kernel:
+    defines = _defines(swiglu, tile_rows, warpgroups, m_blocks, group_size, fp16)
     key = (tuple(sorted(defines.items())), torch.device(device))
     if key not in _kernels:
         _kernels[key] = nvrtc.Kernel(source(tile_rows), "moe_w4_wgmma", defines, SIGNATURE, device, arch_suffix="a")
     return _kernels[key]
 
 
-def warpgroups_for(swiglu: bool, columns: int) -> int:
-    return WARPGROUPS if columns % (WARPGROUPS * (32 if swiglu else 64)) == 0 else 1
+def layout(swiglu: bool, columns: int, m_blocks: int | None = None) -> tuple[int, int]:
+    """(warpgroups, wgmmas a warpgroup a step) of a program: the most the output columns are whole programs of."""
+    unit = 32 if swiglu else 64
+    for wg, mb in ((WARPGROUPS, m_blocks or M_BLOCKS), (WARPGROUPS, 1), (1, 1)):
+        if columns % (wg * mb * unit) == 0:
+            return wg, mb
+    raise ValueError(f"moe wgmma: {columns} output columns are not a multiple of {unit}")
 
 
 def _fits(qt: QuantizedTensor, dtype: torch.dtype, columns: int, swiglu: bool) -> bool:
@@ -105,10 +122,10 @@ def applies(x: torch.Tensor, gate_up: QuantizedTensor, down: QuantizedTensor) ->
         return False
     limit = nvrtc.max_shared_per_block(x.device)
     fp16 = x.dtype == torch.float16
-    checks = [(sw, tn, warpgroups_for(sw, cols), qt.group_size)
+    checks = [(sw, tn, *layout(sw, cols), qt.group_size)
               for sw, qt, cols in ((True, gate_up, I), (False, down, H)) for tn in TILE_ROWS]
-    return all(smem_bytes(tn, wg, gs) <= limit and _compiles(x.device, sw, tn, wg, gs, fp16)
-               for sw, tn, wg, gs in checks)
+    return all(smem_bytes(tn, wg, mb, gs) <= limit and _compiles(x.device, sw, tn, wg, mb, gs, fp16)
+               for sw, tn, wg, mb, gs in checks)
 
 
 def _compiles(device, *variant) -> bool:
@@ -131,10 +148,11 @@ def tile_rows(rows: float) -> int:
 
 
 def grouped_gemm(a: torch.Tensor, a_div: int, qt: QuantizedTensor, c: torch.Tensor, table, swiglu: bool,
-                 tile_rows: int, extra=None) -> None:
+                 tile_rows: int, extra=None, m_blocks: int | None = None) -> None:
     """c[order[r]] for the sorted rows r of each tile of `table` (`grouped.tile_table`, tiles of tile_rows):
     a[order[r] // a_div] @ W[e]^T (with swiglu, qt gate_up: silu(gate) * up), W[e] the tile's expert. a and c: x's
-    dtype, rows 16-byte aligned. (`extra`: for `mma.grouped_gemm`'s signature; none here.)"""
+    dtype, rows 16-byte aligned. (`extra`: for `mma.grouped_gemm`'s signature; none here. m_blocks: `layout`'s,
+    default M_BLOCKS.)"""
     if extra is not None:
         raise ValueError("moe wgmma: no extra expert slots")
     order, offsets, tile_expert, tile_row = table
@@ -146,10 +164,10 @@ def grouped_gemm(a: torch.Tensor, a_div: int, qt: QuantizedTensor, c: torch.Tens
         raise ValueError(f"moe wgmma: a must be [rows, {K}] with 16-byte aligned rows, c unit column stride")
     if offsets.numel() - 1 > qt.weight.shape[0]:
         raise ValueError(f"moe wgmma: the tile table covers {offsets.numel() - 1} experts, more than the stack's")
-    wg = warpgroups_for(swiglu, N)
+    wg, mb = layout(swiglu, N, m_blocks)
     w = qt.weight.view(torch.int32)
-    k = kernel(swiglu, tile_rows, wg, qt.group_size, a.dtype == torch.float16, a.device)
-    grid = (N // (wg * (32 if swiglu else 64)), tile_expert.numel())
-    k(grid, (wg * 128,), smem_bytes(tile_rows, wg, qt.group_size), a, w, qt.scales, qt.biases, c, order, tile_expert,
-      tile_row, offsets, N, K, offsets.numel() - 1, a_div, a.stride(0), w.stride(0), w.stride(1), qt.scales.stride(0),
-      qt.scales.stride(1), c.stride(0), pdl=pdl(a.device))
+    k = kernel(swiglu, tile_rows, wg, mb, qt.group_size, a.dtype == torch.float16, a.device)
+    grid = (N // (wg * mb * (32 if swiglu else 64)), tile_expert.numel())
+    k(grid, (wg * 128,), smem_bytes(tile_rows, wg, mb, qt.group_size), a, w, qt.scales, qt.biases, c, order,
+      tile_expert, tile_row, offsets, N, K, offsets.numel() - 1, a_div, a.stride(0), w.stride(0), w.stride(1),
+      qt.scales.stride(0), qt.scales.stride(1), c.stride(0), pdl=pdl(a.device))
