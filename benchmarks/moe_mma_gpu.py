@@ -40,7 +40,9 @@ L2_COLD_BYTES = 200e6  # the routings of one timing hit at least this many exper
 
 
 WGMMA_MIN_TOKENS = 256  # the wgmma kernel (sm_90, many rows an expert) is timed from here
-WGMMA_FORCED_TILES = (1024, 4096)  # token counts where each of its tile sizes is timed too
+WGMMA_FORCED_TILES = (1024, 4096)  # token counts where each of WGMMA_CONFIGS is timed too
+WGMMA_CONFIGS = ((128, (2, 4, 1)), (128, (2, 3, 1)), (128, (1, 4, 1)), (64, (2, 2, 2)), (64, (1, 3, 2)),
+                 (64, (2, 4, 1)))  # (tile rows, (wgmmas a step, stages, programs an SM))
 
 
 def _paths(T):
@@ -61,8 +63,14 @@ def _run(path, x, ids, w, gate_up, down, tile=None, config=None):
         mt.MMA_MIN_ROWS = mt.MMA_MAX_ROWS = 0
         if tile:
             wgmma.tile_rows = lambda rows, t=tile: t
-        if config:
-            wgmma.M_BLOCKS = config
+        if config:  # (wgmmas a step, stages, programs an SM)
+            real = wgmma.grouped_gemm
+            mb, n_stages, minb = config
+            wgmma.grouped_gemm = lambda *a, _r=real, **kw: _r(*a, m_blocks=mb, n_stages=n_stages, min_blocks=minb)
+            try:
+                return mt.moe_prefill(x, ids, w, gate_up, down, summed=False)
+            finally:
+                wgmma.grouped_gemm = real
         return mt.moe_prefill(x, ids, w, gate_up, down, summed=False)
     if path == "gemv":
         return mt.moe_decode(x, ids, w, gate_up, down, summed=False, expert_order=T >= mt.ORDER_MIN_TOKENS)
@@ -112,12 +120,12 @@ def layer(figures, names, tokens, copy_bw, configs=()):
             ref = reference.moe_reference(x0, logits0, gate_up, down, k, True) if T <= 256 else None
             variants = ([(p, None, None) for p in _paths(T)] + [("mma", t, None) for t in mma.TILE_ROWS
                                                                  if T in FORCED_TILES and not configs]
-                        + [("wgmma", t, mb) for t, mb in ((64, 2), (128, 2), (128, 1))
-                           if T in WGMMA_FORCED_TILES and not configs]
+                        + [("wgmma", t, c) for t, c in WGMMA_CONFIGS if T in WGMMA_FORCED_TILES and not configs]
                         + [("mma", None, c) for c in configs])
             for path, tile, config in variants:
                 label = path + (f" tile {tile}" if tile else "") + (
-                    (f" mb{config}" if path == "wgmma" else f" w{config[0]} s{config[1]}") if config else "")
+                    (" mb{} s{} b{}".format(*config) if path == "wgmma" else f" w{config[0]} s{config[1]}")
+                    if config else "")
                 row = {"model": name, "T": T, "path": label, "floor_us": floor_us, "rows_per_expert": T * k / E}
                 try:
                     out = _run(path, x0, ids0, w0, gate_up, down, tile, config).combine()

@@ -24,8 +24,8 @@
 // for step s - 1's (whose A registers are then free); the chunk ends waiting for all, so that the barrier at the next
 // chunk frees its stage for the copies.
 //
-// Compile-time: SWIGLU, TN (tile rows: 64 or 128), WG, MB, GS (32 or 64), FP16, STAGES; WGMMA_STEP (wgmma.py writes
-// it for TN: the asm needs each of the TN / 2 accumulator registers named).
+// Compile-time: SWIGLU, TN (tile rows: 64 or 128), WG, MB, GS (32 or 64), FP16, STAGES, MINB (programs an SM the
+// registers are held to); WGMMA_STEP (wgmma.py writes it for TN: the asm names each of the TN / 2 accumulators).
 
 #define KC 128
 #define GPC (KC / GS)
@@ -78,7 +78,7 @@ __device__ __forceinline__ u32 dequant_byte(u32 v, u32 sel, u32 s2, u32 b2, u32 
 
 // c[order[r]] for the sorted rows r of each tile (expert e, first row): a[order[r] / a_div] @ W[e]^T over columns
 // [0, N), or with SWIGLU silu(a Wg^T) * (a Wu^T), Wu the N rows below Wg.
-extern "C" __global__ void __launch_bounds__(THREADS)
+extern "C" __global__ void __launch_bounds__(THREADS, MINB)
 moe_w4_wgmma(const u16* __restrict__ a, const u32* __restrict__ w, const u16* __restrict__ s,
              const u16* __restrict__ b, u16* __restrict__ c, const int* __restrict__ order,
              const int* __restrict__ tile_expert, const int* __restrict__ tile_row, const int* __restrict__ offsets,

@@ -62,14 +62,15 @@ def stages(tile_rows: int, warpgroups: int, m_blocks: int, group_size: int, smem
     return STAGES if STAGES * stage_bytes(tile_rows, warpgroups, m_blocks, group_size) <= smem_limit else 3
 
 
-def smem_bytes(tile_rows: int, warpgroups: int, m_blocks: int, group_size: int, smem_limit: int = 227 * 1024) -> int:
-    return (stages(tile_rows, warpgroups, m_blocks, group_size, smem_limit)
-            * stage_bytes(tile_rows, warpgroups, m_blocks, group_size))
+def smem_bytes(tile_rows: int, warpgroups: int, m_blocks: int, group_size: int, n_stages: int | None = None) -> int:
+    n_stages = n_stages or stages(tile_rows, warpgroups, m_blocks, group_size)
+    return n_stages * stage_bytes(tile_rows, warpgroups, m_blocks, group_size)
 
 
-def _defines(swiglu: bool, tile_rows: int, warpgroups: int, m_blocks: int, group_size: int, fp16: bool) -> dict:
+def _defines(swiglu: bool, tile_rows: int, warpgroups: int, m_blocks: int, group_size: int, fp16: bool,
+             n_stages: int | None = None, min_blocks: int = 1) -> dict:
     return dict(SWIGLU=int(swiglu), TN=tile_rows, WG=warpgroups, MB=m_blocks, GS=group_size, FP16=int(fp16),
-                STAGES=stages(tile_rows, warpgroups, m_blocks, group_size))
+                STAGES=n_stages or stages(tile_rows, warpgroups, m_blocks, group_size), MINB=min_blocks)
 
 
 def variants():
@@ -80,8 +81,8 @@ def variants():
 
 
 def kernel(swiglu: bool, tile_rows: int, warpgroups: int, m_blocks: int, group_size: int, fp16: bool,
-           device) -> nvrtc.Kernel:
-    defines = _defines(swiglu, tile_rows, warpgroups, m_blocks, group_size, fp16)
+           device, n_stages: int | None = None, min_blocks: int = 1) -> nvrtc.Kernel:
+    defines = _defines(swiglu, tile_rows, warpgroups, m_blocks, group_size, fp16, n_stages, min_blocks)
     key = (tuple(sorted(defines.items())), torch.device(device))
     if key not in _kernels:
         _kernels[key] = nvrtc.Kernel(source(tile_rows), "moe_w4_wgmma", defines, SIGNATURE, device, arch_suffix="a")
@@ -148,7 +149,8 @@ def tile_rows(rows: float) -> int:
 
 
 def grouped_gemm(a: torch.Tensor, a_div: int, qt: QuantizedTensor, c: torch.Tensor, table, swiglu: bool,
-                 tile_rows: int, extra=None, m_blocks: int | None = None) -> None:
+                 tile_rows: int, extra=None, m_blocks: int | None = None, n_stages: int | None = None,
+                 min_blocks: int = 1) -> None:
     """c[order[r]] for the sorted rows r of each tile of `table` (`grouped.tile_table`, tiles of tile_rows):
     a[order[r] // a_div] @ W[e]^T (with swiglu, qt gate_up: silu(gate) * up), W[e] the tile's expert. a and c: x's
     dtype, rows 16-byte aligned. (`extra`: for `mma.grouped_gemm`'s signature; none here. m_blocks: `layout`'s,
@@ -166,8 +168,8 @@ def grouped_gemm(a: torch.Tensor, a_div: int, qt: QuantizedTensor, c: torch.Tens
         raise ValueError(f"moe wgmma: the tile table covers {offsets.numel() - 1} experts, more than the stack's")
     wg, mb = layout(swiglu, N, m_blocks)
     w = qt.weight.view(torch.int32)
-    k = kernel(swiglu, tile_rows, wg, mb, qt.group_size, a.dtype == torch.float16, a.device)
+    k = kernel(swiglu, tile_rows, wg, mb, qt.group_size, a.dtype == torch.float16, a.device, n_stages, min_blocks)
     grid = (N // (wg * mb * (32 if swiglu else 64)), tile_expert.numel())
-    k(grid, (wg * 128,), smem_bytes(tile_rows, wg, mb, qt.group_size), a, w, qt.scales, qt.biases, c, order,
+    k(grid, (wg * 128,), smem_bytes(tile_rows, wg, mb, qt.group_size, n_stages), a, w, qt.scales, qt.biases, c, order,
       tile_expert, tile_row, offsets, N, K, offsets.numel() - 1, a_div, a.stride(0), w.stride(0), w.stride(1),
       qt.scales.stride(0), qt.scales.stride(1), c.stride(0), pdl=pdl(a.device))
