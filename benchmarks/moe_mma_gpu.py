@@ -39,39 +39,19 @@ FORCED_TILES = (64, 512)  # token counts where each tile size is timed too
 L2_COLD_BYTES = 200e6  # the routings of one timing hit at least this many expert bytes (L2: 50-60 MB)
 
 
-WGMMA_MIN_TOKENS = 256  # the wgmma kernel (sm_90, many rows an expert) is timed from here
-WGMMA_FORCED_TILES = (1024, 4096)  # token counts where each of WGMMA_CONFIGS is timed too
-WGMMA_CONFIGS = ((128, (2, 4, 1)), (128, (2, 3, 1)), (128, (1, 4, 1)), (64, (2, 2, 2)), (64, (1, 3, 2)),
-                 (64, (2, 4, 1)))  # (tile rows, (wgmmas a step, stages, programs an SM))
-
-
 def _paths(T):
     from sluice.kernels.moe import triton as mt
 
-    return ((["gemv"] if T <= mt.DECODE_MAX_TOKENS else []) + ["triton grouped", "mma"]
-            + (["wgmma"] if T >= WGMMA_MIN_TOKENS else []))
+    return (["gemv"] if T <= mt.DECODE_MAX_TOKENS else []) + ["triton grouped", "mma"]
 
 
 def _run(path, x, ids, w, gate_up, down, tile=None, config=None):
     """One path's launches; the GEMVs and Triton's GEMMs asked for by their own options (as their defaults set
     them), the CUDA kernel forced at every size by its thresholds (and tile rows, warps and stages when given)."""
-    from sluice.kernels.moe import grouped, mma, wgmma
+    from sluice.kernels.moe import grouped, mma
     from sluice.kernels.moe import triton as mt
 
     T, k = ids.shape
-    if path == "wgmma":  # past MMA_MAX_ROWS rows an expert moe_prefill takes it (tile rows, wgmmas a step if given)
-        mt.MMA_MIN_ROWS = mt.MMA_MAX_ROWS = 0
-        if tile:
-            wgmma.tile_rows = lambda rows, t=tile: t
-        if config:  # (wgmmas a step, stages, programs an SM)
-            real = wgmma.grouped_gemm
-            mb, n_stages, minb = config
-            wgmma.grouped_gemm = lambda *a, _r=real, **kw: _r(*a, m_blocks=mb, n_stages=n_stages, min_blocks=minb)
-            try:
-                return mt.moe_prefill(x, ids, w, gate_up, down, summed=False)
-            finally:
-                wgmma.grouped_gemm = real
-        return mt.moe_prefill(x, ids, w, gate_up, down, summed=False)
     if path == "gemv":
         return mt.moe_decode(x, ids, w, gate_up, down, summed=False, expert_order=T >= mt.ORDER_MIN_TOKENS)
     if path == "triton grouped":
@@ -88,19 +68,17 @@ def _run(path, x, ids, w, gate_up, down, tile=None, config=None):
 
 
 def _reset(saved):
-    from sluice.kernels.moe import mma, wgmma
+    from sluice.kernels.moe import mma
     from sluice.kernels.moe import triton as mt
 
-    (mt.MMA_MIN_ROWS, mt.MMA_MAX_ROWS, mma.ENABLED, mma.tile_rows, mma.WARPS, mma.STAGES, mma.WIDE_WARPS,
-     wgmma.tile_rows, wgmma.M_BLOCKS) = saved
+    mt.MMA_MIN_ROWS, mt.MMA_MAX_ROWS, mma.ENABLED, mma.tile_rows, mma.WARPS, mma.STAGES, mma.WIDE_WARPS = saved
 
 
 def layer(figures, names, tokens, copy_bw, configs=()):
-    from sluice.kernels.moe import mma, reference, wgmma
+    from sluice.kernels.moe import mma, reference
     from sluice.kernels.moe import triton as mt
 
-    saved = (mt.MMA_MIN_ROWS, mt.MMA_MAX_ROWS, mma.ENABLED, mma.tile_rows, mma.WARPS, mma.STAGES, mma.WIDE_WARPS,
-             wgmma.tile_rows, wgmma.M_BLOCKS)
+    saved = (mt.MMA_MIN_ROWS, mt.MMA_MAX_ROWS, mma.ENABLED, mma.tile_rows, mma.WARPS, mma.STAGES, mma.WIDE_WARPS)
     rows = figures.setdefault("layer", [])
     for name in names:
         H, E, I, k, _ = SHAPES[name]
@@ -120,12 +98,9 @@ def layer(figures, names, tokens, copy_bw, configs=()):
             ref = reference.moe_reference(x0, logits0, gate_up, down, k, True) if T <= 256 else None
             variants = ([(p, None, None) for p in _paths(T)] + [("mma", t, None) for t in mma.TILE_ROWS
                                                                  if T in FORCED_TILES and not configs]
-                        + [("wgmma", t, c) for t, c in WGMMA_CONFIGS if T in WGMMA_FORCED_TILES and not configs]
                         + [("mma", None, c) for c in configs])
             for path, tile, config in variants:
-                label = path + (f" tile {tile}" if tile else "") + (
-                    (" mb{} s{} b{}".format(*config) if path == "wgmma" else f" w{config[0]} s{config[1]}")
-                    if config else "")
+                label = path + (f" tile {tile}" if tile else "") + (f" w{config[0]} s{config[1]}" if config else "")
                 row = {"model": name, "T": T, "path": label, "floor_us": floor_us, "rows_per_expert": T * k / E}
                 try:
                     out = _run(path, x0, ids0, w0, gate_up, down, tile, config).combine()
@@ -213,7 +188,7 @@ PROFILE_BATCHES = (16, 64)
 
 
 def engine(figures, names, batches, variants=ENGINE_VARIANTS, prefill=True):
-    from sluice.kernels.moe import mma, wgmma
+    from sluice.kernels.moe import mma
     from sluice.kernels.qmatmul import gemm
 
     saved = gemm.MMA_MAX_ROWS
@@ -226,7 +201,6 @@ def engine(figures, names, batches, variants=ENGINE_VARIANTS, prefill=True):
         base = sluice.load(cfg, load_format="dummy", device="cuda", max_batch=max(batches))
         for variant in variants:
             mma.ENABLED = variant.startswith("mma")
-            wgmma.ENABLED = variant.startswith("mma") and "no-wgmma" not in variant
             gemm.MMA_MAX_ROWS = 8 if "dense-triton" in variant else saved
             model = base.with_engine()
             for batch in batches:
@@ -261,7 +235,7 @@ def engine(figures, names, batches, variants=ENGINE_VARIANTS, prefill=True):
             del model
             gc.collect()
             torch.cuda.empty_cache()
-        mma.ENABLED, wgmma.ENABLED, gemm.MMA_MAX_ROWS = True, True, saved
+        mma.ENABLED, gemm.MMA_MAX_ROWS = True, saved
         del base
         gc.collect()
         torch.cuda.empty_cache()

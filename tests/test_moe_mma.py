@@ -18,7 +18,7 @@ gpu = pytest.mark.skipif(not (torch.cuda.is_available() and nvrtc.available()), 
 
 @pytest.mark.skipif(not nvrtc.compiler_found(), reason="NVRTC's library not found")
 def test_every_variant_compiles_for_sm90():
-    src = mma.source()
+    src = mma.SOURCE.read_text()
     for variant in mma.variants():
         assert nvrtc.compile_cubin(src, "moe_w4_mma", mma._defines(*variant), "sm_90")
 

@@ -183,18 +183,17 @@ _CTYPES = {"p": ctypes.c_uint64, "i": ctypes.c_int32, "q": ctypes.c_int64, "f": 
 
 class Kernel:
     """One compiled kernel on one device: `kernel(grid, block, smem, *args)` launches it on the current stream.
-    `signature`: one letter per argument (p pointer or tensor, i int32, q int64, f float32, u uint32); `arch_suffix`
-    "a" compiles for the architecture-specific target (sm_90a: wgmma)."""
+    `signature`: one letter per argument (p pointer or tensor, i int32, q int64, f float32, u uint32)."""
 
-    def __init__(self, source: str, name: str, defines: dict, signature: str, device, arch_suffix: str = ""):
+    def __init__(self, source: str, name: str, defines: dict, signature: str, device):
         self.device = torch.device(device)
         self.name, self.signature = name, signature
         major, minor = torch.cuda.get_device_capability(self.device)
         key = (hashlib.sha256(source.encode()).hexdigest(), name, tuple(sorted(defines.items())), major, minor,
-               arch_suffix, self.device.index)
+               self.device.index)
         with _lock:
-            if key not in _modules:  # (arch_suffix "a": sm_90a, the arch-specific features such as wgmma)
-                cubin = cached_cubin(source, name, defines, f"sm_{major}{minor}{arch_suffix}")
+            if key not in _modules:
+                cubin = cached_cubin(source, name, defines, f"sm_{major}{minor}")
                 with torch.cuda.device(self.device):
                     torch.cuda.current_stream(self.device)  # the primary context, current on this thread
                     module, func = ctypes.c_void_p(), ctypes.c_void_p()

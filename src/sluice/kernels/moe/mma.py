@@ -24,7 +24,6 @@ from sluice.kernels.launch import num_sms, pdl
 from sluice.quant.affine import QuantizedTensor
 
 SOURCE = Path(__file__).with_name("w4_mma.cu")
-COMMON = Path(__file__).with_name("w4_common.cuh")  # the device helpers it shares with w4_wgmma.cu
 WARPS = 4  # a program's warps, 16 output columns each
 WIDE_WARPS = 8  # ... of the grouped GEMM with tiles of 16+ rows, where the output columns allow (more warps share
 # each x chunk: 12-13 % faster at 10-12 rows an expert, docs/perf-log.md session 9)
@@ -76,17 +75,12 @@ def variants():
             yield False, tm, gs, fp16, True, DENSE_MT, WARPS
 
 
-def source(path: Path = SOURCE) -> str:
-    """A kernel's CUDA C: the shared helpers (`COMMON`), then its own text."""
-    return COMMON.read_text() + path.read_text()
-
-
 def kernel(swiglu: bool, tile_rows: int, group_size: int, fp16: bool, device, dense: bool = False, mt: int = 1,
            warps: int = WARPS) -> nvrtc.Kernel:
     defines = _defines(swiglu, tile_rows, group_size, fp16, dense, mt, warps)
     key = (tuple(sorted(defines.items())), torch.device(device))
     if key not in _kernels:
-        _kernels[key] = nvrtc.Kernel(source(), "moe_w4_mma", defines, SIGNATURE, device)
+        _kernels[key] = nvrtc.Kernel(SOURCE.read_text(), "moe_w4_mma", defines, SIGNATURE, device)
     return _kernels[key]
 
 

@@ -26,7 +26,7 @@ import triton
 import triton.language as tl
 
 from sluice.kernels import launch
-from sluice.kernels.moe import ExpertOutputs, check_device, check_shared, grouped, mma, wgmma
+from sluice.kernels.moe import ExpertOutputs, check_device, check_shared, grouped, mma
 from sluice.kernels.moe.route import MAX_EXPERTS, MAX_TOP_K, route  # noqa: F401  (the block's kernels: `route` too)
 from sluice.kernels.qmatmul import triton as qmm
 from sluice.quant.affine import QuantizedTensor
@@ -38,9 +38,8 @@ GROUPED_MIN_ROWS = 2  # a decode batch whose experts average this many rows take
 # Qwen3-Next's 512 from 103 (docs/perf-log.md, session 8: the two paths at 1.25 and 2.5 rows an expert)
 MMA_MIN_ROWS = 0.7  # experts averaging this many rows up to MMA_MAX_ROWS run through the CUDA tensor-core kernel
 MMA_MAX_ROWS = 24  # (`mma.py`: each hit expert read once for its rows) where it applies; fewer rows the expert
-# GEMVs, more sm_90's wgmma kernel (`wgmma.py`) or else the Triton grouped GEMMs (docs/perf-log.md, session 9:
-# Qwen3-Next's GEMVs are faster at 0.625 rows, Moonlight's kernel at 0.75; Moonlight's kernel at 24 rows, Triton's
-# at 48)
+# GEMVs, more the Triton grouped GEMMs (docs/perf-log.md, session 9: Qwen3-Next's GEMVs are faster at 0.625 rows,
+# Moonlight's kernel at 0.75; Moonlight's kernel at 24 rows, Triton's at 48)
 ORDER_MIN_TOKENS = 32  # from this many tokens the expert GEMVs run in expert order (`slot_order`); below, few
 # slots share an expert and the sort costs what it saves (docs/perf-log.md, 2026-11-25 "engine, second session")
 
@@ -229,9 +228,6 @@ def moe_prefill(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_
     configured = block_m is not None or gate_up_config is not None or down_config is not None
     if not configured and mma_rows(rows) and mma.applies(x, gate_up, down):
         return _moe_mma(x, ids, weights, gate_up, down, None, shared_out, shared_gate_logit, summed, rows, live)
-    if not configured and rows > MMA_MAX_ROWS and wgmma.applies(x, gate_up, down):
-        return _moe_mma(x, ids, weights, gate_up, down, None, shared_out, shared_gate_logit, summed, rows, live,
-                        wgmma)
     auto_m, auto_gu, auto_down = grouped.prefill_configs(T * k / E)
     block_m = block_m or auto_m
     table = grouped.tile_table(ids, expert_order(ids), E, block_m)  # (no tiles for ids >= E)
@@ -243,26 +239,24 @@ def moe_prefill(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_
     return _outputs(y, weights, x.dtype, shared_out, shared_gate_logit, summed)
 
 
-def _moe_mma(x, ids, weights, gate_up, down, extras, shared_out, shared_gate_logit, summed, rows, live=None,
-             kernels=mma):
-    """`moe_prefill`'s launches with a CUDA tensor-core kernel for the two GEMMs (`kernels`: `mma`, mma.sync for
-    few rows an expert, or `wgmma`, sm_90's for many): tiles of `kernels.tile_rows` rows for experts averaging `rows`
-    rows, a shared expert's slots (extras, ids E..; `mma` only) tiles like the stacked experts'. (Under expert
-    parallelism a decode batch's slots routed elsewhere run the rank's zero expert: tiles of zeros, correct and
-    wasted.)"""
+def _moe_mma(x, ids, weights, gate_up, down, extras, shared_out, shared_gate_logit, summed, rows, live=None):
+    """`moe_prefill`'s launches with the tensor-core kernel (`mma.grouped_gemm`) for the two GEMMs: tiles of
+    `mma.tile_rows` rows for experts averaging `rows` rows, a shared expert's slots (extras, ids E..) tiles like the
+    stacked experts'. (Under expert parallelism a decode batch's slots routed elsewhere run the rank's zero
+    expert: tiles of zeros, correct and wasted.)"""
     T, k = ids.shape
     n_extra = 0 if extras is None else extras[0].n
     E = gate_up.weight.shape[0] if live is None else live
-    tm = kernels.tile_rows(rows)
+    tm = mma.tile_rows(rows)
     x = x.contiguous() if x.data_ptr() % 16 == 0 else x.clone()
     order = expert_order(ids).to(torch.int32)  # (torch's sort, past ORDER_SORT_SLOTS slots, gives int64)
     table = grouped.tile_table(ids, order, E + n_extra, tm)  # (no tiles for the zero expert, `live`)
     gu_extra, down_extra = extras if extras is not None else (None, None)
     h = torch.empty((T * k, down.in_features), dtype=x.dtype, device=x.device)
-    kernels.grouped_gemm(x, k, gate_up, h, table, True, tm, gu_extra)
+    mma.grouped_gemm(x, k, gate_up, h, table, True, tm, gu_extra)
     new = torch.empty if live is None else torch.zeros  # (slots without tiles are never written)
     y = new((1, T * k, down.out_features), dtype=x.dtype, device=x.device)
-    kernels.grouped_gemm(h, 1, down, y[0], table, False, tm, down_extra)
+    mma.grouped_gemm(h, 1, down, y[0], table, False, tm, down_extra)
     return _outputs(y, weights, x.dtype, shared_out, shared_gate_logit, summed)
 
 
