@@ -155,7 +155,7 @@ def dense(figures, copy_bw, configs=DENSE_CONFIGS, ms=DENSE_ROWS):
             ref = xs[0].float() @ copies[0].dequantize(torch.float32).T
             floor_us = nbytes / copy_bw * 1e6
             paths = [("triton (before)", None), ("qmatmul", None), ("mma planned", None)]
-            paths += [(f"mma {tm}:{mt}:{w}", (tm, mt, w)) for tm, mt, w in configs if N % (16 * w * mt) == 0]
+            paths += [(f"mma {tm}:{mt}:{w}", (tm, mt, w)) for tm, mt, w in configs if N % (16 * w) == 0]
             for path, cfg in paths:
                 row = {"proj": name, "M": M, "path": path, "floor_us": floor_us}
                 if path == "triton (before)":

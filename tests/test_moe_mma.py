@@ -147,10 +147,12 @@ def test_a_quantized_model_decodes_a_batch_through_the_kernel_as_on_the_cpu(tmp_
     (40, 256, 384, 64, torch.bfloat16, None, None, None), (64, 128, 1024, 64, torch.bfloat16, 64, 4, 2),
     (100, 64, 256, 64, torch.bfloat16, 64, 1, 1), (33, 64, 128, 32, torch.bfloat16, 8, 1, 1),
     (24, 512, 1024, 64, torch.bfloat16, 32, 3, 4), (70, 256, 512, 64, torch.float16, 16, 4, 4),
-    (9, 128, 768, 32, torch.bfloat16, 16, 6, 2)])
+    (9, 128, 768, 32, torch.bfloat16, 16, 6, 2), (16, 192, 512, 64, torch.bfloat16, None, None, None),
+    (20, 320, 1024, 64, torch.bfloat16, 32, 4, 4)])
 def test_dense_matches_the_dequantized_product(M, N, K, gs, dtype, tm, splits, mt):
-    """A dense projection: the rows in tiles (several where M is past the tile), each warp mt weight row sets, K
-    split (the last split sums the partials; run twice: the counters are set back for the next launch)."""
+    """A dense projection: the rows in tiles (several where M is past the tile), each warp mt weight row sets (the
+    last program's warps past N idle: 192 and 320 columns), K split (the last split sums the partials; run twice: the
+    counters are set back for the next launch)."""
     from sluice.kernels.qmatmul import gemm
 
     g = torch.Generator().manual_seed(M + N)

@@ -130,10 +130,9 @@ def dense_applies(x: torch.Tensor, qt: QuantizedTensor) -> bool:
     if not _fits(qt, x.dtype, qt.out_features) or x.dim() != 2 or x.shape[1] != qt.in_features:
         return False
     tm = dense_tile_rows(x.shape[0])  # (only the variant these rows take: a first load compiles less)
-    mt = dense_mt(qt.out_features)
-    if smem_bytes(False, tm, qt.group_size, WARPS, mt) > nvrtc.max_shared_per_block(x.device):
+    if smem_bytes(False, tm, qt.group_size, WARPS, DENSE_MT) > nvrtc.max_shared_per_block(x.device):
         return False
-    return _compiles(x.device, False, tm, qt.group_size, x.dtype == torch.float16, True, mt, WARPS)
+    return _compiles(x.device, False, tm, qt.group_size, x.dtype == torch.float16, True, DENSE_MT, WARPS)
 
 
 def _compiles(device, *variant) -> bool:
@@ -191,14 +190,6 @@ def dense_tile_rows(M: int) -> int:
     return next((t for t in DENSE_TILE_ROWS if M <= t), DENSE_TILE_ROWS[-1])
 
 
-def dense_mt(columns: int, warps: int = WARPS) -> int:
-    """Weight row sets a warp of the dense GEMM: `DENSE_MT`, halved where the columns are not whole programs."""
-    mt = DENSE_MT
-    while mt > 1 and columns % (16 * warps * mt):
-        mt //= 2
-    return mt
-
-
 def _split_counters(device) -> torch.Tensor:
     """The dense GEMM's split counters on `device`: zeros, each set back to 0 by the launch that counts on it (so
     one launch at a time a device: the engine's single stream)."""
@@ -211,13 +202,13 @@ def _split_counters(device) -> torch.Tensor:
 def dense_plan(M: int, N: int, K: int, sms: int, tile_rows: int | None = None, splits: int | None = None,
                mt: int | None = None, warps: int = WARPS) -> tuple[int, int, int, int, int, int]:
     """(tile rows, mt, tiles, column blocks, splits, chunks a split) of the dense GEMM: one tile up to 64 rows
-    (`dense_tile_rows`), mt by `dense_mt`, K split where the programs would leave multiprocessors idle (about two
-    programs an SM, at least MIN_SPLIT_CHUNKS chunks a split)."""
+    (`dense_tile_rows`), mt `DENSE_MT`, K split where the programs would leave multiprocessors idle (about two
+    programs an SM, at least MIN_SPLIT_CHUNKS chunks a split). N: a multiple of 16 warps (`dense_applies`)."""
     tm = tile_rows or dense_tile_rows(M)
-    mt = mt or dense_mt(N, warps)
-    if N % (16 * warps * mt):
-        raise ValueError(f"moe mma dense: {N} columns are not whole programs of {16 * warps * mt}")
-    tiles, blocks, chunks = triton.cdiv(M, tm), N // (16 * warps * mt), K // KC
+    mt = mt or DENSE_MT
+    if N % (16 * warps):
+        raise ValueError(f"moe mma dense: {N} columns are not a multiple of {16 * warps}")
+    tiles, blocks, chunks = triton.cdiv(M, tm), triton.cdiv(N, 16 * warps * mt), K // KC
     if splits is None:
         splits = max(1, min(triton.cdiv(2 * sms, blocks * tiles), chunks // MIN_SPLIT_CHUNKS))
     if blocks * tiles > COUNTERS:

@@ -28,7 +28,8 @@
 // registers: x is read from shared memory once for MT x 16 weight rows (at 64 rows of x and MT = 1 that traffic is
 // 16x the weights' and bounds the kernel). A split (blockIdx.z) takes k_chunks chunks of K and writes fp32 partials
 // [splits, M, N] to ws; the split that arrives last at a (tile, column block) (a counter in `counters`, set back to 0
-// by it) sums them into c: one launch, no second pass.
+// by it) sums them into c: one launch, no second pass. The last column block may be part of a program (its warps
+// past N idle).
 //
 // Compile-time: SWIGLU, NB (tile rows / 8), GS (32 or 64), FP16 (x, scales and the output fp16, else bf16), DENSE, MT
 // (1 unless DENSE), WARPS, STAGES.
@@ -167,6 +168,14 @@ moe_w4_mma(const u16* __restrict__ a, const u32* __restrict__ w, const u16* __re
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
     const int n0 = (cblock * WARPS + warp) * COLS;
     const i64 set_rows = SWIGLU ? N : 16;  // rows from one row set to the next
+#if DENSE
+    // the last program's warps past N idle (N a multiple of 16 WARPS: a warp's COLS are all in or all out); they
+    // copy rows 0.. (every warp takes part in the barriers)
+    const bool live = n0 < N;
+    const int nl = live ? n0 : 0;
+#else
+    const int nl = n0;
+#endif
 
     const u32* W;
     const u16* S;
@@ -183,10 +192,10 @@ moe_w4_mma(const u16* __restrict__ a, const u32* __restrict__ w, const u16* __re
     // of the warp's, and NB 16-byte pieces of the tile's x
     const u32* wsrc[ROWSETS * 2];
 #pragma unroll
-    for (int i = 0; i < ROWSETS * 2; ++i) wsrc[i] = W + (n0 + g + 8 * (i & 1) + (i >> 1) * set_rows) * wn + 4 * t;
+    for (int i = 0; i < ROWSETS * 2; ++i) wsrc[i] = W + (nl + g + 8 * (i & 1) + (i >> 1) * set_rows) * wn + 4 * t;
     const u16* ssrc[ROWSETS];
 #pragma unroll
-    for (int r = 0; r < ROWSETS; ++r) ssrc[r] = ((t & 1) ? B : S) + (n0 + g + 8 * (t >> 1) + r * set_rows) * sn;
+    for (int r = 0; r < ROWSETS; ++r) ssrc[r] = ((t & 1) ? B : S) + (nl + g + 8 * (t >> 1) + r * set_rows) * sn;
     const u16* xsrc[XROUNDS];
     u32 xbytes[XROUNDS], xdst[XROUNDS];
     bool xcopy[XROUNDS];
@@ -295,7 +304,7 @@ moe_w4_mma(const u16* __restrict__ a, const u32* __restrict__ w, const u16* __re
 #pragma unroll
         for (int q = 0; q < 2; ++q) {
             const int r = row0 + 8 * n + 2 * t + q;
-            if (r < row_end) {
+            if (r < row_end && live) {
 #pragma unroll
                 for (int i = 0; i < ROWSETS; ++i)
 #pragma unroll
@@ -320,6 +329,7 @@ moe_w4_mma(const u16* __restrict__ a, const u32* __restrict__ w, const u16* __re
             const int c0 = cblock * WARPS * COLS, rows = min(TM, row_end - row0);
             for (int p = tid; p < rows * Q; p += WARPS * 32) {
                 const int r = row0 + p / Q, col = c0 + 4 * (p % Q);
+                if (col >= N) continue;
                 float4 sum = __ldcg(reinterpret_cast<const float4*>(ws + (i64)r * N + col));
                 for (int z = 1; z < (int)gridDim.z; ++z) {
                     const float4 v = __ldcg(reinterpret_cast<const float4*>(ws + ((i64)z * M + r) * N + col));
