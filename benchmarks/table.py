@@ -270,6 +270,18 @@ def mma_decode(model: str, batch: int):
     return cell
 
 
+def mma_dense(model: str, batch: int):
+    """Issue #43, session 10: the dense projections of 9-16 rows on the CUDA mma kernel beside the Triton GEMM."""
+    def cell(f):
+        rows = f.get("engine") if isinstance(f, dict) else None
+        before = _pick(rows, model=model, batch=batch, variant="mma/dense-triton-past-8")
+        now = _pick(rows, model=model, batch=batch, variant="mma")
+        if not (before and now and "decode_tok_s" in before and "decode_tok_s" in now):
+            return None
+        return f"{_num(before['decode_tok_s'])} → **{_num(now['decode_tok_s'])} tok/s**"
+    return cell
+
+
 def mma_layer(model: str, T: int):
     """Issue #43: the routed experts of one layer, each path against the hit experts' bytes at copy bandwidth."""
     def cell(f):
@@ -337,6 +349,9 @@ ROWS = [
       for b, bar in ((16, "bar ≥ 2,400 (H100)"), (64, "bar ≥ 3,600 (H100)"), (128, "bar ≥ 4,500 (H100)"))],
     *[Row(f"Moonlight-16B-A3B decode, batch {b}: before → CUDA grouped mma (#43)", "moe_mma_gpu",
           mma_decode("moonlight", b)) for b in (8, 16, 64, 128)],
+    *[Row(f"{name} decode, batch 16: dense projections on the Triton GEMM → the CUDA mma kernel to 16 rows (#43)",
+          "moe_mma_gpu", mma_dense(m, 16)) for m, name in (("qwen3-next", "Qwen3-Next-80B"),
+                                                          ("moonlight", "Moonlight-16B-A3B"))],
     *[Row(f"MoE experts of one layer, {m}, {T} tokens (% of floor)", "moe_mma_gpu", mma_layer(m, T))
       for m, T in (("qwen3-next", 64), ("qwen3-next", 128), ("moonlight", 16))],
     Row("expert streaming, Qwen3.5-122B-A10B (experts in host memory)", "stream_gpu", streaming,
