@@ -30,6 +30,8 @@ from sluice.kernels.launch import pdl, pdl_start
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 MIN_WIDTH, MAX_WIDTH = 2, 8
 _X_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+LOG_N_MIN = 7  # binary-search steps over the sequences' starts at least: one compiled kernel for up to 128
+# sequences a call (more steps than needed leave the search where it ends)
 
 
 @triton.jit
@@ -127,7 +129,9 @@ def _conv1d_seq_head(s, offs_c, c_ok, x_ptr, w_ptr, y_ptr, s_ptr, ns_ptr, cu_ptr
              ns.to(ns_ptr.dtype.element_ty), mask=(k_ok & live)[:, None] & c_ok[None, :])
 
 
-@triton.jit
+# R, T, N, n_tiles change with every step's prompt chunks: not specialized (Triton would compile a kernel for each
+# value that is 1 or a multiple of 16, in the middle of serving; session 10's HTTP run stalled 1.1 s on one)
+@triton.jit(do_not_specialize=["R", "T", "N", "n_tiles"])
 def _conv1d_fwd_kernel(x_ptr, w_ptr, y_ptr, s_ptr, ns_ptr, cu_ptr, idx_ptr, R, T, C, N, n_tiles,
                        stride_xb, stride_xt, stride_wc, stride_wk, stride_ss, stride_sc, stride_sk,
                        stride_ns, stride_nc, stride_nk,
@@ -277,7 +281,7 @@ def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor | N
         x.stride(0), x.stride(1), weight.stride(0), weight.stride(1), s.stride(0), s.stride(1), s.stride(2),
         new_state.stride(0), new_state.stride(1), new_state.stride(2),
         W=W, VARLEN=cu_seqlens is not None, HAS_STATE=state is not None, HAS_IDX=state_indices is not None,
-        SILU=activation == "silu", LOG_N=max(1, (N - 1).bit_length()), BLOCK_T=block_t, BLOCK_C=block_c,
+        SILU=activation == "silu", LOG_N=max(LOG_N_MIN, (N - 1).bit_length()), BLOCK_T=block_t, BLOCK_C=block_c,
         HP=triton.next_power_of_2(W - 1), num_warps=num_warps)
     return y, new_state
 
