@@ -81,29 +81,33 @@ async def stream_request(client: httpx.AsyncClient, model: str, prompt: str, max
 
 async def load(url: str, model: str, args, references: dict[str, str]) -> dict:
     prompts = prompt_list(args.prompts)
-    results, deadline, started = [], time.perf_counter() + args.duration, 0
+    results, started = [], 0
     limits = httpx.Limits(max_connections=args.clients + 4, max_keepalive_connections=args.clients + 4)
 
-    async def client_task(i: int):
+    async def client_task(i: int, client: httpx.AsyncClient):
         nonlocal started
-        async with httpx.AsyncClient(base_url=url, timeout=httpx.Timeout(600), limits=limits) as client:
-            k = i
-            while time.perf_counter() < deadline and started < args.max_requests:
-                started += 1
-                prompt = prompts[k % args.prompts]
-                k += args.clients
-                try:
-                    r = await stream_request(client, model, prompt, args.max_tokens, args.endpoint,
-                                             args.temperature, k)
-                except httpx.HTTPError as e:
-                    r = {"error": f"{type(e).__name__}: {e}"}
-                r["prompt"], r["end"] = prompt, time.perf_counter()
-                r["match"] = r.get("error") is None and r.get("text") == references.get(prompt, r.get("text"))
-                results.append(r)
+        k = i
+        while time.perf_counter() < deadline and started < args.max_requests:
+            started += 1
+            prompt = prompts[k % args.prompts]
+            k += args.clients
+            try:
+                r = await stream_request(client, model, prompt, args.max_tokens, args.endpoint, args.temperature, k)
+            except httpx.HTTPError as e:
+                r = {"error": f"{type(e).__name__}: {e}"}
+            r["prompt"], r["end"] = prompt, time.perf_counter()
+            r["match"] = r.get("error") is None and r.get("text") == references.get(prompt, r.get("text"))
+            results.append(r)
 
-    t0 = time.perf_counter()
-    await asyncio.gather(*[client_task(i) for i in range(args.clients)])
-    return {"results": results, "wall_s": time.perf_counter() - t0, "t0": t0}
+    # One connection pool for every client, made before the clock starts: an httpx.AsyncClient takes ~40 ms to
+    # make (its SSL context), on the event loop. Made per client (until 2026-11-29) they held the loop for ~2.2 s
+    # at 64 clients, and no first-wave response was read before the last was made: that wave's TTFT was the
+    # benchmark's own (docs/perf-log.md, session 10).
+    async with httpx.AsyncClient(base_url=url, timeout=httpx.Timeout(600), limits=limits) as client:
+        t0 = time.perf_counter()
+        deadline = t0 + args.duration
+        await asyncio.gather(*[client_task(i, client) for i in range(args.clients)])
+        return {"results": results, "wall_s": time.perf_counter() - t0, "t0": t0}
 
 
 def main(argv=None) -> dict:
