@@ -257,29 +257,27 @@ def v3_slices(f):
                      for r in per)
 
 
-def mma_decode(model: str, batch: int):
-    """Issue #43: the decode step with the CUDA grouped expert GEMM beside the paths before it, in one run."""
+def engine_pair(model: str, batch: int, before_variant: str, now_variant: str, floor: bool = True):
+    """Issue #43: the decode step of two `moe_mma_gpu` engine variants of one run, the one before and now."""
     def cell(f):
         rows = f.get("engine") if isinstance(f, dict) else None
-        before = _pick(rows, model=model, batch=batch, variant="before (gemv + triton grouped)")
-        now = _pick(rows, model=model, batch=batch, variant="mma")
+        before = _pick(rows, model=model, batch=batch, variant=before_variant)
+        now = _pick(rows, model=model, batch=batch, variant=now_variant)
         if not (before and now and "decode_tok_s" in before and "decode_tok_s" in now):
             return None
-        return (f"{_num(before['decode_tok_s'])} → **{_num(now['decode_tok_s'])} tok/s** (HBM floor "
-                f"{_num(now['floor_decode_tok_s'], 0)})")
+        return (f"{_num(before['decode_tok_s'])} → **{_num(now['decode_tok_s'])} tok/s**"
+                + (f" (HBM floor {_num(now['floor_decode_tok_s'], 0)})" if floor else ""))
     return cell
+
+
+def mma_decode(model: str, batch: int):
+    """The CUDA grouped expert GEMM beside the paths before it (session 9)."""
+    return engine_pair(model, batch, "before (gemv + triton grouped)", "mma")
 
 
 def mma_dense(model: str, batch: int):
-    """Issue #43, session 10: the dense projections of 9-16 rows on the CUDA mma kernel beside the Triton GEMM."""
-    def cell(f):
-        rows = f.get("engine") if isinstance(f, dict) else None
-        before = _pick(rows, model=model, batch=batch, variant="mma/dense-triton-past-8")
-        now = _pick(rows, model=model, batch=batch, variant="mma")
-        if not (before and now and "decode_tok_s" in before and "decode_tok_s" in now):
-            return None
-        return f"{_num(before['decode_tok_s'])} → **{_num(now['decode_tok_s'])} tok/s**"
-    return cell
+    """The dense projections of 9-16 rows on the CUDA mma kernel beside the Triton GEMM (session 10)."""
+    return engine_pair(model, batch, "mma/dense-triton-past-8", "mma", floor=False)
 
 
 def mma_layer(model: str, T: int):
