@@ -125,6 +125,21 @@ def test_packed_sequences_match_separate_runs(with_state, dtype, cu_dtype):
     check(y, new_state, y_ref, state_ref, dtype)
 
 
+def test_more_sequences_than_the_minimum_search_covers():
+    """The binary search over the sequences' starts takes at least `LOG_N_MIN` steps (one compiled kernel for any
+    number of sequences up to 2^LOG_N_MIN); past that it takes more: 150 sequences of 0-4 tokens."""
+    lens = [(7 * i) % 5 for i in range(150)]
+    assert len(lens) > 2 ** ct.LOG_N_MIN
+    C, W = 24, 4
+    g = torch.Generator().manual_seed(5)
+    x = rand(g, 1, sum(lens), C)
+    w = rand(g, C, W, scale=0.5)
+    y_ref, state_ref = _split_reference(x, w, None, lens)
+    cu = torch.tensor([0] + lens).cumsum(0).to(DEVICE)
+    y, new_state = ct.causal_conv1d(*dev(x, w), cu_seqlens=cu, block_c=32)
+    check(y, new_state, y_ref, state_ref, torch.float32)
+
+
 def test_packed_sequences_state_cache_in_place():
     lens = [2, 40, 1, 67]
     C, W, slots = 50, 4, 7
