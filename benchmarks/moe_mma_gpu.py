@@ -154,11 +154,11 @@ def dense(figures, copy_bw, configs=DENSE_CONFIGS, ms=DENSE_ROWS):
             xs = [torch.randn(M, K, device="cuda").bfloat16() for _ in copies]
             ref = xs[0].float() @ copies[0].dequantize(torch.float32).T
             floor_us = nbytes / copy_bw * 1e6
-            paths = [("triton (before)", None), ("qmatmul", None), ("mma planned", None)]
+            paths = [("triton GEMM", None), ("qmatmul", None), ("mma planned", None)]
             paths += [(f"mma {tm}:{mt}:{w}", (tm, mt, w)) for tm, mt, w in configs if N % (16 * w) == 0]
             for path, cfg in paths:
                 row = {"proj": name, "M": M, "path": path, "floor_us": floor_us}
-                if path == "triton (before)":
+                if path == "triton GEMM":
                     gemm.MMA_MAX_ROWS = 0
                     fn = gemm.qmatmul
                 elif path == "qmatmul":

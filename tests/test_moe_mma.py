@@ -148,7 +148,7 @@ def test_a_quantized_model_decodes_a_batch_through_the_kernel_as_on_the_cpu(tmp_
     (100, 64, 256, 64, torch.bfloat16, 64, 1, 1), (33, 64, 128, 32, torch.bfloat16, 8, 1, 1),
     (24, 512, 1024, 64, torch.bfloat16, 32, 3, 4), (70, 256, 512, 64, torch.float16, 16, 4, 4),
     (9, 128, 768, 32, torch.bfloat16, 16, 6, 2), (16, 192, 512, 64, torch.bfloat16, None, None, None),
-    (20, 320, 1024, 64, torch.bfloat16, 32, 4, 4)])
+    (20, 320, 1024, 64, torch.bfloat16, 32, 4, 4), (40, 320, 1024, 64, torch.bfloat16, 16, 4, 2)])
 def test_dense_matches_the_dequantized_product(M, N, K, gs, dtype, tm, splits, mt):
     """A dense projection: the rows in tiles (several where M is past the tile), each warp mt weight row sets (the
     last program's warps past N idle: 192 and 320 columns), K split (the last split sums the partials; run twice: the
@@ -165,6 +165,28 @@ def test_dense_matches_the_dequantized_product(M, N, K, gs, dtype, tm, splits, m
         assert rel_err(mma.dense(x, qt, tm, splits, mt), ref) <= 1e-2
     assert rel_err(gemm.qmatmul(x, qt), ref) <= 1e-2
     assert not mma._split_counters(x.device).any()
+
+
+@gpu
+def test_qmatmul_takes_the_dense_kernel_at_5_to_16_rows(monkeypatch):
+    from sluice.kernels.qmatmul import gemm
+
+    calls = []
+    real = mma.dense
+    monkeypatch.setattr(mma, "dense", lambda *a, **k: calls.append(a[0].shape[0]) or real(*a, **k))
+    g = torch.Generator().manual_seed(4)
+    qt = stack(1, 256, 512, 64, g)
+    qt = QuantizedTensor(qt.weight[0], qt.scales[0], qt.biases[0], 4, 64)
+    for M in (4, 5, 16, 17):
+        x = torch.randn(M, 512, generator=g).bfloat16().cuda()
+        assert rel_err(gemm.qmatmul(x, qt), x.float() @ deq(qt).T) <= 1e-2
+    assert calls == [5, 16]
+
+
+def test_dense_plan_refuses_columns_that_are_not_whole_warps():
+    with pytest.raises(ValueError):
+        mma.dense_plan(16, 64 * 3, 1024, 132, mt=8)  # a warp of 128 columns half past N
+    assert mma.dense_plan(16, 12352, 2048, 132)[:5] == (16, 2, 1, 97, 3)  # Qwen3-Next's qkvz + ba: half a program idle
 
 
 def test_wide_programs_only_where_their_shared_memory_fits():

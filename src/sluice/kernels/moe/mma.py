@@ -190,11 +190,15 @@ def dense_tile_rows(M: int) -> int:
     return next((t for t in DENSE_TILE_ROWS if M <= t), DENSE_TILE_ROWS[-1])
 
 
-def _split_counters(device) -> torch.Tensor:
+def _split_counters(device) -> torch.Tensor | None:
     """The dense GEMM's split counters on `device`: zeros, each set back to 0 by the launch that counts on it (so
-    one launch at a time a device: the engine's single stream)."""
+    one launch at a time a device: the engine's single stream). None while a CUDA graph is being captured and they
+    do not exist yet (made then, they would be the graph's memory, zeroed only when it replays): that call does not
+    split K."""
     device = torch.device(device)
     if device not in _counters:
+        if torch.cuda.is_current_stream_capturing():
+            return None
         _counters[device] = torch.zeros(COUNTERS, dtype=torch.int32, device=device)
     return _counters[device]
 
@@ -206,8 +210,8 @@ def dense_plan(M: int, N: int, K: int, sms: int, tile_rows: int | None = None, s
     programs an SM, at least MIN_SPLIT_CHUNKS chunks a split). N: a multiple of 16 warps (`dense_applies`)."""
     tm = tile_rows or dense_tile_rows(M)
     mt = mt or DENSE_MT
-    if N % (16 * warps):
-        raise ValueError(f"moe mma dense: {N} columns are not a multiple of {16 * warps}")
+    if N % (16 * warps) or N % (16 * mt):  # (a warp's 16 mt columns all in N or all past it)
+        raise ValueError(f"moe mma dense: {N} columns are not a multiple of {16 * warps} and {16 * mt}")
     tiles, blocks, chunks = triton.cdiv(M, tm), triton.cdiv(N, 16 * warps * mt), K // KC
     if splits is None:
         splits = max(1, min(triton.cdiv(2 * sms, blocks * tiles), chunks // MIN_SPLIT_CHUNKS))
@@ -228,9 +232,12 @@ def dense(x: torch.Tensor, qt: QuantizedTensor, tile_rows: int | None = None, sp
     if not (x.stride(-1) == 1 and x.stride(0) % 8 == 0 and x.data_ptr() % 16 == 0):
         x = x.clone(memory_format=torch.contiguous_format)  # (a fresh allocation: 16-byte aligned rows)
     tm, mt, tiles, blocks, splits, per = dense_plan(M, N, K, num_sms(x.device), tile_rows, splits, mt, warps)
+    counters = _split_counters(x.device) if splits > 1 else None
+    if counters is None:
+        splits, per = 1, K // KC
     out = torch.empty((M, N), dtype=x.dtype, device=x.device)
     ws = torch.empty((splits, M, N), dtype=torch.float32, device=x.device) if splits > 1 else out
-    counters = _split_counters(x.device) if splits > 1 else out
+    counters = out if counters is None else counters
     w = qt.weight.view(torch.int32)
     k = kernel(False, tm, qt.group_size, x.dtype == torch.float16, x.device, True, mt, warps)
     k((tiles, blocks, splits), (warps * 32,), smem_bytes(False, tm, qt.group_size, warps, mt), x, w, qt.scales,

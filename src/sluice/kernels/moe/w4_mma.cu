@@ -169,8 +169,8 @@ moe_w4_mma(const u16* __restrict__ a, const u32* __restrict__ w, const u16* __re
     const int n0 = (cblock * WARPS + warp) * COLS;
     const i64 set_rows = SWIGLU ? N : 16;  // rows from one row set to the next
 #if DENSE
-    // the last program's warps past N idle (N a multiple of 16 WARPS: a warp's COLS are all in or all out); they
-    // copy rows 0.. (every warp takes part in the barriers)
+    // the last program's warps past N idle (N a multiple of COLS, `dense_plan`: a warp's columns are all in or all
+    // out); they copy rows 0.. (every warp takes part in the barriers)
     const bool live = n0 < N;
     const int nl = live ? n0 : 0;
 #else
@@ -260,13 +260,13 @@ moe_w4_mma(const u16* __restrict__ a, const u32* __restrict__ w, const u16* __re
         const unsigned char* st = smem + (ch % STAGES) * STAGE_BYTES;
         U4 wv[ROWSETS][2];
         u32 s2[ROWSETS][2], b2[ROWSETS][2];
-        const unsigned char* ws = st + wreg;
-        const u16* sc = reinterpret_cast<const u16*>(ws + W_BYTES);
+        const unsigned char* wst = st + wreg;  // this warp's words and scales of the stage
+        const u16* sc = reinterpret_cast<const u16*>(wst + W_BYTES);
 #pragma unroll
         for (int r = 0; r < ROWSETS; ++r)
 #pragma unroll
             for (int h = 0; h < 2; ++h) {
-                wv[r][h] = *reinterpret_cast<const U4*>(ws + ((r * 2 + h) * 32 + lane) * 16);
+                wv[r][h] = *reinterpret_cast<const U4*>(wst + ((r * 2 + h) * 32 + lane) * 16);
                 const u32 sv = sc[((r * 2) * 16 + g + 8 * h) * GPC + gi];
                 const u32 bv = sc[((r * 2 + 1) * 16 + g + 8 * h) * GPC + gi];
                 s2[r][h] = sv | (sv << 16);
@@ -326,9 +326,9 @@ moe_w4_mma(const u16* __restrict__ a, const u32* __restrict__ w, const u16* __re
         if (last) {
             __threadfence();
             constexpr int Q = WARPS * COLS / 4;  // 4-column pieces a row of the program's columns
-            const int c0 = cblock * WARPS * COLS, rows = min(TM, row_end - row0);
+            const int col0 = cblock * WARPS * COLS, rows = min(TM, row_end - row0);
             for (int p = tid; p < rows * Q; p += WARPS * 32) {
-                const int r = row0 + p / Q, col = c0 + 4 * (p % Q);
+                const int r = row0 + p / Q, col = col0 + 4 * (p % Q);
                 if (col >= N) continue;
                 float4 sum = __ldcg(reinterpret_cast<const float4*>(ws + (i64)r * N + col));
                 for (int z = 1; z < (int)gridDim.z; ++z) {
