@@ -13,9 +13,9 @@ weights, any vocabulary.
 Each request names the system prompt's end as a snapshot point, as `sluice serve` does for a chat's system message.
 The same trace runs twice over the same weights, with the prefix cache and without (`prefix_cache=False`), each
 engine warmed up first. Printed and returned: the prompt tokens the cache held (hit rate; beside it the share any
-cache could hold: each prompt's longest common prefix with what was fed before, less its last token), time to first token of
-every turn (p50, p99, and of the turns whose history is over --long-history tokens), the whole trace's time, the
-ratio of the two runs' times, and the snapshot slots' bytes beside the KV cache's.
+cache could hold: each prompt's longest common prefix with what was fed before, less its last token), time to first
+token of every turn (p50, p99, and of the turns whose history is over --long-history tokens), the whole trace's time,
+the ratio of the two runs' times, and the snapshot slots' bytes beside the KV cache's.
 """
 
 from __future__ import annotations

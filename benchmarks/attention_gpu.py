@@ -239,8 +239,8 @@ def append_time(res):
 
 
 def main(argv=None) -> dict:
-    a, dev, res = start_run(argv, "correctness", "timings", "errors", "sweep", "append", flags=("--sweep", "--tq-sweep"),
-                            values=("--contexts",))
+    a, dev, res = start_run(argv, "correctness", "timings", "errors", "sweep", "append",
+                            flags=("--sweep", "--tq-sweep"), values=("--contexts",))
     contexts = [int(c) for c in a.contexts.split(",")] if a.contexts else CONTEXTS
     copy_bw = copy_bandwidth(dev)
     res["copy_bandwidth_Bps"] = copy_bw

@@ -70,7 +70,8 @@ def main(argv=None) -> dict:
         runs = [fn(obj, ids, a.decode_tokens) for _ in range(a.repeats)]
         rows[name] = {"prefill_tok_s": max(r[0] for r in runs), "decode_tok_s": max(r[1] for r in runs)}
     s, l = rows["sluice"], rows["llama.cpp"]
-    rows["ratio"] = {"prefill": s["prefill_tok_s"] / l["prefill_tok_s"], "decode": s["decode_tok_s"] / l["decode_tok_s"]}
+    rows["ratio"] = {"prefill": s["prefill_tok_s"] / l["prefill_tok_s"],
+                     "decode": s["decode_tok_s"] / l["decode_tok_s"]}
     print(f"{'engine':10s} {'prefill tok/s':>14s} {'decode tok/s':>13s}   ({len(ids)}-token prompt, "
           f"{a.decode_tokens} decoded, {a.threads} threads)")
     for name in ("sluice", "llama.cpp"):

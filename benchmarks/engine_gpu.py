@@ -2,7 +2,8 @@
 real config, dense and TurboQuant KV, batch 1 with graphs and eagerly, and batches of distinct prompts; the HBM floor
 beside each figure, and the kernels of each batch's replayed decode step.
 
-    PYTHONPATH=src python -m benchmarks run engine_gpu --config benchmarks/configs/qwen3-next-80b-a3b.json --json out.json
+    PYTHONPATH=src python -m benchmarks run engine_gpu --config benchmarks/configs/qwen3-next-80b-a3b.json \
+        --json out.json
 """
 
 from __future__ import annotations
@@ -175,8 +176,8 @@ def main(argv=None) -> dict:
             rows.append(eager.bench(prompt_tokens=512, gen_tokens=16, batch=1, repeats=1))
             eager._engine = None
             torch.cuda.empty_cache()
-    print(f"\n{'KV':12s} {'batch':>5s} {'graphs':>6s} {'overlap':>7s} {'TTFT cold':>9s} {'TTFT warm':>9s} {'prefill t/s':>11s} "
-          f"{'decode t/s':>10s} {'floor t/s':>9s} {'of floor':>8s}")
+    print(f"\n{'KV':12s} {'batch':>5s} {'graphs':>6s} {'overlap':>7s} {'TTFT cold':>9s} {'TTFT warm':>9s} "
+          f"{'prefill t/s':>11s} {'decode t/s':>10s} {'floor t/s':>9s} {'of floor':>8s}")
     for r in rows:
         rate = r["decode_tok_s"] or 0.0  # None: no steady window
         print(f"{r['kv_cache']:12s} {r['batch']:5d} {str(r['graphs']):>6s} {str(r.get('overlap', True)):>7s} "

@@ -300,8 +300,9 @@ def main(argv=None) -> dict:
         print(f"\n{'decode':12s} {'ours us':>8s} {'FLA us':>8s} {'speedup':>8s} {'floor us':>9s}   block_v sweep (us)")
         for r in res["decode"]:
             sweep = " ".join(f"{k[5:-3]}={v:.1f}" for k, v in r.items() if k.startswith("ours_bv"))
-            print(f"{'B=' + str(r['B']):12s} {r.get('ours_us', float('nan')):8.1f} {r.get('fla_us', float('nan')):8.1f} "
-                  f"{r.get('speedup', float('nan')):7.2f}x {r['floor_us']:9.1f}   {sweep}")
+            print(f"{'B=' + str(r['B']):12s} {r.get('ours_us', float('nan')):8.1f} "
+                  f"{r.get('fla_us', float('nan')):8.1f} {r.get('speedup', float('nan')):7.2f}x {r['floor_us']:9.1f}   "
+                  f"{sweep}")
         for bd in res["breakdown"]:
             print(f"{bd['case']}: " + "; ".join(f"{r['kernel'].replace('_chunk_', '')} {r['us']:.0f}"
                                                 for r in bd["kernels"][:6]))

@@ -1,6 +1,6 @@
 """What the GPU kernel microbenchmarks share: timing (CUDA events, CUDA-graph replay with a lead so the host's
-submission is hidden), the copy-bandwidth and bf16 GEMM floors, a read-only ceiling kernel, random packed weights, and a run's
-arguments and result dict (`start_run` / `end_run`)."""
+submission is hidden), the copy-bandwidth and bf16 GEMM floors, a read-only ceiling kernel, random packed weights, and
+a run's arguments and result dict (`start_run` / `end_run`)."""
 
 from __future__ import annotations
 

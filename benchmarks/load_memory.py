@@ -30,7 +30,7 @@ import numpy as np
 import torch
 
 ROOT = Path(__file__).resolve().parent.parent
-from sluice.formats.dummy import DummyCheckpoint, byte_level_tokenizer
+from sluice.formats.dummy import DummyCheckpoint, byte_level_tokenizer  # noqa: E402
 
 DEFAULT_CONFIG = ROOT / "benchmarks" / "configs" / "qwen3-next-80b-a3b.json"
 BOUND_SLACK = 2e9  # bytes: the check is peak RSS < BOUND_SLACK + the largest tensor

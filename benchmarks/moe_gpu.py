@@ -15,9 +15,10 @@ shared-expert gate 8-bit g64 or bf16), random weights built directly in the pack
 - the multi-launch decode's critical path: graph time of its first n launches (with --chain-only: only this);
 - --quick: the chain, the checks and the decode table only;
 - --gemv-sweep: the chain and the expert GEMVs' launch sweep only;
-- --prefill-only: the prefill sweep only (--prefill-tokens T1,T2,...: at these token counts): each grouped GEMM on its own over
-  tile configurations, then the experts at the defaults beside every expert dequantized to bf16 then torch._grouped_mm, and
-  torch._grouped_mm on bf16 weights held, and the floor (the hit experts' bytes or FLOPs, whichever is longer);
+- --prefill-only: the prefill sweep only (--prefill-tokens T1,T2,...: at these token counts): each grouped GEMM on its
+  own over tile configurations, then the experts at the defaults beside every expert dequantized to bf16 then
+  torch._grouped_mm, and torch._grouped_mm on bf16 weights held, and the floor (the hit experts' bytes or FLOPs,
+  whichever is longer);
 - (not with --decode-only) the multi-launch kernels: router and expert GEMV checks, their launch sweep;
 - routed experts at T = 1, 4, 16: decode GEMVs vs prefill grouped GEMMs (where to switch);
 - prefill, T = 4096: routed experts (a small block-size sweep; effective TFLOP/s vs cuBLAS bf16 GEMMs of the same

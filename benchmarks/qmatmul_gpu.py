@@ -105,7 +105,8 @@ def main(argv=None) -> dict:
         n = copies_for(nb)
         qts = [base] + [random_qt(N, K) for _ in range(n - 1)]
         dense_n = copies_for(N * K * 2)
-        ws = [torch.randn(N, K, device=dev, dtype=torch.bfloat16) for _ in range(min(dense_n, max(2, (40 << 30) // (N * K * 2))))]
+        ws = [torch.randn(N, K, device=dev, dtype=torch.bfloat16)
+              for _ in range(min(dense_n, max(2, (40 << 30) // (N * K * 2))))]
         for M in (1,) if a.gemv_only else (1, 4, 16):
             xs = [torch.randn(M, K, device=dev, dtype=torch.bfloat16) for _ in range(n)]
             t, cfg = None, None

@@ -90,7 +90,7 @@ register("gdn_state_precision", "gdn_state_precision:main", "cpu",
          "issue #43: a GDN decode's state stored in bf16 (to nearest, stochastically) vs fp32, against fp64")
 register("mla_gpu", "mla_gpu:main", "gpu",
          "MLA absorbed decode (latent cache) vs the torch path and the copy floor, Moonlight / V3 heads; --sweep")
-# -- a smoke benchmark: the runner itself, on any machine ---------------------------------------------------------------
+# -- a smoke benchmark: the runner itself, on any machine -------------------------------------------------------------
 register("tiny_cpu", "tiny:main", "cpu", "a tiny random Llama on the CPU: prefill and decode tok/s (the runner's test)")
 
 _writer: Callable[[dict], None] | None = None

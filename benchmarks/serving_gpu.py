@@ -15,8 +15,8 @@ Scenarios (each on its own engine over the same weights):
 - join: 8 sequences decode, then a 32k-token prompt joins: the time between the batch's steps before (normal) and
   while it prefills (p50, p99, max, p99 / normal), and the prompt's time to first token.
 Only the engine API that older trees have too is used for decode and prefill (`--baseline` runs those on a tree given
-by PYTHONPATH, or by the runner's `--base REF`). Steps are timed by the host clock between `step()` returns, as a client would see them (with overlap
-a step's tokens come from the next `step()` call). The table is printed last.
+by PYTHONPATH, or by the runner's `--base REF`). Steps are timed by the host clock between `step()` returns, as a
+client would see them (with overlap a step's tokens come from the next `step()` call). The table is printed last.
 """
 
 from __future__ import annotations
@@ -254,7 +254,8 @@ def main(argv=None) -> dict:
 
     if "decode" in scenarios:
         model = engine(max_batch=64, decode_prefill_chunk=4096)
-        report["decode"] = [decode(model, b, args.decode_prompt_tokens) for b in (int(x) for x in args.batches.split(","))]
+        batches = [int(x) for x in args.batches.split(",")]
+        report["decode"] = [decode(model, b, args.decode_prompt_tokens) for b in batches]
         for r in report["decode"]:
             print(json.dumps(r), flush=True)
         del model

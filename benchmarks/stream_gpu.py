@@ -124,9 +124,11 @@ def disk_run(model, files, prompt_tokens: int, steps: int) -> dict:
     decode_s, decode_bytes = time.perf_counter() - t1, p.disk_bytes_read() - b1
     hits, misses = (sum(int(c.stats[i]) for c in p.caches) - v for i, v in enumerate((hits0, misses0)))
     engine.abort(seq)
-    return {"prompt_tokens": prompt_tokens, "prefill_s": prefill_s, "prefill_disk_gb_s": prefill_bytes / prefill_s / 1e9,
-            "decode_steps": steps, "decode_tok_s": steps / decode_s, "decode_disk_gb_s": decode_bytes / decode_s / 1e9,
-            "decode_bytes_per_step": decode_bytes / steps, "hit_rate": hits / max(1, hits + misses)}
+    return {"prompt_tokens": prompt_tokens, "prefill_s": prefill_s,
+            "prefill_disk_gb_s": prefill_bytes / prefill_s / 1e9, "decode_steps": steps,
+            "decode_tok_s": steps / decode_s,
+            "decode_disk_gb_s": decode_bytes / decode_s / 1e9, "decode_bytes_per_step": decode_bytes / steps,
+            "hit_rate": hits / max(1, hits + misses)}
 
 
 def greedy(model, prompts, n):

@@ -113,8 +113,8 @@ def prefill(tokens: int):
 
 def closed(f):
     r = f.get("closed") if isinstance(f, dict) else None
-    return r and (f"**{_num(r['output_tok_s'])} tok/s**, TTFT p50 {r['ttft_p50_s']:.3f} s, p99 {r['ttft_p99_s']:.3f} s; "
-                  f"step p50 {r['step_ms_p50']:.1f} ms")
+    return r and (f"**{_num(r['output_tok_s'])} tok/s**, TTFT p50 {r['ttft_p50_s']:.3f} s, "
+                  f"p99 {r['ttft_p99_s']:.3f} s; step p50 {r['step_ms_p50']:.1f} ms")
 
 
 def http(f):
@@ -168,9 +168,10 @@ def agent(plain_file: str):
         possible = (f" (of the {100 * cached['possible_hit_rate']:.1f} % any cache could hold)"
                     if "possible_hit_rate" in cached else "")
         return (f"**{cached['wall_s']:.1f} s** vs {plain['wall_s']:.1f} s without the cache "
-                f"(**{cached['wall_s'] / plain['wall_s']:.2f}×**); hit rate {100 * cached['hit_rate']:.1f} %{possible}; TTFT of "
-                f"turns over 28k tokens p50 {cached['long_ttft_p50_s']:.3f} s; a {cached['alone']['prompt_tokens']}-token "
-                f"turn alone {cached['alone']['ttft_s']:.3f} s (without: {plain['alone']['ttft_s']:.3f} s); snapshots "
+                f"(**{cached['wall_s'] / plain['wall_s']:.2f}×**); hit rate {100 * cached['hit_rate']:.1f} "
+                f"%{possible}; TTFT of turns over 28k tokens p50 {cached['long_ttft_p50_s']:.3f} s; "
+                f"a {cached['alone']['prompt_tokens']}-token turn alone {cached['alone']['ttft_s']:.3f} s "
+                f"(without: {plain['alone']['ttft_s']:.3f} s); snapshots "
                 f"{100 * cached['snapshot_share']:.1f} % of the KV bytes")
     return cell
 

@@ -114,8 +114,8 @@ def main(argv=None) -> dict:
                 torch.cuda.empty_cache()
     one = {r["batch"]: r["decode_tok_s"] for r in rows if r["tensor_parallel"] == 1}
     print(f"\n{args.config}, {figures['gpu']}, distinct prompts, sampled tokens")
-    print(f"{'TP':>3s} {'MoE':>7s} {'batch':>5s} {'decode t/s':>10s} {'vs 1 GPU':>8s} {'floor t/s':>9s} {'of floor':>8s} "
-          f"{'step ms':>8s} {'in coll.':>8s} {'TTFT warm':>9s}")
+    print(f"{'TP':>3s} {'MoE':>7s} {'batch':>5s} {'decode t/s':>10s} {'vs 1 GPU':>8s} {'floor t/s':>9s} "
+          f"{'of floor':>8s} {'step ms':>8s} {'in coll.':>8s} {'TTFT warm':>9s}")
     for r in rows:
         rate = r["decode_tok_s"] or 0.0
         base = one.get(r["batch"])

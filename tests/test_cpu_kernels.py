@@ -57,7 +57,8 @@ def test_native_kernels_refuse_short_buffers():
     with pytest.raises(ValueError, match="sin"):
         attention_cpu.decode_step(qkv, torch.ones(64), torch.zeros(32), cache, cache.clone(), 1, 0.125)
     with pytest.raises(ValueError, match="v_cache"):
-        attention_cpu.decode_step(qkv, torch.ones(64), torch.zeros(64), cache, torch.zeros(2, 64, 4).transpose(1, 2), 1, 0.125)
+        attention_cpu.decode_step(qkv, torch.ones(64), torch.zeros(64), cache, torch.zeros(2, 64, 4).transpose(1, 2), 1,
+                                  0.125)
     with pytest.raises(ValueError, match="unsupported"):
         attention_cpu.decode_step(qkv, torch.ones(64), torch.zeros(64), cache, cache.clone(), -1, 0.125)
 

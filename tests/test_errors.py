@@ -87,10 +87,17 @@ def test_unsupported_architecture_hf(tmp_path, capsys):
     cli_fails(capsys, ["run", "x", "--model", str(d)], "unsupported model architecture 'mamba'")
 
 
+def _write(w):
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
 def test_unsupported_architecture_gguf(tmp_path):
     w = gguf.GGUFWriter(str(tmp_path / "m.gguf"), "rwkv6")
     w.add_tensor("token_embd.weight", np.zeros((4, 4), dtype=np.float32))
-    w.write_header_to_file(); w.write_kv_data_to_file(); w.write_tensors_to_file(); w.close()
+    _write(w)
     with pytest.raises(UnsupportedError, match="rwkv6"):
         sluice.load(tmp_path / "m.gguf", device="cpu")
 
@@ -109,7 +116,7 @@ def test_unsupported_tensor_type(tmp_path, capsys):
                          raw_dtype=gguf.GGMLQuantizationType.Q4_K)
         else:
             w.add_tensor(t.name, np.array(t.data), raw_dtype=t.tensor_type)
-    w.write_header_to_file(); w.write_kv_data_to_file(); w.write_tensors_to_file(); w.close()
+    _write(w)
     with pytest.raises(UnsupportedError, match="Q4_K"):
         sluice.load(tmp_path / "k.gguf", device="cpu")
     cli_fails(capsys, ["run", "x", "--model", str(tmp_path / "k.gguf")], "Q4_K")

@@ -6,8 +6,8 @@ import torch
 
 triton = pytest.importorskip("triton")
 
-from sluice.kernels.expert_cache import reference
-from sluice.kernels.expert_cache import triton as ect
+from sluice.kernels.expert_cache import reference  # noqa: E402
+from sluice.kernels.expert_cache import triton as ect  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 

@@ -82,7 +82,8 @@ def test_bad_shapes_are_errors():
 def test_causal_conv1d_matches_padded_conv_and_carries_state(T):
     g = torch.Generator().manual_seed(T)
     B, C, W = 2, 12, 4
-    x, w = torch.randn(B, T + 9, C, generator=g, dtype=torch.float64), torch.randn(C, W, generator=g, dtype=torch.float64)
+    x = torch.randn(B, T + 9, C, generator=g, dtype=torch.float64)
+    w = torch.randn(C, W, generator=g, dtype=torch.float64)
     ref = F.silu(F.conv1d(x.transpose(1, 2), w[:, None], groups=C, padding=W - 1)[..., : T + 9]).transpose(1, 2)
     y_all, s_all = causal_conv1d(x, w)
     assert rel_err(y_all, ref) < 1e-12

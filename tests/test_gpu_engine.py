@@ -1,6 +1,6 @@
-"""The engine on a CUDA GPU: steps replayed from CUDA graphs (decode steps whole, flat steps whole or in pieces) give the same
-greedy tokens as eager steps, with both cache kinds: a dense Llama and a 4-bit Qwen3-Next whose kernels take the
-Triton paths. Skipped without a GPU; run on the GPU machine. (A sequence's tokens may differ from its tokens alone:
+"""The engine on a CUDA GPU: steps replayed from CUDA graphs (decode steps whole, flat steps whole or in pieces) give
+the same greedy tokens as eager steps, with both cache kinds: a dense Llama and a 4-bit Qwen3-Next whose kernels take
+the Triton paths. Skipped without a GPU; run on the GPU machine. (A sequence's tokens may differ from its tokens alone:
 a step's token-wise GEMMs run over all its tokens, and other row counts round differently.)"""
 
 import pytest

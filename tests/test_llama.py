@@ -25,7 +25,8 @@ def ids():
     return torch.randint(0, 300, (2, 37), generator=torch.Generator().manual_seed(5))
 
 
-@pytest.mark.parametrize("over", [{}, {"num_key_value_heads": 4}, {"num_key_value_heads": 1, "tie_word_embeddings": True}])
+@pytest.mark.parametrize("over", [{}, {"num_key_value_heads": 4},
+                                  {"num_key_value_heads": 1, "tie_word_embeddings": True}])
 def test_hf_dir_logits_match_transformers(tmp_path, ids, over):
     hf = tiny_llama(seed=2, **over)
     model = sluice.load(save_hf_dir(hf, tmp_path / "m"), device="cpu")

@@ -336,7 +336,8 @@ def test_hf_dir(tmp_path):
 
 
 def test_hf_dir_bos_from_post_processor_and_jinja_file(tmp_path):
-    d = _write_hf_dir(tmp_path / "m", post_processor=True, jinja="{% for m in messages %}{{ m['content'] }}{% endfor %}",
+    d = _write_hf_dir(tmp_path / "m", post_processor=True,
+                      jinja="{% for m in messages %}{{ m['content'] }}{% endfor %}",
                       config={"eos_token": "</s>", "chat_template": "ignored: chat_template.jinja wins"})
     t = Tokenizer.from_hf_dir(d / "tokenizer.json")
     assert t.add_bos and t.bos_id == t.token_to_id("<s>")

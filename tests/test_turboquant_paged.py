@@ -168,10 +168,10 @@ def test_paged_cache_gives_the_outputs_of_rows(kernel, page):
     copied as row 3's prefix (`copy_prefix`: whole blocks shared, the partial one copied; the ring as row state), rows
     0 and 3 going on apart, then decode steps of all four (blocks handed out in alternating orders): every output of
     the paged cache equals the rows layout's, through the backend's `forward` with the caches' metas, decode steps
-    through the split kernel (`kernel`) or row by row through prefill; and the codes read back as rows are the same. A prefix copied
-    into another paged cache lands in blocks of its own, the same codes. (The Triton split kernel's tiles stay within
-    a block: in blocks of 32 they hold 32 positions, not the rows layout's 64, and its int8 products quantize the
-    probabilities per tile: close, not equal.)"""
+    through the split kernel (`kernel`) or row by row through prefill; and the codes read back as rows are the same. A
+    prefix copied into another paged cache lands in blocks of its own, the same codes. (The Triton split kernel's tiles
+    stay within a block: in blocks of 32 they hold 32 positions, not the rows layout's 64, and its int8 products
+    quantize the probabilities per tile: close, not equal.)"""
     from sluice.attention.turboquant import TurboQuantAttention
     from sluice.cache.turboquant import TurboQuantKVCache
     from sluice.engine.batch import ForwardMeta

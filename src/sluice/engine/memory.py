@@ -4,10 +4,10 @@ one budget, and printed by `sluice info` and the server's `/health`.
 The budget is `gpu_memory` (`sluice.load(gpu_memory=)`, `--gpu-memory`) where given, else the memory free when the
 pool is planned. Out of it come, in order: the weights (resident ones and expert slots, decided at load by
 `experts/placement.py`, which leaves `placement.CACHE_RESERVE` for what follows), a reserve for activations and CUDA
-graphs (measured by a profile step, `ModelRunner.activation_reserve`), the cache rows (recurrent states and each row's seen-token mask), then the KV cache:
-whole rows, or a paged cache's blocks (enough for every running row at its longest, fewer where the budget is short,
-more for cached prefixes where memory is plentiful), and the prefix cache's snapshot slots (a tenth of the KV bytes
-at most, `engine/prefix.py`).
+graphs (measured by a profile step, `ModelRunner.activation_reserve`), the cache rows (recurrent states and each row's
+seen-token mask), then the KV cache: whole rows, or a paged cache's blocks (enough for every running row at its
+longest, fewer where the budget is short, more for cached prefixes where memory is plentiful), and the prefix cache's
+snapshot slots (a tenth of the KV bytes at most, `engine/prefix.py`).
 """
 
 from __future__ import annotations

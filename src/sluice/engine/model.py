@@ -221,7 +221,8 @@ class Model:
 
         for mod in self.module.modules():
             cache = getattr(mod, "expert_cache", None)  # streamed experts: count them where they all are
-            stacked = cache.experts if cache is not None else (getattr(mod, "gate_up", None), getattr(mod, "down", None))
+            stacked = (cache.experts if cache is not None
+                       else (getattr(mod, "gate_up", None), getattr(mod, "down", None)))
             for w in stacked:  # stacked MoE experts
                 if isinstance(w, QuantizedTensor):
                     count(math.prod(w.shape), f"{w.bits}-bit affine, group {w.group_size}", w.nbytes)

@@ -39,7 +39,8 @@ class Scheduler:
 
     def admit(self, rows) -> None:
         """Waiting sequences, first come first served, take free rows (`engine/prefix.py` `PrefixCache`) while they
-        fit the pool's capacity and fewer than its batch run; one whose ids begin with a cached prefix prefills from its end."""
+        fit the pool's capacity and fewer than its batch run; one whose ids begin with a cached prefix prefills from its
+        end."""
         while (self.waiting and rows.free_rows and len(self.running) < rows.batch
                and self.waiting[0].length <= rows.capacity):
             if rows.awaits(self.waiting[0], self.running):

@@ -152,8 +152,9 @@ class Placement:
         gb = 1e9
         where = ("read from the checkpoint's files" if self.store == "disk" else
                  f"in {'page-locked ' if self.caches[0].device.type == 'cuda' else ''}host memory")
-        return (f"routed experts {where} ({self.host_bytes / gb:.1f} GB); {self.slots} of {self.experts} experts a layer in device slots "
-                f"({self.slot_bytes / gb:.1f} GB); {self.resident_bytes / gb:.1f} GB of other weights on the device")
+        return (f"routed experts {where} ({self.host_bytes / gb:.1f} GB); {self.slots} of {self.experts} experts a "
+                f"layer in device slots ({self.slot_bytes / gb:.1f} GB); {self.resident_bytes / gb:.1f} GB of other "
+                "weights on the device")
 
 
 def place(module, device: torch.device, gpu_memory: int | None, expert_slots: int | None,

@@ -3,8 +3,8 @@ accepts (same tensor names, shapes, dtypes and config keys as mlx-lm's `convert`
 
 The architecture's `mlx_plan(hf_dir)` lists the post-sanitize parameters under their MLX names, each with a
 loader (experts stacked, conv1d channels-last, norms with +1 baked, ...); each weight of a linear or embedding
-layer (2-D, or 3-D stacked experts) whose input width is a multiple of the group size is quantized with the MLX algorithm
-(`quant.affine.quantize`); router and shared-expert gates at 8 bits, as mlx-community does. The output is
+layer (2-D, or 3-D stacked experts) whose input width is a multiple of the group size is quantized with the MLX
+algorithm (`quant.affine.quantize`); router and shared-expert gates at 8 bits, as mlx-community does. The output is
 written to a temporary directory beside the destination and renamed at the end, so an interrupted conversion
 leaves nothing half-written.
 """

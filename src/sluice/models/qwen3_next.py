@@ -212,10 +212,12 @@ class _Weights:
 
     def __init__(self, src, cfg: Qwen3NextConfig, dtype: torch.dtype):
         self.src, self.cfg, self.dtype = src, cfg, dtype
-        # Text model prefix: Qwen3-Next "model."; Qwen3.5 HF "model.language_model."; Qwen3.5 MLX "language_model.model."
+        # Text model prefix: Qwen3-Next "model."; Qwen3.5 HF "model.language_model."; Qwen3.5 MLX
+        # "language_model.model."
         self.prefix = next((p for p in ("model.language_model.", "language_model.model.", "model.")
                             if src.has(p + "embed_tokens.weight")), "model.")
-        self.head_name = "language_model.lm_head.weight" if src.has("language_model.lm_head.weight") else "lm_head.weight"
+        self.head_name = ("language_model.lm_head.weight" if src.has("language_model.lm_head.weight")
+                          else "lm_head.weight")
         # HF stores zero-centred norm weights (scale = 1 + w); MLX checkpoints store the scale itself.
         self.norm_offset = 0.0 if getattr(src, "is_mlx", False) else 1.0
         self.tp = getattr(src, "tp", None)  # this rank's part of a tensor-parallel model (`sluice.parallel`)
@@ -320,8 +322,8 @@ def _cat_rows(ws):
         if any(not isinstance(w, QuantizedTensor) or (w.bits, w.group_size) != (ws[0].bits, ws[0].group_size)
                for w in ws):
             raise ModelFileError("expert gate and up projections are quantized differently; sluice needs them alike.")
-        return QuantizedTensor(*(torch.cat([getattr(w, f) for w in ws], dim=-2) for f in ("weight", "scales", "biases")),
-                               ws[0].bits, ws[0].group_size)
+        return QuantizedTensor(*(torch.cat([getattr(w, f) for w in ws], dim=-2)
+                                 for f in ("weight", "scales", "biases")), ws[0].bits, ws[0].group_size)
     return torch.cat(ws, dim=-2)
 
 

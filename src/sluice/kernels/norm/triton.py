@@ -143,7 +143,8 @@ def _add_rms_norm_kernel(h_ptr, d_ptr, w_ptr, s_ptr, y_ptr, R, H, D, stride_ho, 
         x += tl.load(d_ptr + d_rows[:, None] + offs_d[None, :], mask=mask, other=0.0).to(tl.float32)
     if DELTA == 2:
         x += round_to(expert_sum(ey_ptr, ew_ptr, es_ptr, eg_ptr, rows, rows < R, offs_d, d_ok, ES, stride_eys,
-                                 stride_eym, stride_esh, stride_eg, TOP_K, HAS_SHARED), h_ptr.dtype.element_ty, RNE_BF16)
+                                 stride_eym, stride_esh, stride_eg, TOP_K, HAS_SHARED),
+                      h_ptr.dtype.element_ty, RNE_BF16)
     if DELTA != 0:
         x = round_to(x, h_ptr.dtype.element_ty, RNE_BF16)
         tl.store(s_ptr + out_rows, x.to(s_ptr.dtype.element_ty), mask=mask)
@@ -169,9 +170,9 @@ def add_rms_norm(h: torch.Tensor, delta: torch.Tensor | ExpertOutputs | None, we
                              f"{experts.y.shape[2]}, {experts.dtype}) must match h {h.dtype} {tuple(h.shape)}")
     if h.dim() < 1 or h.dtype not in FLOAT_DTYPES or (delta is not None and (delta.shape != h.shape
                                                                         or delta.dtype != h.dtype)):
-        raise ValueError(f"{what}: h (and delta of its shape) must be bf16, fp16 or fp32 [..., D], got {h.dtype} "
-                         f"{tuple(h.shape)}{'' if delta is None else f' and {delta.dtype} {tuple(delta.shape)}'} (delta in "
-                         "h's dtype)")
+        got = f"{h.dtype} {tuple(h.shape)}" + ("" if delta is None else f" and {delta.dtype} {tuple(delta.shape)}")
+        raise ValueError(f"{what}: h (and delta of its shape) must be bf16, fp16 or fp32 [..., D], got {got} (delta "
+                         "in h's dtype)")
     D = h.shape[-1]
     if weight.dim() != 1 or weight.shape[0] != D or weight.dtype not in FLOAT_DTYPES:
         raise ValueError(f"{what}: weight must be a float [{D}] tensor, got {weight.dtype} {tuple(weight.shape)}")
