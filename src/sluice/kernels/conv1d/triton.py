@@ -130,7 +130,7 @@ def _conv1d_seq_head(s, offs_c, c_ok, x_ptr, w_ptr, y_ptr, s_ptr, ns_ptr, cu_ptr
 
 
 # R, T, N, n_tiles change with every step's prompt chunks: not specialized (Triton would compile a kernel for each
-# value that is 1 or a multiple of 16, in the middle of serving; session 10's HTTP run stalled 1.1 s on one)
+# value that is 1 or a multiple of 16, in the middle of serving: docs/perf-log.md, session 10)
 @triton.jit(do_not_specialize=["R", "T", "N", "n_tiles"])
 def _conv1d_fwd_kernel(x_ptr, w_ptr, y_ptr, s_ptr, ns_ptr, cu_ptr, idx_ptr, R, T, C, N, n_tiles,
                        stride_xb, stride_xt, stride_wc, stride_wk, stride_ss, stride_sc, stride_sk,

@@ -30,10 +30,10 @@ WIDE_WARPS = 8  # ... of the grouped GEMM with tiles of 16+ rows, where the outp
 STAGES = 4  # chunks of 128 k in flight (cp.async)
 KC = 128  # k a chunk
 TILE_ROWS = (8, 16, 32)  # rows a tile of the grouped GEMM (NB = 1, 2, 4 mma column blocks)
-DENSE_TILE_ROWS = (16, 32, 64)  # of the dense one (16 for 5-16 rows: faster than 8 at 8 rows, the 152k-row lm_head
-# 103 vs 143 us, docs/perf-log.md session 10)
+DENSE_TILE_ROWS = (16, 32, 64)  # of the dense one (16 for 5-16 rows: faster than 8 at 8 rows on the lm_head,
+# docs/perf-log.md session 10)
 DENSE_MT = 2  # 16-row weight sets a warp of the dense GEMM reads against each x chunk (x's shared-memory reads are
-# tile rows / (4 MT) times the weights'); 2 was best or within 5 % of it at 8-64 rows, 4 spills at 64-row tiles
+# tile rows / (4 MT) times the weights'); 2 measured best or near it at 8-64 rows, 4 spills at 64-row tiles
 MIN_SPLIT_CHUNKS = 4  # a dense GEMM's K split keeps at least this many chunks a split
 COUNTERS = 1 << 16  # the dense GEMM's split counters a device: (tile, column block) pairs a launch may split
 ENABLED = os.environ.get("SLUICE_MOE_MMA", "1") != "0"
@@ -233,10 +233,10 @@ def dense(x: torch.Tensor, qt: QuantizedTensor, tile_rows: int | None = None, sp
         x = x.clone(memory_format=torch.contiguous_format)  # (a fresh allocation: 16-byte aligned rows)
     tm, mt, tiles, blocks, splits, per = dense_plan(M, N, K, num_sms(x.device), tile_rows, splits, mt, warps)
     counters = _split_counters(x.device) if splits > 1 else None
-    if counters is None:
+    if counters is None:  # (one split: the workspace and the counters are never touched; out stands in for both)
         splits, per = 1, K // KC
     out = torch.empty((M, N), dtype=x.dtype, device=x.device)
-    ws = torch.empty((splits, M, N), dtype=torch.float32, device=x.device) if splits > 1 else out
+    ws = out if counters is None else torch.empty((splits, M, N), dtype=torch.float32, device=x.device)
     counters = out if counters is None else counters
     w = qt.weight.view(torch.int32)
     k = kernel(False, tm, qt.group_size, x.dtype == torch.float16, x.device, True, mt, warps)
