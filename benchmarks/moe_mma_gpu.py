@@ -241,27 +241,26 @@ def engine(figures, names, batches, variants=ENGINE_VARIANTS, prefill=True):
         torch.cuda.empty_cache()
 
 
-def table(figures) -> str:
-    lines = ["MoE experts of one layer (routed, random routing), us (% of floor):"]
+def _paths_by_case(rows, label) -> list[str]:
+    """A line per case (`label(row)` names it): each path's time and % of floor, the largest error."""
     by = {}
-    for r in figures.get("layer", []):
-        by.setdefault((r["model"], r["T"]), []).append(r)
-    for (name, T), rs in by.items():
-        cells = [f"{r['path']} {r['us']:.1f} ({r['pct_floor']:.0f}%)" if "us" in r else f"{r['path']} ERROR"
-                 for r in rs]
-        errs = [r.get("rel_err") for r in rs if r.get("rel_err") is not None]
-        lines.append(f"{name:13s} T={T:5d} floor {rs[0]['floor_us']:8.1f} | " + " | ".join(cells)
-                     + (f" | max rel err {max(errs):.1e}" if errs else ""))
-    lines.append("Dense projections, us (% of floor) by path:")
-    by = {}
-    for r in figures.get("dense", []):
-        by.setdefault((r["proj"], r["M"]), []).append(r)
-    for (proj, M), rs in by.items():
+    for r in rows:
+        by.setdefault(label(r), []).append(r)
+    lines = []
+    for name, rs in by.items():
         cells = [f"{r['path']} {r['us']:.1f} ({r['pct_floor']:.0f}%)" if "us" in r else f"{r['path']} ERROR"
                  for r in rs]
         errs = [r["rel_err"] for r in rs if r.get("rel_err") is not None]
-        lines.append(f"{proj:20s} M={M:4d} floor {rs[0]['floor_us']:6.1f} | " + " | ".join(cells)
+        lines.append(f"{name} floor {rs[0]['floor_us']:8.1f} | " + " | ".join(cells)
                      + (f" | max rel err {max(errs):.1e}" if errs else ""))
+    return lines
+
+
+def table(figures) -> str:
+    lines = ["MoE experts of one layer (routed, random routing), us (% of floor):"]
+    lines += _paths_by_case(figures.get("layer", []), lambda r: f"{r['model']:13s} T={r['T']:5d}")
+    lines.append("Dense projections, us (% of floor) by path:")
+    lines += _paths_by_case(figures.get("dense", []), lambda r: f"{r['proj']:20s} M={r['M']:4d}")
     lines.append("Engine (decode tok/s by batch, 4k prefill tok/s):")
     for r in figures.get("engine", []):
         if "error" in r:
